@@ -1,0 +1,178 @@
+"""Finite-check-and-skip: a step with a NaN/Inf gradient changes nothing and is counted.
+
+The check reads the per-leaf sums of squares from `mpscale.norms` (one pass over the
+gradients, shared with the global and group norms and any clip), and the skip is a
+select, not a ``lax.cond``: the inner update is always computed and XLA fuses the select
+into the inner update's own elementwise passes, so skipping costs no extra read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+from mpscale import norms as norms_lib
+
+
+class SkipNonfiniteState(NamedTuple):
+  """State of `skip_nonfinite`; also the guard inside every loss-scale wrapper."""
+  inner_state: Any
+  """State of the wrapped transformation; untouched by a skipped step."""
+  skipped: jax.Array
+  """int32 total number of skipped steps."""
+  consecutive_skipped: jax.Array
+  """int32 number of skipped steps since the last applied one."""
+  overflow: jax.Array
+  """bool: the latest step's gradients held a NaN or an Inf."""
+  nan: jax.Array
+  """bool: the latest step's gradients held a NaN."""
+  inf: jax.Array
+  """bool: the latest step's gradients held an Inf (or a norm past float32's range)."""
+  global_norm: jax.Array
+  """float32 global norm of the latest step's (unscaled) gradients, before any clip."""
+  group_norms: dict[str, jax.Array]
+  """float32 norm of each group of the latest gradients (the groups of a
+  `clip_by_global_norm` inside ``inner`` when there is one, else this wrapper's)."""
+  group_sizes: dict[str, jax.Array]
+  """Number of elements in each group."""
+
+
+def _any_across(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
+  if axis_name is None:
+    return flag
+  return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """Elementwise ``pred ? on_true : on_false`` over two trees of the same structure."""
+  return jax.tree_util.tree_map(
+      lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def find_states(tree: Any, kind: type) -> list:
+  """Every ``kind`` NamedTuple inside ``tree``, outermost first, not looking inside one."""
+  found = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+  return [x for x in found if isinstance(x, kind)]
+
+
+def _reported_groups(inner_state: Any, own_groups):
+  """Group norms to report: a clip's inside ``inner_state`` (its groups were chosen for
+  clipping), else ``own_groups()``."""
+  clips = find_states(inner_state, norms_lib.ClipByGlobalNormState)
+  if clips:
+    return clips[0].group_norms, clips[0].group_sizes
+  return own_groups()
+
+
+def guard_init(inner: optax.GradientTransformation, params: Any,
+               groups: norms_lib.Groups) -> SkipNonfiniteState:
+  inner_state = inner.init(params)
+  norms, sizes = _reported_groups(
+      inner_state, lambda: norms_lib.zero_group_stats(params, groups))
+  zero_i = jnp.zeros((), jnp.int32)
+  false = jnp.zeros((), jnp.bool_)
+  return SkipNonfiniteState(
+      inner_state=inner_state, skipped=zero_i, consecutive_skipped=zero_i,
+      overflow=false, nan=false, inf=false,
+      global_norm=jnp.zeros((), jnp.float32), group_norms=norms, group_sizes=sizes)
+
+
+def guard_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
+                 state: SkipNonfiniteState, params: Any, *, drop: bool,
+                 groups: norms_lib.Groups, axis_name: Optional[str],
+                 extra_args: dict) -> tuple[Any, SkipNonfiniteState]:
+  """Checks ``updates`` in one pass, runs ``inner``, and drops the step if non-finite.
+
+  With ``drop=False`` the step is reported as an overflow but applied anyway.
+  """
+  squares = norms_lib.leaf_squares(updates)
+  nan = jnp.zeros((), jnp.bool_)
+  inf = jnp.zeros((), jnp.bool_)
+  for s in squares.sums:
+    nan = nan | jnp.isnan(s)
+    inf = inf | jnp.isinf(s)
+  nan = _any_across(nan, axis_name)
+  inf = _any_across(inf, axis_name)
+  overflow = nan | inf
+
+  new_updates, new_inner = inner.update(
+      updates, state.inner_state, params, grad_sum_squares=squares, **extra_args)
+
+  # Read before the select below, so a skipped step still reports its own norms.
+  group_norms, group_sizes = _reported_groups(
+      new_inner, lambda: norms_lib.grouped(squares, groups))
+  if drop:
+    keep = ~overflow
+    new_inner = select_tree(keep, new_inner, state.inner_state)
+    # -0.0, not 0.0: p + (-0.0) == p bit for bit for every p, including p == -0.0.
+    new_updates = jax.tree_util.tree_map(
+        lambda u: jnp.where(keep, u, jnp.asarray(-0.0, u.dtype)), new_updates)
+    skipped_now = overflow.astype(jnp.int32)
+  else:
+    skipped_now = jnp.zeros((), jnp.int32)
+
+  new_state = SkipNonfiniteState(
+      inner_state=new_inner,
+      skipped=state.skipped + skipped_now,
+      consecutive_skipped=(state.consecutive_skipped + 1) * skipped_now,
+      overflow=overflow, nan=nan, inf=inf,
+      global_norm=jnp.sqrt(norms_lib.total(squares.sums)),
+      group_norms=group_norms, group_sizes=group_sizes)
+  return new_updates, new_state
+
+
+def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError("inner must be an optax.GradientTransformation; got "
+                    f"{type(inner).__name__}")
+  return optax.with_extra_args_support(inner)
+
+
+def check_axis_name(axis_name: Any) -> None:
+  if axis_name is not None and not isinstance(axis_name, (str, tuple)):
+    raise TypeError(f"axis_name must be a str, a tuple of str or None; got "
+                    f"{type(axis_name).__name__}")
+
+
+def skip_nonfinite(inner: optax.GradientTransformation, *,
+                   groups: norms_lib.Groups = None,
+                   axis_name: Optional[str] = None
+                  ) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` so that a step with any NaN/Inf gradient changes nothing.
+
+  On a non-finite step the returned updates are ``-0.0`` everywhere (so
+  ``optax.apply_updates`` leaves every parameter bit-identical) and the inner state is
+  kept as it was, so counts and schedules inside ``inner`` do not advance. The step is
+  counted in ``skipped`` and ``consecutive_skipped``. The same single pass also records
+  the global norm and the group norms of the gradients, for `mpscale.step_metrics`.
+
+  Args:
+    inner: the transformation to guard, e.g. ``optax.adamw(1e-3)``.
+    groups: grouping for the recorded group norms (see `mpscale.norms.Groups`).
+    axis_name: when the update runs per replica (inside ``shard_map``/``pmap``), the
+      mapped axis over which the skip decision is agreed: if any replica sees a
+      non-finite gradient, every replica skips.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state `SkipNonfiniteState`.
+
+  References:
+    optax.apply_if_finite, which this replaces with a single shared pass.
+  """
+  inner = check_inner(inner)
+  norms_lib.validate_groups(groups)
+  check_axis_name(axis_name)
+
+  def init_fn(params):
+    return guard_init(inner, params, groups)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates = jax.tree_util.tree_map(lambda g: jnp.asarray(g), updates)
+    return guard_update(inner, updates, state, params, drop=True, groups=groups,
+                        axis_name=axis_name, extra_args=extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,275 @@
+"""Loss scaling as Optax wrappers: dynamic, fixed, and none.
+
+The scale lives in the optimizer state. Inside the train step the loss is multiplied by
+`loss_scale_of(opt_state)` before differentiation; the wrapper's ``update`` receives the
+gradients of ``scale * loss``, unscales them in float32, checks them in one pass (see
+`mpscale.finite`), runs or skips the inner transformation, and adjusts the scale.
+
+Dynamic loss scaling, per step::
+
+  g = grads / scale                              # float32
+  if all_finite(g):
+    apply inner(g); growth_count += 1
+    if consecutive_hysteresis: hysteresis_left = hysteresis
+    if growth_count == growth_interval:
+      scale = min(scale * growth_factor, max_scale)
+      growth_count = 0; hysteresis_left = hysteresis
+  else:
+    skip (params and inner state unchanged); growth_count = 0
+    hysteresis_left -= 1
+    if hysteresis_left <= 0:
+      scale = max(scale * backoff_factor, min_scale)
+
+With ``hysteresis=1`` this is exactly PyTorch's ``GradScaler`` (bounded by min/max).
+
+References:
+  Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+  https://arxiv.org/abs/1710.03740
+  Megatron-LM ``DynamicGradScaler`` (hysteresis); DeepSpeed ``DynamicLossScaler``
+  (consecutive hysteresis).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpscale import finite
+from mpscale import norms as norms_lib
+
+
+class LossScaleState(NamedTuple):
+  """State of the loss-scale wrappers (dynamic, fixed and none share it)."""
+  loss_scale: jax.Array
+  """float32 scale to multiply the loss by at the next step."""
+  growth_count: jax.Array
+  """int32 consecutive finite steps since the last growth or overflow (dynamic only)."""
+  hysteresis_left: jax.Array
+  """int32 overflows still tolerated before the next back-off (dynamic only)."""
+  guard: finite.SkipNonfiniteState
+  """The finite-check-and-skip state, which holds the inner state and step stats."""
+
+
+def _check_positive_float(name: str, value: Any, *, finite_only: bool = True) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"{name} must be a float; got {type(value).__name__}")
+  value = float(value)
+  if not value > 0 or (finite_only and not math.isfinite(value)):
+    raise ValueError(f"{name} must be positive and finite; got {value}")
+  return value
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+  if value < 1:
+    raise ValueError(f"{name} must be >= 1; got {value}")
+  return value
+
+
+def _wrapper(inner, *, init_scale: float, drop: bool, dynamic: bool,
+             growth_factor: float = 2.0, backoff_factor: float = 0.5,
+             growth_interval: int = 1, hysteresis: int = 1,
+             consecutive_hysteresis: bool = False, min_scale: float = 1.0,
+             max_scale: float = 2.0**24, groups: norms_lib.Groups = None,
+             axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
+  inner = finite.check_inner(inner)
+  norms_lib.validate_groups(groups)
+  finite.check_axis_name(axis_name)
+
+  def init_fn(params):
+    return LossScaleState(
+        loss_scale=jnp.asarray(init_scale, jnp.float32),
+        growth_count=jnp.zeros((), jnp.int32),
+        hysteresis_left=jnp.asarray(hysteresis, jnp.int32),
+        guard=finite.guard_init(inner, params, groups))
+
+  def next_scale(state: LossScaleState, overflow: jax.Array):
+    scale, count, hyst = state.loss_scale, state.growth_count, state.hysteresis_left
+    # Finite step.
+    grown_count = count + 1
+    grow = grown_count >= growth_interval
+    ok_scale = jnp.where(grow, jnp.minimum(scale * growth_factor, max_scale), scale)
+    ok_count = jnp.where(grow, 0, grown_count)
+    refill = grow | consecutive_hysteresis
+    ok_hyst = jnp.where(refill, hysteresis, hyst)
+    # Overflowed step. Clamped at 0 so a long overflow burst cannot wrap the counter.
+    bad_hyst = jnp.maximum(hyst - 1, 0)
+    bad_scale = jnp.where(bad_hyst <= 0,
+                          jnp.maximum(scale * backoff_factor, min_scale), scale)
+    return (jnp.where(overflow, bad_scale, ok_scale).astype(jnp.float32),
+            jnp.where(overflow, 0, ok_count).astype(jnp.int32),
+            jnp.where(overflow, bad_hyst, ok_hyst).astype(jnp.int32))
+
+  def update_fn(grads, state, params=None, **extra_args):
+    inv_scale = 1.0 / state.loss_scale
+    unscaled = jax.tree_util.tree_map(
+        lambda g: jnp.asarray(g).astype(jnp.float32) * inv_scale, grads)
+    updates, guard = finite.guard_update(
+        inner, unscaled, state.guard, params, drop=drop, groups=groups,
+        axis_name=axis_name, extra_args=extra_args)
+    if dynamic:
+      scale, count, hyst = next_scale(state, guard.overflow)
+    else:
+      scale, count, hyst = state.loss_scale, state.growth_count, state.hysteresis_left
+    return updates, LossScaleState(scale, count, hyst, guard)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dynamic_loss_scale(inner: optax.GradientTransformation, *,
+                       init_scale: float = 2.0**15, growth_factor: float = 2.0,
+                       backoff_factor: float = 0.5, growth_interval: int = 2000,
+                       hysteresis: int = 1, consecutive_hysteresis: bool = False,
+                       min_scale: float = 1.0, max_scale: float = 2.0**24,
+                       groups: norms_lib.Groups = None,
+                       axis_name: Optional[str] = None
+                      ) -> optax.GradientTransformationExtraArgs:
+  """Dynamic loss scaling around ``inner``, with overflow skipping and hysteresis.
+
+  ``update(grads, state, params)`` takes the gradients of ``loss_scale_of(state) *
+  loss``, unscales them in float32, checks them in a single pass, and either applies
+  ``inner`` or skips the step (updates of ``-0.0``, inner state unchanged). See the
+  module docstring for the rules.
+
+  Args:
+    inner: the optimizer to wrap, e.g. ``optax.adamw(1e-3)`` or an ``optax.chain``
+      starting with `mpscale.clip_by_global_norm`.
+    init_scale: the first scale; within ``[min_scale, max_scale]``.
+    growth_factor: multiplier on growth; > 1.
+    backoff_factor: multiplier on back-off; in (0, 1).
+    growth_interval: the scale grows on this many consecutive finite steps; >= 1.
+    hysteresis: overflows tolerated before a back-off (Megatron-LM); >= 1.
+    consecutive_hysteresis: refill the hysteresis on every finite step (DeepSpeed)
+      rather than only on growth.
+    min_scale: floor of the scale; > 0.
+    max_scale: ceiling of the scale; finite and >= ``min_scale``.
+    groups: grouping of the recorded group norms (see `mpscale.norms.Groups`).
+    axis_name: when the update runs per replica (inside ``shard_map``/``pmap``), the
+      axis over which the overflow decision is agreed.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
+
+  Example:
+    >>> tx = mpscale.dynamic_loss_scale(optax.adamw(1e-3), growth_interval=1000)
+    >>> opt_state = tx.init(params)
+    >>> scale = mpscale.loss_scale_of(opt_state)
+    >>> grads = jax.grad(lambda p: scale * loss_fn(p))(params)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+  """
+  min_scale = _check_positive_float("min_scale", min_scale)
+  max_scale = _check_positive_float("max_scale", max_scale)
+  if min_scale > max_scale:
+    raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
+  init_scale = _check_positive_float("init_scale", init_scale)
+  if not min_scale <= init_scale <= max_scale:
+    raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = "
+                     f"[{min_scale}, {max_scale}]")
+  growth_factor = _check_positive_float("growth_factor", growth_factor)
+  if growth_factor <= 1:
+    raise ValueError(f"growth_factor must be > 1; got {growth_factor}")
+  backoff_factor = _check_positive_float("backoff_factor", backoff_factor)
+  if backoff_factor >= 1:
+    raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}")
+  _check_positive_int("growth_interval", growth_interval)
+  _check_positive_int("hysteresis", hysteresis)
+  if not isinstance(consecutive_hysteresis, bool):
+    raise TypeError("consecutive_hysteresis must be a bool; got "
+                    f"{type(consecutive_hysteresis).__name__}")
+  return _wrapper(inner, init_scale=init_scale, drop=True, dynamic=True,
+                  growth_factor=growth_factor, backoff_factor=backoff_factor,
+                  growth_interval=growth_interval, hysteresis=hysteresis,
+                  consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+                  max_scale=max_scale, groups=groups, axis_name=axis_name)
+
+
+def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
+                     drop_overflow_update: bool = True,
+                     groups: norms_lib.Groups = None,
+                     axis_name: Optional[str] = None
+                    ) -> optax.GradientTransformationExtraArgs:
+  """A constant loss scale around ``inner``.
+
+  The scale is data in the state (change it with `with_loss_scale` without
+  recompiling).
+
+  Args:
+    inner: the optimizer to wrap.
+    scale: the loss scale; positive and finite.
+    drop_overflow_update: skip non-finite steps (default). With ``False`` an overflowed
+      step is still applied, as MindSpore's ``FixedLossScaleManager(...,
+      drop_overflow_update=False)``; it is reported in ``overflow`` but not counted as
+      skipped.
+    groups: grouping of the recorded group norms.
+    axis_name: replica axis over which the overflow decision is agreed.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
+  """
+  scale = _check_positive_float("scale", scale)
+  if not isinstance(drop_overflow_update, bool):
+    raise TypeError("drop_overflow_update must be a bool; got "
+                    f"{type(drop_overflow_update).__name__}")
+  return _wrapper(inner, init_scale=scale, drop=drop_overflow_update, dynamic=False,
+                  groups=groups, axis_name=axis_name)
+
+
+def no_loss_scale(inner: optax.GradientTransformation, *,
+                  groups: norms_lib.Groups = None,
+                  axis_name: Optional[str] = None
+                 ) -> optax.GradientTransformationExtraArgs:
+  """Scale 1 (for bfloat16/float32 training) with the same metrics and skipping.
+
+  Args:
+    inner: the optimizer to wrap.
+    groups: grouping of the recorded group norms.
+    axis_name: replica axis over which the overflow decision is agreed.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
+  """
+  return fixed_loss_scale(inner, 1.0, groups=groups, axis_name=axis_name)
+
+
+def _is_scale_state(x: Any) -> bool:
+  return isinstance(x, LossScaleState)
+
+
+def loss_scale_of(opt_state: Any) -> jax.Array:
+  """The current loss scale in ``opt_state`` (anywhere inside a chain), else 1.
+
+  Args:
+    opt_state: an optimizer state that may contain a `LossScaleState`.
+
+  Returns:
+    A float32 scalar to multiply the loss by before differentiation.
+  """
+  states = finite.find_states(opt_state, LossScaleState)
+  if not states:
+    return jnp.ones((), jnp.float32)
+  return states[0].loss_scale
+
+
+def with_loss_scale(opt_state: Any, scale: Any) -> Any:
+  """``opt_state`` with the outermost loss scale replaced by ``scale`` (no recompile).
+
+  Raises:
+    ValueError: if ``opt_state`` holds no `LossScaleState`.
+  """
+  done = []
+
+  def replace(x):
+    if isinstance(x, LossScaleState) and not done:
+      done.append(True)
+      return x._replace(loss_scale=jnp.asarray(scale, jnp.float32))
+    return x
+
+  new = jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_scale_state)
+  if not done:
+    raise ValueError("opt_state holds no loss-scale state")
+  return new

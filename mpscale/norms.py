@@ -1,0 +1,219 @@
+"""Gradient norms: one float32 sum of squares per leaf, shared by every consumer.
+
+A full reduction over the gradients is a pass over memory that XLA cannot fuse into the
+optimizer's elementwise update. mpscale makes that pass once: the finiteness check, the
+global norm, the per-group ("local") norms and the clip all read the same per-leaf sums
+of squares (`LeafSquares`). The loss-scale and skip wrappers hand them to the inner
+transformation as the extra argument ``grad_sum_squares``; `clip_by_global_norm` reuses
+them when they describe exactly the updates it receives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+KeyPath = tuple[Any, ...]
+Groups = Union[None, int, Callable[[KeyPath], str]]
+"""How leaves map to named groups.
+
+* ``None``: one group per top-level key of the tree (the default).
+* an ``int`` ``d``: one group per distinct path prefix of depth ``d`` (``1`` is the same as
+  ``None``), named by joining the keys with ``/``.
+* a callable ``key_path -> str``: any grouping, e.g. per layer.
+"""
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def key_name(key: Any) -> str:
+  """The plain name of one key-path entry (dict key, attribute, or index)."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_name(path: KeyPath) -> str:
+  """A key path as a ``/``-joined string, e.g. ``"encoder/layer_0/kernel"``."""
+  return "/".join(key_name(k) for k in path)
+
+
+def validate_groups(groups: Groups, argname: str = "groups") -> None:
+  """Raises ``TypeError``/``ValueError`` naming ``argname`` for a bad grouping."""
+  if groups is None or callable(groups):
+    return
+  if isinstance(groups, bool) or not isinstance(groups, int):
+    raise TypeError(
+        f"{argname} must be None, a positive int depth or a callable "
+        f"key_path -> str; got {type(groups).__name__}")
+  if groups < 1:
+    raise ValueError(f"{argname} depth must be >= 1; got {groups}")
+
+
+def _group_fn(groups: Groups) -> Callable[[KeyPath], str]:
+  if callable(groups):
+    return groups
+  depth = 1 if groups is None else groups
+  return lambda path: path_name(path[:depth]) if path else "params"
+
+
+class LeafSquares(NamedTuple):
+  """Per-leaf float32 sums of squares of one gradient tree, made in a single pass.
+
+  Not a state: it lives for one ``update`` call and travels to inner transformations as
+  the extra argument ``grad_sum_squares``.
+  """
+  leaves: tuple[Any, ...]
+  """The very arrays (or tracers) that were measured, so a consumer can check by
+  identity that the sums describe its own inputs."""
+  sums: tuple[jax.Array, ...]
+  """One float32 scalar per leaf: ``sum(leaf.astype(float32) ** 2)``."""
+  paths: tuple[KeyPath, ...]
+  """Key path of each leaf."""
+
+  def describes(self, tree: Any) -> bool:
+    """True when ``tree``'s leaves are exactly the measured arrays."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return len(leaves) == len(self.leaves) and all(
+        a is b for a, b in zip(leaves, self.leaves))
+
+
+def leaf_squares(tree: Any) -> LeafSquares:
+  """Measures the float32 sum of squares of every leaf of ``tree``.
+
+  A leaf holding a NaN gives a NaN sum; a leaf holding an Inf (and no NaN) gives +Inf.
+  A finite leaf whose squared norm exceeds the float32 range (norm > ~1.8e19) also gives
+  +Inf: its norm, and so any clip, would be infinite, so it counts as an overflow.
+  """
+  with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+  paths = tuple(p for p, _ in with_path)
+  leaves = tuple(x for _, x in with_path)
+  sums = tuple(
+      jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32))) for x in leaves)
+  return LeafSquares(leaves, sums, paths)
+
+
+def squares_of(tree: Any, grad_sum_squares: Optional[LeafSquares]) -> LeafSquares:
+  """Reuses ``grad_sum_squares`` when it describes ``tree``, else measures ``tree``."""
+  if grad_sum_squares is not None and grad_sum_squares.describes(tree):
+    return grad_sum_squares
+  return leaf_squares(tree)
+
+
+def total(sums: Sequence[jax.Array]) -> jax.Array:
+  """Sum of a sequence of float32 scalars (0 for none)."""
+  return sum(sums, jnp.zeros((), jnp.float32))
+
+
+def grouped(squares: LeafSquares, groups: Groups = None
+           ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """Group norms and sizes from per-leaf sums; groups keep first-appearance order."""
+  name_of = _group_fn(groups)
+  sq: dict[str, list[jax.Array]] = {}
+  sizes: dict[str, int] = {}
+  for path, leaf, s in zip(squares.paths, squares.leaves, squares.sums):
+    name = name_of(path)
+    if not isinstance(name, str):
+      raise TypeError(f"groups must map key paths to str; got {type(name).__name__} "
+                      f"for {path_name(path)!r}")
+    sq.setdefault(name, []).append(s)
+    sizes[name] = sizes.get(name, 0) + math.prod(np.shape(leaf))
+  norms = {k: jnp.sqrt(total(v)) for k, v in sq.items()}
+  # Sizes are static, but metrics want arrays; beyond int32 fall back to float32.
+  size_arrays = {
+      k: jnp.asarray(v, jnp.int32 if v <= _INT32_MAX else jnp.float32)
+      for k, v in sizes.items()}
+  return norms, size_arrays
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The L2 norm of all leaves of ``tree`` together, accumulated in float32.
+
+  Args:
+    tree: a pytree of arrays (any float dtype).
+
+  Returns:
+    A float32 scalar.
+  """
+  return jnp.sqrt(total(leaf_squares(tree).sums))
+
+
+def group_norms(tree: Any, groups: Groups = None
+               ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """Per-group ("local") L2 norms and element counts of ``tree``.
+
+  Args:
+    tree: a pytree of arrays.
+    groups: how leaves map to groups (see `Groups`); default one per top-level key.
+
+  Returns:
+    ``(norms, sizes)``: dicts from group name to a float32 norm and to the number of
+    elements in the group (int32, or float32 past the int32 range).
+  """
+  validate_groups(groups)
+  return grouped(leaf_squares(tree), groups)
+
+
+class ClipByGlobalNormState(NamedTuple):
+  """State of `clip_by_global_norm`: what it measured at the latest step."""
+  global_norm: jax.Array
+  """float32 norm of the incoming updates, before clipping."""
+  group_norms: dict[str, jax.Array]
+  """float32 norm of each group, before clipping."""
+  group_sizes: dict[str, jax.Array]
+  """Number of elements in each group."""
+
+
+def zero_group_stats(tree: Any, groups: Groups):
+  zeros = jax.tree_util.tree_map(
+      lambda x: jnp.zeros(np.shape(x), jnp.float32), tree)
+  norms, sizes = grouped(leaf_squares(zeros), groups)
+  return jax.tree_util.tree_map(jnp.zeros_like, norms), sizes
+
+
+def clip_by_global_norm(max_norm: float, *, groups: Groups = None
+                       ) -> optax.GradientTransformationExtraArgs:
+  """Clips updates to a maximum global L2 norm and records global and group norms.
+
+  The updates are multiplied by ``max_norm / max(norm, max_norm)``. Inside an mpscale
+  loss-scale or skip wrapper, the norm comes from the wrapper's single pass over the
+  gradients (the extra argument ``grad_sum_squares``), so clipping costs no extra read;
+  elsewhere it is measured here.
+
+  Args:
+    max_norm: the largest global norm let through; a positive finite float.
+    groups: how leaves map to named groups for the recorded ``group_norms`` (see
+      `Groups`); default one group per top-level key.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is `ClipByGlobalNormState`.
+
+  Example:
+    >>> tx = optax.chain(mpscale.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  """
+  if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+    raise TypeError(f"max_norm must be a float; got {type(max_norm).__name__}")
+  if not (math.isfinite(max_norm) and max_norm > 0):
+    raise ValueError(f"max_norm must be positive and finite; got {max_norm}")
+  validate_groups(groups)
+
+  def init_fn(params):
+    norms, sizes = zero_group_stats(params, groups)
+    return ClipByGlobalNormState(jnp.zeros((), jnp.float32), norms, sizes)
+
+  def update_fn(updates, state, params=None, *, grad_sum_squares=None, **extra_args):
+    del params, state, extra_args
+    squares = squares_of(updates, grad_sum_squares)
+    norm = jnp.sqrt(total(squares.sums))
+    factor = max_norm / jnp.maximum(norm, max_norm)
+    clipped = jax.tree_util.tree_map(lambda u: (u * factor).astype(u.dtype), updates)
+    norms, sizes = grouped(squares, groups)
+    return clipped, ClipByGlobalNormState(norm, norms, sizes)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
