@@ -1,0 +1,486 @@
+"""Update-step cost of mpscale's loss-scale wrappers against plain Optax and hand-written
+equivalents, on a GPT-2-small-like parameter tree.
+
+Every implementation is timed as one jitted unit::
+
+    step(params, opt_state, grads) -> (new_params, new_opt_state)
+
+doing ``tx.update`` (or the hand-written equivalent) plus ``optax.apply_updates``, with
+``params`` and ``opt_state`` donated. Gradients are finite (``normal * 1e-3``; the
+loss-scaled implementations get them multiplied by the initial loss scale, so the
+unscaled gradients are the same numbers).
+
+Implementations (letters as in the issue):
+
+  a  ``optax.adamw(1e-3)``                                           baseline A
+  b  ``optax.apply_if_finite(optax.adamw(1e-3), max_consecutive_errors=5)``
+  c  hand-written jmp/flax-style dynamic scale: unscale, ``all(isfinite)``, adamw,
+     ``jnp.where``-select params and state, adjust the scale
+  d  ``mpscale.dynamic_loss_scale(optax.adamw(1e-3))``
+  e  ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``     baseline B
+  f  ``mpscale.dynamic_loss_scale(optax.chain(mpscale.clip_by_global_norm(1.0),
+     optax.adamw(1e-3)))``
+  g  naive ``lax.cond`` dynamic scale: unscale, ``all(isfinite)``, ``lax.cond`` between
+     the adamw step and keeping params/state, adjust the scale
+
+Timing is round-robin: each round times every implementation (in a shuffled order) for
+``--reps`` back-to-back calls and keeps the median of those; a ratio is formed against
+the baseline measured in the same round, and the reported ratio is the median of those
+paired ratios over ``--rounds`` rounds. Compilation (``lower().compile()``) and one
+warm-up call are excluded from the timings and reported separately.
+
+Targets: d/a <= 1.15 and f/e <= 1.05. They are printed as PASS/MISS; the script always
+exits 0 (it is a benchmark, not a test).
+
+Usage::
+
+    python benchmarks/bench_loss_scale.py            # full size (~35M params, 41 leaves)
+    python benchmarks/bench_loss_scale.py --quick    # smaller tree, fewer rounds
+    python benchmarks/bench_loss_scale.py --hlo      # also per-impl compiled-HLO stats
+    python benchmarks/bench_loss_scale.py --impls a,d --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import optax
+
+import mpscale
+
+INIT_SCALE = 2.0**15
+GRAD_STD = 1e-3
+
+# --------------------------------------------------------------------------------------
+# Parameter tree
+# --------------------------------------------------------------------------------------
+
+
+def gpt2_like_shapes(*, vocab: int = 8192, ctx: int = 1024, d: int = 768,
+                     layers: int = 3, untied_head: bool = True) -> dict:
+  """Nested dict of shapes shaped like GPT-2 small (a few layers, smaller vocab).
+
+  Defaults: 3 blocks of 12 leaves, embeddings, final layer norm and an untied head:
+  41 leaves, 34.6M parameters, in four top-level modules (embed, h, ln_f, lm_head).
+  """
+  def block():
+    return {
+        "ln_1": {"scale": (d,), "bias": (d,)},
+        "attn": {"c_attn": {"kernel": (d, 3 * d), "bias": (3 * d,)},
+                 "c_proj": {"kernel": (d, d), "bias": (d,)}},
+        "ln_2": {"scale": (d,), "bias": (d,)},
+        "mlp": {"c_fc": {"kernel": (d, 4 * d), "bias": (4 * d,)},
+                "c_proj": {"kernel": (4 * d, d), "bias": (d,)}},
+    }
+  shapes = {
+      "embed": {"wte": (vocab, d), "wpe": (ctx, d)},
+      "h": {str(i): block() for i in range(layers)},
+      "ln_f": {"scale": (d,), "bias": (d,)},
+  }
+  if untied_head:
+    shapes["lm_head"] = {"kernel": (d, vocab)}
+  return shapes
+
+
+def _is_shape(x):
+  return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def make_tree(shapes: dict, key: jax.Array, scale: float) -> Any:
+  leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
+  keys = jax.random.split(key, len(leaves))
+  arrays = [scale * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)]
+  return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def copy_tree(tree: Any) -> Any:
+  """A fresh on-device copy (so donation of one impl's buffers never touches another's)."""
+  return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
+
+
+# --------------------------------------------------------------------------------------
+# Hand-written references (c) and (g)
+# --------------------------------------------------------------------------------------
+
+
+class ManualScaleState(NamedTuple):
+  """State of the hand-written dynamic-scale references."""
+  inner_state: Any
+  loss_scale: jax.Array
+  growth_count: jax.Array
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  """jmp.all_finite / flax DynamicScale: one isfinite().all() per leaf, then all."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
+def _select_tree(pred, a, b):
+  """jmp.select_tree."""
+  return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _adjust_scale(state: ManualScaleState, finite: jax.Array,
+                  growth_interval: int = 2000, factor: float = 2.0,
+                  min_scale: float = 1.0, max_scale: float = 2.0**24):
+  """flax.training.dynamic_scale.DynamicScale's rule (counter, grow, halve)."""
+  count = state.growth_count + 1
+  grow = count >= growth_interval
+  ok_scale = jnp.where(grow, jnp.minimum(state.loss_scale * factor, max_scale),
+                       state.loss_scale)
+  ok_count = jnp.where(grow, 0, count)
+  bad_scale = jnp.maximum(state.loss_scale / factor, min_scale)
+  return (jnp.where(finite, ok_scale, bad_scale).astype(jnp.float32),
+          jnp.where(finite, ok_count, 0).astype(jnp.int32))
+
+
+def manual_select_init(inner: optax.GradientTransformation, params) -> ManualScaleState:
+  return ManualScaleState(inner.init(params), jnp.asarray(INIT_SCALE, jnp.float32),
+                          jnp.zeros((), jnp.int32))
+
+
+def manual_select_step(inner: optax.GradientTransformation):
+  """(c) jmp/flax style: always update, then jnp.where-select params and state."""
+  def step(params, state: ManualScaleState, grads):
+    inv = 1.0 / state.loss_scale
+    grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) * inv, grads)
+    finite = _all_finite(grads)
+    updates, new_inner = inner.update(grads, state.inner_state, params)
+    new_params = optax.apply_updates(params, updates)
+    new_params = _select_tree(finite, new_params, params)
+    new_inner = _select_tree(finite, new_inner, state.inner_state)
+    scale, count = _adjust_scale(state, finite)
+    return new_params, ManualScaleState(new_inner, scale, count)
+  return step
+
+
+def manual_cond_step(inner: optax.GradientTransformation):
+  """(g) naive lax.cond: run the update only on a finite step."""
+  def step(params, state: ManualScaleState, grads):
+    inv = 1.0 / state.loss_scale
+    grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) * inv, grads)
+    finite = _all_finite(grads)
+
+    def apply(operands):
+      p, s, g = operands
+      updates, new_s = inner.update(g, s, p)
+      return optax.apply_updates(p, updates), new_s
+
+    def keep(operands):
+      p, s, _ = operands
+      return p, s
+
+    new_params, new_inner = lax.cond(finite, apply, keep,
+                                     (params, state.inner_state, grads))
+    scale, count = _adjust_scale(state, finite)
+    return new_params, ManualScaleState(new_inner, scale, count)
+  return step
+
+
+# --------------------------------------------------------------------------------------
+# Implementations
+# --------------------------------------------------------------------------------------
+
+
+class Impl(NamedTuple):
+  key: str
+  label: str
+  init: Callable[[Any], Any]          # params -> opt_state
+  step: Callable[[Any, Any, Any], Any]  # (params, state, grads) -> (params, state)
+  scaled_grads: bool                  # feed grads * INIT_SCALE
+
+
+def _optax_step(tx: optax.GradientTransformation):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def _optax_impl(key, label, tx, scaled):
+  return Impl(key, label, tx.init, _optax_step(tx), scaled)
+
+
+def build_impls() -> dict[str, Impl]:
+  adamw = lambda: optax.adamw(1e-3)  # noqa: E731
+  impls = [
+      _optax_impl("a", "optax.adamw", adamw(), False),
+      _optax_impl("b", "optax.apply_if_finite(adamw)",
+                  optax.apply_if_finite(adamw(), max_consecutive_errors=5), False),
+      Impl("c", "hand-written scale+select(adamw)",
+           lambda p: manual_select_init(adamw(), p), manual_select_step(adamw()), True),
+      _optax_impl("d", "mpscale.dynamic_loss_scale(adamw)",
+                  mpscale.dynamic_loss_scale(adamw()), True),
+      _optax_impl("e", "chain(optax.clip_by_global_norm, adamw)",
+                  optax.chain(optax.clip_by_global_norm(1.0), adamw()), False),
+      _optax_impl("f", "mpscale.dls(chain(mpscale.clip, adamw))",
+                  mpscale.dynamic_loss_scale(optax.chain(
+                      mpscale.clip_by_global_norm(1.0), adamw())), True),
+      Impl("g", "hand-written scale+lax.cond(adamw)",
+           lambda p: manual_select_init(adamw(), p), manual_cond_step(adamw()), True),
+  ]
+  return {i.key: i for i in impls}
+
+
+# (numerator, baseline, target or None)
+RATIOS = [
+    ("b", "a", None),
+    ("c", "a", None),
+    ("d", "a", 1.15),
+    ("g", "a", None),
+    ("d", "c", None),
+    ("f", "e", 1.05),
+    ("e", "a", None),
+]
+
+
+# --------------------------------------------------------------------------------------
+# Compiled-HLO statistics
+# --------------------------------------------------------------------------------------
+
+
+def _shape_bytes(shape_str: str) -> int:
+  """Bytes of one HLO shape like ``f32[8192,768]{1,0}`` (tuples: sum of elements)."""
+  sizes = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1,
+           "u8": 1, "f64": 8, "s64": 8, "u64": 8}
+  total = 0
+  for dt, dims in re.findall(r"\b(f32|f16|bf16|s32|u32|pred|s8|u8|f64|s64|u64)"
+                             r"\[([0-9,]*)\]", shape_str):
+    n = math.prod(int(x) for x in dims.split(",") if x) if dims else 1
+    total += n * sizes[dt]
+  return total
+
+
+def hlo_stats(compiled_text: str, big: int) -> dict:
+  """Rough counts from a compiled module's text.
+
+  ``big``: element count above which an array counts as "large" (a gradient-sized
+  leaf); ``large_*`` counts are over arrays of at least that size.
+  """
+  lines = compiled_text.splitlines()
+  entry, in_entry = [], False
+  for ln in lines:
+    if ln.startswith("ENTRY"):
+      in_entry = True
+      continue
+    if in_entry:
+      if ln.startswith("}"):
+        break
+      entry.append(ln)
+  def first_shape(ln):
+    m = re.search(r"=\s*(\([^=]*?\)|\w+\[[0-9,]*\](?:\{[^}]*\})?)\s", ln)
+    return m.group(1) if m else ""
+  n_fusion = sum(1 for ln in entry if re.search(r"\bfusion\(", ln))
+  kinds: dict[str, int] = {}
+  for ln in entry:
+    m = re.search(r"kind=(k\w+)", ln)
+    if m:
+      kinds[m.group(1)] = kinds.get(m.group(1), 0) + 1
+  n_reduce_all = sum(1 for ln in lines if re.search(r"\breduce\(", ln))
+  # Large reductions: reduce ops whose input operand is large.
+  n_big_reduce = 0
+  for ln in lines:
+    if re.search(r"\breduce\(", ln):
+      ops = re.search(r"reduce\((.*)\)", ln)
+      if ops and any(_shape_bytes(s) // 4 >= big for s in
+                     re.findall(r"\w+\[[0-9,]*\]", ops.group(1))):
+        n_big_reduce += 1
+  n_cond = sum(1 for ln in entry if re.search(r"\bconditional\(", ln))
+  n_copy = sum(1 for ln in entry if re.search(r"\bcopy\(", ln))
+  # Large top-level outputs (materialized arrays that are gradient-sized).
+  n_big_out = 0
+  for ln in entry:
+    if "parameter(" in ln or "get-tuple-element(" in ln or ln.strip().startswith("ROOT"):
+      continue
+    shp = first_shape(ln)
+    if shp and not shp.startswith("("):
+      if _shape_bytes(shp) // 4 >= big:
+        n_big_out += 1
+    elif shp:
+      n_big_out += sum(1 for s in re.findall(r"\w+\[[0-9,]*\]", shp)
+                       if _shape_bytes(s) // 4 >= big)
+  return dict(entry_fusions=n_fusion, kinds=kinds, reduce_ops=n_reduce_all,
+              big_reduce_ops=n_big_reduce, conditionals=n_cond, entry_copies=n_copy,
+              big_materialized=n_big_out)
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+
+
+def _ms(x):
+  return f"{1e3 * x:9.2f}"
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true",
+                  help="1 block, vocab 4096, 5 rounds x 3 reps (about 20 s on 2 cores)")
+  ap.add_argument("--rounds", type=int, default=None, help="rounds (default 12; quick 5)")
+  ap.add_argument("--reps", type=int, default=None,
+                  help="calls per impl per round (default 3; quick 3)")
+  ap.add_argument("--layers", type=int, default=None, help="transformer blocks (3)")
+  ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (8192)")
+  ap.add_argument("--impls", default="abcdefg", help="which impls, e.g. 'a,c,d' or 'ad'")
+  ap.add_argument("--hlo", action="store_true",
+                  help="print compiled-HLO stats (fusions, reduces, cost analysis)")
+  ap.add_argument("--dump-hlo", default=None, metavar="DIR",
+                  help="write each impl's compiled HLO text to DIR/<key>.txt")
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args(argv)
+
+  rounds = args.rounds or (5 if args.quick else 12)
+  reps = args.reps or 3
+  layers = args.layers if args.layers is not None else (1 if args.quick else 3)
+  vocab = args.vocab or (4096 if args.quick else 8192)
+  keys = [k for k in args.impls.replace(",", "") if k.strip()]
+
+  all_impls = build_impls()
+  unknown = [k for k in keys if k not in all_impls]
+  if unknown:
+    ap.error(f"unknown impls {unknown}; choose from {''.join(all_impls)}")
+  impls = [all_impls[k] for k in keys]
+
+  shapes = gpt2_like_shapes(vocab=vocab, layers=layers)
+  key = jax.random.PRNGKey(args.seed)
+  kp, kg = jax.random.split(key)
+  params0 = make_tree(shapes, kp, 0.02)
+  grads = make_tree(shapes, kg, GRAD_STD)
+  scaled_grads = jax.tree_util.tree_map(lambda g: g * INIT_SCALE, grads)
+  leaves = jax.tree_util.tree_leaves(params0)
+  n_params = sum(x.size for x in leaves)
+  big = min(x.size for x in leaves if x.ndim == 2)
+
+  dev = jax.devices()[0]
+  print(f"jax {jax.__version__}  jaxlib {jax.lib.__version__ if hasattr(jax.lib, '__version__') else '?'}  "
+        f"optax {optax.__version__}  python {platform.python_version()}")
+  print(f"device: {dev.platform} {dev.device_kind}  (host cpus: {os.cpu_count()})")
+  print(f"tree: {len(leaves)} leaves, {n_params / 1e6:.2f}M float32 params "
+        f"({4 * n_params / 2**20:.0f} MiB per tree), top-level modules: "
+        f"{', '.join(shapes)}")
+  print(f"timing: {rounds} rounds x {reps} reps per impl, shuffled order each round")
+  print()
+
+  # Compile each impl (donating params and opt_state) and warm it up once.
+  compiled, state, compile_s, stats = {}, {}, {}, {}
+  for impl in impls:
+    p = copy_tree(params0)
+    # Copied leaf by leaf: an init may return one array object in several leaves
+    # (mpscale's guard_init reuses one `false` / one int32 zero for several fields),
+    # and donating such a state fails with "Attempt to donate the same buffer twice".
+    s = copy_tree(impl.init(p))
+    g = scaled_grads if impl.scaled_grads else grads
+    jitted = jax.jit(impl.step, donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    c = jitted.lower(p, s, g).compile()
+    compile_s[impl.key] = time.perf_counter() - t0
+    p, s = c(p, s, g)
+    jax.block_until_ready((p, s))
+    compiled[impl.key] = c
+    state[impl.key] = (p, s, g)
+    if args.hlo or args.dump_hlo:
+      text = c.as_text()
+      if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+        with open(os.path.join(args.dump_hlo, f"{impl.key}.txt"), "w") as fh:
+          fh.write(text)
+      st = hlo_stats(text, big)
+      try:
+        ca = c.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        st["bytes_accessed_trees"] = ca.get("bytes accessed", float("nan")) / (4 * n_params)
+      except Exception:  # noqa: BLE001 -- cost analysis is optional
+        st["bytes_accessed_trees"] = float("nan")
+      try:
+        ma = c.memory_analysis()
+        st["temp_trees"] = ma.temp_size_in_bytes / (4 * n_params)
+      except Exception:  # noqa: BLE001 -- memory analysis is optional
+        st["temp_trees"] = float("nan")
+      stats[impl.key] = st
+    print(f"  compiled {impl.key}: {impl.label:<42s} {compile_s[impl.key]:6.2f} s",
+          flush=True)
+  print()
+
+  # Round-robin timing.
+  rng = random.Random(args.seed)
+  per_round: dict[str, list[float]] = {i.key: [] for i in impls}
+  gc_was = gc.isenabled()
+  gc.disable()
+  try:
+    for _ in range(rounds):
+      order = list(impls)
+      rng.shuffle(order)
+      for impl in order:
+        c = compiled[impl.key]
+        p, s, g = state[impl.key]
+        times = []
+        for _ in range(reps):
+          t0 = time.perf_counter()
+          p, s = c(p, s, g)
+          jax.block_until_ready((p, s))
+          times.append(time.perf_counter() - t0)
+        state[impl.key] = (p, s, g)
+        per_round[impl.key].append(statistics.median(times))
+  finally:
+    if gc_was:
+      gc.enable()
+
+  # Report.
+  print(f"{'impl':<5}{'':<43}{'median ms':>10}{'min ms':>10}{'max ms':>10}"
+        f"{'compile s':>11}")
+  for impl in impls:
+    t = per_round[impl.key]
+    print(f"  {impl.key}  {impl.label:<42s}{_ms(statistics.median(t))} {_ms(min(t))} "
+          f"{_ms(max(t))}{compile_s[impl.key]:10.2f}")
+  print()
+  print("paired ratios (median over rounds of impl/baseline, same round):")
+  for num, den, target in RATIOS:
+    if num not in per_round or den not in per_round:
+      continue
+    r = [x / y for x, y in zip(per_round[num], per_round[den])]
+    med = statistics.median(r)
+    q = sorted(r)
+    lo, hi = q[len(q) // 4], q[(3 * len(q)) // 4]
+    verdict = ""
+    if target is not None:
+      verdict = f"target <= {target:.2f}: {'PASS' if med <= target else 'MISS'}"
+    print(f"  {num}/{den} = {med:6.3f}   (IQR {lo:.3f}-{hi:.3f})   {verdict}")
+
+  if stats:
+    print()
+    print("compiled HLO (ENTRY fusions by kind; reduce ops in module and those over "
+          f">= {big}-element inputs; gradient-sized arrays materialized at top level; "
+          "cost-analysis bytes accessed and scratch (temp) memory, both in units of one "
+          "float32 tree):")
+    for impl in impls:
+      st = stats[impl.key]
+      kinds = " ".join(f"{k[1:]}={v}" for k, v in sorted(st["kinds"].items()))
+      print(f"  {impl.key}: fusions={st['entry_fusions']:<4d} [{kinds}]  "
+            f"reduce={st['reduce_ops']:<4d} big_reduce={st['big_reduce_ops']:<3d} "
+            f"cond={st['conditionals']} copies={st['entry_copies']} "
+            f"big_out={st['big_materialized']:<4d} "
+            f"bytes/tree={st['bytes_accessed_trees']:.2f} "
+            f"temp/tree={st['temp_trees']:.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  main()
+  sys.exit(0)

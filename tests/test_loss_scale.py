@@ -1,0 +1,418 @@
+"""Tests for mpscale.loss_scale: dynamic/fixed/no loss scaling around Optax."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, PartitionSpec as P
+
+import mpscale
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  return {
+      "dense": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+                "bias": jnp.asarray([0.0, -0.0, 1.5], jnp.float32)},
+      "head": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+  }
+
+
+def _grads(scale, poison=None, leaf=0, seed=1):
+  """Gradients of ``scale * loss``, with ``poison`` (nan/inf) put into one leaf."""
+  rng = np.random.default_rng(seed)
+  leaves, treedef = jax.tree.flatten(_params())
+  out = [jnp.asarray(rng.normal(size=x.shape), jnp.float32) * scale for x in leaves]
+  if poison is not None:
+    out[leaf] = out[leaf].reshape(-1).at[0].set(poison).reshape(out[leaf].shape)
+  return jax.tree.unflatten(treedef, out)
+
+
+def _bits(tree):
+  return jax.tree.map(lambda x: np.asarray(x).tobytes(), tree)
+
+
+class ReferenceScaler:
+  """The rules in the issue, in plain Python, one step at a time."""
+
+  def __init__(self, init, growth, backoff, interval, hysteresis, consecutive,
+               lo, hi):
+    self.scale, self.count, self.hyst = init, 0, hysteresis
+    self.growth, self.backoff, self.interval = growth, backoff, interval
+    self.hysteresis, self.consecutive, self.lo, self.hi = hysteresis, consecutive, lo, hi
+
+  def step(self, finite):
+    if finite:
+      self.count += 1
+      if self.consecutive:
+        self.hyst = self.hysteresis
+      if self.count == self.interval:
+        self.scale = min(self.scale * self.growth, self.hi)
+        self.count = 0
+        self.hyst = self.hysteresis
+    else:
+      self.count = 0
+      self.hyst -= 1
+      if self.hyst <= 0:
+        self.scale = max(self.scale * self.backoff, self.lo)
+    return self.scale
+
+
+def grad_scaler_trajectory(steps, init, growth, backoff, interval, lo, hi):
+  """PyTorch GradScaler's update rule (bounded), written independently."""
+  scale, tracker, out = init, 0, []
+  for finite in steps:
+    if not finite:
+      scale, tracker = max(scale * backoff, lo), 0
+    else:
+      tracker += 1
+      if tracker == interval:
+        scale, tracker = min(scale * growth, hi), 0
+    out.append(scale)
+  return out
+
+
+CONFIGS = [
+    # init, growth, backoff, interval, hysteresis, consecutive, min, max
+    (2.0**4, 2.0, 0.5, 3, 1, False, 1.0, 2.0**7),
+    (2.0**4, 2.0, 0.5, 2, 2, False, 1.0, 2.0**8),
+    (2.0**4, 2.0, 0.5, 2, 3, True, 2.0, 2.0**8),
+    (100.0, 3.0, 0.25, 1, 2, True, 0.5, 1e4),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(config):
+  init, growth, backoff, interval, hyst, consecutive, lo, hi = config
+  tx = mpscale.dynamic_loss_scale(
+      optax.sgd(0.1), init_scale=init, growth_factor=growth, backoff_factor=backoff,
+      growth_interval=interval, hysteresis=hyst, consecutive_hysteresis=consecutive,
+      min_scale=lo, max_scale=hi)
+  return tx, jax.jit(tx.update)
+
+
+def _run_scales(config, pattern):
+  """Scales after each step for a sequence of (finite, poison kind, leaf)."""
+  tx, update = _jitted(config)
+  params = _params()
+  state = tx.init(params)
+  scales = []
+  for finite, kind, leaf in pattern:
+    scale = float(mpscale.loss_scale_of(state))
+    grads = _grads(scale, None if finite else kind, leaf)
+    _, state = update(grads, state, params)
+    scales.append(float(state.loss_scale))
+    assert bool(state.guard.overflow) == (not finite)
+  return scales
+
+
+steps_strategy = st.lists(
+    st.tuples(st.booleans(), st.sampled_from([np.nan, np.inf, -np.inf]),
+              st.integers(0, 2)),
+    min_size=1, max_size=40)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@settings(max_examples=25, deadline=None)
+@given(pattern=steps_strategy)
+def test_scale_trajectory_matches_reference(config, pattern):
+  ref = ReferenceScaler(*config)
+  want = [ref.step(finite) for finite, _, _ in pattern]
+  assert _run_scales(config, pattern) == want
+
+
+@settings(max_examples=25, deadline=None)
+@given(pattern=steps_strategy)
+def test_hysteresis_one_is_grad_scaler(pattern):
+  config = CONFIGS[0]
+  init, growth, backoff, interval, _, _, lo, hi = config
+  want = grad_scaler_trajectory([f for f, _, _ in pattern], init, growth, backoff,
+                                interval, lo, hi)
+  assert _run_scales(config, pattern) == want
+
+
+def test_growth_on_the_interval_th_finite_step():
+  config = (8.0, 2.0, 0.5, 3, 1, False, 1.0, 1e6)
+  assert _run_scales(config, [(True, None, 0)] * 7) == [8, 8, 16, 16, 16, 32, 32]
+
+
+def test_hysteresis_delays_backoff_and_refills_on_growth():
+  config = (8.0, 2.0, 0.5, 2, 2, False, 1.0, 1e6)
+  bad, good = (False, np.nan, 0), (True, None, 0)
+  # 1st overflow tolerated, 2nd backs off, 3rd backs off again (tracker exhausted),
+  # growth refills, after which one overflow is tolerated again; a finite step that
+  # does not grow does not refill, so the next overflow backs off.
+  got = _run_scales(config, [bad, bad, bad, good, good, bad, good, bad, bad])
+  assert got == [8, 4, 2, 2, 4, 4, 4, 2, 1]
+
+
+def test_consecutive_hysteresis_refills_on_every_finite_step():
+  config = (8.0, 2.0, 0.5, 100, 2, True, 1.0, 1e6)
+  bad, good = (False, np.inf, 1), (True, None, 0)
+  assert _run_scales(config, [bad, good, bad, good, bad, bad]) == [8, 8, 8, 8, 8, 4]
+  config = (8.0, 2.0, 0.5, 100, 2, False, 1.0, 1e6)
+  assert _run_scales(config, [bad, good, bad, good, bad, bad]) == [8, 8, 4, 4, 2, 1]
+
+
+@pytest.mark.parametrize("kind", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("leaf", [0, 1, 2])
+def test_skipped_step_is_bit_identical(kind, leaf):
+  inner = optax.chain(mpscale.clip_by_global_norm(1.0),
+                      optax.inject_hyperparams(optax.adamw)(
+                          learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)))
+  tx = mpscale.dynamic_loss_scale(inner, init_scale=2.0**10, growth_interval=1)
+  params = _params()
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(3):  # move the inner state away from its initial values
+    params, state = step(params, state, _grads(mpscale.loss_scale_of(state), seed=i))
+  before_params, before_inner = _bits(params), _bits(state.guard.inner_state)
+  grads = _grads(mpscale.loss_scale_of(state), kind, leaf)
+  new_params, new_state = step(params, state, grads)
+  assert _bits(new_params) == before_params  # -0.0 in 'bias' survives too
+  assert _bits(new_state.guard.inner_state) == before_inner
+  assert int(new_state.guard.skipped) == 1
+  assert float(new_state.loss_scale) == float(state.loss_scale) / 2
+  assert bool(new_state.guard.nan) == bool(np.isnan(kind))
+  assert bool(new_state.guard.inf) == bool(np.isinf(kind))
+
+
+def test_scale_stays_within_bounds_over_10000_random_steps():
+  lo, hi = 4.0, 2.0**12
+  tx = mpscale.dynamic_loss_scale(optax.sgd(0.1), init_scale=64.0, growth_interval=1,
+                                  growth_factor=4.0, backoff_factor=0.125,
+                                  hysteresis=2, min_scale=lo, max_scale=hi)
+  params = {"w": jnp.ones((8,))}
+
+  def body(state, key):
+    bad = jax.random.bernoulli(key, 0.4)
+    g = jnp.where(bad, jnp.nan, 1.0) * jnp.ones((8,)) * mpscale.loss_scale_of(state)
+    _, state = tx.update({"w": g}, state, params)
+    return state, state.loss_scale
+
+  keys = jax.random.split(jax.random.PRNGKey(0), 10_000)
+  state, scales = jax.jit(lambda s: jax.lax.scan(body, s, keys))(tx.init(params))
+  scales = np.asarray(scales)
+  assert np.all(np.isfinite(scales)) and scales.min() == lo and scales.max() == hi
+  assert int(state.guard.skipped) > 3000
+
+
+def test_growth_never_reaches_inf():
+  big = float(np.finfo(np.float32).max)
+  tx = mpscale.dynamic_loss_scale(optax.sgd(0.1), init_scale=big / 2, max_scale=big,
+                                  growth_factor=10.0, growth_interval=1)
+  params = {"w": jnp.zeros((2,))}
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = jax.jit(tx.update)({"w": jnp.zeros((2,))}, state, params)
+  assert float(state.loss_scale) == big
+
+
+def test_backoff_never_reaches_zero():
+  tx = mpscale.dynamic_loss_scale(optax.sgd(0.1), init_scale=1.0, min_scale=1e-30,
+                                  backoff_factor=1e-10)
+  params = {"w": jnp.zeros((2,))}
+  state = tx.init(params)
+  for _ in range(5):
+    _, state = jax.jit(tx.update)({"w": jnp.full((2,), jnp.inf)}, state, params)
+  assert float(state.loss_scale) == np.float32(1e-30)
+
+
+def test_unscales_in_float32_before_inner():
+  seen = []
+
+  def spy_update(updates, state, params=None):
+    seen.append(jax.tree.map(lambda u: u.dtype, updates))
+    return updates, state
+
+  spy = optax.GradientTransformation(lambda p: optax.EmptyState(), spy_update)
+  tx = mpscale.dynamic_loss_scale(spy, init_scale=1024.0)
+  params = {"w": jnp.ones((3,), jnp.float16)}
+  grads = {"w": jnp.full((3,), 2048.0, jnp.float16)}
+  updates, _ = tx.update(grads, tx.init(params), params)
+  assert seen[0]["w"] == jnp.float32
+  np.testing.assert_array_equal(updates["w"], np.full((3,), 2.0, np.float32))
+
+
+def test_fixed_scale_drops_or_applies_overflow():
+  params = _params()
+  bad = _grads(8.0, np.inf, 0)
+  dropped = mpscale.fixed_loss_scale(optax.sgd(1.0), 8.0)
+  upd, state = dropped.update(bad, dropped.init(params), params)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(upd))
+  assert int(state.guard.skipped) == 1 and float(state.loss_scale) == 8.0
+
+  applied = mpscale.fixed_loss_scale(optax.sgd(1.0), 8.0, drop_overflow_update=False)
+  upd, state = applied.update(bad, applied.init(params), params)
+  assert np.isinf(np.asarray(upd["dense"]["bias"])).any()
+  assert bool(state.guard.overflow) and int(state.guard.skipped) == 0
+  np.testing.assert_allclose(upd["head"], -np.asarray(bad["head"]) / 8.0)
+
+
+def test_fixed_scale_is_data_and_changing_it_does_not_recompile():
+  tx = mpscale.fixed_loss_scale(optax.sgd(1.0), 4.0)
+  params = {"w": jnp.ones((2,))}
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  u1, _ = update({"w": jnp.full((2,), 8.0)}, state, params)
+  state = mpscale.with_loss_scale(state, 2.0)
+  u2, _ = update({"w": jnp.full((2,), 8.0)}, state, params)
+  assert float(mpscale.loss_scale_of(state)) == 2.0
+  np.testing.assert_allclose(u1["w"], -2.0)
+  np.testing.assert_allclose(u2["w"], -4.0)
+  assert update._cache_size() == 1
+  with pytest.raises(ValueError, match="loss-scale"):
+    mpscale.with_loss_scale(optax.sgd(1.0).init(params), 2.0)
+
+
+def test_no_loss_scale_is_scale_one_and_still_skips():
+  tx = mpscale.no_loss_scale(optax.sgd(1.0))
+  params = {"w": jnp.ones((2,))}
+  state = tx.init(params)
+  assert float(mpscale.loss_scale_of(state)) == 1.0
+  upd, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state, params)
+  assert int(state.guard.skipped) == 1
+  np.testing.assert_array_equal(optax.apply_updates(params, upd)["w"], params["w"])
+
+
+def test_loss_scale_of_finds_the_scale_inside_a_chain():
+  params = {"w": jnp.ones((2,))}
+  tx = optax.chain(optax.identity(),
+                   mpscale.dynamic_loss_scale(optax.sgd(1.0), init_scale=64.0))
+  assert float(mpscale.loss_scale_of(tx.init(params))) == 64.0
+  assert float(mpscale.loss_scale_of(optax.sgd(1.0).init(params))) == 1.0
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    ({"init_scale": 0.0}, ValueError, "init_scale"),
+    ({"init_scale": -1.0}, ValueError, "init_scale"),
+    ({"init_scale": 2.0**30}, ValueError, "init_scale"),
+    ({"init_scale": "big"}, TypeError, "init_scale"),
+    ({"growth_factor": 1.0}, ValueError, "growth_factor"),
+    ({"growth_factor": 0.5}, ValueError, "growth_factor"),
+    ({"backoff_factor": 1.0}, ValueError, "backoff_factor"),
+    ({"backoff_factor": 0.0}, ValueError, "backoff_factor"),
+    ({"growth_interval": 0}, ValueError, "growth_interval"),
+    ({"growth_interval": 2.5}, TypeError, "growth_interval"),
+    ({"hysteresis": 0}, ValueError, "hysteresis"),
+    ({"hysteresis": True}, TypeError, "hysteresis"),
+    ({"consecutive_hysteresis": 1}, TypeError, "consecutive_hysteresis"),
+    ({"min_scale": 0.0}, ValueError, "min_scale"),
+    ({"max_scale": float("inf")}, ValueError, "max_scale"),
+    ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 2.0}, ValueError, "min_scale"),
+    ({"axis_name": 3}, TypeError, "axis_name"),
+    ({"groups": "x"}, TypeError, "groups"),
+])
+def test_dynamic_validates_arguments(kwargs, exc, name):
+  with pytest.raises(exc, match=name):
+    mpscale.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+
+
+def test_validates_inner_and_fixed_scale():
+  with pytest.raises(TypeError, match="inner"):
+    mpscale.dynamic_loss_scale(lambda g: g)
+  with pytest.raises(ValueError, match="scale"):
+    mpscale.fixed_loss_scale(optax.sgd(0.1), 0.0)
+  with pytest.raises(TypeError, match="drop_overflow_update"):
+    mpscale.fixed_loss_scale(optax.sgd(0.1), 2.0, drop_overflow_update="no")
+
+
+def test_skipped_steps_do_not_advance_inner_schedules():
+  sched = optax.linear_schedule(1.0, 0.0, 10)
+  tx = mpscale.dynamic_loss_scale(
+      optax.inject_hyperparams(optax.sgd)(learning_rate=sched), init_scale=4.0)
+  params = {"w": jnp.ones((2,))}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for g in [1.0, jnp.nan, jnp.nan, 1.0]:
+    _, state = update({"w": jnp.full((2,), g) * state.loss_scale}, state, params)
+  # Two applied steps: the inner count is 2, and the last lr used is sched(1).
+  inner = state.guard.inner_state
+  assert int(inner.count) == 2
+  np.testing.assert_allclose(mpscale.step_metrics(state)["learning_rate"], sched(1))
+
+
+def test_flax_train_state_loop_with_fp16_model_converges():
+  from flax import linen as nn
+  from flax.training import train_state
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.tanh(nn.Dense(16, dtype=jnp.float16)(x))
+      return nn.Dense(1, dtype=jnp.float16)(x)
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(64, 4)), jnp.float32)
+  y = jnp.sin(x.sum(axis=1, keepdims=True))
+  model = MLP()
+  tx = mpscale.dynamic_loss_scale(
+      optax.chain(mpscale.clip_by_global_norm(1.0), optax.adam(1e-2)),
+      init_scale=2.0**15, growth_interval=20)
+  ts = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x)["params"],
+      tx=tx)
+
+  @jax.jit
+  def train_step(ts):
+    scale = mpscale.loss_scale_of(ts.opt_state)
+
+    def loss_fn(p):
+      pred = ts.apply_fn({"params": p}, x).astype(jnp.float32)
+      return jnp.mean((pred - y) ** 2)
+
+    loss, grads = jax.value_and_grad(lambda p: scale * loss_fn(p))(ts.params)
+    return ts.apply_gradients(grads=grads), loss / scale
+
+  ts, first = train_step(ts)
+  for _ in range(300):
+    ts, loss = train_step(ts)
+  metrics = mpscale.step_metrics(ts.opt_state)
+  assert float(loss) < 0.2 * float(first)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(ts.params))
+  assert float(metrics["loss_scale"]) >= 1.0 and not bool(metrics["overflow"])
+
+
+def test_shard_map_one_poisoned_replica_makes_all_skip():
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  tx = mpscale.dynamic_loss_scale(optax.adam(0.1), init_scale=8.0, axis_name="data")
+  params = {"w": jnp.ones((4,)), "b": jnp.zeros((2,))}
+  state = tx.init(params)
+
+  def per_replica(grads, state, params):
+    grads = jax.tree.map(lambda g: g[0], grads)  # this replica's gradient
+    updates, state = tx.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    return (jax.tree.map(lambda x: x[None], new_params), state.loss_scale[None],
+            state.guard.skipped[None])
+
+  def run(poison_replica):
+    g = {"w": jnp.ones((8, 4)) * 8.0, "b": jnp.ones((8, 2)) * 8.0}
+    if poison_replica is not None:
+      g["b"] = g["b"].at[poison_replica, 1].set(jnp.nan)
+    fn = jax.shard_map(per_replica, mesh=mesh,
+                       in_specs=(P("data"), P(), P()), out_specs=P("data"))
+    return jax.jit(fn)(g, state, params)
+
+  new_params, scales, skipped = run(poison_replica=5)
+  for leaf, before in [(new_params["w"], params["w"]), (new_params["b"], params["b"])]:
+    for r in range(8):
+      assert _bits(leaf[r]) == _bits(before)
+  np.testing.assert_array_equal(scales, np.full((8,), 4.0))
+  np.testing.assert_array_equal(skipped, np.ones((8,)))
+
+  new_params, scales, skipped = run(poison_replica=None)
+  assert not np.allclose(new_params["w"], 1.0)
+  np.testing.assert_array_equal(skipped, np.zeros((8,)))
+  chex.assert_trees_all_equal(*[jax.tree.map(lambda x: x[r], new_params)
+                                for r in range(8)])

@@ -1,0 +1,171 @@
+"""Tests for mpscale.norms: global/group norms and clip_by_global_norm."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpscale
+from mpscale import norms
+
+
+def _tree(seed=0):
+  rng = np.random.default_rng(seed)
+  return {
+      "embed": {"table": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32)},
+      "layer_0": {
+          "attn": {"w": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)},
+          "mlp": {"w": jnp.asarray(rng.normal(size=(8, 32)), jnp.float32),
+                  "b": jnp.asarray(rng.normal(size=(32,)), jnp.float32)},
+      },
+      "scale": jnp.asarray(rng.normal(), jnp.float32),
+  }
+
+
+def _np_norm(leaves):
+  return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in leaves)))
+
+
+def test_global_norm_matches_numpy():
+  tree = _tree()
+  np.testing.assert_allclose(
+      mpscale.global_norm(tree), _np_norm(jax.tree.leaves(tree)), rtol=1e-6)
+
+
+def test_global_norm_accumulates_half_precision_in_float32():
+  # 300**2 overflows float16 (max 65504): accumulation must be in float32.
+  tree = {"a": jnp.full((10,), 300.0, jnp.float16)}
+  norm = mpscale.global_norm(tree)
+  assert norm.dtype == jnp.float32
+  np.testing.assert_allclose(norm, 300.0 * np.sqrt(10), rtol=1e-6)
+
+
+def test_group_norms_default_is_one_group_per_top_level_key():
+  tree = _tree()
+  gn, sizes = mpscale.group_norms(tree)
+  assert list(gn) == ["embed", "layer_0", "scale"]
+  np.testing.assert_allclose(gn["layer_0"],
+                             _np_norm(jax.tree.leaves(tree["layer_0"])), rtol=1e-6)
+  assert {k: int(v) for k, v in sizes.items()} == {
+      "embed": 128, "layer_0": 64 + 256 + 32, "scale": 1}
+  total = np.sqrt(sum(float(v) ** 2 for v in gn.values()))
+  np.testing.assert_allclose(total, mpscale.global_norm(tree), rtol=1e-6)
+
+
+def test_group_norms_by_depth_and_callable():
+  tree = _tree()
+  gn, sizes = mpscale.group_norms(tree, groups=2)
+  assert set(gn) == {"embed/table", "layer_0/attn", "layer_0/mlp", "scale"}
+  np.testing.assert_allclose(
+      gn["layer_0/mlp"], _np_norm(jax.tree.leaves(tree["layer_0"]["mlp"])), rtol=1e-6)
+  assert int(sizes["layer_0/mlp"]) == 256 + 32
+
+  by_kind = lambda path: "bias" if norms.key_name(path[-1]) == "b" else "weights"
+  gn, sizes = mpscale.group_norms(tree, groups=by_kind)
+  np.testing.assert_allclose(gn["bias"], _np_norm([tree["layer_0"]["mlp"]["b"]]),
+                             rtol=1e-6)
+  assert int(sizes["bias"]) == 32
+
+
+def test_group_norms_of_a_bare_array():
+  gn, sizes = mpscale.group_norms(jnp.ones((3, 4)))
+  assert list(gn) == ["params"] and int(sizes["params"]) == 12
+
+
+@pytest.mark.parametrize("groups, exc", [
+    ("layer", TypeError), (0, ValueError), (True, TypeError), (-1, ValueError)])
+def test_bad_groups_are_rejected(groups, exc):
+  with pytest.raises(exc, match="groups"):
+    mpscale.group_norms(_tree(), groups=groups)
+  with pytest.raises(exc, match="groups"):
+    mpscale.clip_by_global_norm(1.0, groups=groups)
+
+
+def test_groups_callable_must_return_str():
+  with pytest.raises(TypeError, match="str"):
+    mpscale.group_norms(_tree(), groups=lambda path: 3)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 100.0])
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_clip_matches_optax(max_norm, use_jit):
+  tree = _tree()
+  ours = mpscale.clip_by_global_norm(max_norm)
+  ref = optax.clip_by_global_norm(max_norm)
+  update = jax.jit(ours.update) if use_jit else ours.update
+  got, state = update(tree, ours.init(tree))
+  want, _ = ref.update(tree, ref.init(tree))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               got, want)
+  np.testing.assert_allclose(state.global_norm, mpscale.global_norm(tree), rtol=1e-6)
+  assert float(mpscale.global_norm(got)) <= max_norm * (1 + 1e-6)
+  assert set(state.group_norms) == {"embed", "layer_0", "scale"}
+
+
+def test_clip_keeps_dtype():
+  tree = {"a": jnp.ones((4,), jnp.bfloat16) * 10}
+  tx = mpscale.clip_by_global_norm(1.0)
+  out, _ = tx.update(tree, tx.init(tree))
+  assert out["a"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("max_norm, exc", [
+    (0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+    ("1", TypeError), (None, TypeError)])
+def test_clip_validates_max_norm(max_norm, exc):
+  with pytest.raises(exc, match="max_norm"):
+    mpscale.clip_by_global_norm(max_norm)
+
+
+def _reductions_over_gradients(fn, *args):
+  """Counts reduce ops over non-scalar operands in ``fn``'s jaxpr (all sub-jaxprs)."""
+  count = 0
+
+  def walk(jaxpr):
+    nonlocal count
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_or",
+                                "reduce_and", "argmax"):
+        if any(np.prod(v.aval.shape) > 1 for v in eqn.invars):
+          count += 1
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return count
+
+
+def test_clip_inside_wrapper_reuses_the_single_pass():
+  params = _tree()
+  grads = _tree(1)
+  n_leaves = sum(x.size > 1 for x in jax.tree.leaves(params))  # scalars need no reduce
+
+  def reductions(tx):
+    state = tx.init(params)
+    return _reductions_over_gradients(lambda g, s: tx.update(g, s, params), grads,
+                                      state)
+
+  plain = reductions(mpscale.dynamic_loss_scale(optax.sgd(0.1)))
+  clipped = reductions(mpscale.dynamic_loss_scale(
+      optax.chain(mpscale.clip_by_global_norm(1.0), optax.sgd(0.1))))
+  optax_clipped = reductions(mpscale.dynamic_loss_scale(
+      optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))))
+  assert plain == n_leaves  # one sum of squares per leaf, nothing else
+  assert clipped == plain  # the clip adds no pass of its own
+  assert optax_clipped == plain + n_leaves  # a foreign clip measures again
+
+
+def test_clip_after_another_transform_measures_its_own_input():
+  # The wrapper's sums describe the raw gradients; a clip behind a scale must not
+  # reuse them.
+  params = _tree()
+  grads = _tree(1)
+  inner = optax.chain(optax.scale(10.0), mpscale.clip_by_global_norm(1e9),
+                      optax.sgd(1.0))
+  tx = mpscale.no_loss_scale(inner)
+  _, state = tx.update(grads, tx.init(params), params)
+  clip_state = state.guard.inner_state[1]
+  np.testing.assert_allclose(clip_state.global_norm, 10 * mpscale.global_norm(grads),
+                             rtol=1e-6)
