@@ -89,12 +89,12 @@ def guard_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
 
   With ``drop=False`` the step is reported as an overflow but applied anyway.
   """
-  squares = norms_lib.leaf_squares(updates)
+  squares = norms_lib.leaf_squares(updates, norms_lib.splits_for(updates, groups))
   nan = jnp.zeros((), jnp.bool_)
   inf = jnp.zeros((), jnp.bool_)
   for s in squares.sums:
-    nan = nan | jnp.isnan(s)
-    inf = inf | jnp.isinf(s)
+    nan = nan | jnp.any(jnp.isnan(s))
+    inf = inf | jnp.any(jnp.isinf(s))
   nan = _any_across(nan, axis_name)
   inf = _any_across(inf, axis_name)
   overflow = nan | inf

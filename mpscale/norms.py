@@ -19,13 +19,17 @@ import numpy as np
 import optax
 
 KeyPath = tuple[Any, ...]
-Groups = Union[None, int, Callable[[KeyPath], str]]
+Groups = Union[None, int, Callable[[KeyPath], Union[str, Sequence[str]]]]
 """How leaves map to named groups.
 
 * ``None``: one group per top-level key of the tree (the default).
 * an ``int`` ``d``: one group per distinct path prefix of depth ``d`` (``1`` is the same as
   ``None``), named by joining the keys with ``/``.
-* a callable ``key_path -> str``: any grouping, e.g. per layer.
+* a callable ``key_path -> str``: any grouping, e.g. per layer. It may also return a
+  tuple of ``k`` names: the leaf is then split into ``k`` equal parts along its leading
+  axis, part ``i`` going to group ``names[i]`` (layers stacked on a leading axis, e.g.
+  one group per pipeline stage: see `mpscale.stage_groups`). The split is measured in
+  the same single pass.
 """
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -73,7 +77,8 @@ class LeafSquares(NamedTuple):
   """The very arrays (or tracers) that were measured, so a consumer can check by
   identity that the sums describe its own inputs."""
   sums: tuple[jax.Array, ...]
-  """One float32 scalar per leaf: ``sum(leaf.astype(float32) ** 2)``."""
+  """Per leaf, ``sum(leaf.astype(float32) ** 2)``: a float32 scalar, or a vector of
+  ``k`` partial sums for a leaf split into ``k`` parts along its leading axis."""
   paths: tuple[KeyPath, ...]
   """Key path of each leaf."""
 
@@ -84,52 +89,92 @@ class LeafSquares(NamedTuple):
         a is b for a, b in zip(leaves, self.leaves))
 
 
-def leaf_squares(tree: Any) -> LeafSquares:
-  """Measures the float32 sum of squares of every leaf of ``tree``.
+def _names(groups: Groups, path: KeyPath) -> tuple[str, ...]:
+  """The group name(s) of one leaf, as a tuple (more than one: a split leaf)."""
+  name = _group_fn(groups)(path)
+  names = (name,) if isinstance(name, str) else tuple(name) if isinstance(
+      name, (tuple, list)) else None
+  if not names or not all(isinstance(n, str) for n in names):
+    raise TypeError("groups must map key paths to a str or a tuple of str; got "
+                    f"{name!r} for {path_name(path)!r}")
+  return names
+
+
+def splits_for(tree: Any, groups: Groups) -> tuple[int, ...]:
+  """How many parts each leaf of ``tree`` is split into by ``groups``."""
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return tuple(len(_names(groups, p)) for p in paths)
+
+
+def _sum_squares(x: Any, parts: int) -> jax.Array:
+  x = jnp.asarray(x).astype(jnp.float32)
+  if parts == 1:
+    return jnp.sum(jnp.square(x))
+  if x.ndim == 0 or x.shape[0] % parts:
+    raise ValueError(f"cannot split a leaf of shape {x.shape} into {parts} groups "
+                     "along its leading axis")
+  return jnp.sum(jnp.square(x.reshape(parts, -1)), axis=1)
+
+
+def leaf_squares(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
+  """Measures the float32 sum of squares of every leaf of ``tree`` in one pass.
 
   A leaf holding a NaN gives a NaN sum; a leaf holding an Inf (and no NaN) gives +Inf.
   A finite leaf whose squared norm exceeds the float32 range (norm > ~1.8e19) also gives
   +Inf: its norm, and so any clip, would be infinite, so it counts as an overflow.
+
+  Args:
+    tree: a pytree of arrays.
+    splits: per leaf, the number of equal parts along its leading axis to measure
+      separately (default 1 each).
   """
   with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
   paths = tuple(p for p, _ in with_path)
   leaves = tuple(x for _, x in with_path)
-  sums = tuple(
-      jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32))) for x in leaves)
+  splits = splits or (1,) * len(leaves)
+  sums = tuple(_sum_squares(x, k) for x, k in zip(leaves, splits))
   return LeafSquares(leaves, sums, paths)
 
 
-def squares_of(tree: Any, grad_sum_squares: Optional[LeafSquares]) -> LeafSquares:
-  """Reuses ``grad_sum_squares`` when it describes ``tree``, else measures ``tree``."""
-  if grad_sum_squares is not None and grad_sum_squares.describes(tree):
+def squares_of(tree: Any, grad_sum_squares: Optional[LeafSquares],
+               groups: Groups = None) -> LeafSquares:
+  """Reuses ``grad_sum_squares`` when it describes ``tree`` at least as finely as
+  ``groups`` needs, else measures ``tree``."""
+  splits = splits_for(tree, groups)
+  if grad_sum_squares is not None and grad_sum_squares.describes(tree) and all(
+      k == 1 or np.size(s) == k for k, s in zip(splits, grad_sum_squares.sums)):
     return grad_sum_squares
-  return leaf_squares(tree)
+  return leaf_squares(tree, splits)
 
 
 def total(sums: Sequence[jax.Array]) -> jax.Array:
-  """Sum of a sequence of float32 scalars (0 for none)."""
-  return sum(sums, jnp.zeros((), jnp.float32))
+  """Sum of per-leaf sums (scalars or split vectors) as one float32 scalar."""
+  return sum((jnp.sum(s) for s in sums), jnp.zeros((), jnp.float32))
 
 
 def grouped(squares: LeafSquares, groups: Groups = None
            ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """Group norms and sizes from per-leaf sums; groups keep first-appearance order."""
-  name_of = _group_fn(groups)
   sq: dict[str, list[jax.Array]] = {}
-  sizes: dict[str, int] = {}
-  for path, leaf, s in zip(squares.paths, squares.leaves, squares.sums):
-    name = name_of(path)
-    if not isinstance(name, str):
-      raise TypeError(f"groups must map key paths to str; got {type(name).__name__} "
-                      f"for {path_name(path)!r}")
-    sq.setdefault(name, []).append(s)
-    sizes[name] = sizes.get(name, 0) + math.prod(np.shape(leaf))
+  for path, s in zip(squares.paths, squares.sums):
+    names = _names(groups, path)
+    parts = [jnp.sum(s)] if len(names) == 1 else [s[i] for i in range(len(names))]
+    for name, part in zip(names, parts):
+      sq.setdefault(name, []).append(part)
   norms = {k: jnp.sqrt(total(v)) for k, v in sq.items()}
-  # Sizes are static, but metrics want arrays; beyond int32 fall back to float32.
-  size_arrays = {
-      k: jnp.asarray(v, jnp.int32 if v <= _INT32_MAX else jnp.float32)
-      for k, v in sizes.items()}
-  return norms, size_arrays
+  return norms, _group_sizes(squares.paths, squares.leaves, groups)
+
+
+def _group_sizes(paths, leaves, groups: Groups) -> dict[str, jax.Array]:
+  """Element count per group; static, but metrics want arrays (int32, or float32
+  past the int32 range)."""
+  sizes: dict[str, int] = {}
+  for path, leaf in zip(paths, leaves):
+    names = _names(groups, path)
+    for name in names:
+      sizes[name] = sizes.get(name, 0) + math.prod(np.shape(leaf)) // len(names)
+  return {k: jnp.asarray(v, jnp.int32 if v <= _INT32_MAX else jnp.float32)
+          for k, v in sizes.items()}
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -157,7 +202,7 @@ def group_norms(tree: Any, groups: Groups = None
     elements in the group (int32, or float32 past the int32 range).
   """
   validate_groups(groups)
-  return grouped(leaf_squares(tree), groups)
+  return grouped(leaf_squares(tree, splits_for(tree, groups)), groups)
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -171,10 +216,13 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def zero_group_stats(tree: Any, groups: Groups):
-  zeros = jax.tree_util.tree_map(
-      lambda x: jnp.zeros(np.shape(x), jnp.float32), tree)
-  norms, sizes = grouped(leaf_squares(zeros), groups)
-  return jax.tree_util.tree_map(jnp.zeros_like, norms), sizes
+  """Group norms of zero and the group sizes of ``tree``, for an initial state."""
+  paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  paths = [p for p, _ in paths_leaves]
+  names = {n: None for p in paths for n in _names(groups, p)}
+  zeros = {n: jnp.zeros((), jnp.float32) for n in names}
+  return zeros, _group_sizes(paths, [x for _, x in paths_leaves], groups)
+
 
 
 def clip_by_global_norm(max_norm: float, *, groups: Groups = None
@@ -209,7 +257,7 @@ def clip_by_global_norm(max_norm: float, *, groups: Groups = None
 
   def update_fn(updates, state, params=None, *, grad_sum_squares=None, **extra_args):
     del params, state, extra_args
-    squares = squares_of(updates, grad_sum_squares)
+    squares = squares_of(updates, grad_sum_squares, groups)
     norm = jnp.sqrt(total(squares.sums))
     factor = max_norm / jnp.maximum(norm, max_norm)
     clipped = jax.tree_util.tree_map(lambda u: (u * factor).astype(u.dtype), updates)
