@@ -323,7 +323,8 @@ class Pipeline:
     if isinstance(out, tuple) or jnp.ndim(out) != 0:
       raise TypeError("head_fn must return a scalar loss (or, with per_token_loss, "
                       "(loss_sum, num_tokens))")
-    return jnp.asarray(out, jnp.float32), jnp.ones((), jnp.float32)
+    loss = jnp.asarray(out, jnp.float32)
+    return loss, jnp.ones_like(loss)  # one example; ones_like keeps loss's vma type
 
   def _run_gpipe(self, params, micro, scale, S, M, table, per_token_loss, cast, fill,
                  axes):

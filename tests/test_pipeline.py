@@ -1,0 +1,313 @@
+"""Tests for mpscale.pipeline: GPipe and 1F1B against the unpipelined model."""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import mpscale
+from mpscale import pipeline as pl
+
+LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
+
+
+def embed_fn(p, b):
+  return b["x"] @ p["embed"]
+
+
+def stage_fn(lp, x):
+  return jnp.tanh(x @ lp["w"] + lp["b"])
+
+
+def head_fn(p, x, b):
+  err = jnp.sum((x @ p["head"] - b["y"]) ** 2, axis=-1)
+  return jnp.sum(err * b["mask"]), jnp.sum(b["mask"])
+
+
+def mean_head_fn(p, x, b):
+  return jnp.mean((x @ p["head"] - b["y"]) ** 2)
+
+
+def make_params(seed=0):
+  rng = np.random.default_rng(seed)
+  f32 = lambda *s, scale=1.0: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)
+  return {"embed": f32(FEATURES, WIDTH, scale=0.5),
+          "stages": {"w": f32(LAYERS, WIDTH, WIDTH, scale=0.4),
+                     "b": f32(LAYERS, WIDTH, scale=0.1)},
+          "head": f32(WIDTH, 2)}
+
+
+def make_batch(seed=1, size=BATCH):
+  rng = np.random.default_rng(seed)
+  # Uneven token masks: some micro-batches and replicas hold far fewer tokens.
+  mask = (rng.random(size) < np.linspace(0.1, 0.9, size)).astype(np.float32)
+  mask[0] = 1.0
+  return {"x": jnp.asarray(rng.normal(size=(size, FEATURES)), jnp.float32),
+          "y": jnp.asarray(rng.normal(size=(size, 2)), jnp.float32),
+          "mask": jnp.asarray(mask)}
+
+
+def mesh_of(data, stage):
+  return Mesh(np.array(jax.devices()[:data * stage]).reshape(data, stage),
+              ("data", "stage"))
+
+
+def reference(params, batch, per_token=True):
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn if per_token else mean_head_fn, 1)
+
+  def loss(p):
+    out = model.apply(p, batch)
+    return out[0] / out[1] if per_token else out
+
+  return jax.value_and_grad(loss)(params)
+
+
+def assert_close(a, b, tol=1e-5):
+  chex.assert_trees_all_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("data, stage", [(1, 8), (2, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("micro", [1, 2, 4, 8])
+def test_loss_and_grads_equal_unpipelined(schedule, data, stage, micro):
+  params, batch = make_params(), make_batch()
+  want_loss, want_grads = reference(params, batch)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule)
+  mesh = mesh_of(data, stage)
+  loss, tokens, grads = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh, per_token_loss=True))(params, batch)
+  assert float(tokens) == float(batch["mask"].sum())
+  assert_close(loss, want_loss)
+  assert_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_mean_loss_and_loss_scale(schedule):
+  params, batch = make_params(), make_batch()
+  want_loss, want_grads = reference(params, batch, per_token=False)
+  model = pl.Pipeline(embed_fn, stage_fn, mean_head_fn, 4, schedule=schedule)
+  loss, count, grads = model.value_and_grad(params, batch, mesh=mesh_of(2, 4),
+                                            loss_scale=1024.0)
+  assert float(count) == 8  # 4 micro-batches x 2 replicas
+  assert_close(loss, want_loss)
+  assert_close(jax.tree.map(lambda g: g / 1024.0, grads), want_grads)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_nan_filled_bubbles_never_reach_gradients(schedule):
+  params, batch = make_params(), make_batch()
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 2, schedule=schedule)
+  mesh = mesh_of(2, 4)
+  run = lambda fill: model.value_and_grad(params, batch, mesh=mesh,
+                                          per_token_loss=True, _bubble_fill=fill)
+  clean, poisoned = run(0.0), run(float("nan"))
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(poisoned))
+  chex.assert_trees_all_equal(clean, poisoned)
+
+
+def test_remat_gives_the_same_gradients():
+  params, batch = make_params(), make_batch()
+  mesh = mesh_of(2, 4)
+  plain, remat = [pl.Pipeline(embed_fn, stage_fn, head_fn, 4, remat=r).value_and_grad(
+      params, batch, mesh=mesh, per_token_loss=True) for r in (False, True)]
+  assert_close(plain, remat, 1e-6)
+
+  def tanh_count(remat):  # the backward recomputes each layer's forward under remat
+    model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, remat=remat)
+    jaxpr = jax.make_jaxpr(lambda p, b: model.value_and_grad(
+        p, b, mesh=mesh, per_token_loss=True))(params, batch)
+    return str(jaxpr).count(" tanh ")
+
+  assert tanh_count(True) > tanh_count(False) >= 1
+
+
+def _train(params, batch, tx, grad_fn, steps=5):
+  @jax.jit
+  def step(params, opt_state):
+    scale = mpscale.loss_scale_of(opt_state)
+    loss, grads = grad_fn(params, batch, scale)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state = tx.init(params)
+  losses = []
+  for _ in range(steps):
+    params, opt_state, loss = step(params, opt_state)
+    losses.append(loss)
+  return params, opt_state, losses
+
+
+def _optimizer(stages):
+  groups = pl.stage_groups(stages)
+  return mpscale.dynamic_loss_scale(
+      optax.chain(mpscale.clip_by_global_norm(0.5, groups=groups), optax.adam(1e-2)),
+      init_scale=2.0**8, groups=groups)
+
+
+@pytest.mark.parametrize("schedule, data, stage, micro", [
+    ("gpipe", 1, 8, 8), ("gpipe", 2, 4, 2), ("1f1b", 4, 2, 4), ("1f1b", 2, 4, 8),
+    ("1f1b", 8, 1, 1)])
+def test_five_steps_match_unpipelined(schedule, data, stage, micro):
+  params, batch = make_params(), make_batch()
+  tx = _optimizer(stage)
+
+  def ref_grads(p, b, scale):
+    loss, grads = reference(p, b)
+    return loss, jax.tree.map(lambda g: g * scale, grads)
+
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule)
+  mesh = mesh_of(data, stage)
+
+  def pipe_grads(p, b, scale):
+    loss, _, grads = model.value_and_grad(p, b, mesh=mesh, loss_scale=scale,
+                                          per_token_loss=True)
+    return loss, grads
+
+  want = _train(params, batch, tx, ref_grads)
+  got = _train(model.shard_params(params, mesh), batch, tx, pipe_grads)
+  assert_close(got[2], want[2])
+  assert_close(got[0], want[0])
+  assert_close(got[1], want[1])
+  metrics = mpscale.step_metrics(got[1])
+  assert set(metrics["group_norms"]) == {"embed", "head"} | {
+      f"stage_{i}" for i in range(stage)}
+  stage_sq = sum(float(metrics["group_norms"][f"stage_{i}"]) ** 2 for i in range(stage))
+  np.testing.assert_allclose(
+      stage_sq + sum(float(metrics["group_norms"][k]) ** 2 for k in ("embed", "head")),
+      float(metrics["global_norm"]) ** 2, rtol=1e-5)
+  assert int(metrics["group_sizes"]["stage_0"]) == LAYERS // stage * (WIDTH * WIDTH +
+                                                                      WIDTH)
+
+
+def test_overflow_in_one_stage_makes_every_stage_and_replica_skip():
+  params, batch = make_params(), make_batch()
+  mesh = mesh_of(2, 4)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 2, schedule="1f1b")
+  tx = _optimizer(4)
+  params = model.shard_params(params, mesh)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state):
+    _, _, grads = model.value_and_grad(params, batch, mesh=mesh, per_token_loss=True,
+                                       loss_scale=mpscale.loss_scale_of(opt_state))
+    # Layer 5 lives on stage 2 only.
+    grads["stages"]["w"] = grads["stages"]["w"].at[5, 0, 0].set(jnp.inf)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  new_params, new_state = step(params, opt_state)
+  m = mpscale.step_metrics(new_state)
+  assert bool(m["overflow"]) and int(m["skipped"]) == 1
+  assert np.isinf(m["group_norms"]["stage_2"]) and np.isfinite(m["group_norms"]["stage_0"])
+  for new, old in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    shards = {str(s.index): np.asarray(s.data) for s in new.addressable_shards}
+    for s in new.addressable_shards:  # every copy of a slice is identical
+      np.testing.assert_array_equal(np.asarray(s.data), shards[str(s.index)])
+
+
+def _loop_bodies(hlo: str) -> dict[str, str]:
+  """Computation name -> text, for every while-loop body and what it calls."""
+  comps = {}
+  for block in re.split(r"\n(?=\S)", hlo):
+    m = re.match(r"(?:ENTRY )?%?([\w.\-]+)", block)
+    if m:
+      comps[m.group(1)] = block
+  todo = re.findall(r"body=%?([\w.\-]+)", hlo)
+  seen = {}
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen[name] = comps[name]
+    todo += re.findall(r"(?:to_apply|calls|body|condition|branch_computations)="
+                       r"\{?%?([\w.\-]+)", comps[name])
+    todo += re.findall(r"branch_computations=\{([^}]*)\}", comps[name]) and [
+        n.strip().lstrip("%") for n in re.findall(
+            r"branch_computations=\{([^}]*)\}", comps[name])[0].split(",")] or []
+  return seen
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_no_all_reduce_inside_the_pipeline_loop(schedule):
+  params, batch = make_params(), make_batch()
+  mesh = mesh_of(2, 4)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule=schedule)
+  hlo = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh, per_token_loss=True)).lower(params, batch).compile().as_text()
+  bodies = _loop_bodies(hlo)
+  assert bodies, "expected a while loop"
+  assert any("collective-permute" in text for text in bodies.values())
+  assert not [n for n, text in bodies.items() if "all-reduce" in text]
+  assert "all-reduce" in hlo  # the gradient sums do happen, after the loop
+
+
+def _temp_bytes_and_size(schedule, micro):
+  batch = make_batch(size=4 * micro)  # fixed micro-batch size, growing M
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule)
+  mesh = mesh_of(1, 4)
+  compiled = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh, per_token_loss=True)).lower(make_params(), batch).compile()
+  return compiled.memory_analysis().temp_size_in_bytes, len(compiled.as_text())
+
+
+def test_1f1b_memory_stays_flat_while_gpipe_grows():
+  gpipe = [_temp_bytes_and_size("gpipe", m) for m in (4, 16)]
+  ofob = [_temp_bytes_and_size("1f1b", m) for m in (4, 16)]
+  assert gpipe[1][0] > 1.6 * gpipe[0][0]
+  assert ofob[1][0] < 1.1 * ofob[0][0]
+  assert ofob[1][0] < gpipe[1][0]
+  # A scan, not an unrolled loop: the program does not grow with M.
+  for (_, small), (_, large) in (gpipe, ofob):
+    assert large < 1.05 * small
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, micro", [(1, 1), (2, 3), (4, 8), (4, 1), (3, 7)])
+def test_schedule_table_is_a_valid_pipeline(schedule, stages, micro):
+  table = pl.schedule_table(schedule, stages, micro)
+  when = {}
+  for t, row in enumerate(table):
+    for s, (op, m) in enumerate(row):
+      if op != pl.IDLE:
+        assert (op, s, m) not in when
+        when[(op, s, m)] = t
+  assert len(when) == 2 * stages * micro
+  for (op, s, m), t in when.items():
+    if op == pl.FWD and s > 0:
+      assert when[(pl.FWD, s - 1, m)] < t
+    if op == pl.BWD:
+      assert when[(pl.FWD, s, m)] < t
+      if s < stages - 1:
+        assert when[(pl.BWD, s + 1, m)] < t
+  S, M = stages, micro
+  assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (M + S - 1))
+  live = pl._live_slots(table)
+  assert live <= (min(S, M) if schedule == "1f1b" else M)
+
+
+def test_clear_errors():
+  params, batch = make_params(), make_batch()
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4)
+  with pytest.raises(ValueError, match="not divisible by 3 stages"):
+    model.value_and_grad(params, batch, mesh=Mesh(
+        np.array(jax.devices()[:3]).reshape(1, 3), ("data", "stage")))
+  with pytest.raises(ValueError, match="num_microbatches"):
+    model.value_and_grad(params, make_batch(size=12), mesh=mesh_of(2, 4))
+  with pytest.raises(ValueError, match="stage axis"):
+    model.value_and_grad(params, batch, mesh=Mesh(np.array(jax.devices()), ("data",)))
+  with pytest.raises(ValueError, match="num_microbatches"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 0)
+  with pytest.raises(ValueError, match="schedule"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 2, schedule="zb")
+  with pytest.raises(TypeError, match="stage_fn"):
+    pl.Pipeline(embed_fn, None, head_fn, 2)
+  with pytest.raises(TypeError, match="per_token_loss"):
+    pl.Pipeline(embed_fn, stage_fn, mean_head_fn, 2).value_and_grad(
+        params, batch, mesh=mesh_of(2, 4), per_token_loss=True)
