@@ -312,7 +312,13 @@ class Pipeline:
         out_specs=(P(), P(), specs))
     return fn(params, batch, jnp.asarray(loss_scale, jnp.float32))
 
-  def _head_terms(self, params, x, batch, per_token_loss):
+  def _head_terms(self, params, x, batch, per_token_loss, axes):
+    """``(loss, count)`` from ``head_fn``, both float32 and varying over ``axes`` (a
+    head may return a constant count, which would otherwise be device-invariant)."""
+    loss, count = self._head_outputs(params, x, batch, per_token_loss)
+    return _cast_varying((loss, count), axes)
+
+  def _head_outputs(self, params, x, batch, per_token_loss):
     out = self.head_fn(params, x, batch)
     if per_token_loss:
       if not (isinstance(out, tuple) and len(out) == 2):
@@ -323,8 +329,7 @@ class Pipeline:
     if isinstance(out, tuple) or jnp.ndim(out) != 0:
       raise TypeError("head_fn must return a scalar loss (or, with per_token_loss, "
                       "(loss_sum, num_tokens))")
-    loss = jnp.asarray(out, jnp.float32)
-    return loss, jnp.ones_like(loss)  # one example; ones_like keeps loss's vma type
+    return jnp.asarray(out, jnp.float32), jnp.ones((), jnp.float32)
 
   def _run_gpipe(self, params, micro, scale, S, M, table, per_token_loss, cast, fill,
                  axes):
@@ -354,7 +359,7 @@ class Pipeline:
         valid_out = last & (t >= S - 1)
         mb_out = jax.tree_util.tree_map(lambda x: x[m_out], micro)
         l, c = lax.cond(valid_out,
-                        lambda: self._head_terms(p, y, mb_out, per_token_loss),
+                        lambda: self._head_terms(p, y, mb_out, per_token_loss, axes),
                         lambda: (vzero(), vzero()))
         received = lax.ppermute(y, self.stage_axis, ring) if S > 1 else y
         return (received, loss + l, count + c), None
@@ -392,7 +397,7 @@ class Pipeline:
     def stage_and_head(p, x, m):
       mb = jax.tree_util.tree_map(lambda x: x[m], micro)
       y = self._layers(layers_of(cast(p)), x)
-      loss, count = self._head_terms(cast(p), y, mb, per_token_loss)
+      loss, count = self._head_terms(cast(p), y, mb, per_token_loss, axes)
       return scale * loss, (loss, count)
 
     def forward(p, x_in, m):
