@@ -71,13 +71,14 @@ def _reported_groups(inner_state: Any, own_groups):
 def guard_init(inner: optax.GradientTransformation, params: Any,
                groups: norms_lib.Groups) -> SkipNonfiniteState:
   inner_state = inner.init(params)
-  norms, sizes = _reported_groups(
-      inner_state, lambda: norms_lib.zero_group_stats(params, groups))
-  zero_i = jnp.zeros((), jnp.int32)
-  false = jnp.zeros((), jnp.bool_)
+  norms, sizes = jax.tree_util.tree_map(jnp.array, _reported_groups(  # copies
+      inner_state, lambda: norms_lib.zero_group_stats(params, groups)))
+  # A fresh array per field: one buffer shared by two fields cannot be donated.
+  zero_i = lambda: jnp.zeros((), jnp.int32)
+  false = lambda: jnp.zeros((), jnp.bool_)
   return SkipNonfiniteState(
-      inner_state=inner_state, skipped=zero_i, consecutive_skipped=zero_i,
-      overflow=false, nan=false, inf=false,
+      inner_state=inner_state, skipped=zero_i(), consecutive_skipped=zero_i(),
+      overflow=false(), nan=false(), inf=false(),
       global_norm=jnp.zeros((), jnp.float32), group_norms=norms, group_sizes=sizes)
 
 

@@ -77,3 +77,17 @@ def test_skip_nonfinite_validates():
     mpscale.skip_nonfinite(None)
   with pytest.raises(ValueError, match="groups"):
     mpscale.skip_nonfinite(optax.sgd(1.0), groups=0)
+
+
+def test_initial_state_can_be_donated():
+  # Two fields sharing one buffer would make donation fail ("donate the same buffer
+  # twice").
+  for tx in (mpscale.skip_nonfinite(optax.sgd(0.1)),
+             mpscale.dynamic_loss_scale(
+                 optax.chain(mpscale.clip_by_global_norm(1.0), optax.sgd(0.1)))):
+    params = {"w": jnp.ones((3,))}
+    state = tx.init(params)
+    leaves = jax.tree.leaves(state)
+    assert len({id(x) for x in leaves}) == len(leaves)
+    step = jax.jit(lambda p, s: tx.update(p, s, p)[1], donate_argnums=(1,))
+    jax.block_until_ready(step(params, state))
