@@ -57,10 +57,14 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-import numpy as np
 import optax
 
 import mpscale
+
+try:  # host page-fault counts (POSIX only)
+  import resource
+except ImportError:  # pragma: no cover
+  resource = None
 
 INIT_SCALE = 2.0**15
 GRAD_STD = 1e-3
@@ -254,69 +258,88 @@ RATIOS = [
 # --------------------------------------------------------------------------------------
 
 
-def _shape_bytes(shape_str: str) -> int:
-  """Bytes of one HLO shape like ``f32[8192,768]{1,0}`` (tuples: sum of elements)."""
-  sizes = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1,
-           "u8": 1, "f64": 8, "s64": 8, "u64": 8}
-  total = 0
-  for dt, dims in re.findall(r"\b(f32|f16|bf16|s32|u32|pred|s8|u8|f64|s64|u64)"
-                             r"\[([0-9,]*)\]", shape_str):
-    n = math.prod(int(x) for x in dims.split(",") if x) if dims else 1
-    total += n * sizes[dt]
-  return total
+_DT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1,
+             "u8": 1, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY_RE = re.compile(r"\b(f32|f16|bf16|s32|u32|pred|s8|u8|f64|s64|u64)\[([0-9,]*)\]")
+
+
+def _elements(shape_str: str) -> list[int]:
+  """Element counts of the arrays in one HLO shape string (tuples give several)."""
+  return [math.prod(int(x) for x in dims.split(",") if x) if dims else 1
+          for _, dims in _ARRAY_RE.findall(shape_str)]
 
 
 def hlo_stats(compiled_text: str, big: int) -> dict:
-  """Rough counts from a compiled module's text.
+  """Rough counts from a compiled (scheduled) module's text.
 
-  ``big``: element count above which an array counts as "large" (a gradient-sized
-  leaf); ``large_*`` counts are over arrays of at least that size.
+  An array counts as *big* (gradient-sized) when it has at least ``big`` elements.
+  Counted over the top-level (ENTRY) instructions, each of which is one kernel / loop:
+
+  * ``fusions`` by kind, ``copies`` (top-level ``copy``: a whole buffer duplicated,
+    usually inserted to protect a donated input that is read after an in-place write),
+    ``conditionals``;
+  * ``big_reduce``: top-level ops that reduce a big input (one full read each);
+  * ``big_reads`` / ``big_writes``: big operands read / big results written by top-level
+    ops: the number of passes over gradient-sized arrays (adamw alone: per big leaf,
+    3 fusions reading 7 and writing 3).
   """
-  lines = compiled_text.splitlines()
-  entry, in_entry = [], False
-  for ln in lines:
-    if ln.startswith("ENTRY"):
-      in_entry = True
+  comps: dict[str, list[str]] = {}
+  entry: list[str] = []
+  cur = None
+  for ln in compiled_text.splitlines():
+    m = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", ln)
+    if m and not ln.startswith(" "):
+      cur = "ENTRY" if m.group(1) else m.group(2)
+      comps[cur] = []
       continue
-    if in_entry:
-      if ln.startswith("}"):
-        break
-      entry.append(ln)
-  def first_shape(ln):
-    m = re.search(r"=\s*(\([^=]*?\)|\w+\[[0-9,]*\](?:\{[^}]*\})?)\s", ln)
-    return m.group(1) if m else ""
-  n_fusion = sum(1 for ln in entry if re.search(r"\bfusion\(", ln))
+    if ln.startswith("}"):
+      cur = None
+      continue
+    if cur is not None:
+      comps[cur].append(ln)
+  entry = comps.get("ENTRY", [])
+
+  def has_reduce(name, seen=()):
+    for ln in comps.get(name, []):
+      if re.search(r"\breduce(-window)?\(", ln):
+        return True
+      for callee in re.findall(r"calls=%([\w.\-]+)", ln):
+        if callee not in seen and has_reduce(callee, seen + (name,)):
+          return True
+    return False
+
+  shape_of: dict[str, str] = {}
   kinds: dict[str, int] = {}
+  n_fusion = n_cond = n_copy = big_reduce = big_reads = big_writes = 0
   for ln in entry:
-    m = re.search(r"kind=(k\w+)", ln)
-    if m:
-      kinds[m.group(1)] = kinds.get(m.group(1), 0) + 1
-  n_reduce_all = sum(1 for ln in lines if re.search(r"\breduce\(", ln))
-  # Large reductions: reduce ops whose input operand is large.
-  n_big_reduce = 0
-  for ln in lines:
-    if re.search(r"\breduce\(", ln):
-      ops = re.search(r"reduce\((.*)\)", ln)
-      if ops and any(_shape_bytes(s) // 4 >= big for s in
-                     re.findall(r"\w+\[[0-9,]*\]", ops.group(1))):
-        n_big_reduce += 1
-  n_cond = sum(1 for ln in entry if re.search(r"\bconditional\(", ln))
-  n_copy = sum(1 for ln in entry if re.search(r"\bcopy\(", ln))
-  # Large top-level outputs (materialized arrays that are gradient-sized).
-  n_big_out = 0
-  for ln in entry:
-    if "parameter(" in ln or "get-tuple-element(" in ln or ln.strip().startswith("ROOT"):
+    m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$", ln)
+    if not m:
       continue
-    shp = first_shape(ln)
-    if shp and not shp.startswith("("):
-      if _shape_bytes(shp) // 4 >= big:
-        n_big_out += 1
-    elif shp:
-      n_big_out += sum(1 for s in re.findall(r"\w+\[[0-9,]*\]", shp)
-                       if _shape_bytes(s) // 4 >= big)
-  return dict(entry_fusions=n_fusion, kinds=kinds, reduce_ops=n_reduce_all,
-              big_reduce_ops=n_big_reduce, conditionals=n_cond, entry_copies=n_copy,
-              big_materialized=n_big_out)
+    name, shape, op, rest = m.groups()
+    shape_of[name] = shape
+    if op in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+      continue
+    operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0] if op != "fusion"
+                          else rest.split("), kind=")[0])
+    reads = sum(1 for o in operands for n in _elements(shape_of.get(o, "")) if n >= big)
+    writes = sum(1 for n in _elements(shape) if n >= big)
+    big_reads += reads
+    big_writes += writes
+    if op == "fusion":
+      n_fusion += 1
+      k = re.search(r"kind=(k\w+)", rest)
+      if k:
+        kinds[k.group(1)] = kinds.get(k.group(1), 0) + 1
+    elif op == "conditional":
+      n_cond += 1
+    elif op == "copy":
+      n_copy += 1
+    callees = re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", rest)
+    if reads and (op in ("reduce", "reduce-window") or any(has_reduce(c) for c in callees)):
+      big_reduce += 1
+  return dict(entry_fusions=n_fusion, kinds=kinds, big_reduce_ops=big_reduce,
+              conditionals=n_cond, entry_copies=n_copy, big_reads=big_reads,
+              big_writes=big_writes)
 
 
 # --------------------------------------------------------------------------------------
@@ -328,11 +351,18 @@ def _ms(x):
   return f"{1e3 * x:9.2f}"
 
 
+def _minflt() -> int:
+  if resource is None:
+    return 0
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true",
-                  help="1 block, vocab 4096, 5 rounds x 3 reps (about 20 s on 2 cores)")
+                  help="1 block, vocab 4096 (14M params, 17 leaves), 5 rounds x 3 reps "
+                       "(about 30 s on 2 CPU cores)")
   ap.add_argument("--rounds", type=int, default=None, help="rounds (default 12; quick 5)")
   ap.add_argument("--reps", type=int, default=None,
                   help="calls per impl per round (default 3; quick 3)")
@@ -340,7 +370,8 @@ def main(argv=None) -> int:
   ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (8192)")
   ap.add_argument("--impls", default="abcdefg", help="which impls, e.g. 'a,c,d' or 'ad'")
   ap.add_argument("--hlo", action="store_true",
-                  help="print compiled-HLO stats (fusions, reduces, cost analysis)")
+                  help="print compiled-HLO stats (fusions, copies, reductions, passes "
+                       "over gradient-sized arrays, cost and memory analysis)")
   ap.add_argument("--dump-hlo", default=None, metavar="DIR",
                   help="write each impl's compiled HLO text to DIR/<key>.txt")
   ap.add_argument("--seed", type=int, default=0)
@@ -369,8 +400,13 @@ def main(argv=None) -> int:
   big = min(x.size for x in leaves if x.ndim == 2)
 
   dev = jax.devices()[0]
-  print(f"jax {jax.__version__}  jaxlib {jax.lib.__version__ if hasattr(jax.lib, '__version__') else '?'}  "
-        f"optax {optax.__version__}  python {platform.python_version()}")
+  try:
+    import jaxlib  # noqa: PLC0415
+    jaxlib_version = jaxlib.__version__
+  except (ImportError, AttributeError):
+    jaxlib_version = "?"
+  print(f"jax {jax.__version__}  jaxlib {jaxlib_version}  optax {optax.__version__}  "
+        f"mpscale {mpscale.__version__}  python {platform.python_version()}")
   print(f"device: {dev.platform} {dev.device_kind}  (host cpus: {os.cpu_count()})")
   print(f"tree: {len(leaves)} leaves, {n_params / 1e6:.2f}M float32 params "
         f"({4 * n_params / 2**20:.0f} MiB per tree), top-level modules: "
@@ -382,9 +418,9 @@ def main(argv=None) -> int:
   compiled, state, compile_s, stats = {}, {}, {}, {}
   for impl in impls:
     p = copy_tree(params0)
-    # Copied leaf by leaf: an init may return one array object in several leaves
-    # (mpscale's guard_init reuses one `false` / one int32 zero for several fields),
-    # and donating such a state fails with "Attempt to donate the same buffer twice".
+    # Copied leaf by leaf: an eagerly built state may hold one array in several leaves
+    # (mpscale's guard_init did before b0debc8), and donating such a state fails with
+    # "Attempt to donate the same buffer twice".
     s = copy_tree(impl.init(p))
     g = scaled_grads if impl.scaled_grads else grads
     jitted = jax.jit(impl.step, donate_argnums=(0, 1))
@@ -421,6 +457,7 @@ def main(argv=None) -> int:
   # Round-robin timing.
   rng = random.Random(args.seed)
   per_round: dict[str, list[float]] = {i.key: [] for i in impls}
+  faults: dict[str, list[float]] = {i.key: [] for i in impls}
   gc_was = gc.isenabled()
   gc.disable()
   try:
@@ -431,24 +468,33 @@ def main(argv=None) -> int:
         c = compiled[impl.key]
         p, s, g = state[impl.key]
         times = []
+        f0 = _minflt()
         for _ in range(reps):
           t0 = time.perf_counter()
           p, s = c(p, s, g)
           jax.block_until_ready((p, s))
           times.append(time.perf_counter() - t0)
+        f1 = _minflt()
         state[impl.key] = (p, s, g)
         per_round[impl.key].append(statistics.median(times))
+        faults[impl.key].append((f1 - f0) / reps)
   finally:
     if gc_was:
       gc.enable()
 
   # Report.
+  # Host minor page faults per call, in MiB touched for the first time (4 KiB pages):
+  # on the CPU backend every gradient-sized scratch buffer or non-donated output is
+  # freshly mapped memory on each call, and faulting it in can cost more than the
+  # arithmetic. (Meaningless on GPU, where the device allocator reuses memory.)
+  page = resource.getpagesize() if resource is not None else 4096
   print(f"{'impl':<5}{'':<43}{'median ms':>10}{'min ms':>10}{'max ms':>10}"
-        f"{'compile s':>11}")
+        f"{'compile s':>11}{'fault MiB':>11}")
   for impl in impls:
     t = per_round[impl.key]
+    fm = statistics.median(faults[impl.key]) * page / 2**20
     print(f"  {impl.key}  {impl.label:<42s}{_ms(statistics.median(t))} {_ms(min(t))} "
-          f"{_ms(max(t))}{compile_s[impl.key]:10.2f}")
+          f"{_ms(max(t))}{compile_s[impl.key]:10.2f}{fm:11.0f}")
   print()
   print("paired ratios (median over rounds of impl/baseline, same round):")
   for num, den, target in RATIOS:
@@ -462,20 +508,25 @@ def main(argv=None) -> int:
     if target is not None:
       verdict = f"target <= {target:.2f}: {'PASS' if med <= target else 'MISS'}"
     print(f"  {num}/{den} = {med:6.3f}   (IQR {lo:.3f}-{hi:.3f})   {verdict}")
+  if dev.platform == "cpu":
+    print()
+    print("note: on the CPU backend XLA has no multi-output loop fusion and allocates "
+          "its scratch buffers afresh on every call (see 'fault MiB'); the targets were "
+          "set for accelerators, where the update is expected to be one fused pass. "
+          "See benchmarks/README.md.")
 
   if stats:
     print()
-    print("compiled HLO (ENTRY fusions by kind; reduce ops in module and those over "
-          f">= {big}-element inputs; gradient-sized arrays materialized at top level; "
-          "cost-analysis bytes accessed and scratch (temp) memory, both in units of one "
-          "float32 tree):")
+    print(f"compiled HLO, top-level ops (big = >= {big} elements, i.e. the matrices; "
+          "bytes = cost-analysis bytes accessed, temp = scratch memory, both in units "
+          "of one float32 tree):")
     for impl in impls:
       st = stats[impl.key]
       kinds = " ".join(f"{k[1:]}={v}" for k, v in sorted(st["kinds"].items()))
       print(f"  {impl.key}: fusions={st['entry_fusions']:<4d} [{kinds}]  "
-            f"reduce={st['reduce_ops']:<4d} big_reduce={st['big_reduce_ops']:<3d} "
-            f"cond={st['conditionals']} copies={st['entry_copies']} "
-            f"big_out={st['big_materialized']:<4d} "
+            f"copies={st['entry_copies']:<3d} cond={st['conditionals']} "
+            f"big_reduce={st['big_reduce_ops']:<3d} big_reads={st['big_reads']:<4d} "
+            f"big_writes={st['big_writes']:<4d} "
             f"bytes/tree={st['bytes_accessed_trees']:.2f} "
             f"temp/tree={st['temp_trees']:.2f}")
   return 0

@@ -17,6 +17,9 @@ from mpscale.norms import (
     global_norm,
     group_norms,
 )
+from mpscale.pipeline import Pipeline, bubble_fraction, schedule_table, stage_groups
+from mpscale.policy import Policy, default_keep_fp32, get_policy, keep_fp32_by_name
+from mpscale.train_step import TrainState, accumulate_gradients, make_train_step
 
 __version__ = "0.1.0"
 
@@ -24,15 +27,26 @@ __all__ = [
     "ClipByGlobalNormState",
     "LeafSquares",
     "LossScaleState",
+    "Pipeline",
+    "Policy",
     "SkipNonfiniteState",
+    "TrainState",
+    "accumulate_gradients",
+    "bubble_fraction",
     "clip_by_global_norm",
+    "default_keep_fp32",
     "dynamic_loss_scale",
     "fixed_loss_scale",
+    "get_policy",
     "global_norm",
     "group_norms",
+    "keep_fp32_by_name",
     "loss_scale_of",
+    "make_train_step",
     "no_loss_scale",
     "skip_nonfinite",
+    "schedule_table",
+    "stage_groups",
     "step_metrics",
     "with_loss_scale",
 ]

@@ -311,3 +311,38 @@ def test_clear_errors():
   with pytest.raises(TypeError, match="per_token_loss"):
     pl.Pipeline(embed_fn, stage_fn, mean_head_fn, 2).value_and_grad(
         params, batch, mesh=mesh_of(2, 4), per_token_loss=True)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_make_train_step_with_a_pipeline_matches_the_plain_step(schedule):
+  params, batch = make_params(), make_batch()
+  tx = _optimizer(4)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule=schedule)
+  mesh = mesh_of(2, 4)
+  init, step = mpscale.make_train_step(model, tx, mesh=mesh, per_token_loss=True)
+  ref_init, ref_step = mpscale.make_train_step(model.apply, tx, per_token_loss=True)
+  state, ref_state = init(params), ref_init(params)
+  assert state.params["stages"]["w"].sharding.spec == jax.sharding.PartitionSpec(
+      "stage")
+  mu = state.opt_state.guard.inner_state[1][0].mu  # adam's first moment
+  assert mu["stages"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage")
+  for _ in range(5):
+    state, metrics = step(state, batch)
+    ref_state, ref_metrics = ref_step(ref_state, batch)
+  assert_close(state.params, ref_state.params)
+  assert_close(state.opt_state, ref_state.opt_state)
+  for key in ("loss", "num_tokens", "global_norm", "group_norms", "loss_scale"):
+    assert_close(metrics[key], ref_metrics[key])
+  assert "stage_3" in metrics["group_norms"]
+  assert step._cache_size() == 1
+
+
+def test_make_train_step_pipeline_errors():
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4)
+  tx = optax.sgd(0.1)
+  with pytest.raises(ValueError, match="stage axis"):
+    mpscale.make_train_step(model, tx, mesh=Mesh(np.array(jax.devices()), ("data",)))
+  with pytest.raises(ValueError, match="disagrees"):
+    mpscale.make_train_step(model, tx, mesh=mesh_of(2, 4), num_microbatches=2)
+  with pytest.raises(ValueError, match="shard_optimizer_state"):
+    mpscale.make_train_step(model, tx, mesh=mesh_of(2, 4), shard_optimizer_state=True)

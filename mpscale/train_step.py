@@ -1,0 +1,588 @@
+"""The train step: precision policy, loss scaling, micro-batches and data parallelism.
+
+`make_train_step(loss_fn, optimizer, ...)` returns ``(init, step)``. One step::
+
+  scale = loss_scale_of(opt_state)                    # the scale used for this step
+  g = 0                                               # float32, shaped like params
+  for micro_batch in split(batch, num_microbatches):  # a lax.scan
+    g += grad(scale * loss_fn(policy.cast_to_compute(params), micro_batch))
+  g /= num_microbatches          # or / total token count, with per_token_loss
+  updates, opt_state = optimizer.update(g, opt_state, params)
+  params = apply_updates(params, updates)             # master params, param_dtype
+
+The optimizer's mpscale wrapper (`dynamic_loss_scale`, `fixed_loss_scale`,
+`no_loss_scale`) unscales ``g`` in float32, checks it in one pass, skips a non-finite
+step and adjusts the scale. An optimizer without one is wrapped in `no_loss_scale`, so
+every step reports the same metrics and skips non-finite gradients.
+
+Data parallelism is jit + GSPMD over a `jax.sharding.Mesh`: the batch is sharded over
+the data axis, the parameters are replicated, and XLA inserts the gradient all-reduce.
+With ``shard_optimizer_state=True`` each optimizer-state leaf is sharded over the data
+axis along its largest divisible dimension (ZeRO-1); XLA then updates each shard where
+it lives and all-gathers the parameter updates.
+
+The overflow check, the global norm and the group norms read one float32 sum of squares
+per gradient leaf (`mpscale.norms`); across devices they only ever move those scalars,
+never a gradient. On replicated gradients (plain data parallelism) each device sums its
+all-reduced copy, with no communication; on sharded ones (ZeRO-1) XLA all-reduces the
+per-device partial sums, a few bytes. Each leaf's sum can start as soon as that leaf's
+all-reduce lands, so the check puts no collective of its own on the critical path and
+the large gradient all-reduces are free to overlap the backward pass. On GPU, let
+XLA schedule for that overlap with::
+
+  XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true
+             --xla_gpu_all_reduce_combine_threshold_bytes=134217728"
+
+(the second combines the per-leaf all-reduces into fewer, larger ones; the names and
+defaults of XLA flags change between jaxlib releases, see the JAX "GPU performance
+tips"). With micro-batches, each data replica accumulates its own float32 gradient
+inside the ``lax.scan`` (the loss function is ``jax.vmap``-ed over the replicas, each
+seeing its own rows), and the replicas' sums are added once after the loop: one
+gradient all-reduce per step, not one per micro-batch.
+
+A Flax ``TrainState`` user takes the short path::
+
+  init, step = mpscale.make_train_step(loss_fn, ts.tx, policy="O2")
+  state = init(ts)                  # keeps ts.params, ts.step and the Adam moments
+  for batch in data:
+    state, metrics = step(state, batch)
+  ts = ts.replace(params=state.params, step=state.step)   # for ts.apply_fn
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+import optax
+
+from mpscale import finite
+from mpscale import loss_scale as loss_scale_lib
+from mpscale import metrics as metrics_lib
+from mpscale import norms as norms_lib
+from mpscale import pipeline as pipeline_lib
+from mpscale import policy as policy_lib
+
+LossFn = Callable[[Any, Any], Any]
+DataAxis = Union[str, tuple[str, ...]]
+
+
+class TrainState(NamedTuple):
+  """Everything a step reads and writes; a plain pytree that checkpoints cleanly."""
+  params: Any
+  """Master parameters, in the policy's ``param_dtype``."""
+  opt_state: Any
+  """Optimizer state, holding an mpscale loss-scale wrapper state (the scale, the skip
+  counters and the latest step's norms)."""
+  step: jax.Array
+  """int32 number of steps taken, skipped ones included."""
+
+  @classmethod
+  def from_flax(cls, flax_state: Any) -> "TrainState":
+    """The params, opt_state and step of a ``flax.training.train_state.TrainState``.
+
+    The opt_state is taken as it is; `make_train_step`'s ``init`` also wraps a plain
+    optax state into the loss-scale state its step expects.
+    """
+    for field in ("params", "opt_state", "step"):
+      if not hasattr(flax_state, field):
+        raise TypeError(f"expected a flax TrainState; {type(flax_state).__name__} has "
+                        f"no {field!r}")
+    return cls(flax_state.params, flax_state.opt_state,
+               jnp.asarray(flax_state.step, jnp.int32))
+
+
+def _is_flax_state(x: Any) -> bool:
+  return all(hasattr(x, f) for f in ("params", "opt_state", "step", "tx", "apply_fn"))
+
+
+def _shapes(tree: Any) -> Any:
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def _has_wrapper(optimizer: optax.GradientTransformation, params: Any) -> bool:
+  state = jax.eval_shape(optimizer.init, _shapes(params))
+  return bool(finite.find_states(state, finite.SkipNonfiniteState))
+
+
+def _wrapped(optimizer: optax.GradientTransformation, params: Any
+            ) -> optax.GradientTransformation:
+  """``optimizer``, or `no_loss_scale(optimizer)` when it has no mpscale wrapper."""
+  if _has_wrapper(optimizer, params):
+    return optimizer
+  return loss_scale_lib.no_loss_scale(optimizer)
+
+
+def _split_microbatches(batch: Any, num_microbatches: int, num_replicas: int) -> Any:
+  """Leading dim ``B`` -> ``[num_microbatches, num_replicas, B / (both)]``, or
+  ``[num_microbatches, B / num_microbatches]`` with one replica.
+
+  Replica ``r``'s rows are the contiguous block ``r`` of the batch (its data-parallel
+  shard), cut into ``num_microbatches`` contiguous micro-batches, so the split moves no
+  data between devices. With one replica, micro-batch ``k`` is block ``k``.
+  """
+  def split(x):
+    rows = x.shape[0] // (num_microbatches * num_replicas)
+    x = x.reshape((num_replicas, num_microbatches, rows) + x.shape[1:])
+    x = jnp.swapaxes(x, 0, 1)
+    return x[:, 0] if num_replicas == 1 else x
+  return jax.tree_util.tree_map(split, batch)
+
+
+def _check_loss_structure(out: Any, per_token_loss: bool) -> None:
+  def is_scalar(x, kind):
+    return (isinstance(x, jax.ShapeDtypeStruct) and x.shape == ()
+            and jnp.issubdtype(x.dtype, kind))
+
+  if per_token_loss:
+    if (not isinstance(out, (tuple, list)) or len(out) != 2
+        or not is_scalar(out[0], jnp.floating)
+        or not is_scalar(out[1], jnp.number)):
+      raise TypeError(
+          "with per_token_loss=True, loss_fn(params, batch) must return "
+          "(loss_sum, num_tokens): a floating scalar and a numeric scalar; got "
+          f"{out}")
+  elif not is_scalar(out, jnp.floating):
+    raise TypeError(
+        "loss_fn(params, batch) must return a floating scalar loss (or, with "
+        f"per_token_loss=True, a pair (loss_sum, num_tokens)); got {out}")
+
+
+def _check_batch(batch: Any, divisor: int, what: str) -> int:
+  """Checks that the batch leaves share a leading dim divisible by ``divisor``.
+
+  Returns that dim (the number of rows; 0 for a batch without arrays). Scalar leaves
+  are allowed only when ``divisor`` is 1.
+  """
+  sizes = set()
+  for path, x in jax.tree_util.tree_leaves_with_path(batch):
+    shape = np.shape(x)
+    name = norms_lib.path_name(path) or "batch"
+    if not shape:
+      if divisor > 1:
+        raise ValueError(f"batch leaf {name!r} is a scalar; with data parallelism or "
+                         "micro-batches every batch leaf needs a leading batch "
+                         "dimension")
+      continue
+    if shape[0] % divisor:
+      raise ValueError(f"batch leaf {name!r} has leading dimension {shape[0]}, which "
+                       f"is not divisible by {what} = {divisor}")
+    sizes.add(shape[0])
+  if len(sizes) > 1:
+    raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
+  return sizes.pop() if sizes else 0
+
+
+def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
+                         loss_scale: Any = 1.0,
+                         policy: Union[None, str, policy_lib.Policy] = None,
+                         num_microbatches: int = 1, per_token_loss: bool = False,
+                         mesh: Optional[Mesh] = None, data_axis: DataAxis = "data"
+                        ) -> tuple[Any, jax.Array, jax.Array]:
+  """float32 gradients of ``loss_scale * loss``, accumulated over micro-batches.
+
+  ``loss_fn`` sees the parameters cast by ``policy.cast_to_compute``; the gradients
+  flow back through that cast (so through the compute dtype) and are returned as
+  float32, shaped like ``params``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (a mean), or with ``per_token_loss``
+      ``-> (loss_sum, num_tokens)``.
+    params: the master parameters.
+    batch: a pytree of arrays with a common leading batch dimension.
+    loss_scale: multiplies the loss before differentiation.
+    policy: a `mpscale.Policy` or preset name; default float32.
+    num_microbatches: splits the batch's leading dimension into this many micro-batches
+      (a ``lax.scan``), accumulating float32 gradients.
+    per_token_loss: divide by the token count summed over all micro-batches
+      (mindformers/Megatron ``calculate_per_token_loss``) instead of averaging the
+      micro-batch means. A step with no tokens has zero gradients and a zero loss.
+    mesh: with micro-batches, the mesh whose ``data_axis`` shards the batch: each data
+      replica then accumulates its own gradient (``jax.vmap`` over replicas) and the
+      replicas' gradients are added once, after the loop, so the gradient all-reduce
+      happens once per step. Without micro-batches GSPMD needs no help.
+    data_axis: the mesh axis (or axes) of the data-parallel replicas.
+
+  Returns:
+    ``(grads, loss, num_tokens)``: the float32 gradients of ``loss_scale * loss``; the
+    unscaled float32 loss (the mean over micro-batches, or the loss sum over the token
+    count); and the token count (the number of batch rows without ``per_token_loss``).
+  """
+  policy = policy_lib.Policy() if policy is None else policy_lib.get_policy(policy)
+  _check_positive_int("num_microbatches", num_microbatches)
+  scale = jnp.asarray(loss_scale, jnp.float32)
+  rows = _check_batch(batch, num_microbatches * _data_size(mesh, data_axis),
+                      "the data-parallel size x num_microbatches")
+
+  def scaled_loss(p, micro_batch):
+    out = loss_fn(policy.cast_to_compute(p), micro_batch)
+    loss, tokens = out if per_token_loss else (out, 0)
+    loss = jnp.asarray(loss).astype(jnp.float32)
+    return scale * loss, (loss, jnp.asarray(tokens))
+
+  grad_fn = jax.grad(scaled_loss, has_aux=True)
+
+  if num_microbatches == 1:
+    # One gradient: under a mesh, GSPMD all-reduces it once.
+    grads, (loss, tokens) = grad_fn(params, batch)
+    grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    pieces = 1
+  else:
+    # Each replica accumulates its own gradient over the micro-batches, and the
+    # replicas' sums are added once after the loop: one gradient all-reduce per step,
+    # not one per micro-batch.
+    replicas = _data_size(mesh, data_axis)
+    pieces = num_microbatches * replicas
+    micro_batches = _split_microbatches(batch, num_microbatches, replicas)
+    piece_grad = grad_fn if replicas == 1 else jax.vmap(grad_fn, in_axes=(None, 0))
+
+    def on_replicas(tree, batch_dim):
+      if replicas == 1:
+        return tree
+      spec = PartitionSpec(*([None] * batch_dim), data_axis)
+      return lax.with_sharding_constraint(
+          tree, jax.tree_util.tree_map(lambda _: NamedSharding(mesh, spec), tree))
+
+    micro_batches = on_replicas(micro_batches, 1)
+    first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
+    grad_shapes, (loss_shape, tokens_shape) = jax.eval_shape(piece_grad, params, first)
+    zeros = (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                                    grad_shapes),
+             (jnp.zeros(loss_shape.shape, jnp.float32),
+              jnp.zeros(tokens_shape.shape, _token_dtype(tokens_shape.dtype))))
+
+    def body(carry, micro_batch):
+      new = piece_grad(params, micro_batch)
+      carry = jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry, new)
+      return on_replicas(carry, 0), None
+
+    (grads, (loss, tokens)), _ = lax.scan(body, on_replicas(zeros, 0), micro_batches)
+    if replicas > 1:
+      grads, loss, tokens = jax.tree_util.tree_map(
+          lambda x: jnp.sum(x, axis=0), (grads, loss, tokens))
+
+  if per_token_loss:
+    tokens = tokens.astype(_token_dtype(jnp.result_type(tokens)))
+    inv = 1.0 / jnp.maximum(tokens.astype(jnp.float32), 1.0)
+  else:
+    tokens = jnp.asarray(rows, jnp.int32)
+    inv = 1.0 / pieces
+  if per_token_loss or pieces > 1:
+    grads = jax.tree_util.tree_map(lambda g: g * inv, grads)
+    loss = loss * inv
+  return grads, loss, tokens
+
+
+def _token_dtype(dtype: Any) -> Any:
+  """Token counts add up in int32 (exact) or, when floating, in float32."""
+  return jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else jnp.float32
+
+
+def _zero1_spec(shape: Sequence[int], data_size: int, data_axis: DataAxis
+               ) -> PartitionSpec:
+  """Shards the largest dimension divisible by ``data_size``; else replicates."""
+  best = None
+  for i, n in enumerate(shape):
+    if n >= data_size and n % data_size == 0 and (best is None or n > shape[best]):
+      best = i
+  if best is None or data_size == 1:
+    return PartitionSpec()
+  # No trailing Nones: XLA hands the outputs back without them, and jit would see
+  # P("data", None) != P("data") and compile the step a second time.
+  return PartitionSpec(*([None] * best), data_axis)
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+  if value < 1:
+    raise ValueError(f"{name} must be >= 1; got {value}")
+  return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+  return value
+
+
+def _data_size(mesh: Optional[Mesh], data_axis: DataAxis) -> int:
+  if mesh is None:
+    return 1
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+  if not axes or not all(isinstance(a, str) for a in axes):
+    raise TypeError(f"data_axis must be a str or a tuple of str; got {data_axis!r}")
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"mesh has axes {tuple(mesh.axis_names)} but no data axis "
+                     f"{missing[0]!r}; pass data_axis= one of them")
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _check_pipeline(pipeline: pipeline_lib.Pipeline, mesh: Optional[Mesh],
+                    data_axis: DataAxis, num_microbatches: int,
+                    shard_optimizer_state: bool) -> int:
+  """Validates a pipelined step's settings; returns its micro-batch count."""
+  if mesh is None or pipeline.stage_axis not in mesh.axis_names:
+    raise ValueError(f"a Pipeline needs a mesh with its stage axis "
+                     f"{pipeline.stage_axis!r}; got "
+                     f"{None if mesh is None else tuple(mesh.axis_names)}")
+  if not isinstance(data_axis, str):
+    raise TypeError(f"with a Pipeline, data_axis must be one axis name; got "
+                    f"{data_axis!r}")
+  if num_microbatches not in (1, pipeline.num_microbatches):
+    raise ValueError(f"num_microbatches={num_microbatches} disagrees with the "
+                     f"pipeline's num_microbatches={pipeline.num_microbatches}")
+  if shard_optimizer_state:
+    raise ValueError("shard_optimizer_state is not supported with a Pipeline (the "
+                     "stage axis already splits the layers' optimizer state)")
+  return pipeline.num_microbatches
+
+
+def _like_params(opt_state: Any, param_shardings: Any, other: Any) -> Any:
+  """Shardings for ``opt_state``: subtrees shaped like the params (Adam's moments)
+  take the params' shardings, every other leaf ``other``."""
+  params_def = jax.tree_util.tree_structure(param_shardings)
+  like = lambda x: (not isinstance(x, NamedSharding) and
+                    jax.tree_util.tree_structure(x) == params_def)
+  return jax.tree_util.tree_map(
+      lambda x: param_shardings if like(x) else other, opt_state,
+      is_leaf=lambda x: like(x) or not isinstance(x, (tuple, list, dict)))
+
+
+def _warn_if_unscaled(policy: policy_lib.Policy, opt_state: Any) -> None:
+  if not policy.needs_loss_scaling:
+    return
+  states = finite.find_states(opt_state, loss_scale_lib.LossScaleState)
+  scale = states[0].loss_scale if states else None
+  unscaled = scale is None
+  if scale is not None and not isinstance(scale, jax.core.Tracer):
+    unscaled = float(scale) == 1.0
+  if unscaled:
+    warnings.warn(
+        f"policy {policy} computes in float16 but the optimizer has no loss scaling "
+        "(scale 1): small float16 gradients will flush to zero. Wrap the optimizer in "
+        "mpscale.dynamic_loss_scale, e.g. with policy.with_loss_scaling(optimizer).",
+        stacklevel=3)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                    policy: Union[None, str, policy_lib.Policy] = None,
+                    mesh: Optional[Mesh] = None, data_axis: DataAxis = "data",
+                    num_microbatches: int = 1, per_token_loss: bool = False,
+                    shard_optimizer_state: bool = False, donate: bool = True
+                   ) -> tuple[Callable[[Any], TrainState],
+                              Callable[[TrainState, Any], tuple[TrainState, dict]]]:
+  """A jitted mixed-precision, data-parallel train step and its ``init``.
+
+  See the module docstring for the algorithm. ``init(params)`` casts the parameters to
+  the policy's ``param_dtype``, initializes the optimizer (wrapped in `no_loss_scale`
+  when it has no mpscale loss-scale or skip wrapper) and places everything on the mesh.
+  ``step(state, batch)`` is a ``jax.jit`` function; it checks the batch and the loss
+  function's output structure (with ``jax.eval_shape``) when it traces.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``, a floating scalar mean loss; with
+      ``per_token_loss=True``, ``-> (loss_sum, num_tokens)``. It receives the
+      parameters cast by ``policy.cast_to_compute``; casting its inputs and outputs
+      (``policy.cast_to_compute(x)``, ``policy.cast_to_output(logits)``) is its own job.
+      Or a `mpscale.Pipeline`: the model is then pipelined over the mesh's stage axis
+      (the mesh needs it), the stacked layers are sharded over that axis (and so are
+      the optimizer-state subtrees shaped like the parameters), micro-batching is the
+      pipeline's own (``num_microbatches`` here must be 1 or the same), and
+      ``shard_optimizer_state`` is not supported. Pass ``groups=mpscale.stage_groups(
+      num_stages)`` to the optimizer's wrapper for one group norm per stage.
+    optimizer: an optax transformation, ideally wrapped in `mpscale.dynamic_loss_scale`
+      (float16) or `mpscale.no_loss_scale`; see `mpscale.Policy.needs_loss_scaling`.
+      Leave the wrappers' ``axis_name`` unset: under jit + GSPMD the overflow check
+      already sees the gradients of the whole batch.
+    policy: a `mpscale.Policy` or a name for `mpscale.get_policy`; default float32.
+      ``init`` warns when the policy needs loss scaling (float16) and the optimizer's
+      loss scale is 1: no wrapper, `no_loss_scale`, or a fixed scale of 1.
+    mesh: a ``jax.sharding.Mesh`` for data parallelism, or ``None`` for one device.
+    data_axis: the mesh axis (or tuple of axes) the batch is sharded over; parameters
+      are replicated over the whole mesh.
+    num_microbatches: gradient accumulation: the batch's leading dimension is split
+      into this many micro-batches under one loss scale, with one optimizer update.
+      Each data replica's rows are cut into contiguous micro-batches, and ``loss_fn``
+      sees ``batch_size / (num_microbatches * data-parallel size)`` rows at a time, so
+      it must be a mean (or, with ``per_token_loss``, a sum) over rows.
+    per_token_loss: the gradient is divided by the token count summed over all
+      micro-batches and data replicas (mindformers/Megatron
+      ``calculate_per_token_loss``).
+    shard_optimizer_state: ZeRO-1: shard each optimizer-state leaf over the data axis
+      along its largest dimension divisible by the data-parallel size (others are
+      replicated). Needs a mesh. Results are the same as unsharded.
+    donate: donate the input state's buffers to the output state.
+
+  Returns:
+    ``(init, step)``: ``init(params | flax TrainState | TrainState) -> TrainState`` and
+    ``step(state, batch) -> (state, metrics)``. ``metrics`` is a dict of device arrays:
+    ``loss`` (unscaled; per token with ``per_token_loss``), ``num_tokens`` (batch rows
+    without ``per_token_loss``), ``loss_scale`` (the scale this step's loss was
+    multiplied by; the next one is ``mpscale.loss_scale_of(state.opt_state)``),
+    ``overflow``, ``nan``, ``inf``, ``skipped`` (total), ``consecutive_skipped``,
+    ``global_norm``, ``group_norms``, ``group_sizes`` and, when the optimizer records
+    one (``optax.inject_hyperparams``), ``learning_rate``.
+
+  Raises:
+    ValueError: for a mesh without ``data_axis``; ``shard_optimizer_state`` without a
+      mesh; and, when ``step`` traces, a batch whose size is not divisible by the
+      data-parallel size times ``num_microbatches``.
+    TypeError: when ``step`` traces, for a ``loss_fn`` returning the wrong structure.
+
+  Example:
+    >>> tx = mpscale.dynamic_loss_scale(optax.adamw(1e-3))
+    >>> init, step = mpscale.make_train_step(loss_fn, tx, policy="O2", mesh=mesh)
+    >>> state = init(params)
+    >>> state, metrics = step(state, batch)
+  """
+  pipeline = loss_fn if isinstance(loss_fn, pipeline_lib.Pipeline) else None
+  if pipeline is None and not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError("optimizer must be an optax.GradientTransformation; got "
+                    f"{type(optimizer).__name__}")
+  policy = policy_lib.Policy() if policy is None else policy_lib.get_policy(policy)
+  _check_positive_int("num_microbatches", num_microbatches)
+  _check_bool("per_token_loss", per_token_loss)
+  _check_bool("shard_optimizer_state", shard_optimizer_state)
+  _check_bool("donate", donate)
+  data_size = _data_size(mesh, data_axis)
+  if shard_optimizer_state and mesh is None:
+    raise ValueError("shard_optimizer_state=True needs a mesh")
+  if pipeline is not None:
+    num_microbatches = _check_pipeline(pipeline, mesh, data_axis, num_microbatches,
+                                       shard_optimizer_state)
+  divisor = data_size * num_microbatches
+  divisor_text = (f"data-parallel size {data_size} x num_microbatches "
+                  f"{num_microbatches}")
+
+  def state_shardings(state: TrainState) -> Optional[TrainState]:
+    if mesh is None:
+      return None
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def opt_sharding(x):
+      if not shard_optimizer_state:
+        return replicated
+      return NamedSharding(mesh, _zero1_spec(np.shape(x), data_size, data_axis))
+
+    if pipeline is not None:
+      params = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec),
+                                      pipeline.param_specs(state.params))
+      return TrainState(params, _like_params(state.opt_state, params, replicated),
+                        replicated)
+    return TrainState(
+        params=jax.tree_util.tree_map(lambda _: replicated, state.params),
+        opt_state=jax.tree_util.tree_map(opt_sharding, state.opt_state),
+        step=replicated)
+
+  def fresh_state(params):
+    return TrainState(params, _wrapped(optimizer, params).init(params),
+                      jnp.zeros((), jnp.int32))
+
+  def adopt_opt_state(params, opt_state):
+    """``opt_state`` in the structure of the wrapped optimizer's state."""
+    wrapped = _wrapped(optimizer, params)
+    expected = jax.tree_util.tree_structure(
+        jax.eval_shape(wrapped.init, _shapes(params)))
+    if jax.tree_util.tree_structure(opt_state) == expected:
+      return opt_state
+    if wrapped is not optimizer:
+      inner = jax.tree_util.tree_structure(
+          jax.eval_shape(optimizer.init, _shapes(params)))
+      if jax.tree_util.tree_structure(opt_state) == inner:
+        fresh = wrapped.init(params)
+        return fresh._replace(guard=fresh.guard._replace(inner_state=opt_state))
+    raise ValueError("the given opt_state does not match the optimizer passed to "
+                     "make_train_step (its tree structure differs)")
+
+  def init(params_or_state: Any) -> TrainState:
+    if isinstance(params_or_state, TrainState) or _is_flax_state(params_or_state):
+      given = (params_or_state if isinstance(params_or_state, TrainState)
+               else TrainState.from_flax(params_or_state))
+      params = policy.cast_to_param(given.params)
+      state = TrainState(params, adopt_opt_state(params, given.opt_state),
+                         jnp.asarray(given.step, jnp.int32))
+      shardings = state_shardings(state)
+      if shardings is not None:
+        state = jax.device_put(state, shardings)
+      # A jit copy gives every leaf its own new buffer: the step donates its input,
+      # which must neither free the caller's arrays nor meet one buffer twice (an
+      # eagerly built optimizer state can share one array between fields).
+      state = jax.jit(lambda s: s, out_shardings=shardings)(state)
+    else:
+      params = policy.cast_to_param(params_or_state)
+      shapes = jax.eval_shape(fresh_state, _shapes(params))
+      shardings = state_shardings(shapes)
+      if shardings is not None:
+        params = jax.device_put(params, shardings.params)
+      # jit returns new buffers, so donating the state never frees ``params``.
+      state = jax.jit(fresh_state, out_shardings=shardings)(params)
+    _warn_if_unscaled(policy, state.opt_state)
+    return state
+
+  def constrain(tree, shardings):
+    if shardings is None:
+      return tree
+    return lax.with_sharding_constraint(tree, shardings)
+
+  def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+    _check_batch(batch, divisor, divisor_text)
+    tx = _wrapped(optimizer, state.params)
+    expected = jax.tree_util.tree_structure(
+        jax.eval_shape(tx.init, _shapes(state.params)))
+    if jax.tree_util.tree_structure(state.opt_state) != expected:
+      raise ValueError("state.opt_state does not match the optimizer passed to "
+                       "make_train_step; build the state with its init()")
+    micro_batch = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(
+            (x.shape[0] // num_microbatches,) + x.shape[1:] if x.shape else (),
+            x.dtype), batch)
+    model = pipeline.apply if pipeline is not None else loss_fn
+    _check_loss_structure(
+        jax.eval_shape(lambda p, b: model(policy.cast_to_compute(p), b),
+                       _shapes(state.params), micro_batch), per_token_loss)
+
+    scale = loss_scale_lib.loss_scale_of(state.opt_state)
+    if pipeline is not None:
+      loss, num_tokens, grads = pipeline.value_and_grad(
+          state.params, batch, mesh=mesh, data_axis=data_axis, loss_scale=scale,
+          per_token_loss=per_token_loss, cast=policy.cast_to_compute)
+      if not per_token_loss:
+        num_tokens = jnp.asarray(_check_batch(batch, 1, ""), jnp.int32)
+    else:
+      grads, loss, num_tokens = accumulate_gradients(
+          loss_fn, state.params, batch, loss_scale=scale, policy=policy,
+          num_microbatches=num_microbatches, per_token_loss=per_token_loss, mesh=mesh,
+          data_axis=data_axis)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = TrainState(params, opt_state, state.step + 1)
+    new_state = constrain(new_state, state_shardings(new_state))
+
+    metrics = metrics_lib.step_metrics(opt_state)
+    metrics.update(loss=loss, num_tokens=num_tokens, loss_scale=scale)
+    if mesh is not None:
+      metrics = constrain(metrics, jax.tree_util.tree_map(
+          lambda _: NamedSharding(mesh, PartitionSpec()), metrics))
+    return new_state, metrics
+
+  jit_kwargs: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
+  if mesh is not None:
+    # None: the state keeps the sharding it arrives with (init's); the batch is
+    # placed, from host memory, straight into its data-parallel sharding.
+    jit_kwargs["in_shardings"] = (
+        None, NamedSharding(mesh, PartitionSpec(data_axis)))
+  step = jax.jit(step_fn, **jit_kwargs)
+  return init, step
