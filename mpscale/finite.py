@@ -85,12 +85,16 @@ def guard_init(inner: optax.GradientTransformation, params: Any,
 def guard_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
                  state: SkipNonfiniteState, params: Any, *, drop: bool,
                  groups: norms_lib.Groups, axis_name: Optional[str],
-                 extra_args: dict) -> tuple[Any, SkipNonfiniteState]:
+                 extra_args: dict, squares: Optional[norms_lib.LeafSquares] = None
+                ) -> tuple[Any, SkipNonfiniteState]:
   """Checks ``updates`` in one pass, runs ``inner``, and drops the step if non-finite.
 
   With ``drop=False`` the step is reported as an overflow but applied anyway.
+  ``squares``, when given, are the per-leaf sums of squares of ``updates`` measured by
+  the caller (the loss-scale wrappers measure the raw gradients).
   """
-  squares = norms_lib.leaf_squares(updates, norms_lib.splits_for(updates, groups))
+  if squares is None:
+    squares = norms_lib.leaf_squares(updates, norms_lib.splits_for(updates, groups))
   nan = jnp.zeros((), jnp.bool_)
   inf = jnp.zeros((), jnp.bool_)
   for s in squares.sums:

@@ -22,6 +22,10 @@ Dynamic loss scaling, per step::
 
 With ``hysteresis=1`` this is exactly PyTorch's ``GradScaler`` (bounded by min/max).
 
+The check reads the scaled gradients' float32 sums of squares times ``1 / scale**2``:
+a gradient whose *scaled* squared norm leaves float32's range counts as an overflow
+(the scale then backs off, as for an Inf).
+
 References:
   Micikevicius et al., "Mixed Precision Training", ICLR 2018.
   https://arxiv.org/abs/1710.03740
@@ -107,11 +111,18 @@ def _wrapper(inner, *, init_scale: float, drop: bool, dynamic: bool,
 
   def update_fn(grads, state, params=None, **extra_args):
     inv_scale = 1.0 / state.loss_scale
-    unscaled = jax.tree_util.tree_map(
-        lambda g: jnp.asarray(g).astype(jnp.float32) * inv_scale, grads)
+    raw = jax.tree_util.tree_map(lambda g: jnp.asarray(g).astype(jnp.float32), grads)
+    # The reduction reads the gradient buffers themselves; summing (g * inv)**2 made
+    # XLA write the unscaled tree out first, two extra passes. Exact for power-of-two
+    # scales; a scaled sum past float32's range counts as an overflow.
+    measured = norms_lib.leaf_squares(raw, norms_lib.splits_for(raw, groups))
+    unscaled = jax.tree_util.tree_map(lambda g: g * inv_scale, raw)
+    squares = norms_lib.LeafSquares(
+        tuple(jax.tree_util.tree_leaves(unscaled)),
+        tuple(s * (inv_scale * inv_scale) for s in measured.sums), measured.paths)
     updates, guard = finite.guard_update(
         inner, unscaled, state.guard, params, drop=drop, groups=groups,
-        axis_name=axis_name, extra_args=extra_args)
+        axis_name=axis_name, extra_args=extra_args, squares=squares)
     if dynamic:
       scale, count, hyst = next_scale(state, guard.overflow)
     else:
