@@ -1,0 +1,53 @@
+"""Two processes on localhost (jax.distributed, CPU collectives, 4 fake devices each)
+train exactly like one process with 8 devices."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests import _multiprocess_worker as worker
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _flatten(result):
+  return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v
+          for path, v in jax.tree_util.tree_flatten_with_path(result)[0]}
+
+
+@pytest.mark.parametrize("kind", ["data", "pipeline"])
+def test_two_processes_match_one_process(kind, tmp_path):
+  port, out = _free_port(), tmp_path / "result.npz"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "tests._multiprocess_worker", str(i), str(port), kind,
+       str(out)], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for i in range(2)]
+  logs = []
+  for p in procs:
+    try:
+      logs.append(p.communicate(timeout=240)[0].decode()[-3000:])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      pytest.fail("multi-process run timed out")
+  assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+  got = dict(np.load(out))
+  want = _flatten(worker.train(kind))  # the same run on this process's 8 devices
+  assert set(got) == set(want)
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-6, err_msg=key)
+  assert float(got["scale"]) == 2.0**8
