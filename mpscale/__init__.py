@@ -1,5 +1,6 @@
 """mpscale: mixed-precision and parallel training pieces for JAX, as Optax transforms."""
 
+from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by_came
 from mpscale.finite import SkipNonfiniteState, skip_nonfinite
 from mpscale.loss_scale import (
     LossScaleState,
@@ -18,21 +19,25 @@ from mpscale.norms import (
     group_norms,
 )
 from mpscale.pipeline import Pipeline, bubble_fraction, schedule_table, stage_groups
+from mpscale.schedules import lr_schedule, weight_decay_schedule
 from mpscale.policy import Policy, default_keep_fp32, get_policy, keep_fp32_by_name
 from mpscale.train_step import TrainState, accumulate_gradients, make_train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CameLearningRateState",
     "ClipByGlobalNormState",
     "LeafSquares",
     "LossScaleState",
     "Pipeline",
     "Policy",
+    "ScaleByCameState",
     "SkipNonfiniteState",
     "TrainState",
     "accumulate_gradients",
     "bubble_fraction",
+    "came",
     "clip_by_global_norm",
     "default_keep_fp32",
     "dynamic_loss_scale",
@@ -42,11 +47,14 @@ __all__ = [
     "group_norms",
     "keep_fp32_by_name",
     "loss_scale_of",
+    "lr_schedule",
     "make_train_step",
     "no_loss_scale",
+    "scale_by_came",
     "skip_nonfinite",
     "schedule_table",
     "stage_groups",
     "step_metrics",
+    "weight_decay_schedule",
     "with_loss_scale",
 ]

@@ -1,0 +1,530 @@
+"""CAME: Adam-level quality at Adafactor-level memory, with every option working.
+
+CAME keeps Adafactor's factored second moment (a row and a column vector per matrix)
+and adds a "confidence" step: the momentum is divided by the square root of a factored
+moving average of the instability ``(u - m)^2`` between the current (clipped) update and
+the momentum. Per leaf and step ``t = 1, 2, ...``::
+
+  g   = grad / loss_scale
+  b2  = beta2 if beta2 is not None else 1 - t ** -decay_rate
+  if rank(g) >= 2:                      # factored over the last two dims
+    r = b2 r + (1 - b2) mean(g^2 + eps[0], axis=-1)
+    c = b2 c + (1 - b2) mean(g^2 + eps[0], axis=-2)
+    u = g * rsqrt(r / mean(r))[:, None] * rsqrt(c)[None, :]
+  else:
+    v = b2 v + (1 - b2) (g^2 + eps[0]);  u = g * rsqrt(v)
+  u = u / max(1, rms(u) / clip_threshold)
+  m = beta1 m + (1 - beta1) u           # no bias correction
+  if rank(g) >= 2:
+    U = (u - m)^2 + eps[2]
+    R = beta3 R + (1 - beta3) mean(U, axis=-1);  C = beta3 C + (1 - beta3) mean(U, axis=-2)
+    d = m * rsqrt(R / mean(R))[:, None] * rsqrt(C)[None, :]
+  else:
+    d = m
+  lr = learning_rate(count)             # relative_step: min(1e-6 t if warmup_init
+                                        #                    else 1e-2, 1 / sqrt(t))
+  if scale_parameter: lr = lr * max(eps[1], rms(p))
+  p = p - lr * (d + weight_decay(count) * p)   # decay only where mask is True
+
+`scale_by_came` is the part that produces ``d``; `came` chains it with the decoupled
+weight decay (``optax.add_decayed_weights``) and the learning rate.
+
+Memory: an ``(n, m)`` matrix costs ``n*m + 2*(n + m)`` numbers (the momentum and four
+vectors), a vector of ``n`` costs ``2*n``. With ``compression`` the momentum (and the
+unfactored second moments) are stored in float16 or bfloat16 and computed in float32.
+
+Speed: the step allocates no gradient-sized temporary, and each matrix costs seven
+fused passes: row and column sums of ``g^2``; the sum of ``u^2`` for the clip; the
+momentum (written once); row and column sums of the instability; and the final update,
+which XLA fuses into ``optax.apply_updates``. With ``compression`` the instability and
+the update read the momentum as stored (rounded), as mindformers' ``Came`` does; on
+XLA:CPU its float16-to-float32 conversion is not fused into the reductions, so there
+compression saves memory but costs time.
+
+References:
+  Luo et al., "CAME: Confidence-guided Adaptive Memory Efficient Optimization",
+  ACL 2023. https://arxiv.org/abs/2307.02047
+  Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost",
+  ICML 2018. https://arxiv.org/abs/1804.04235
+  came-pytorch 0.1.3 (the authors' reference implementation), which this matches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import optax
+
+ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
+Compression = Union[bool, str, Any]
+"""``False`` (no compression), ``True`` (float16), ``"float16"``, ``"bfloat16"`` or
+one of those dtypes."""
+
+
+class ScaleByCameState(NamedTuple):
+  """State of `scale_by_came`.
+
+  Every tree has the structure of the params; a leaf that does not use a statistic
+  holds an empty array (size 0) there, so the state's size is exactly what CAME needs.
+  """
+  count: jax.Array
+  """int32 number of steps taken."""
+  mu: Any
+  """Momentum of the clipped update (compute dtype, or the compression dtype)."""
+  v_row: Any
+  """Factored second moment of the gradient, mean over the last dim (rank >= 2)."""
+  v_col: Any
+  """Factored second moment of the gradient, mean over the second-to-last dim."""
+  v: Any
+  """Full second moment of the gradient (rank 0 and 1). With ``compression`` it is
+  stored as its square root (the gradient's RMS), whose range float16 covers for
+  gradients from about 6e-8 to 6e4, where ``v`` itself would cover only 2e-4 to 256."""
+  instability_row: Any
+  """Factored moving average of ``(u - m)^2 + eps[2]``, mean over the last dim."""
+  instability_col: Any
+  """Factored moving average of the instability, mean over the second-to-last dim."""
+
+
+class CameLearningRateState(NamedTuple):
+  """State of the learning-rate stage of `came`."""
+  count: jax.Array
+  """int32 number of steps taken."""
+  learning_rate: jax.Array
+  """float32 learning rate used at the latest step (before the update, the one the
+  first step will use); for ``relative_step`` the relative step size, before the
+  per-parameter scale of ``scale_parameter``. Read by `mpscale.step_metrics`."""
+
+
+# ---------------------------------------------------------------------------------------
+# Validation (at build time, naming the argument).
+
+def _check_float(name: str, value: Any) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+    raise TypeError(f"{name} must be a float; got {type(value).__name__}")
+  value = float(value)
+  if math.isnan(value):
+    raise ValueError(f"{name} must not be NaN")
+  return value
+
+
+def _check_unit_interval(name: str, value: Any) -> float:
+  value = _check_float(name, value)
+  if not 0.0 <= value <= 1.0:
+    raise ValueError(f"{name} must be in [0, 1]; got {value}")
+  return value
+
+
+def _check_positive(name: str, value: Any, *, allow_inf: bool = False) -> float:
+  value = _check_float(name, value)
+  if not value > 0 or (not allow_inf and math.isinf(value)):
+    raise ValueError(f"{name} must be positive{'' if allow_inf else ' and finite'}; "
+                     f"got {value}")
+  return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+  return bool(value)
+
+
+def _check_eps(eps: Any) -> tuple[float, float, float]:
+  if not isinstance(eps, (tuple, list)):
+    raise TypeError(f"eps must be a tuple of three floats; got {type(eps).__name__}")
+  if len(eps) != 3:
+    raise ValueError(f"eps must be three floats (eps[0] for g^2, eps[1] the parameter "
+                     f"RMS floor, eps[2] for the instability); got {len(eps)} values")
+  return tuple(_check_positive(f"eps[{i}]", e) for i, e in enumerate(eps))
+
+
+def _check_scalar_or_schedule(name: str, value: Any, *, unit: bool) -> ScalarOrSchedule:
+  if callable(value):
+    return value
+  value = _check_unit_interval(name, value) if unit else _check_float(name, value)
+  if not unit and not (value >= 0 and math.isfinite(value)):
+    raise ValueError(f"{name} must be >= 0 and finite; got {value}")
+  return value
+
+
+def compression_dtype(compression: Compression) -> Optional[jnp.dtype]:
+  """The storage dtype a ``compression`` argument asks for, or ``None`` for none.
+
+  Raises:
+    TypeError/ValueError: naming ``compression`` for anything else than ``False``,
+    ``True`` (float16), ``"float16"``, ``"bfloat16"`` or those dtypes.
+  """
+  if compression is None or compression is False:
+    return None
+  if compression is True:
+    return jnp.dtype(jnp.float16)
+  try:
+    dtype = jnp.dtype(compression)
+  except TypeError:
+    raise TypeError("compression must be a bool, 'float16', 'bfloat16' or a dtype; got "
+                    f"{type(compression).__name__}") from None
+  if dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"compression must store float16 or bfloat16; got {dtype}")
+  return dtype
+
+
+# ---------------------------------------------------------------------------------------
+# scale_by_came.
+
+def _compute_dtype(dtype) -> jnp.dtype:
+  """float32 for half and single precision, float64 stays float64."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _empty(dtype) -> jax.Array:
+  return jnp.zeros((0,), dtype)
+
+
+def _pack(x: jax.Array, dtype, low: float) -> jax.Array:
+  """Casts ``x`` to a compressed ``dtype``, clamped so it stays finite (and, with
+  ``low > 0``, nonzero)."""
+  high = float(jnp.finfo(dtype).max)
+  return jnp.clip(x, low if low > 0 else -high, high).astype(dtype)
+
+
+def _positive_floor(dtype) -> float:
+  """Smallest positive value that survives storage in ``dtype`` and float32 math
+  (float16 subnormals do; bfloat16 ones would be flushed in float32)."""
+  return max(float(jnp.finfo(dtype).smallest_subnormal),
+             float(jnp.finfo(jnp.float32).smallest_normal))
+
+
+def _rms_factor(row: jax.Array) -> jax.Array:
+  """``rsqrt(row / mean(row))``: Adafactor's normalized row factor."""
+  return lax.rsqrt(row / jnp.mean(row, axis=-1, keepdims=True))
+
+
+def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
+                  clip_threshold: float = 1.0,
+                  decay_rate: Optional[float] = 0.8,
+                  beta1: float = 0.9,
+                  beta2: Optional[float] = None,
+                  beta3: float = 0.99,
+                  compression: Compression = False,
+                  loss_scale: float = 1.0) -> optax.GradientTransformation:
+  """CAME's update direction, before weight decay and the learning rate.
+
+  Computes ``d`` of the algorithm in the module docstring: Adafactor's factored (rank
+  >= 2, over the last two dims) or full (rank 0/1) second moment, the RMS clip, the
+  momentum, and for factored leaves CAME's confidence scaling by the factored
+  instability. `came` is this followed by decoupled weight decay and the learning rate;
+  use this one to put something else after it.
+
+  Args:
+    eps: ``(eps[0], eps[1], eps[2])``: added to ``g^2`` before averaging; the floor of
+      the parameter RMS (used only by `came`'s ``scale_parameter``/``relative_step``,
+      accepted here so both take the same triple); added to the instability.
+    clip_threshold: the largest RMS of the update ``u``; positive (``inf`` disables).
+    decay_rate: gives Adafactor's time-dependent ``beta2 = 1 - t ** -decay_rate``;
+      in [0, 1]. Ignored when ``beta2`` is given.
+    beta1: momentum coefficient, in [0, 1]; no bias correction.
+    beta2: a constant second-moment coefficient in [0, 1) (the paper and came-pytorch
+      use 0.999); takes precedence over ``decay_rate``.
+    beta3: instability coefficient, in [0, 1].
+    compression: store the momentum and full second moments in float16 (``True`` or
+      ``"float16"``) or ``"bfloat16"``; they are computed in float32 and clamped to the
+      dtype's finite range when stored. The factored vectors stay in float32. Note
+      that bfloat16's 8-bit mantissa rounds away moving-average increments below
+      about 0.4%, so a full second moment with ``beta2`` near 1 barely moves there.
+    loss_scale: a fixed loss scale applied outside; gradients are divided by it.
+
+  Returns:
+    An ``optax.GradientTransformation`` with state `ScaleByCameState`; its updates have
+    the gradients' dtype.
+
+  References:
+    Luo et al., "CAME: Confidence-guided Adaptive Memory Efficient Optimization",
+    ACL 2023. https://arxiv.org/abs/2307.02047
+
+  Example:
+    >>> tx = optax.chain(mpscale.scale_by_came(beta2=0.999, decay_rate=None),
+    ...                  optax.scale_by_learning_rate(1e-3))
+  """
+  eps = _check_eps(eps)
+  clip_threshold = _check_positive("clip_threshold", clip_threshold, allow_inf=True)
+  beta1 = _check_unit_interval("beta1", beta1)
+  beta3 = _check_unit_interval("beta3", beta3)
+  if beta2 is not None:
+    beta2 = _check_float("beta2", beta2)
+    # Also < 1 once rounded to float32, or the second moment would stay 0.
+    if not (0.0 <= beta2 < 1.0 and np.float32(beta2) < 1.0):
+      raise ValueError(f"beta2 must be in [0, 1) (in float32 too); got {beta2}")
+  elif decay_rate is None:
+    raise ValueError("decay_rate and beta2 cannot both be None: give a decay_rate for "
+                     "Adafactor's 1 - t**-decay_rate, or a constant beta2")
+  else:
+    decay_rate = _check_unit_interval("decay_rate", decay_rate)
+  store_dtype = compression_dtype(compression)
+  loss_scale = _check_positive("loss_scale", loss_scale)
+  eps_sq, _, eps_instability = eps
+
+  def init_fn(params):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    per_leaf = []
+    for p in leaves:
+      shape = np.shape(p)
+      cdt = _compute_dtype(jnp.result_type(p))
+      mdt = store_dtype or cdt
+      mu = jnp.zeros(shape, mdt)
+      if len(shape) >= 2:
+        # Separate arrays for every field, so that the state can be donated.
+        row = lambda: jnp.zeros(shape[:-1], cdt)  # noqa: E731
+        col = lambda: jnp.zeros(shape[:-2] + shape[-1:], cdt)  # noqa: E731
+        per_leaf.append((mu, row(), col(), _empty(mdt), row(), col()))
+      else:
+        per_leaf.append((mu, _empty(cdt), _empty(cdt), jnp.zeros(shape, mdt),
+                         _empty(cdt), _empty(cdt)))
+    trees = [treedef.unflatten(t) for t in zip(*per_leaf)] if leaves else [params] * 6
+    return ScaleByCameState(jnp.zeros((), jnp.int32), *trees)
+
+  def beta2_at(t: jax.Array, dtype) -> jax.Array:
+    if beta2 is not None:
+      return jnp.asarray(beta2, dtype)
+    return 1.0 - t.astype(dtype) ** (-decay_rate)
+
+  inv_scale = 1.0 / loss_scale
+
+  def store(mu):
+    """The momentum as stored, and as read back for the rest of the step."""
+    if store_dtype is None:
+      return mu, mu
+    stored = _pack(mu, store_dtype, 0.0)
+    return stored, stored.astype(mu.dtype)
+
+  def factored_update(g, mu, v_row, v_col, s_row, s_col, b2):
+    # Every gradient-sized expression below has a single consumer, so XLA fuses it
+    # into that consumer and the step allocates no gradient-sized temporary (on CPU a
+    # fresh temporary costs more than the arithmetic: its pages are faulted in at
+    # every step). Hence the sums of squares are written in forms XLA cannot merge
+    # into one shared array (|g|*|g| is g*g; |a| and max(a, 0) are a, for a > 0), and
+    # each reduction broadcasts its own copy of the factors.
+    rows, cols = g.shape[-2], g.shape[-1]
+    sq = inv_scale * inv_scale
+    row_sq = jnp.sum(g * g, axis=-1) * (sq / cols)
+    col_sq = jnp.sum(jnp.abs(g) * jnp.abs(g), axis=-2) * (sq / rows)
+    v_row = b2 * v_row + (1.0 - b2) * (row_sq + eps_sq)
+    v_col = b2 * v_col + (1.0 - b2) * (col_sq + eps_sq)
+    r, c = _rms_factor(v_row), lax.rsqrt(v_col)
+    # sum(u^2) for u = g * r (x) c without forming u: sum_i r_i^2 sum_j g_ij^2 c_j^2.
+    u_sq = jnp.sum(jnp.square(r) * jnp.sum(g * jnp.square(c)[..., None, :] * g, -1))
+    rms = jnp.sqrt(u_sq * sq / g.size)
+    # u = g * a (x) c, with the loss scale and the clip folded into the row factor.
+    a = r * (inv_scale / jnp.maximum(rms / clip_threshold, 1.0))
+    mu, mu_f = store(beta1 * mu.astype(g.dtype) + (1.0 - beta1) * (
+        g * a[..., :, None] * c[..., None, :]))
+    res_row = jnp.mean(jnp.square(
+        g * jnp.abs(c)[..., None, :] * jnp.abs(a)[..., :, None] - mu_f), axis=-1)
+    res_col = jnp.mean(jnp.square(
+        mu_f - jnp.maximum(a, 0)[..., :, None] * (g * jnp.maximum(c, 0)[..., None, :])),
+        axis=-2)
+    s_row = beta3 * s_row + (1.0 - beta3) * (res_row + eps_instability)
+    s_col = beta3 * s_col + (1.0 - beta3) * (res_col + eps_instability)
+    d = mu_f * _rms_factor(s_row)[..., :, None] * lax.rsqrt(s_col)[..., None, :]
+    return d, (mu, v_row, v_col, s_row, s_col)
+
+  def full_update(g, mu, v, b2):
+    g = g * inv_scale
+    v_prev = v.astype(g.dtype)
+    if store_dtype is not None:
+      v_prev = jnp.square(v_prev)
+    v = b2 * v_prev + (1.0 - b2) * (jnp.square(g) + eps_sq)
+    u = g * lax.rsqrt(v)
+    u = u / jnp.maximum(jnp.sqrt(jnp.mean(jnp.square(u))) / clip_threshold, 1.0)
+    mu, mu_f = store(beta1 * mu.astype(g.dtype) + (1.0 - beta1) * u)
+    if store_dtype is not None:
+      v = _pack(jnp.sqrt(v), store_dtype, _positive_floor(store_dtype))
+    return mu_f, (mu, v)
+
+  def leaf_update(g, mu, v_row, v_col, v, s_row, s_col, t):
+    out_dtype = g.dtype
+    g = g.astype(_compute_dtype(g.dtype))
+    b2 = beta2_at(t, g.dtype)
+    if g.ndim >= 2:
+      d, (mu, v_row, v_col, s_row, s_col) = factored_update(
+          g, mu, v_row, v_col, s_row, s_col, b2)
+    else:
+      d, (mu, v) = full_update(g, mu, v, b2)
+    return d.astype(out_dtype), (mu, v_row, v_col, v, s_row, s_col)
+
+  def update_fn(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    stats = [treedef.flatten_up_to(tree) for tree in state[1:]]
+    results = [leaf_update(jnp.asarray(g), *leaf_stats, count)
+               for g, *leaf_stats in zip(leaves, *stats)]
+    new_updates = treedef.unflatten([d for d, _ in results])
+    new_stats = [treedef.unflatten(list(t)) for t in zip(*[s for _, s in results])]
+    if not results:
+      new_stats = list(state[1:])
+    return new_updates, ScaleByCameState(count, *new_stats)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------
+# came: scale_by_came, then decoupled weight decay, then the learning rate.
+
+def _leaf_rms(p: jax.Array) -> jax.Array:
+  p = jnp.asarray(p)
+  p = p.astype(_compute_dtype(p.dtype))
+  return jnp.sqrt(jnp.mean(jnp.square(p)))
+
+
+def relative_step_size(count: jax.Array, warmup_init: bool = False) -> jax.Array:
+  """Adafactor's relative step size at step ``count + 1``, as float32.
+
+  ``min(1e-6 * t if warmup_init else 1e-2, 1 / sqrt(t))`` with ``t = count + 1``.
+  """
+  t = jnp.asarray(count).astype(jnp.float32) + 1.0
+  floor = 1e-6 * t if warmup_init else jnp.float32(1e-2)
+  return jnp.minimum(floor, lax.rsqrt(t))
+
+
+def _scale_by_came_learning_rate(learning_rate: Optional[ScalarOrSchedule],
+                                 relative_step: bool, warmup_init: bool,
+                                 scale_parameter: bool, param_rms_floor: float
+                                ) -> optax.GradientTransformation:
+  """Multiplies by ``-lr`` (times ``max(eps[1], rms(p))`` with ``scale_parameter``)
+  and records ``lr``."""
+
+  def lr_at(count):
+    if relative_step:
+      return relative_step_size(count, warmup_init)
+    if callable(learning_rate):
+      return learning_rate(count)
+    return learning_rate
+
+  def init_fn(params):
+    del params
+    count = jnp.zeros((), jnp.int32)
+    return CameLearningRateState(
+        count, jnp.asarray(lr_at(count), jnp.float32))
+
+  def update_fn(updates, state, params=None):
+    if scale_parameter and params is None:
+      raise ValueError("came(scale_parameter=True) needs params in update")
+    lr = lr_at(state.count)
+
+    def scale(u, p=None):
+      step = lr
+      if scale_parameter:
+        step = step * jnp.maximum(param_rms_floor, _leaf_rms(p)).astype(u.dtype)
+      return (-step * u).astype(u.dtype)
+
+    if scale_parameter:
+      updates = jax.tree_util.tree_map(scale, updates, params)
+    else:
+      updates = jax.tree_util.tree_map(scale, updates)
+    return updates, CameLearningRateState(optax.safe_increment(state.count),
+                                          jnp.asarray(lr, jnp.float32))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def came(learning_rate: Optional[ScalarOrSchedule] = None,
+         eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
+         clip_threshold: float = 1.0,
+         decay_rate: Optional[float] = 0.8,
+         beta1: float = 0.9,
+         beta2: Optional[float] = None,
+         beta3: float = 0.99,
+         weight_decay: ScalarOrSchedule = 0.0,
+         scale_parameter: bool = False,
+         relative_step: bool = False,
+         warmup_init: bool = False,
+         compression: Compression = False,
+         loss_scale: float = 1.0,
+         mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None
+        ) -> optax.GradientTransformation:
+  """The CAME optimizer (confidence-guided, factored, memory-efficient).
+
+  The full algorithm is in the module docstring. This is `scale_by_came`, then
+  decoupled weight decay (``p -= lr * weight_decay * p``, scaled by the same
+  learning rate as the update, parameter scale included), then the learning rate. Its
+  state records the learning rate of the latest step in a float32 ``learning_rate``
+  field, which `mpscale.step_metrics` reports.
+
+  With the defaults the second-moment coefficient is Adafactor's time-dependent
+  ``1 - t ** -0.8`` (as in mindformers' ``Came``); ``beta2=0.999`` gives the paper's
+  and came-pytorch's constant one (came-pytorch's ``betas=(0.9, 0.999, 0.9999)`` are
+  ``beta1=0.9, beta2=0.999, beta3=0.9999``, its ``eps=(1e-30, 1e-16)`` is
+  ``eps=(1e-30, <any>, 1e-16)``).
+
+  Args:
+    learning_rate: a float or an Optax schedule of the step count (e.g.
+      `mpscale.lr_schedule`). ``None`` only with ``relative_step=True``.
+    eps: ``(eps[0], eps[1], eps[2])``, all positive: added to ``g^2`` before
+      averaging; the floor of the parameter RMS used by ``scale_parameter``; added to
+      the instability ``(u - m)^2``.
+    clip_threshold: the largest RMS of the update before momentum; positive.
+    decay_rate: time-dependent ``beta2 = 1 - t ** -decay_rate``, in [0, 1]; ignored
+      when ``beta2`` is given.
+    beta1: momentum coefficient, in [0, 1].
+    beta2: constant second-moment coefficient in [0, 1), or ``None`` for
+      ``decay_rate``'s schedule.
+    beta3: instability coefficient, in [0, 1].
+    weight_decay: decoupled weight decay, a float in [0, 1] or an Optax schedule
+      (e.g. `mpscale.weight_decay_schedule`).
+    scale_parameter: multiply the learning rate of each leaf by
+      ``max(eps[1], rms(p))`` (Adafactor's parameter scale).
+    relative_step: use Adafactor's relative step size
+      ``min(1e-6 t if warmup_init else 1e-2, 1/sqrt(t))`` as the learning rate; then
+      ``learning_rate`` must be ``None``.
+    warmup_init: the warm-up variant of the relative step; needs ``relative_step``.
+    compression: store the momentum and full second moments in ``"float16"``
+      (or ``True``) or ``"bfloat16"``; see `scale_by_came`.
+    loss_scale: a fixed loss scale applied to the loss outside; gradients are divided
+      by it. Leave it at 1 inside `mpscale.dynamic_loss_scale`, which unscales itself.
+    mask: which leaves get weight decay, as in ``optax.add_decayed_weights``: a
+      pytree of bools (or a prefix of the params tree) or a callable
+      ``params -> pytree of bools``.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is the tuple
+    ``(ScaleByCameState, <weight-decay state>, CameLearningRateState)``.
+
+  References:
+    Luo et al., "CAME: Confidence-guided Adaptive Memory Efficient Optimization",
+    ACL 2023. https://arxiv.org/abs/2307.02047
+
+  Example:
+    >>> tx = mpscale.dynamic_loss_scale(mpscale.came(
+    ...     mpscale.lr_schedule(2e-4, warmup_steps=100, decay_steps=10_000,
+    ...                         style="cosine"),
+    ...     beta2=0.999, weight_decay=0.01))
+    >>> opt_state = tx.init(params)
+  """
+  if learning_rate is None and not relative_step:
+    raise ValueError("learning_rate is None: give a learning rate or relative_step=True")
+  relative_step = _check_bool("relative_step", relative_step)
+  warmup_init = _check_bool("warmup_init", warmup_init)
+  scale_parameter = _check_bool("scale_parameter", scale_parameter)
+  if relative_step and learning_rate is not None:
+    raise ValueError("learning_rate must be None with relative_step=True (the relative "
+                     "step size is the learning rate)")
+  if warmup_init and not relative_step:
+    raise ValueError("warmup_init=True needs relative_step=True")
+  if learning_rate is not None:
+    learning_rate = _check_scalar_or_schedule("learning_rate", learning_rate,
+                                              unit=False)
+  weight_decay = _check_scalar_or_schedule("weight_decay", weight_decay, unit=True)
+  eps = _check_eps(eps)
+  direction = scale_by_came(eps=eps, clip_threshold=clip_threshold,
+                            decay_rate=decay_rate, beta1=beta1, beta2=beta2,
+                            beta3=beta3, compression=compression,
+                            loss_scale=loss_scale)
+  return optax.chain(
+      direction,
+      optax.add_decayed_weights(weight_decay, mask),
+      _scale_by_came_learning_rate(learning_rate, relative_step, warmup_init,
+                                   scale_parameter, eps[1]))

@@ -1,0 +1,191 @@
+"""Megatron-LM's learning-rate and weight-decay schedules, as Optax schedules.
+
+The options are those of Megatron-LM's ``OptimizerParamScheduler`` (and of Accelerate's
+``MegatronLMPlugin``: ``lr_warmup_iters``/``lr_warmup_fraction``, ``lr_decay_iters``,
+``lr_decay_style``, ``min_lr``, ``start_weight_decay``, ``end_weight_decay``,
+``weight_decay_incr_style``). A schedule maps the step count ``n`` (the number of
+updates already applied, which is what Optax passes: 0 at the first update) to the
+value Megatron uses after ``n`` scheduler steps.
+
+Learning rate, with ``W`` warm-up and ``D`` decay steps (``D`` counts from step 0,
+warm-up included)::
+
+  if W > 0 and n <= W:  lr = init_lr + (peak - init_lr) * n / W
+  elif style == "constant":  lr = peak
+  elif n > D:  lr = min_lr
+  elif style == "inverse_sqrt":
+    lr = max(min_lr, peak * sqrt(max(W, 1)) / sqrt(max(n, 1)))
+  else:
+    r = (n - W) / (D - W)
+    lr = min_lr + (peak - min_lr) * (1 - r)                      # "linear"
+    lr = min_lr + (peak - min_lr) * 0.5 * (1 + cos(pi * r))     # "cosine"
+
+Weight decay, over ``S`` steps::
+
+  if n > S or style == "constant":  wd = end
+  else:
+    r = n / S
+    wd = start + (end - start) * r                               # "linear"
+    wd = start + (end - start) * 0.5 * (1 - cos(pi * r))        # "cosine"
+
+References:
+  Megatron-LM, ``megatron/core/optimizer_param_scheduler.py``
+  (https://github.com/NVIDIA/Megatron-LM).
+  Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts",
+  ICLR 2017. https://arxiv.org/abs/1608.03983
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+LR_STYLES = ("constant", "linear", "cosine", "inverse_sqrt")
+WEIGHT_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def _check_float(name: str, value: Any, low: float = 0.0,
+                 high: float = math.inf) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"{name} must be a float; got {type(value).__name__}")
+  value = float(value)
+  if not (math.isfinite(value) and low <= value <= high):
+    raise ValueError(f"{name} must be finite and in [{low}, {high}]; got {value}")
+  return value
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+  if value < low:
+    raise ValueError(f"{name} must be >= {low}; got {value}")
+  return value
+
+
+def _check_style(name: str, style: Any, styles: tuple[str, ...]) -> str:
+  if style not in styles:
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, styles))}; "
+                     f"got {style!r}")
+  return style
+
+
+def lr_schedule(peak: float, *, warmup_steps: int = 0,
+                warmup_fraction: Optional[float] = None,
+                decay_steps: Optional[int] = None, style: str = "linear",
+                min_lr: float = 0.0, init_lr: float = 0.0) -> optax.Schedule:
+  """Megatron-LM's learning rate: linear warm-up, then a decay to ``min_lr``.
+
+  The formulas are in the module docstring; they are Megatron's ``get_lr`` with
+  ``num_steps`` = the Optax step count. Notably, as in Megatron, after ``decay_steps``
+  every style but ``"constant"`` returns ``min_lr`` (``"inverse_sqrt"`` too), and
+  ``"inverse_sqrt"`` is ``peak * sqrt(max(W, 1) / max(n, 1))``, floored at ``min_lr``.
+
+  Args:
+    peak: the learning rate at the end of warm-up (Megatron's ``lr``/``max_lr``);
+      positive.
+    warmup_steps: ``W``, linear warm-up steps from ``init_lr`` to ``peak``; >= 0.
+    warmup_fraction: instead of ``warmup_steps``: ``W = warmup_fraction *
+      decay_steps`` (not rounded, as in Megatron); in [0, 1).
+    decay_steps: ``D``, the step at which the decay reaches ``min_lr``, counted from
+      0 (warm-up included); ``> W``. Required except for ``style="constant"``
+      without ``warmup_fraction``.
+    style: ``"constant"``, ``"linear"`` (Megatron's default), ``"cosine"`` or
+      ``"inverse_sqrt"``.
+    min_lr: the floor after decay; in [0, peak].
+    init_lr: the learning rate at step 0 of the warm-up (Megatron's
+      ``lr_warmup_init``); in [0, peak].
+
+  Returns:
+    An Optax schedule ``count -> learning rate`` for `mpscale.came`, ``optax.adamw``
+    and the like.
+
+  Example:
+    >>> schedule = mpscale.lr_schedule(3e-4, warmup_fraction=0.01,
+    ...                                decay_steps=100_000, style="cosine",
+    ...                                min_lr=3e-5)
+    >>> tx = optax.adamw(schedule, weight_decay=0.1)
+  """
+  peak = _check_float("peak", peak)
+  if peak <= 0:
+    raise ValueError(f"peak must be positive; got {peak}")
+  min_lr = _check_float("min_lr", min_lr, 0.0, peak)
+  init_lr = _check_float("init_lr", init_lr, 0.0, peak)
+  style = _check_style("style", style, LR_STYLES)
+  warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+  if decay_steps is not None:
+    decay_steps = _check_int("decay_steps", decay_steps, 1)
+  elif style != "constant" or warmup_fraction is not None:
+    raise ValueError(f"decay_steps is required with style={style!r}"
+                     + (" and warmup_fraction" if warmup_fraction is not None else ""))
+  warmup: float = warmup_steps
+  if warmup_fraction is not None:
+    if warmup_steps:
+      raise ValueError("give warmup_steps or warmup_fraction, not both")
+    fraction = _check_float("warmup_fraction", warmup_fraction, 0.0, 1.0)
+    if fraction >= 1.0:
+      raise ValueError(f"warmup_fraction must be < 1; got {fraction}")
+    warmup = fraction * decay_steps
+  if decay_steps is not None and not warmup < decay_steps:
+    raise ValueError(f"the warm-up ({warmup} steps) must end before decay_steps "
+                     f"({decay_steps})")
+
+  if style == "constant":
+    decay = optax.constant_schedule(peak)
+  elif style == "linear":
+    decay = optax.linear_schedule(peak, min_lr, decay_steps - warmup)
+  elif style == "cosine":
+    decay = optax.cosine_decay_schedule(peak, decay_steps - warmup,
+                                        alpha=min_lr / peak)
+  else:
+    root_warmup = math.sqrt(max(warmup, 1.0))
+
+    def decay(since_warmup):
+      n = jnp.asarray(since_warmup, jnp.float32) + warmup
+      lr = peak * root_warmup * jax.lax.rsqrt(jnp.maximum(n, 1.0))
+      return jnp.where(n > decay_steps, min_lr, jnp.maximum(lr, min_lr))
+
+  if warmup == 0:
+    return decay
+  return optax.join_schedules(
+      [optax.linear_schedule(init_lr, peak, warmup), decay], [warmup])
+
+
+def weight_decay_schedule(start: float, end: float, steps: int,
+                          style: str = "linear") -> optax.Schedule:
+  """Megatron-LM's weight-decay schedule: from ``start`` to ``end`` over ``steps``.
+
+  The formulas are in the module docstring (Megatron's ``get_wd``). Megatron only
+  increases the weight decay; here ``end < start`` decreases it along the same curve.
+
+  Args:
+    start: the weight decay at step 0; in [0, 1].
+    end: the weight decay from step ``steps`` on; in [0, 1]. Must equal ``start`` for
+      ``style="constant"``.
+    steps: the number of steps of the change (Megatron's ``wd_incr_steps``, usually the
+      number of training steps); >= 1, or >= 0 for ``"constant"``.
+    style: ``"constant"``, ``"linear"`` or ``"cosine"``.
+
+  Returns:
+    An Optax schedule ``count -> weight decay`` for `mpscale.came`'s or
+    ``optax.adamw``'s ``weight_decay``.
+
+  Example:
+    >>> tx = mpscale.came(1e-4, weight_decay=mpscale.weight_decay_schedule(
+    ...     0.01, 0.1, 10_000, style="cosine"))
+  """
+  start = _check_float("start", start, 0.0, 1.0)
+  end = _check_float("end", end, 0.0, 1.0)
+  style = _check_style("style", style, WEIGHT_DECAY_STYLES)
+  steps = _check_int("steps", steps, 0 if style == "constant" else 1)
+  if style == "constant":
+    if start != end:
+      raise ValueError(f"style='constant' needs start == end; got {start} and {end}")
+    return optax.constant_schedule(end)
+  if style == "linear":
+    return optax.linear_schedule(start, end, steps)
+  rise = optax.cosine_decay_schedule(start - end, steps)
+  return lambda count: end + rise(count)

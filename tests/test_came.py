@@ -1,0 +1,505 @@
+"""Tests for mpscale.came: parity with came-pytorch 0.1.3, options, memory, wrappers."""
+
+import functools
+import importlib.util
+import json
+import math
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import mpscale
+from mpscale.came import compression_dtype
+
+_DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def _load_recipe():
+  """tests/data/make_came_reference.py, the one source of params and gradients."""
+  spec = importlib.util.spec_from_file_location(
+      "make_came_reference", os.path.join(_DATA, "make_came_reference.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+recipe = _load_recipe()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference():
+  with np.load(os.path.join(_DATA, "came_reference.npz")) as f:
+    return {k: f[k] for k in f.files}
+
+
+@functools.lru_cache(maxsize=None)
+def _gradients():
+  return tuple(recipe.gradient(step) for step in range(1, recipe.STEPS + 1))
+
+
+def _step_fn(tx, donate=False):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def _tree(rng, shapes, dtype=jnp.float32, scale=1.0):
+  return {k: jnp.asarray(scale * rng.standard_normal(s), dtype)
+          for k, s in shapes.items()}
+
+
+_SHAPES = {"w": (12, 20), "b": (20,), "c": (3, 5, 7), "s": ()}
+
+
+def _grad_list(n, shapes=_SHAPES, seed=1, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return [_tree(rng, shapes, scale=scale) for _ in range(n)]
+
+
+def _run(tx, params, grads):
+  """A few eager steps (cheaper than compiling for each small test)."""
+  state = tx.init(params)
+  for g in grads:
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+# ---------------------------------------------------------------------------------------
+# Parity with came-pytorch 0.1.3 (tests/data/make_came_reference.py).
+
+def test_reference_gradients_are_reproduced():
+  ref = _reference()
+  first = _gradients()[0]
+  for name, g in first.items():
+    want = ref[f"grad1/{name}"]
+    got = recipe.big_sample(g) if name == recipe.BIG else g
+    np.testing.assert_array_equal(
+        got, want, err_msg="NumPy's generator no longer reproduces the gradients the "
+        "reference was made with; rerun tests/data/make_came_reference.py")
+  meta = json.loads(str(ref["meta"]))
+  assert meta["steps"] == recipe.STEPS and meta["seed"] == recipe.SEED
+
+
+@pytest.mark.parametrize("variant", sorted(recipe.VARIANTS))
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float64", 1e-12)])
+def test_matches_came_pytorch(variant, dtype, tol):
+  ref = _reference()
+  config = recipe.VARIANTS[variant]
+  with jax.enable_x64(dtype == "float64"):
+    np_dtype = np.dtype(dtype)
+    tx = mpscale.came(**config)
+    params = {k: jnp.asarray(v.astype(np_dtype))
+              for k, v in recipe.initial_params().items()}
+    state = tx.init(params)
+    step = _step_fn(tx)
+    checked = 0
+    for t, g in enumerate(_gradients(), start=1):
+      grads = {k: jnp.asarray(v.astype(np_dtype)) for k, v in g.items()}
+      params, state = step(params, state, grads)
+      if t not in recipe.CHECKPOINTS:
+        continue
+      for name, p in params.items():
+        assert p.dtype == np_dtype
+        got = np.asarray(p)
+        got = recipe.big_sample(got) if name == recipe.BIG else got
+        np.testing.assert_allclose(
+            got, ref[f"{variant}/{dtype}/step{t}/{name}"], rtol=tol, atol=tol,
+            err_msg=f"{variant} {dtype} step {t} leaf {name}")
+        checked += 1
+    full = f"{variant}/{dtype}/step{recipe.STEPS}/{recipe.BIG}_full"
+    if full in ref:
+      np.testing.assert_allclose(np.asarray(params[recipe.BIG]), ref[full],
+                                 rtol=tol, atol=tol)
+  assert checked == len(recipe.CHECKPOINTS) * len(recipe.SHAPES)
+  assert not jax.config.jax_enable_x64
+
+
+# ---------------------------------------------------------------------------------------
+# Options.
+
+def test_relative_step_is_adafactor_step_size_and_is_recorded():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(3)
+  for warmup_init in (False, True):
+    def closed_form(count, warmup_init=warmup_init):
+      t = count + 1.0
+      return jnp.minimum(1e-6 * t if warmup_init else 1e-2, 1.0 / jnp.sqrt(t))
+    got, got_state = _run(mpscale.came(relative_step=True, warmup_init=warmup_init,
+                                       scale_parameter=True), params, grads)
+    want, _ = _run(mpscale.came(closed_form, scale_parameter=True), params, grads)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+    lr = got_state[-1].learning_rate
+    assert lr.dtype == jnp.float32
+    np.testing.assert_allclose(lr, closed_form(len(grads) - 1), rtol=1e-6)
+
+
+def test_scale_parameter_scales_the_step_by_parameter_rms():
+  rng = np.random.default_rng(0)
+  params = {"big": jnp.asarray(5.0 * rng.standard_normal((8, 6)), jnp.float32),
+            "tiny": jnp.full((6,), 1e-5, jnp.float32)}
+  grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32)
+           for k, v in params.items()}
+  plain = mpscale.came(0.1, beta2=0.999)
+  scaled = mpscale.came(0.1, beta2=0.999, eps=(1e-30, 1e-3, 1e-16),
+                        scale_parameter=True)
+  u_plain, _ = plain.update(grads, plain.init(params), params)
+  u_scaled, _ = scaled.update(grads, scaled.init(params), params)
+  rms = float(jnp.sqrt(jnp.mean(jnp.square(params["big"]))))
+  np.testing.assert_allclose(u_scaled["big"], rms * u_plain["big"], rtol=1e-6)
+  # The floor eps[1] = 1e-3 applies to the tiny parameter.
+  np.testing.assert_allclose(u_scaled["tiny"], 1e-3 * u_plain["tiny"], rtol=1e-6)
+
+
+def test_loss_scale_divides_gradients():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(3)
+  scaled_grads = [jax.tree.map(lambda g: 1024.0 * g, g) for g in grads]
+  got, _ = _run(mpscale.came(1e-3, loss_scale=1024.0), params, scaled_grads)
+  want, _ = _run(mpscale.came(1e-3), params, grads)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mask_kind", ["tree", "callable"])
+def test_weight_decay_is_decoupled_and_masked(mask_kind):
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(1)[0]
+  mask = {"w": True, "b": False, "c": True, "s": False}
+  if mask_kind == "callable":
+    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+  lr, wd = 0.05, 0.2
+  decayed = mpscale.came(lr, weight_decay=wd, mask=mask)
+  plain = mpscale.came(lr)
+  u_decayed, _ = decayed.update(grads, decayed.init(params), params)
+  u_plain, _ = plain.update(grads, plain.init(params), params)
+  for k in params:
+    want = u_plain[k] - (lr * wd * params[k] if k in ("w", "c") else 0.0)
+    np.testing.assert_allclose(u_decayed[k], want, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_weight_decay_schedule_is_followed():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(4)
+  lr = 0.01
+  wd = mpscale.weight_decay_schedule(0.0, 0.3, 3, style="linear")
+  tx, plain = mpscale.came(lr, weight_decay=wd), mpscale.came(lr)
+  s, s_plain = tx.init(params), plain.init(params)
+  for count, g in enumerate(grads):
+    u, s = tx.update(g, s, params)
+    u_plain, s_plain = plain.update(g, s_plain, params)
+    want = jax.tree.map(lambda a, p: a - lr * float(wd(count)) * p, u_plain, params)
+    chex.assert_trees_all_close(u, want, rtol=1e-6, atol=1e-7)
+
+
+def test_learning_rate_schedule_is_followed_and_recorded():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(4)
+  schedule = mpscale.lr_schedule(0.1, warmup_steps=2, decay_steps=4, style="cosine")
+  tx, unit = mpscale.came(schedule), mpscale.came(1.0)
+  s, s_unit = tx.init(params), unit.init(params)
+  np.testing.assert_allclose(s[-1].learning_rate, schedule(0))
+  for count, g in enumerate(grads):
+    u, s = tx.update(g, s, params)
+    u_unit, s_unit = unit.update(g, s_unit, params)
+    lr = float(schedule(count))
+    chex.assert_trees_all_close(u, jax.tree.map(lambda a: lr * a, u_unit),
+                                rtol=1e-6, atol=1e-9)
+    assert s[-1].learning_rate.dtype == jnp.float32
+    np.testing.assert_allclose(s[-1].learning_rate, lr, rtol=1e-6)
+
+
+def test_scale_by_came_is_the_direction():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(3)
+  kwargs = dict(beta2=0.999, beta3=0.999, clip_threshold=0.5)
+  got, _ = _run(optax.chain(mpscale.scale_by_came(**kwargs),
+                            optax.scale_by_learning_rate(0.01)), params, grads)
+  want, _ = _run(mpscale.came(0.01, **kwargs), params, grads)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_time_dependent_beta2_first_step_uses_the_gradient_alone():
+  # beta2 = 1 - 1**-0.8 = 0: the first second moment is exactly g^2 + eps[0].
+  g = {"b": jnp.asarray([3.0, -4.0, 0.5], jnp.float32)}
+  tx = mpscale.scale_by_came(clip_threshold=math.inf)
+  state = tx.init(g)
+  _, state = tx.update(g, state)
+  np.testing.assert_allclose(state.v["b"], np.square(g["b"]) + 1e-30, rtol=1e-7)
+
+
+def test_bf16_params_get_float32_statistics_and_bf16_updates():
+  params = {"w": jnp.ones((4, 6), jnp.bfloat16), "b": jnp.ones((6,), jnp.bfloat16)}
+  tx = mpscale.came(1e-3)
+  state = tx.init(params)
+  assert state[0].mu["w"].dtype == jnp.float32
+  assert state[0].v_row["w"].dtype == jnp.float32
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, jnp.bfloat16), params)
+  updates, _ = jax.jit(tx.update)(grads, state, params)
+  assert updates["w"].dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------------------------------
+# Validation.
+
+@pytest.mark.parametrize("kwargs,error,name", [
+    (dict(learning_rate=None), ValueError, "learning_rate"),
+    (dict(learning_rate=1e-3, relative_step=True), ValueError, "learning_rate"),
+    (dict(warmup_init=True), ValueError, "warmup_init"),
+    (dict(learning_rate="1e-3"), TypeError, "learning_rate"),
+    (dict(learning_rate=-1.0), ValueError, "learning_rate"),
+    (dict(decay_rate=1.5), ValueError, "decay_rate"),
+    (dict(decay_rate=-0.1), ValueError, "decay_rate"),
+    (dict(decay_rate=None), ValueError, "decay_rate"),
+    (dict(beta1=1.1), ValueError, "beta1"),
+    (dict(beta3=-0.5), ValueError, "beta3"),
+    (dict(beta2=1.0), ValueError, "beta2"),
+    (dict(beta2=1 - 1e-12), ValueError, "beta2"),
+    (dict(weight_decay=2.0), ValueError, "weight_decay"),
+    (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+    (dict(eps=(1e-30, 1e-3)), ValueError, "eps"),
+    (dict(eps=(1e-30, 0.0, 1e-16)), ValueError, r"eps\[1\]"),
+    (dict(eps=(1e-30, -1e-3, 1e-16)), ValueError, r"eps\[1\]"),
+    (dict(eps=(1e-30, "a", 1e-16)), TypeError, r"eps\[1\]"),
+    (dict(eps=1e-30), TypeError, "eps"),
+    (dict(loss_scale=0.0), ValueError, "loss_scale"),
+    (dict(loss_scale=-2.0), ValueError, "loss_scale"),
+    (dict(clip_threshold=0.0), ValueError, "clip_threshold"),
+    (dict(clip_threshold=-1.0), ValueError, "clip_threshold"),
+    (dict(compression="int8"), ValueError, "compression"),
+    (dict(compression=object()), TypeError, "compression"),
+    (dict(compression=jnp.float32), ValueError, "compression"),
+    (dict(scale_parameter=1), TypeError, "scale_parameter"),
+    (dict(beta1=True), TypeError, "beta1"),
+])
+def test_validation_names_the_argument(kwargs, error, name):
+  kwargs = {"learning_rate": 1e-3, **kwargs}
+  with pytest.raises(error, match=name):
+    mpscale.came(**kwargs)
+
+
+def test_valid_edge_values_build():
+  mpscale.came(1e-3, decay_rate=0.0, beta1=0.0, beta3=1.0, weight_decay=1.0)
+  mpscale.came(relative_step=True, warmup_init=True)
+  mpscale.came(1e-3, clip_threshold=math.inf, beta2=0.0, decay_rate=None)
+  mpscale.came(optax.constant_schedule(1e-3), weight_decay=lambda count: 0.1)
+  for c in (False, True, "float16", "bfloat16", jnp.float16, jnp.bfloat16):
+    mpscale.came(1e-3, compression=c)
+
+
+# ---------------------------------------------------------------------------------------
+# Memory.
+
+def _state_numbers(state):
+  """Numbers per params leaf in a ScaleByCameState, and bytes of its momentum."""
+  fields = ("mu", "v_row", "v_col", "v", "instability_row", "instability_col")
+  sizes = [jax.tree.leaves(getattr(state, f)) for f in fields]
+  return [sum(x.size for x in per_leaf) for per_leaf in zip(*sizes)]
+
+
+@pytest.mark.parametrize("compression", [False, "float16", "bfloat16"])
+def test_state_memory(compression):
+  shapes = {"a": (64, 48), "b": (48,), "c": (3, 16, 8), "d": (1, 64), "e": ()}
+  params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+  tx = mpscale.came(1e-3, compression=compression)
+  state = tx.init(params)
+  scale_state = state[0]
+  counts = dict(zip(sorted(shapes), _state_numbers(scale_state)))
+  assert counts["a"] == 64 * 48 + 2 * (64 + 48)
+  assert counts["b"] == 2 * 48
+  assert counts["c"] == 3 * 16 * 8 + 2 * 3 * (16 + 8)
+  assert counts["d"] == 64 + 2 * (1 + 64)
+  assert counts["e"] == 2
+  itemsize = 2 if compression else 4
+  for k, s in shapes.items():
+    assert scale_state.mu[k].nbytes == math.prod(s) * itemsize
+  if compression:
+    assert scale_state.v["b"].dtype == jnp.dtype(compression)
+    assert scale_state.v_row["a"].dtype == jnp.float32  # factored stats stay float32
+  # The whole state: CAME's statistics plus a few scalars (counts, learning rate).
+  total = sum(x.size for x in jax.tree.leaves(state))
+  assert total - sum(counts.values()) <= 3
+
+
+# ---------------------------------------------------------------------------------------
+# Compression.
+
+def _badly_scaled_problem():
+  """A small regression whose loss is weighted 1e3 (bias gradients ~1e3) plus a
+  1e-4-weighted fit of a ``scale`` vector (gradients ~4e-5): float16 holds neither
+  squared gradient (past 65504; below its smallest subnormal, 6e-8)."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+  w_true = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+  y = x @ w_true + 3.0
+  target = jnp.asarray(rng.uniform(-2, 2, (8,)), jnp.float32)
+
+  def loss(p):
+    fit = jnp.mean(jnp.square(x @ p["w"] + p["bias"] - y))
+    return 1e3 * fit + 1e-4 * jnp.mean(jnp.square(p["scale"] - target))
+
+  params = {"w": jnp.zeros((16, 8)), "bias": jnp.zeros((8,)), "scale": jnp.zeros((8,))}
+  return loss, params
+
+
+def _train(tx, loss, params, steps):
+  @jax.jit
+  def step(p, s):
+    value, grads = jax.value_and_grad(loss)(p)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s, value
+
+  state, losses = tx.init(params), []
+  for _ in range(steps):
+    params, state, value = step(params, state)
+    losses.append(float(value))
+  return params, state, losses
+
+
+@pytest.mark.parametrize("compression", ["float16", "bfloat16"])
+def test_compression_keeps_state_finite_where_naive_float16_fails(compression):
+  loss, params = _badly_scaled_problem()
+  tx_full = mpscale.came(0.1)  # beta2 = 1 - t**-0.8: v = g^2 after the first step
+  _, first_state, _ = _train(tx_full, loss, params, steps=1)
+  full_params, _, full_losses = _train(tx_full, loss, params, steps=150)
+
+  # Naive float16 storage of the float32 second moments: overflow and underflow.
+  v = first_state[0].v
+  with np.errstate(over="ignore"):
+    assert np.isinf(np.float16(v["bias"])).all()
+  assert (np.float16(v["scale"]) == 0).all()
+
+  p, state, losses = _train(mpscale.came(0.1, compression=compression), loss, params,
+                            steps=150)
+  # Every stored number finite, second moments positive, momentum compressed.
+  for leaf in jax.tree.leaves(state):
+    assert np.isfinite(np.asarray(leaf, np.float32)).all()
+  assert state[0].mu["w"].dtype == jnp.dtype(compression)
+  assert state[0].v["scale"].dtype == jnp.dtype(compression)
+  assert (np.asarray(state[0].v["scale"], np.float32) > 0).all()
+  # It trains, and like the float32-state run.
+  assert all(np.isfinite(losses))
+  assert losses[-1] < 1e-4 * losses[0]
+  assert full_losses[-1] < 1e-4 * full_losses[0]
+  chex.assert_trees_all_close(p, full_params, atol=0.05)
+
+
+def test_compressed_second_moment_round_trips_as_its_square_root():
+  g = {"b": jnp.asarray([1e3, 1e-6, 1.0], jnp.float32)}
+  tx = mpscale.scale_by_came(compression=True, clip_threshold=math.inf)
+  _, state = tx.update(g, tx.init(g))
+  # decay_rate's beta2 is 0 at step 1, so v = g^2: stored as |g| in float16.
+  np.testing.assert_allclose(np.asarray(state.v["b"], np.float32),
+                             [1e3, 1e-6, 1.0], rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------
+# jit, loss-scale wrappers, metrics, sharding.
+
+def test_jit_matches_eager():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(3)
+  tx = mpscale.came(1e-2, weight_decay=0.1, scale_parameter=True)
+  state = tx.init(params)
+  eager, jitted = params, params
+  s_eager, s_jit = state, state
+  update = jax.jit(tx.update)
+  for g in grads:
+    u, s_eager = tx.update(g, s_eager, eager)
+    eager = optax.apply_updates(eager, u)
+    u, s_jit = update(g, s_jit, jitted)
+    jitted = optax.apply_updates(jitted, u)
+  chex.assert_trees_all_close(eager, jitted, rtol=1e-6, atol=1e-7)
+
+
+def test_state_can_be_donated():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(2)
+  for compression in (False, True):
+    tx = mpscale.came(1e-2, weight_decay=0.1, compression=compression)
+    want, _ = _run(tx, params, grads)
+    step = _step_fn(tx, donate=True)
+    p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+    for g in grads:
+      p, s = step(p, s, g)
+    chex.assert_trees_all_close(p, want, rtol=1e-6, atol=1e-7)
+
+
+def test_inside_dynamic_loss_scale_and_step_metrics():
+  params = _tree(np.random.default_rng(0), _SHAPES)
+  grads = _grad_list(3)
+  schedule = mpscale.lr_schedule(1e-2, warmup_steps=2, decay_steps=10)
+  tx = mpscale.dynamic_loss_scale(mpscale.came(schedule, weight_decay=0.01),
+                                  init_scale=2.0**10)
+  plain = mpscale.came(schedule, weight_decay=0.01)
+  state, s_plain = tx.init(params), plain.init(params)
+  p, p_plain = params, params
+  update = jax.jit(tx.update)
+  for count, g in enumerate(grads):
+    scale = mpscale.loss_scale_of(state)
+    u, state = update(jax.tree.map(lambda x: scale * x, g), state, p)
+    p = optax.apply_updates(p, u)
+    u_plain, s_plain = plain.update(g, s_plain, p_plain)
+    p_plain = optax.apply_updates(p_plain, u_plain)
+    metrics = mpscale.step_metrics(state)
+    np.testing.assert_allclose(metrics["learning_rate"], schedule(count), rtol=1e-6)
+  chex.assert_trees_all_close(p, p_plain, rtol=1e-6, atol=1e-7)
+
+  # A non-finite step is skipped: params and CAME's state (count, lr) unchanged.
+  bad = jax.tree.map(lambda x: x.at[()].set(jnp.inf) if x.ndim == 0 else x, grads[0])
+  u, new_state = update(bad, state, p)
+  metrics = mpscale.step_metrics(new_state)
+  assert bool(metrics["overflow"]) and int(metrics["skipped"]) == 1
+  chex.assert_trees_all_equal(optax.apply_updates(p, u), p)
+  chex.assert_trees_all_equal(new_state.guard.inner_state, state.guard.inner_state)
+  np.testing.assert_allclose(metrics["learning_rate"], schedule(len(grads) - 1))
+
+
+@pytest.mark.parametrize("spec,compression,tol", [
+    (P("x", None), False, 1e-6),
+    (P(None, "x"), False, 1e-6),
+    # Another summation order can move a float16 momentum by one unit in the last place.
+    (P("x", "y"), True, 1e-4),
+])
+def test_sharded_params_match_unsharded(spec, compression, tol):
+  devices = np.asarray(jax.devices()[:8])
+  mesh = Mesh(devices.reshape(4, 2) if spec == P("x", "y") else devices.reshape(8, 1),
+              ("x", "y"))
+  rng = np.random.default_rng(0)
+  shapes = {"w": (64, 32), "b": (32,)}
+  params = _tree(rng, shapes)
+  grads = _grad_list(3, shapes)
+  tx = mpscale.came(1e-2, weight_decay=0.1, compression=compression)
+  want, _ = _run(tx, params, grads)
+
+  def put(tree):
+    return {"w": jax.device_put(tree["w"], NamedSharding(mesh, spec)),
+            "b": jax.device_put(tree["b"], NamedSharding(mesh, P()))}
+
+  step = _step_fn(tx)
+  got, state = put(params), tx.init(put(params))
+  for g in grads:
+    got, state = step(got, state, put(g))
+  assert got["w"].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+  chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
+  assert np.isfinite(np.asarray(state[0].mu["w"], np.float32)).all()
+
+
+def test_empty_params():
+  tx = mpscale.came(1e-3)
+  state = tx.init({})
+  updates, _ = tx.update({}, state, {})
+  assert updates == {}
+
+
+def test_compression_dtype_resolution():
+  assert compression_dtype(False) is None
+  assert compression_dtype(True) == jnp.float16
+  assert compression_dtype("bfloat16") == jnp.bfloat16
+  assert compression_dtype(jnp.float16) == jnp.float16
