@@ -359,6 +359,21 @@ def _like_params(opt_state: Any, param_shardings: Any, other: Any) -> Any:
       is_leaf=lambda x: like(x) or not isinstance(x, (tuple, list, dict)))
 
 
+def _check_finite_params(params: Any) -> None:
+  """Raises ``ValueError`` naming the first parameter holding a NaN or an Inf.
+
+  One host sync, at ``init`` only: a model that starts non-finite would otherwise
+  skip every step without a word.
+  """
+  flags = jax.tree_util.tree_map(
+      lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+      else jnp.asarray(True), params)
+  for path, ok in jax.tree_util.tree_leaves_with_path(jax.device_get(flags)):
+    if not ok:
+      raise ValueError(f"initial parameter {norms_lib.path_name(path)!r} holds a NaN "
+                       "or an Inf")
+
+
 def _warn_if_unscaled(policy: policy_lib.Policy, opt_state: Any) -> None:
   if not policy.needs_loss_scaling:
     return
@@ -529,6 +544,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         params = jax.device_put(params, shardings.params)
       # jit returns new buffers, so donating the state never frees ``params``.
       state = jax.jit(fresh_state, out_shardings=shardings)(params)
+    _check_finite_params(state.params)
     _warn_if_unscaled(policy, state.opt_state)
     return state
 

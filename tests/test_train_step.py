@@ -514,3 +514,11 @@ def test_mismatched_opt_state_is_rejected():
     init(wrong)
   with pytest.raises(ValueError, match="does not match"):
     step(wrong, make_batch())
+
+
+def test_init_rejects_a_non_finite_parameter():
+  params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.array([0.0, jnp.inf])}}
+  init, _ = mpscale.make_train_step(lambda p, b: jnp.sum(p["dense"]["kernel"]),
+                                    optax.sgd(0.1))
+  with pytest.raises(ValueError, match="dense/bias"):
+    init(params)
