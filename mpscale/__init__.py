@@ -1,7 +1,10 @@
 """mpscale: mixed-precision and parallel training pieces for JAX, as Optax transforms."""
 
 from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by_came
+from mpscale.config import ConfigError, RunConfig, load_config
+from mpscale.data import TextData, load_data
 from mpscale.finite import SkipNonfiniteState, skip_nonfinite
+from mpscale.lm import TinyLM
 from mpscale.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -28,12 +31,16 @@ __version__ = "0.1.0"
 __all__ = [
     "CameLearningRateState",
     "ClipByGlobalNormState",
+    "ConfigError",
     "LeafSquares",
     "LossScaleState",
     "Pipeline",
     "Policy",
+    "RunConfig",
     "ScaleByCameState",
     "SkipNonfiniteState",
+    "TextData",
+    "TinyLM",
     "TrainState",
     "accumulate_gradients",
     "bubble_fraction",
@@ -46,6 +53,8 @@ __all__ = [
     "global_norm",
     "group_norms",
     "keep_fp32_by_name",
+    "load_config",
+    "load_data",
     "loss_scale_of",
     "lr_schedule",
     "make_train_step",

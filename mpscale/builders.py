@@ -1,0 +1,272 @@
+"""From a `RunConfig` to the pieces of a run: model, policy, optimizer, mesh, step.
+
+Data flows one way: config -> these builders -> the training loop (`mpscale.cli`)::
+
+  policy    = get_policy(precision.policy)
+  optimizer = <loss_scale.kind>_loss_scale(chain(clip_by_global_norm(clip.max_norm),
+                                                 <optimizer.name>(lr_schedule, wd)))
+  mesh      = Mesh(devices[:data * stage].reshape(data, stage), ("data", "stage"))
+  loss      = TinyLM.loss_fn  or  Pipeline(embed_fn, stage_fn, head_fn) if stage > 1
+  init, step = make_train_step(loss, optimizer, policy=policy, mesh=mesh, ...)
+
+A builder's error is a ``ValueError``/``TypeError`` whose message starts with the config
+key at fault, e.g. ``precision.policy: unknown policy 'O7'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+import numpy as np
+import optax
+
+from mpscale import config as config_lib
+from mpscale import lm as lm_lib
+from mpscale import loss_scale as loss_scale_lib
+from mpscale import norms as norms_lib
+from mpscale import pipeline as pipeline_lib
+from mpscale import policy as policy_lib
+from mpscale import schedules as schedules_lib
+from mpscale import train_step as train_step_lib
+from mpscale.came import came
+
+DATA_AXIS = "data"
+STAGE_AXIS = "stage"
+
+
+def _keyed(key: str, fn: Callable[[], Any]) -> Any:
+  """``fn()``, with a ``ValueError``/``TypeError`` re-raised naming ``key``."""
+  try:
+    return fn()
+  except (ValueError, TypeError) as e:
+    raise type(e)(f"{key}: {e}") from None
+
+
+def build_policy(cfg: config_lib.RunConfig) -> policy_lib.Policy:
+  """The precision policy named by ``precision.policy``."""
+  return _keyed("precision.policy", lambda: policy_lib.get_policy(cfg.precision.policy))
+
+
+def build_model(cfg: config_lib.RunConfig) -> lm_lib.TinyLM:
+  """The tiny LM with ``model`` sizes and ``train.remat``."""
+  return lm_lib.TinyLM(cfg.model, remat=cfg.train.remat)
+
+
+def build_lr_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
+  """``schedule`` applied to ``optimizer.learning_rate`` (`mpscale.lr_schedule`)."""
+  s = cfg.schedule
+  decay_steps = cfg.train.steps if s.decay_steps is None else s.decay_steps
+  return _keyed("schedule", lambda: schedules_lib.lr_schedule(
+      cfg.optimizer.learning_rate, warmup_steps=s.warmup_steps,
+      warmup_fraction=s.warmup_fraction, decay_steps=decay_steps, style=s.style,
+      min_lr=s.min_lr))
+
+
+def build_weight_decay(cfg: config_lib.RunConfig) -> Any:
+  """``optimizer.weight_decay``, or a schedule to ``schedule.weight_decay_end``."""
+  start, end = cfg.optimizer.weight_decay, cfg.schedule.weight_decay_end
+  if end is None:
+    return start
+  style = cfg.schedule.weight_decay_style
+  if style == "constant" and start != end:
+    raise ValueError("schedule.weight_decay_style: 'constant' needs "
+                     "schedule.weight_decay_end == optimizer.weight_decay")
+  return _keyed("schedule.weight_decay_end", lambda: schedules_lib.weight_decay_schedule(
+      start, end, cfg.train.steps, style=style))
+
+
+def weight_decay_mask(kind: str) -> Optional[Callable[[Any], Any]]:
+  """``"matrices"``: decay every leaf but biases and norm scales; ``"all"``: ``None``."""
+  if kind == "all":
+    return None
+
+  def mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: norms_lib.key_name(path[-1]) not in ("bias", "scale"), params)
+
+  return mask
+
+
+def _scheduled(value: Any) -> Callable[[Any], Any]:
+  return value if callable(value) else (lambda count: value)
+
+
+def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
+  """The optimizer named by ``optimizer.name``, with its schedules (no clip or scale).
+
+  The weight decay is decoupled and multiplied by the learning rate for all three
+  (``p -= lr * (update + wd * p)``); Adafactor's own ``weight_decay_rate`` is not, so
+  it gets ``lr * wd``. AdamW and Adafactor are wrapped in ``optax.inject_hyperparams``
+  so the metrics report their learning rate (CAME records its own).
+  """
+  opt = cfg.optimizer
+  lr = build_lr_schedule(cfg)
+  wd = build_weight_decay(cfg)
+  mask = weight_decay_mask(opt.weight_decay_mask)
+  if opt.name == "came":
+    c = opt.came
+    return _keyed("optimizer.came", lambda: came(
+        lr, eps=c.eps, clip_threshold=c.clip_threshold, decay_rate=c.decay_rate,
+        beta1=c.beta1, beta2=c.beta2, beta3=c.beta3, weight_decay=wd,
+        scale_parameter=c.scale_parameter, relative_step=c.relative_step,
+        warmup_init=c.warmup_init, compression=c.compression, mask=mask))
+  if opt.name == "adamw":
+    a = opt.adamw
+    return _keyed("optimizer.adamw", lambda: optax.inject_hyperparams(
+        optax.adamw, static_args=("mask",))(
+            learning_rate=lr, b1=a.b1, b2=a.b2, eps=a.eps, weight_decay=wd, mask=mask))
+  if opt.name == "adafactor":
+    a = opt.adafactor
+    wd_fn = _scheduled(wd)
+    return _keyed("optimizer.adafactor", lambda: optax.inject_hyperparams(
+        optax.adafactor, static_args=(
+            "min_dim_size_to_factor", "multiply_by_parameter_scale", "momentum",
+            "dtype_momentum", "factored", "weight_decay_mask"))(
+                learning_rate=lr, min_dim_size_to_factor=a.min_dim_size_to_factor,
+                decay_rate=a.decay_rate,
+                multiply_by_parameter_scale=a.multiply_by_parameter_scale,
+                clipping_threshold=a.clipping_threshold, momentum=a.momentum,
+                eps=a.eps, weight_decay_rate=lambda n: lr(n) * wd_fn(n),
+                weight_decay_mask=mask))
+  raise ValueError(f"optimizer.name: unknown optimizer {opt.name!r}")
+
+
+def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
+  """The groups of the logged norms: ``clip.groups`` depth, or per pipeline stage."""
+  if cfg.clip.groups is not None:
+    return cfg.clip.groups
+  if cfg.mesh.stage > 1:
+    return pipeline_lib.stage_groups(cfg.mesh.stage)
+  return None
+
+
+def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
+  """Loss scaling around ``chain(clip_by_global_norm, optimizer)``."""
+  groups = build_groups(cfg)
+  inner = build_inner_optimizer(cfg)
+  if cfg.clip.max_norm is not None:
+    inner = optax.chain(norms_lib.clip_by_global_norm(cfg.clip.max_norm, groups=groups),
+                        inner)
+  ls = cfg.loss_scale
+  if ls.kind == "dynamic":
+    return _keyed("loss_scale", lambda: loss_scale_lib.dynamic_loss_scale(
+        inner, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
+        backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval,
+        hysteresis=ls.hysteresis, consecutive_hysteresis=ls.consecutive_hysteresis,
+        min_scale=ls.min_scale, max_scale=ls.max_scale, groups=groups))
+  if ls.kind == "fixed":
+    return _keyed("loss_scale", lambda: loss_scale_lib.fixed_loss_scale(
+        inner, ls.init_scale, drop_overflow_update=ls.drop_overflow_update,
+        groups=groups))
+  return loss_scale_lib.no_loss_scale(inner, groups=groups)
+
+
+def build_mesh(cfg: config_lib.RunConfig,
+               devices: Optional[Sequence[Any]] = None) -> Optional[Mesh]:
+  """A ``("data", "stage")`` mesh of ``mesh.data x mesh.stage`` devices, or ``None``
+  for a single device.
+
+  Raises:
+    ValueError: naming ``mesh`` when there are too few devices.
+  """
+  shape = (cfg.mesh.data, cfg.mesh.stage)
+  if shape == (1, 1):
+    return None
+  devices = list(jax.devices() if devices is None else devices)
+  needed = shape[0] * shape[1]
+  if len(devices) < needed:
+    hint = (f"; on CPU, simulate them with --devices {needed}"
+            if devices[0].platform == "cpu" else "")
+    raise ValueError(f"mesh: data x stage = {shape[0]} x {shape[1]} needs {needed} "
+                     f"devices, but {len(devices)} are available{hint}")
+  return Mesh(np.asarray(devices[:needed]).reshape(shape), (DATA_AXIS, STAGE_AXIS))
+
+
+def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
+  """What `make_train_step` differentiates: the model's loss, or a `Pipeline`.
+
+  With ``mesh.stage > 1`` this is ``mpscale.Pipeline(model.embed_fn, model.stage_fn,
+  model.head_fn, train.num_microbatches, mesh.pipeline_schedule, train.remat)``; else
+  ``model.loss_fn`` (``(loss_sum, num_tokens)``) with ``train.per_token_loss``, or
+  ``model.mean_loss_fn``.
+  """
+  if cfg.mesh.stage > 1:
+    return _keyed("mesh", lambda: pipeline_lib.Pipeline(
+        model.embed_fn, model.stage_fn, model.head_fn,
+        num_microbatches=cfg.train.num_microbatches,
+        schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
+        stage_axis=STAGE_AXIS))
+  return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
+
+
+class Setup(NamedTuple):
+  """Everything a training loop needs, built from one config."""
+  model: lm_lib.TinyLM
+  policy: policy_lib.Policy
+  optimizer: optax.GradientTransformation
+  mesh: Optional[Mesh]
+  init: Callable[[Any], train_step_lib.TrainState]
+  """``init(params) -> TrainState``."""
+  step: Callable[[train_step_lib.TrainState, Any], tuple[Any, dict]]
+  """The jitted ``step(state, batch) -> (state, metrics)``."""
+  evaluate: Callable[[Any, Any], tuple[jax.Array, jax.Array]]
+  """Jitted ``evaluate(params, batch) -> (loss_sum, num_tokens)`` in the compute
+  dtype."""
+
+
+def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None
+         ) -> Setup:
+  """Model, policy, optimizer, mesh, train step and evaluation for ``cfg``.
+
+  With ``mesh.stage > 1`` the loss is a `mpscale.Pipeline` and the micro-batches are
+  the pipeline's (``make_train_step`` gets ``num_microbatches=1``).
+
+  Raises:
+    ValueError, TypeError: with the config key at fault first in the message.
+  """
+  model = build_model(cfg)
+  policy = build_policy(cfg)
+  optimizer = build_optimizer(cfg)
+  mesh = build_mesh(cfg, devices)
+  loss = build_loss(cfg, model)
+  pipelined = cfg.mesh.stage > 1
+  init, step = _keyed("train", lambda: train_step_lib.make_train_step(
+      loss, optimizer, policy=policy, mesh=mesh, data_axis=DATA_AXIS,
+      num_microbatches=1 if pipelined else cfg.train.num_microbatches,
+      per_token_loss=cfg.train.per_token_loss,
+      shard_optimizer_state=cfg.mesh.shard_optimizer_state))
+
+  @jax.jit
+  def evaluate(params, batch):
+    return model.loss_fn(policy.cast_to_compute(params), batch)
+
+  return Setup(model, policy, optimizer, mesh, init, step, evaluate)
+
+
+def init_params(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
+  """The model's float32 initial parameters, from ``seed``."""
+  return model.init(jax.random.key(cfg.seed))
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes held by the arrays of ``tree`` (e.g. an optimizer state)."""
+  return int(sum(np.size(x) * jnp.dtype(x.dtype).itemsize
+                 for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")))
+
+
+def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:
+  """Bytes of ``optimizer``'s state for ``params`` (from shapes; nothing allocated)."""
+  return tree_bytes(jax.eval_shape(optimizer.init, params))
+
+
+def describe(cfg: config_lib.RunConfig) -> dict[str, str]:
+  """Short labels of a run for tables: policy, loss scaling, optimizer, mesh."""
+  ls = cfg.loss_scale
+  scaling = {"dynamic": f"dynamic (init {ls.init_scale:g})",
+             "fixed": f"fixed {ls.init_scale:g}", "none": "none"}[ls.kind]
+  return {"policy": cfg.precision.policy, "loss_scale": scaling,
+          "optimizer": cfg.optimizer.name,
+          "mesh": f"{cfg.mesh.data}x{cfg.mesh.stage}"}

@@ -1,0 +1,619 @@
+"""The ``mpscale`` command: train the tiny LM from a config, or compare several configs.
+
+::
+
+  mpscale train --config configs/tiny_lm_fp16.yaml [--set train.steps=50 ...]
+                [--out runs/NAME] [--resume | --overwrite] [--devices N] [--data PATH]
+  mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
+                  [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
+
+A run writes into its own folder (default ``runs/<config name>``)::
+
+  config.yaml     the resolved config (every default filled in)
+  metrics.csv     one row per logged step: loss, eval_loss, loss_scale, overflows, ...
+  tb/             TensorBoard event files (tensorboardX)
+  checkpoints/    orbax checkpoints of the whole TrainState
+  metrics.png     loss, loss scale and gradient norm
+  summary.json    final train/eval loss, skipped steps, optimizer-state bytes, time
+
+The data order is a pure function of ``(seed, step)``, so ``--resume`` continues from
+the latest checkpoint with the same batches, and the same losses, as an uninterrupted
+run. An existing run is never overwritten without ``--resume`` or ``--overwrite``, and
+a run whose config or setup fails writes nothing.
+
+Arguments are parsed before JAX touches a device, so ``--devices N`` can still make the
+CPU backend simulate ``N`` devices (``--xla_force_host_platform_device_count``). With
+``JAX_COORDINATOR_ADDRESS`` and ``JAX_NUM_PROCESSES`` (and ``JAX_PROCESS_ID``) set, the
+command calls ``jax.distributed.initialize`` first (multi-host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from mpscale import config as config_lib
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+RUN_FILES = ("config.yaml", "metrics.csv", "summary.json", "metrics.png", "tb",
+             "checkpoints")
+"""What a run writes into its folder (and what ``--overwrite`` removes)."""
+CSV_FIELDS = ("step", "loss", "eval_loss", "loss_scale", "overflows", "overflow_total",
+              "skipped", "global_norm", "learning_rate", "tokens_per_s", "wall_s")
+"""The fixed columns of ``metrics.csv``; group norms follow as ``norm/<group>``."""
+
+
+class RunDirError(ValueError):
+  """The output folder holds a run that this command would overwrite."""
+
+
+# ------------------------------------------------------------------ devices
+
+
+def set_host_device_count(n: Optional[int]) -> None:
+  """Make the CPU backend simulate ``n`` devices (before JAX initializes a backend).
+
+  Raises:
+    ValueError: if ``n`` < 1, or JAX is already running with fewer than ``n`` devices.
+  """
+  if n is None:
+    return
+  if n < 1:
+    raise ValueError(f"--devices must be >= 1; got {n}")
+  if "jax" in sys.modules:
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+      import jax
+      if jax.device_count() < n:
+        raise ValueError(f"--devices {n}: JAX is already running with "
+                         f"{jax.device_count()} devices; set XLA_FLAGS={_DEVICE_FLAG}="
+                         f"{n} before starting Python")
+      return
+  flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+  os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
+
+
+def init_distributed() -> bool:
+  """``jax.distributed.initialize`` from ``JAX_COORDINATOR_ADDRESS``,
+  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, when the first two are set.
+
+  Returns:
+    Whether it initialized.
+  """
+  address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  num_processes = os.environ.get("JAX_NUM_PROCESSES")
+  if not address or not num_processes:
+    return False
+  import jax
+  jax.distributed.initialize(
+      coordinator_address=address, num_processes=int(num_processes),
+      process_id=int(os.environ.get("JAX_PROCESS_ID", "0")))
+  return True
+
+
+# ------------------------------------------------------------------ run folder
+
+
+def existing_run_files(out_dir: str) -> list[str]:
+  """The `RUN_FILES` already present in ``out_dir``."""
+  return [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+
+
+def _check_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
+  if resume and overwrite:
+    raise RunDirError("--resume and --overwrite are exclusive")
+  found = existing_run_files(out_dir)
+  if found and not (resume or overwrite):
+    raise RunDirError(f"{out_dir} already holds a run ({', '.join(found)}); pass "
+                      "--resume to continue it or --overwrite to replace it")
+
+
+def _read_rows(path: str) -> list[dict[str, str]]:
+  if not os.path.exists(path):
+    return []
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def _float(text: Any) -> float:
+  try:
+    return float(text)
+  except (TypeError, ValueError):
+    return math.nan
+
+
+class _MetricsLog:
+  """``metrics.csv`` and TensorBoard events of one run (on the main process only)."""
+
+  def __init__(self, out_dir: str, group_names: Sequence[str], start_step: int,
+               enabled: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(out_dir, "metrics.csv")
+    self.fields = list(CSV_FIELDS) + [f"norm/{g}" for g in group_names]
+    if not enabled:
+      return
+    kept = [r for r in _read_rows(self.path) if int(r["step"]) <= start_step]
+    self.file = open(self.path, "w", newline="")
+    self.writer = csv.DictWriter(self.file, self.fields, extrasaction="ignore")
+    self.writer.writeheader()
+    self.writer.writerows(kept)
+    self.file.flush()
+    from tensorboardX import SummaryWriter
+    # purge_step drops the events of steps a resumed run will log again.
+    self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
+                            purge_step=start_step + 1 if start_step else None)
+    self.last = kept[-1] if kept else {}
+
+  def write(self, row: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    self.writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    self.file.flush()
+    step = int(row["step"])
+    for key, value in row.items():
+      # Non-finite values (the norm of an overflowed step) stay in the CSV only.
+      if (key in ("step", "wall_s") or value is None or value == ""
+          or not math.isfinite(float(value))):
+        continue
+      tag = (f"norms/{key[5:]}" if key.startswith("norm/")
+             else "eval/loss" if key == "eval_loss" else f"train/{key}")
+      self.tb.add_scalar(tag, float(value), step)
+    self.tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self.file.close()
+      self.tb.close()
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _checkpoint_tree(state: Any) -> dict[str, Any]:
+  """``state`` as a flat dict ``"opt_state.guard...kernel" -> array`` without its
+  zero-size leaves (CAME keeps empty placeholders, which orbax refuses to save)."""
+  import jax
+  from mpscale import norms
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  return {".".join(norms.key_name(k) for k in path): leaf for path, leaf in flat
+          if getattr(leaf, "size", 1) > 0}
+
+
+def _from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
+  """The state shaped like ``like`` with the leaves of ``saved`` (zero-size leaves
+  taken from ``like``)."""
+  import jax
+  from mpscale import norms
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+  leaves = [saved.get(".".join(norms.key_name(k) for k in path), leaf)
+            for path, leaf in flat]
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ------------------------------------------------------------------ plots
+
+
+def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:
+  steps, values = [], []
+  for r in rows:
+    v = _float(r.get(key))
+    if not math.isnan(v):
+      steps.append(int(r["step"]))
+      values.append(v)
+  return steps, values
+
+
+def plot_runs(runs: dict[str, str], path: str, title: str = "") -> None:
+  """One PNG of loss (train solid, eval dashed), loss scale and gradient norm.
+
+  Args:
+    runs: run label -> its ``metrics.csv``.
+    path: the PNG to write.
+    title: the figure's title.
+  """
+  from matplotlib.figure import Figure  # no pyplot: leaves the global backend alone
+
+  fig = Figure(figsize=(13, 3.8), layout="constrained")
+  axes = fig.subplots(1, 3)
+  late = []  # losses after the first fifth of each run set the y range
+  for i, (label, csv_path) in enumerate(runs.items()):
+    rows = _read_rows(csv_path)
+    color = f"C{i % 10}"
+    steps, values = _series(rows, "loss")
+    axes[0].plot(steps, values, color=color, label=label)
+    late += [v for s, v in zip(steps, values) if s >= 0.2 * max(steps, default=0)]
+    steps, values = _series(rows, "eval_loss")
+    late += values
+    if values:
+      axes[0].plot(steps, values, "o--", color=color, ms=3)
+    axes[1].plot(*_series(rows, "loss_scale"), color=color, label=label)
+    axes[2].plot(*_series(rows, "global_norm"), color=color, label=label)
+  titles = ("loss, nats/byte (solid: train, dashed: eval)", "loss scale",
+            "gradient global norm")
+  for ax, name in zip(axes, titles):
+    ax.set_xlabel("step")
+    ax.set_title(name, fontsize=10)
+    ax.grid(alpha=0.3)
+  finite = [v for v in late if math.isfinite(v)]
+  if finite:
+    low, high = min(finite), max(finite)
+    axes[0].set_ylim(low - 0.05 * (high - low + 0.1), high + 0.3 * (high - low + 0.1))
+  axes[1].set_yscale("log", base=2)
+  axes[2].set_yscale("log")
+  axes[0].legend(fontsize=7)
+  if title:
+    fig.suptitle(title)
+  fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------ training
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+  return "nan" if x is None or math.isnan(x) else f"{x:.{digits}g}"
+
+
+def _global_batch(batch: dict[str, Any], mesh: Any) -> Any:
+  """The host batch, or across processes a global array built from every process's
+  identical copy (the batch is a pure function of seed and step)."""
+  import jax
+  if mesh is None or jax.process_count() == 1:
+    return batch
+  from jax.sharding import NamedSharding, PartitionSpec
+  from mpscale import builders
+  sharding = NamedSharding(mesh, PartitionSpec(builders.DATA_AXIS))
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+          for k, v in batch.items()}
+
+
+def evaluate(setup: Any, params: Any, data: Any, cfg: config_lib.RunConfig) -> float:
+  """Mean per-token loss on the held-out split (``data.eval_batches`` batches)."""
+  import jax
+  total, tokens = 0.0, 0.0
+  for batch in data.eval_batches(cfg.data.batch_size, cfg.model.seq_len,
+                                 cfg.data.eval_batches):
+    loss_sum, count = jax.device_get(setup.evaluate(params, batch))
+    total, tokens = total + float(loss_sum), tokens + float(count)
+  return total / max(tokens, 1.0)
+
+
+def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
+          resume: bool = False, overwrite: bool = False,
+          progress: Optional[bool] = None, source: str = "<config>",
+          verbose: bool = True) -> dict[str, Any]:
+  """Train ``cfg``'s tiny LM, writing the run's files into ``out_dir``.
+
+  Args:
+    cfg: the run.
+    out_dir: the run's folder; default ``runs/<cfg.name>``.
+    resume: continue from the latest checkpoint in ``out_dir`` (from scratch if it
+      has none); a finished run only re-evaluates.
+    overwrite: replace the files of a run already in ``out_dir``.
+    progress: show a progress bar; default: when the console is a terminal.
+    source: names the config in error messages (its path).
+    verbose: print a line per evaluation and a final summary.
+
+  Returns:
+    The summary also written to ``summary.json``.
+
+  Raises:
+    RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``.
+    config_lib.ConfigError: for a setup the config makes impossible (naming ``source``
+      and the key), before anything is written.
+  """
+  import jax
+  from rich.console import Console
+  from rich import progress as rich_progress
+
+  from mpscale import builders
+  from mpscale import data as data_lib
+  from mpscale import lm as lm_lib
+
+  out_dir = out_dir or os.path.join("runs", cfg.name)
+  _check_out_dir(out_dir, resume, overwrite)
+  main_process = jax.process_index() == 0
+
+  # Everything that can fail on the config happens before the first write.
+  try:
+    data = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
+  except (OSError, ValueError) as e:
+    raise config_lib.ConfigError(f"{source}: data.path: {e}") from None
+  try:
+    setup = builders.build(cfg)
+    params = builders.init_params(cfg, setup.model)
+    state = setup.init(params)
+    first_batch = data.train_batch(cfg.seed, 0, cfg.data.batch_size, cfg.model.seq_len)
+    metric_shapes = jax.eval_shape(setup.step, state, first_batch)[1]
+  except (ValueError, TypeError) as e:
+    if isinstance(e, config_lib.ConfigError):
+      raise
+    raise config_lib.ConfigError(f"{source}: {e}") from None
+  opt_bytes = builders.tree_bytes(state.opt_state)
+  num_params = lm_lib.num_params(params)
+  del params
+
+  import orbax.checkpoint as ocp
+  ckpt_dir = os.path.abspath(os.path.join(out_dir, "checkpoints"))
+  start = 0
+  if resume and os.path.isdir(ckpt_dir):
+    with ocp.CheckpointManager(ckpt_dir) as reader:
+      latest = reader.latest_step()
+      if latest is not None:
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
+                                          _checkpoint_tree(state))
+        saved = reader.restore(latest, args=ocp.args.StandardRestore(abstract))
+        state = _from_checkpoint_tree(state, saved)
+        start = int(jax.device_get(state.step))
+  if overwrite and main_process:
+    for name in existing_run_files(out_dir):
+      path = os.path.join(out_dir, name)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+  if main_process:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+      f.write(config_lib.dump_config(cfg))
+
+  steps, tc = cfg.train.steps, cfg.train
+  log = _MetricsLog(out_dir, sorted(metric_shapes["group_norms"]), start, main_process)
+  previous = _float(log.last.get("overflow_total")) if start else math.nan
+  overflow_total = 0 if math.isnan(previous) else int(previous)
+  manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
+      max_to_keep=tc.keep_checkpoints, create=True))
+  console = Console(stderr=True)
+  show = console.is_terminal if progress is None else progress
+  tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+  t_run = t_mark = time.perf_counter()
+  pending, eval_loss, row = [], math.nan, {}
+
+  def due(done: int, every: int) -> bool:
+    return done == steps or (every > 0 and done % every == 0)
+
+  bar = rich_progress.Progress(
+      rich_progress.TextColumn("[bold]{task.description}"), rich_progress.BarColumn(),
+      rich_progress.MofNCompleteColumn(), rich_progress.TimeRemainingColumn(),
+      rich_progress.TextColumn("{task.fields[info]}"), console=console,
+      disable=not (show and main_process), transient=False)
+  try:
+    with bar:
+      task = bar.add_task(cfg.name, total=steps, completed=start, info="compiling")
+      for step in range(start, steps):
+        batch = data.train_batch(cfg.seed, step, cfg.data.batch_size, cfg.model.seq_len)
+        state, metrics = setup.step(state, _global_batch(batch, setup.mesh))
+        pending.append(metrics)
+        done = step + 1
+        bar.update(task, completed=done)
+        evaluating = due(done, tc.eval_every)
+        checkpointing = due(done, tc.checkpoint_every)
+        if not (due(done, tc.log_every) or evaluating or checkpointing):
+          continue
+        host = jax.device_get(pending)
+        now = time.perf_counter()
+        overflows = sum(int(m["overflow"]) for m in host)
+        overflow_total += overflows
+        last = host[-1]
+        if evaluating:
+          eval_loss = evaluate(setup, state.params, data, cfg)
+        row = {
+            "step": done,
+            "loss": sum(float(m["loss"]) for m in host) / len(host),
+            "eval_loss": eval_loss if evaluating else None,
+            "loss_scale": float(last["loss_scale"]),
+            "overflows": overflows, "overflow_total": overflow_total,
+            "skipped": int(last["skipped"]),
+            "global_norm": float(last["global_norm"]),
+            "learning_rate": float(last.get("learning_rate", math.nan)),
+            "tokens_per_s": len(host) * tokens_per_step / max(now - t_mark, 1e-9),
+            "wall_s": now - t_run,
+        }
+        row.update({f"norm/{k}": float(v) for k, v in last["group_norms"].items()})
+        log.write(row)
+        pending, t_mark = [], time.perf_counter()
+        bar.update(task, info=(
+            f"loss {_fmt(row['loss'])} | scale {_fmt(row['loss_scale'])} | "
+            f"overflows {overflow_total} | norm {_fmt(row['global_norm'], 3)} | "
+            f"{row['tokens_per_s'] / 1e3:.1f}k tok/s"))
+        if evaluating and verbose and not show and main_process:
+          console.print(f"{cfg.name} step {done}/{steps}: loss {_fmt(row['loss'])}, "
+                        f"eval {_fmt(eval_loss)}, scale {_fmt(row['loss_scale'])}, "
+                        f"overflows {overflow_total}")
+        if checkpointing:
+          manager.save(done, args=ocp.args.StandardSave(_checkpoint_tree(state)))
+  except KeyboardInterrupt:
+    # Preempted: keep what was done so --resume continues from here.
+    done = int(jax.device_get(state.step))
+    if done > (manager.latest_step() or 0):
+      manager.save(done, args=ocp.args.StandardSave(_checkpoint_tree(state)))
+    manager.wait_until_finished()
+    manager.close()
+    log.close()
+    raise
+  manager.wait_until_finished()
+  manager.close()
+
+  final_step = int(jax.device_get(state.step))
+  if math.isnan(eval_loss):  # a finished run resumed: evaluate its final state
+    eval_loss = evaluate(setup, state.params, data, cfg)
+  log.close()
+  rows = _read_rows(log.path)
+  train_loss = _float(rows[-1]["loss"]) if rows else math.nan
+  summary = {
+      "name": cfg.name, **builders.describe(cfg), "steps": final_step,
+      "final_train_loss": train_loss, "final_eval_loss": eval_loss,
+      "skipped": int(_float(rows[-1]["skipped"])) if rows else 0,
+      "overflow_total": overflow_total, "params": num_params,
+      "optimizer_state_bytes": opt_bytes,
+      "train_seconds": _previous_seconds(out_dir, start) + (
+          time.perf_counter() - t_run if final_step > start else 0.0),
+      "resumed_from": start, "data": data.source, "out_dir": out_dir,
+  }
+  if main_process:
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    plot_runs({cfg.name: log.path}, os.path.join(out_dir, "metrics.png"),
+              title=f"{cfg.name} ({summary['policy']}, loss scale "
+                    f"{summary['loss_scale']}, {summary['optimizer']})")
+    if verbose:
+      console.print(f"{cfg.name}: {final_step} steps, train loss {_fmt(train_loss)}, "
+                    f"eval loss {_fmt(eval_loss)}, skipped {summary['skipped']} "
+                    f"-> {out_dir}")
+  return summary
+
+
+def _previous_seconds(out_dir: str, start: int) -> float:
+  """Training seconds already spent by the run resumed at ``start`` (0 if none)."""
+  path = os.path.join(out_dir, "summary.json")
+  if not start or not os.path.exists(path):
+    return 0.0
+  with open(path) as f:
+    previous = json.load(f)
+  # Only the part up to the checkpoint counts; the rest is trained again.
+  fraction = min(1.0, start / max(previous.get("steps", start), 1))
+  return float(previous.get("train_seconds", 0.0)) * fraction
+
+
+# ------------------------------------------------------------------ compare
+
+
+def comparison_table(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], list[list]]:
+  """Header and rows of the comparison table (the first run is the reference)."""
+  header = ["run", "policy", "loss scale", "optimizer", "steps", "final train loss",
+            "final eval loss", "eval vs first", "skipped steps", "optimizer state (KiB)",
+            "train time (s)"]
+  ref = summaries[0]["final_eval_loss"] if summaries else math.nan
+  rows = []
+  for s in summaries:
+    rel = (s["final_eval_loss"] / ref - 1) * 100 if ref else math.nan
+    rows.append([s["name"], s["policy"], s["loss_scale"], s["optimizer"], s["steps"],
+                 round(s["final_train_loss"], 4), round(s["final_eval_loss"], 4),
+                 f"{rel:+.2f}%", s["skipped"],
+                 round(s["optimizer_state_bytes"] / 1024, 1),
+                 round(s["train_seconds"], 1)])
+  return header, rows
+
+
+def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "compare"),
+            *, overrides: Sequence[str] = (), data_path: Optional[str] = None,
+            resume: bool = False, overwrite: bool = False,
+            progress: Optional[bool] = None, plot_path: Optional[str] = None,
+            verbose: bool = True) -> list[dict[str, Any]]:
+  """Train every config into ``out_dir/<name>`` and compare them.
+
+  Writes ``comparison.csv``, ``comparison.md`` and ``comparison.png`` (and ``plot_path``
+  if given) into ``out_dir``. Every config is loaded and checked before any run starts.
+
+  Returns:
+    The runs' summaries, in order.
+
+  Raises:
+    config_lib.ConfigError: for a bad config or two configs with the same name.
+  """
+  cfgs = [_load(p, overrides, data_path) for p in config_paths]
+  names = [c.name for c in cfgs]
+  if len(set(names)) != len(names):
+    dup = next(n for n in names if names.count(n) > 1)
+    raise config_lib.ConfigError(f"two configs are named {dup!r}; give each a distinct "
+                                 "name (the name: key)")
+  for c in cfgs:
+    _check_out_dir(os.path.join(out_dir, c.name), resume, overwrite)
+  summaries = [train(c, os.path.join(out_dir, c.name), resume=resume,
+                     overwrite=overwrite, progress=progress, source=p, verbose=verbose)
+               for c, p in zip(cfgs, config_paths)]
+  header, rows = comparison_table(summaries)
+  with open(os.path.join(out_dir, "comparison.csv"), "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(header)
+    writer.writerows(rows)
+  md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  md += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
+  with open(os.path.join(out_dir, "comparison.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+  runs = {s["name"]: os.path.join(s["out_dir"], "metrics.csv") for s in summaries}
+  png = os.path.join(out_dir, "comparison.png")
+  plot_runs(runs, png, title="mpscale compare")
+  if plot_path:
+    os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
+    shutil.copyfile(png, plot_path)
+  if verbose:
+    print("\n".join(md))
+  return summaries
+
+
+# ------------------------------------------------------------------ command line
+
+
+def _load(path: str, overrides: Sequence[str], data_path: Optional[str]
+         ) -> config_lib.RunConfig:
+  cfg = config_lib.load_config(path, overrides)
+  if data_path is not None:
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
+  return cfg
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="mpscale", description="Train the tiny mixed-precision LM from a config.")
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  def common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
+                   help="override a config value (parsed as YAML); repeatable")
+    p.add_argument("--data", metavar="PATH",
+                   help="a text file or folder instead of the embedded corpus")
+    p.add_argument("--devices", type=int, metavar="N",
+                   help="simulate N devices on CPU (XLA host platform device count)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true",
+                       help="continue the run(s) from the latest checkpoint")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace the files of an existing run")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar (default: on a terminal)")
+    p.add_argument("--quiet", action="store_true", help="print only errors")
+
+  t = sub.add_parser("train", help="train one config")
+  t.add_argument("--config", required=True, help="the run's YAML config")
+  t.add_argument("--out", help="the run's folder (default runs/<config name>)")
+  common(t)
+  c = sub.add_parser("compare", help="train several configs, plot and tabulate them")
+  c.add_argument("configs", nargs="+", help="YAML configs")
+  c.add_argument("--out", default=os.path.join("runs", "compare"),
+                 help="folder of the runs and the comparison (default runs/compare)")
+  c.add_argument("--plot", metavar="PNG", help="also copy the comparison plot here")
+  common(c)
+  return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the command; returns the exit status (2 for a config or run-folder error)."""
+  args = _parser().parse_args(argv)
+  try:
+    set_host_device_count(args.devices)
+  except ValueError as e:
+    print(f"mpscale: error: {e}", file=sys.stderr)
+    return 2
+  init_distributed()
+  try:
+    if args.command == "train":
+      cfg = _load(args.config, args.set, args.data)
+      train(cfg, args.out, resume=args.resume, overwrite=args.overwrite,
+            progress=args.progress, source=args.config, verbose=not args.quiet)
+    else:
+      compare(args.configs, args.out, overrides=args.set, data_path=args.data,
+              resume=args.resume, overwrite=args.overwrite, progress=args.progress,
+              plot_path=args.plot, verbose=not args.quiet)
+  except (config_lib.ConfigError, RunDirError) as e:
+    print(f"mpscale: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("mpscale: interrupted; continue with --resume", file=sys.stderr)
+    return 130
+  return 0

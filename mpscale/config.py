@@ -1,0 +1,598 @@
+"""Run configuration: typed, validated dataclasses loaded from YAML, with overrides.
+
+One YAML file fully describes a run. `load_config` reads it, applies command-line
+overrides (``--set train.steps=50``, values parsed as YAML scalars), and converts the
+result into a frozen `RunConfig`. Every mistake is a `ConfigError` naming the file and
+the dotted key::
+
+  configs/x.yaml: model.num_layers: expected an int, got 'four' (str)
+  configs/x.yaml: model.nun_layers: unknown key (did you mean 'num_layers'?)
+  configs/x.yaml: model.num_layers (3) must be divisible by mesh.stage (2)
+
+A wrong type is also a ``TypeError`` (`ConfigTypeError`), any other mistake a
+``ValueError``. Sections and keys left out take the defaults below; a section written as
+an empty mapping (``clip:``) takes them too. Floats may be written ``1e-3``: the loader
+reads YAML 1.2 floats (PyYAML's YAML 1.1 would read ``1e-3`` as a string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A configuration mistake; the message names the file and the dotted key."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+  """A configuration value of the wrong type."""
+
+
+# ------------------------------------------------------------------ the dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The tiny decoder-only transformer (`mpscale.lm.TinyLM`)."""
+  vocab_size: int = 256
+  """Byte-level: 256."""
+  d_model: int = 64
+  """Width of the residual stream."""
+  num_heads: int = 4
+  """Attention heads; must divide ``d_model``."""
+  num_layers: int = 2
+  """Transformer blocks; must be divisible by ``mesh.stage``."""
+  d_ff: int = 256
+  """Hidden width of the MLP."""
+  seq_len: int = 64
+  """Tokens per training sequence (the context length)."""
+  init_std: float = 0.02
+  """Standard deviation of the normal initialization of weight matrices (GPT-2's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where the text comes from and how it is batched (`mpscale.data`)."""
+  path: Optional[str] = None
+  """A text file or a folder of them; ``null`` for the embedded corpus (docstrings of
+  the Python standard library)."""
+  eval_fraction: float = 0.1
+  """Share of the corpus held out for evaluation, in (0, 1)."""
+  batch_size: int = 16
+  """Sequences per step (global, over all data-parallel replicas)."""
+  eval_batches: int = 8
+  """Batches of the held-out split per evaluation; 0 for all of it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+  """The precision policy (`mpscale.get_policy`)."""
+  policy: str = "O0"
+  """A preset (``O0``..``O3``, ``bf16``), a dtype, or ``params=..,compute=..,output=..``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+  """Loss scaling (`mpscale.dynamic_loss_scale`, `fixed_loss_scale`, `no_loss_scale`)."""
+  kind: Literal["dynamic", "fixed", "none"] = "none"
+  """``dynamic``, ``fixed`` (a constant ``init_scale``) or ``none`` (scale 1)."""
+  init_scale: float = 32768.0
+  """The first scale (dynamic) or the scale (fixed)."""
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5
+  growth_interval: int = 2000
+  """Consecutive finite steps before the scale grows."""
+  hysteresis: int = 1
+  """Overflows tolerated before a back-off (Megatron-LM)."""
+  consecutive_hysteresis: bool = False
+  """Refill the hysteresis on every finite step (DeepSpeed)."""
+  min_scale: float = 1.0
+  max_scale: float = 16777216.0
+  drop_overflow_update: bool = True
+  """Fixed scale only: skip an overflowed step (else apply it anyway)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipConfig:
+  """Gradient clipping by global norm, and the groups whose norms are logged."""
+  max_norm: Optional[float] = 1.0
+  """Clip the global norm to this; ``null`` for no clipping."""
+  groups: Optional[int] = None
+  """Depth of the key paths that name the logged group norms (``null``: top level)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CameConfig:
+  """Options of `mpscale.came` (learning rate and weight decay are in `optimizer`)."""
+  eps: tuple[float, float, float] = (1e-30, 1e-3, 1e-16)
+  clip_threshold: float = 1.0
+  decay_rate: float = 0.8
+  beta1: float = 0.9
+  beta2: Optional[float] = None
+  beta3: float = 0.99
+  scale_parameter: bool = False
+  relative_step: bool = False
+  warmup_init: bool = False
+  compression: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+  """Options of ``optax.adamw``."""
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+
+
+@dataclasses.dataclass(frozen=True)
+class AdafactorConfig:
+  """Options of ``optax.adafactor``."""
+  min_dim_size_to_factor: int = 32
+  decay_rate: float = 0.8
+  multiply_by_parameter_scale: bool = False
+  clipping_threshold: Optional[float] = 1.0
+  momentum: Optional[float] = None
+  eps: float = 1e-30
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The optimizer; only the sub-section named by ``name`` is used."""
+  name: Literal["came", "adamw", "adafactor"] = "adamw"
+  learning_rate: float = 1e-3
+  """Peak learning rate (see `ScheduleConfig`)."""
+  weight_decay: float = 0.0
+  """Decoupled weight decay (the start value with a weight-decay schedule)."""
+  weight_decay_mask: Literal["matrices", "all"] = "matrices"
+  """Decay only weight matrices (not biases, norms), or every parameter."""
+  came: CameConfig = dataclasses.field(default_factory=CameConfig)
+  adamw: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
+  adafactor: AdafactorConfig = dataclasses.field(default_factory=AdafactorConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+  """Learning-rate and weight-decay schedules (`mpscale.lr_schedule`,
+  `mpscale.weight_decay_schedule`)."""
+  style: Literal["constant", "linear", "cosine", "inverse_sqrt"] = "cosine"
+  warmup_steps: int = 0
+  warmup_fraction: Optional[float] = None
+  """Warmup as a share of ``train.steps``; exclusive with ``warmup_steps``."""
+  decay_steps: Optional[int] = None
+  """Steps of warmup plus decay; ``null``: ``train.steps``."""
+  min_lr: float = 0.0
+  weight_decay_end: Optional[float] = None
+  """``null``: constant weight decay; else decay from ``optimizer.weight_decay`` to this."""
+  weight_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The device mesh: ``data`` x ``stage`` (pipeline) devices."""
+  data: int = 1
+  stage: int = 1
+  pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
+  """Used when ``stage`` > 1."""
+  shard_optimizer_state: bool = False
+  """ZeRO-1 over the data axis."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The training loop."""
+  steps: int = 300
+  num_microbatches: int = 1
+  """Gradient accumulation, or the pipeline's micro-batches when ``mesh.stage`` > 1."""
+  per_token_loss: bool = True
+  """Divide by the token count of the whole batch rather than average micro-batches."""
+  remat: bool = False
+  """Recompute each block's activations in the backward pass."""
+  log_every: int = 10
+  eval_every: int = 100
+  """Evaluate every this many steps (and at the end); 0: only at the end."""
+  checkpoint_every: int = 100
+  """Save every this many steps (and at the end); 0: only at the end."""
+  keep_checkpoints: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """One training run."""
+  name: str = ""
+  """Names the run (and its default output folder); default: the config file's stem."""
+  seed: int = 0
+  """Seeds the initialization and the data order (a pure function of seed and step)."""
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+  loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
+  clip: ClipConfig = dataclasses.field(default_factory=ClipConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+# ------------------------------------------------------------------ YAML
+
+
+class _Loader(yaml.SafeLoader):
+  """SafeLoader reading YAML 1.2 floats (``1e-3``) and refusing duplicate keys."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate key {key!r}", key_node.start_mark)
+      seen.add(key)
+    return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str, source: str = "<string>") -> Any:
+  """``text`` parsed as YAML (1.2 floats, no duplicate keys).
+
+  Raises:
+    ConfigError: naming ``source`` for invalid YAML.
+  """
+  try:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{source}: invalid YAML: {e}") from None
+
+
+# ------------------------------------------------------------------ conversion
+
+
+def _type_name(value: Any) -> str:
+  return type(value).__name__
+
+
+def _describe(tp: Any) -> str:
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+  if origin in (Union, types.UnionType):
+    return " or ".join(_describe(a) for a in typing.get_args(tp))
+  if origin is tuple:
+    args = typing.get_args(tp)
+    return f"a list of {len(args)} {_describe(args[0])}s"
+  if tp is type(None):
+    return "null"
+  if dataclasses.is_dataclass(tp):
+    return "a mapping"
+  return {int: "an int", float: "a float", bool: "a bool", str: "a string"}.get(
+      tp, str(tp))
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+  """``value`` as type ``tp``, or a `ConfigError` naming ``key`` (no file yet)."""
+  origin = typing.get_origin(tp)
+  if dataclasses.is_dataclass(tp):
+    return _to_dataclass(tp, {} if value is None else value, key)
+  if origin in (Union, types.UnionType):
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+      return None
+    errors = []
+    for arg in args:
+      if arg is type(None):
+        continue
+      try:
+        return _convert(arg, value, key)
+      except ConfigError as e:
+        errors.append(e)
+    if len(errors) == 1:
+      raise errors[0]
+    raise ConfigTypeError(f"{key}: expected {_describe(tp)}, got {value!r} "
+                          f"({_type_name(value)})")
+  if origin is Literal:
+    choices = typing.get_args(tp)
+    if value not in choices:
+      cls = ConfigTypeError if not isinstance(value, str) else ConfigError
+      raise cls(f"{key}: expected {_describe(tp)}, got {value!r}")
+    return value
+  if origin is tuple:
+    args = typing.get_args(tp)
+    if not isinstance(value, (list, tuple)):
+      raise ConfigTypeError(f"{key}: expected {_describe(tp)}, got {value!r} "
+                            f"({_type_name(value)})")
+    if len(value) != len(args):
+      raise ConfigError(f"{key}: expected {_describe(tp)}, got {len(value)} items")
+    return tuple(_convert(a, v, f"{key}[{i}]")
+                 for i, (a, v) in enumerate(zip(args, value)))
+  if tp is bool:
+    if not isinstance(value, bool):
+      raise ConfigTypeError(f"{key}: expected a bool (true/false), got {value!r} "
+                            f"({_type_name(value)})")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigTypeError(f"{key}: expected an int, got {value!r} "
+                            f"({_type_name(value)})")
+    return value
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigTypeError(f"{key}: expected a float, got {value!r} "
+                            f"({_type_name(value)})")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      raise ConfigTypeError(f"{key}: expected a string, got {value!r} "
+                            f"({_type_name(value)})")
+    return value
+  raise TypeError(f"unsupported config field type {tp!r} at {key}")  # a bug here
+
+
+def _to_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+  where = prefix or "the top level"
+  if not isinstance(raw, Mapping):
+    raise ConfigTypeError(f"{where}: expected a mapping of keys to values, got "
+                          f"{raw!r} ({_type_name(raw)})")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  kwargs = {}
+  for name, value in raw.items():
+    key = f"{prefix}.{name}" if prefix else str(name)
+    if name not in fields:
+      close = difflib.get_close_matches(str(name), list(fields), n=1)
+      hint = (f" (did you mean {close[0]!r}?)" if close
+              else f" (known keys: {', '.join(fields)})")
+      raise ConfigError(f"{key}: unknown key{hint}")
+    kwargs[name] = _convert(hints[name], value, key)
+  return cls(**kwargs)
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _check(cfg: RunConfig) -> None:
+  """Value checks across the whole config; raises `ConfigError` naming the keys."""
+  def positive(key: str, value: Any) -> None:
+    if value is not None and not value > 0:
+      raise ConfigError(f"{key}: must be > 0, got {value}")
+
+  def non_negative(key: str, value: Any) -> None:
+    if value is not None and value < 0:
+      raise ConfigError(f"{key}: must be >= 0, got {value}")
+
+  def finite(key: str, value: Any) -> None:
+    if value is not None and not math.isfinite(value):
+      raise ConfigError(f"{key}: must be finite, got {value}")
+
+  m, d, ls, opt, sch, mesh, tr = (cfg.model, cfg.data, cfg.loss_scale, cfg.optimizer,
+                                  cfg.schedule, cfg.mesh, cfg.train)
+  for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
+    positive(f"model.{name}", getattr(m, name))
+  positive("model.init_std", m.init_std)
+  if m.vocab_size < 256:
+    raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
+                      f"{m.vocab_size}")
+  if m.d_model % m.num_heads:
+    raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by "
+                      f"model.num_heads ({m.num_heads})")
+  if not 0 < d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction: must be in (0, 1), got {d.eval_fraction}")
+  positive("data.batch_size", d.batch_size)
+  non_negative("data.eval_batches", d.eval_batches)
+  if not cfg.precision.policy.strip():
+    raise ConfigError("precision.policy: must not be empty")
+  for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale",
+               "max_scale"):
+    positive(f"loss_scale.{name}", getattr(ls, name))
+    finite(f"loss_scale.{name}", getattr(ls, name))
+  positive("loss_scale.growth_interval", ls.growth_interval)
+  positive("loss_scale.hysteresis", ls.hysteresis)
+  if ls.growth_factor <= 1:
+    raise ConfigError(f"loss_scale.growth_factor: must be > 1, got {ls.growth_factor}")
+  if ls.backoff_factor >= 1:
+    raise ConfigError("loss_scale.backoff_factor: must be in (0, 1), got "
+                      f"{ls.backoff_factor}")
+  if ls.min_scale > ls.max_scale:
+    raise ConfigError(f"loss_scale.min_scale ({ls.min_scale}) must be <= "
+                      f"loss_scale.max_scale ({ls.max_scale})")
+  if ls.kind == "dynamic" and not ls.min_scale <= ls.init_scale <= ls.max_scale:
+    raise ConfigError(f"loss_scale.init_scale ({ls.init_scale}) must lie in "
+                      f"[loss_scale.min_scale, loss_scale.max_scale] = "
+                      f"[{ls.min_scale}, {ls.max_scale}]")
+  positive("clip.max_norm", cfg.clip.max_norm)
+  positive("clip.groups", cfg.clip.groups)
+  positive("optimizer.learning_rate", opt.learning_rate)
+  finite("optimizer.learning_rate", opt.learning_rate)
+  non_negative("optimizer.weight_decay", opt.weight_decay)
+  non_negative("schedule.warmup_steps", sch.warmup_steps)
+  positive("schedule.decay_steps", sch.decay_steps)
+  non_negative("schedule.min_lr", sch.min_lr)
+  non_negative("schedule.weight_decay_end", sch.weight_decay_end)
+  if sch.min_lr > opt.learning_rate:
+    raise ConfigError(f"schedule.min_lr ({sch.min_lr}) must be <= "
+                      f"optimizer.learning_rate ({opt.learning_rate})")
+  if sch.warmup_fraction is not None:
+    if sch.warmup_steps:
+      raise ConfigError("schedule.warmup_fraction and schedule.warmup_steps are "
+                        "exclusive; set one")
+    if not 0 <= sch.warmup_fraction < 1:
+      raise ConfigError("schedule.warmup_fraction: must be in [0, 1), got "
+                        f"{sch.warmup_fraction}")
+  decay_steps = tr.steps if sch.decay_steps is None else sch.decay_steps
+  if sch.warmup_steps >= max(decay_steps, 1) and sch.warmup_steps:
+    raise ConfigError(f"schedule.warmup_steps ({sch.warmup_steps}) must be < "
+                      f"schedule.decay_steps ({decay_steps})")
+  positive("mesh.data", mesh.data)
+  positive("mesh.stage", mesh.stage)
+  if m.num_layers % mesh.stage:
+    raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by "
+                      f"mesh.stage ({mesh.stage})")
+  if mesh.shard_optimizer_state and mesh.data == 1:
+    raise ConfigError("mesh.shard_optimizer_state needs mesh.data > 1")
+  if mesh.shard_optimizer_state and mesh.stage > 1:
+    raise ConfigError("mesh.shard_optimizer_state is not supported with mesh.stage > 1")
+  positive("train.steps", tr.steps)
+  positive("train.num_microbatches", tr.num_microbatches)
+  positive("train.log_every", tr.log_every)
+  non_negative("train.eval_every", tr.eval_every)
+  non_negative("train.checkpoint_every", tr.checkpoint_every)
+  positive("train.keep_checkpoints", tr.keep_checkpoints)
+  if d.batch_size % (mesh.data * tr.num_microbatches):
+    raise ConfigError(
+        f"data.batch_size ({d.batch_size}) must be divisible by mesh.data "
+        f"({mesh.data}) x train.num_microbatches ({tr.num_microbatches})")
+  if mesh.stage > 1 and not tr.per_token_loss:
+    raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
+                      "pipeline's head returns a loss sum and a token count)")
+  if cfg.seed < 0:
+    raise ConfigError(f"seed: must be >= 0, got {cfg.seed}")
+
+
+# ------------------------------------------------------------------ entry points
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+  """``"train.steps=50"`` as ``(("train", "steps"), 50)``; the value is YAML.
+
+  Raises:
+    ConfigError: for a malformed override.
+  """
+  key, sep, value = text.partition("=")
+  parts = tuple(p.strip() for p in key.split("."))
+  if not sep or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", p) for p in parts):
+    raise ConfigError(f"--set {text!r}: expected key.sub=value, e.g. train.steps=50")
+  return parts, parse_yaml(value, source=f"--set {text!r}")
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]
+                   ) -> tuple[dict[str, Any], set[str]]:
+  """``raw`` (a parsed YAML mapping) with ``--set`` overrides applied.
+
+  Returns:
+    The new mapping, and the dotted keys that were overridden.
+  """
+  raw = _deep_copy(raw)
+  touched = set()
+  for text in overrides:
+    parts, value = parse_override(text)
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+      child = node.get(part)
+      if child is None:
+        child = node[part] = {}
+      elif not isinstance(child, dict):
+        raise ConfigError(f"--set {text!r}: {'.'.join(parts[:i + 1])} is not a section")
+      node = child
+    node[parts[-1]] = value
+    touched.add(".".join(parts))
+  return raw, touched
+
+
+def _deep_copy(x: Any) -> Any:
+  if isinstance(x, Mapping):
+    return {k: _deep_copy(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_deep_copy(v) for v in x]
+  return x
+
+
+def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
+                     overrides: Sequence[str] = (), default_name: str = "run"
+                    ) -> RunConfig:
+  """A validated `RunConfig` from a parsed mapping plus ``--set`` overrides.
+
+  Args:
+    raw: the parsed YAML (``None`` for all defaults).
+    source: names the origin in error messages, e.g. the file path.
+    overrides: ``key.sub=value`` strings applied on top of ``raw``.
+    default_name: the run's name when ``raw`` has none.
+
+  Returns:
+    The frozen `RunConfig`.
+
+  Raises:
+    ConfigError: (a ``ValueError``; `ConfigTypeError` is also a ``TypeError``) naming
+      ``source`` and the key, with ``(set by --set)`` for an overridden key.
+  """
+  raw = {} if raw is None else raw
+  if not isinstance(raw, Mapping):
+    raise ConfigTypeError(f"{source}: expected a mapping at the top level, got "
+                          f"{_type_name(raw)}")
+  try:
+    raw, touched = apply_overrides(raw, overrides)
+  except ConfigError as e:
+    raise type(e)(f"{source}: {e}") from None
+  try:
+    cfg = _to_dataclass(RunConfig, raw, "")
+    if not cfg.name:
+      cfg = dataclasses.replace(cfg, name=default_name)
+    _check(cfg)
+  except ConfigError as e:
+    message = str(e)
+    key = message.split(":", 1)[0].split(" ", 1)[0].split("[", 1)[0]
+    by_set = any(key == t or key.startswith(t + ".") or t.startswith(key + ".")
+                 for t in touched)
+    suffix = " (set by --set)" if by_set else ""
+    raise type(e)(f"{source}: {message}{suffix}") from None
+  return cfg
+
+
+def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()
+               ) -> RunConfig:
+  """The `RunConfig` in the YAML file ``path``, with ``--set`` overrides applied.
+
+  Args:
+    path: a YAML file.
+    overrides: ``key.sub=value`` strings, values parsed as YAML scalars.
+
+  Returns:
+    The frozen, validated `RunConfig`; its ``name`` defaults to the file's stem.
+
+  Raises:
+    ConfigError: for a missing file, invalid YAML, an unknown key, a wrong type or an
+      impossible value, naming the file and the key.
+
+  Example:
+    >>> cfg = load_config("configs/tiny_lm_fp16.yaml", ["train.steps=20"])
+    >>> cfg.train.steps
+    20
+  """
+  path = os.fspath(path)
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except OSError as e:
+    raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
+  stem = os.path.splitext(os.path.basename(path))[0]
+  return config_from_dict(parse_yaml(text, source=path), source=path,
+                          overrides=overrides, default_name=stem)
+
+
+def to_dict(cfg: Any) -> Any:
+  """A config as plain YAML-ready data (tuples as lists)."""
+  if dataclasses.is_dataclass(cfg):
+    return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+  if isinstance(cfg, tuple):
+    return [to_dict(v) for v in cfg]
+  return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+  """``cfg`` as YAML text that `load_config` reads back to an equal config."""
+  return yaml.safe_dump(to_dict(cfg), sort_keys=False)

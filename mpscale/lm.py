@@ -1,0 +1,215 @@
+"""A tiny decoder-only transformer language model, in pipeline form.
+
+The model is three Flax linen modules, applied by three pure functions whose shapes are
+the ones `mpscale.Pipeline` expects::
+
+  params = {"embed": ..., "stages": <every block's params stacked on axis 0>,
+            "head": ...}
+  x = embed_fn(params, batch)                   # token + position embeddings
+  for layer_params in params["stages"]:         # lax.scan in loss_fn
+    x = stage_fn(layer_params, x)               # one pre-LN block, causal attention
+  loss_sum, num_tokens = head_fn(params, x, batch)   # masked byte-level cross-entropy
+
+Precision: activations follow the dtype of the parameters the train step hands in (the
+policy's compute dtype): each module computes in the dtype of its main weight matrix, so
+float32-kept norms and biases (`mpscale.policy.default_keep_fp32`) do not promote it.
+Layer-norm statistics, the attention softmax, the GELU and the loss are computed in
+float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from mpscale import config as config_lib
+
+Params = dict[str, Any]
+
+
+class Embed(nn.Module):
+  """Token and learned position embeddings."""
+  vocab_size: int
+  d_model: int
+  seq_len: int
+  init_std: float
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    init = nn.initializers.normal(self.init_std)
+    token = self.param("token", init, (self.vocab_size, self.d_model))
+    position = self.param("position", init, (self.seq_len, self.d_model))
+    if tokens.shape[-1] > self.seq_len:
+      raise ValueError(f"sequence of {tokens.shape[-1]} tokens is longer than the "
+                       f"model's seq_len {self.seq_len}")
+    x = jnp.take(token, tokens, axis=0)
+    return x + position[:tokens.shape[-1]].astype(token.dtype)
+
+
+class Block(nn.Module):
+  """One pre-LN transformer block: causal self-attention, then a GELU MLP."""
+  num_heads: int
+  d_ff: int
+  init_std: float
+  num_layers: int
+  dtype: Optional[Any] = None
+  """Activation dtype; ``None``: the input's."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dtype = self.dtype or x.dtype
+    x = x.astype(dtype)
+    batch, length, d_model = x.shape
+    head_dim = d_model // self.num_heads
+    init = nn.initializers.normal(self.init_std)
+    # GPT-2: residual projections scaled down with depth.
+    out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.num_layers))
+
+    h = nn.LayerNorm(dtype=dtype, name="ln_attn")(x)
+    qkv = nn.Dense(3 * d_model, dtype=dtype, kernel_init=init, name="qkv")(h)
+    q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.num_heads, head_dim), 3,
+                        axis=2)
+    q = q * jnp.asarray(1 / math.sqrt(head_dim), dtype)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    attn = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, d_model)
+    x = x + nn.Dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
+
+    h = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x)
+    h = nn.Dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h)
+    # float32: tanh-GELU's x**3 overflows float16 for |x| > 40, and its gradient is
+    # then inf * 0 = NaN.
+    h = nn.gelu(h.astype(jnp.float32)).astype(dtype)
+    x = x + nn.Dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h)
+    return x
+
+
+class Head(nn.Module):
+  """Final layer norm and the output projection to byte logits."""
+  vocab_size: int
+  init_std: float
+  dtype: Optional[Any] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dtype = self.dtype or x.dtype
+    x = nn.LayerNorm(dtype=dtype, name="ln_final")(x.astype(dtype))
+    return nn.Dense(self.vocab_size, dtype=dtype, use_bias=False,
+                    kernel_init=nn.initializers.normal(self.init_std), name="out")(x)
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Masked cross-entropy in float32: ``(sum over tokens, number of tokens)``."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyLM:
+  """The tiny decoder-only LM: ``init`` and the pipeline-form functions.
+
+  Attributes:
+    config: sizes (`mpscale.config.ModelConfig`).
+    remat: recompute each block in the backward pass (``loss_fn`` only; a pipeline
+      takes its own ``remat``).
+
+  Example:
+    >>> model = TinyLM(ModelConfig(d_model=64, num_layers=2))
+    >>> params = model.init(jax.random.key(0))
+    >>> loss_sum, num_tokens = model.loss_fn(params, batch)
+  """
+  config: config_lib.ModelConfig = dataclasses.field(
+      default_factory=config_lib.ModelConfig)
+  remat: bool = False
+
+  def _embed(self) -> Embed:
+    c = self.config
+    return Embed(c.vocab_size, c.d_model, c.seq_len, c.init_std)
+
+  def _block(self, dtype: Any = None) -> Block:
+    c = self.config
+    return Block(c.num_heads, c.d_ff, c.init_std, c.num_layers, dtype=dtype)
+
+  def _head(self, dtype: Any = None) -> Head:
+    return Head(self.config.vocab_size, self.config.init_std, dtype=dtype)
+
+  def init(self, rng: jax.Array) -> Params:
+    """Float32 parameters ``{"embed", "stages", "head"}``; ``stages`` leaves have a
+    leading axis of ``num_layers`` (one independently initialized block each)."""
+    return jax.jit(self._init)(rng)
+
+  def _init(self, rng: jax.Array) -> Params:
+    c = self.config
+    k_embed, k_stages, k_head = jax.random.split(rng, 3)
+    tokens = jnp.zeros((1, c.seq_len), jnp.int32)
+    x = jnp.zeros((1, c.seq_len, c.d_model), jnp.float32)
+    block = self._block()
+    return {
+        "embed": self._embed().init(k_embed, tokens)["params"],
+        "stages": jax.vmap(lambda k: block.init(k, x)["params"])(
+            jax.random.split(k_stages, c.num_layers)),
+        "head": self._head().init(k_head, x)["params"],
+    }
+
+  def embed_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
+    """Embeddings ``[B, T, d_model]`` of ``batch["inputs"]``, in the embedding's dtype."""
+    return self._embed().apply({"params": params["embed"]}, batch["inputs"])
+
+  def stage_fn(self, layer_params: Params, x: jax.Array) -> jax.Array:
+    """One block, computing in the dtype of its ``qkv`` kernel."""
+    dtype = layer_params["qkv"]["kernel"].dtype
+    return self._block(dtype).apply({"params": layer_params}, x)
+
+  def logits_fn(self, params: Params, x: jax.Array) -> jax.Array:
+    """Float32 logits ``[B, T, vocab]`` of the last hidden states ``x``."""
+    dtype = params["head"]["out"]["kernel"].dtype
+    return self._head(dtype).apply({"params": params["head"]}, x).astype(jnp.float32)
+
+  def head_fn(self, params: Params, x: jax.Array, batch: dict[str, jax.Array]
+             ) -> tuple[jax.Array, jax.Array]:
+    """``(loss_sum, num_tokens)``: float32 cross-entropy of ``batch["targets"]``
+    summed over the tokens where ``batch["mask"]`` is 1, and their count (float32)."""
+    logits = self.logits_fn(params, x)
+    mask = batch.get("mask")
+    if mask is None:
+      mask = jnp.ones(batch["targets"].shape, jnp.float32)
+    return cross_entropy_sum(logits, batch["targets"], mask)
+
+  def hidden_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
+    """The last hidden states: ``embed_fn`` then every block (a ``lax.scan``)."""
+    stage = jax.checkpoint(self.stage_fn) if self.remat else self.stage_fn
+
+    def body(x, layer_params):
+      return stage(layer_params, x), None
+
+    # Unrolled for up to 8 layers: XLA compiles it about twice as fast as a loop.
+    x, _ = lax.scan(body, self.embed_fn(params, batch), params["stages"],
+                    unroll=self.config.num_layers <= 8)
+    return x
+
+  def loss_fn(self, params: Params, batch: dict[str, jax.Array]
+             ) -> tuple[jax.Array, jax.Array]:
+    """The unpipelined model: ``(loss_sum, num_tokens)`` for a per-token loss."""
+    return self.head_fn(params, self.hidden_fn(params, batch), batch)
+
+  def mean_loss_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
+    """The mean cross-entropy per token of ``batch`` (for ``per_token_loss=False``)."""
+    loss_sum, num_tokens = self.loss_fn(params, batch)
+    return loss_sum / jnp.maximum(num_tokens, 1.0)
+
+
+def num_params(params: Any) -> int:
+  """Number of parameter elements."""
+  return int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params)))

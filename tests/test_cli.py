@@ -1,0 +1,197 @@
+"""The command end to end: outputs, resume, refusing to overwrite, config errors.
+
+Runs in-process through `cli.main` (a subprocess would pay JAX's import again), on a
+model shrunk with ``--set`` so each compile is short.
+"""
+
+import csv
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpscale import cli
+from mpscale import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP16 = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
+FP32 = os.path.join(ROOT, "configs", "tiny_lm_fp32.yaml")
+SMALL = ["model.d_model=32", "model.num_heads=2", "model.num_layers=1", "model.d_ff=64",
+         "model.seq_len=16", "data.batch_size=8", "data.eval_batches=2",
+         "train.steps=4", "train.log_every=1", "train.eval_every=2",
+         "train.checkpoint_every=2", "train.keep_checkpoints=3",
+         "schedule.warmup_steps=1"]
+
+
+def sets(overrides):
+  return [arg for o in overrides for arg in ("--set", o)]
+
+
+def train_args(config_path, out, *extra, overrides=SMALL):
+  return ["train", "--config", config_path, "--out", str(out), "--quiet",
+          "--no-progress", *sets(overrides), *extra]
+
+
+def rows(out):
+  with open(os.path.join(out, "metrics.csv"), newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def snapshot(folder):
+  """Every file under ``folder`` with its bytes."""
+  found = {}
+  for path in sorted(glob.glob(os.path.join(folder, "**"), recursive=True)):
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        found[os.path.relpath(path, folder)] = f.read()
+  return found
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("runs") / "fp16"
+  assert cli.main(train_args(FP16, out)) == 0
+  return str(out)
+
+
+def test_train_writes_every_output(run):
+  table = rows(run)
+  assert [int(r["step"]) for r in table] == [1, 2, 3, 4]
+  assert set(cli.CSV_FIELDS) <= set(table[0])
+  assert any(k.startswith("norm/") for k in table[0])
+  assert all(np.isfinite(float(r["loss"])) for r in table)
+  assert [bool(r["eval_loss"]) for r in table] == [False, True, False, True]
+  assert float(table[0]["loss_scale"]) <= 32768.0  # the fp16 config's dynamic scale
+  with open(os.path.join(run, "metrics.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  events = glob.glob(os.path.join(run, "tb", "events.out.tfevents.*"))
+  assert events and os.path.getsize(events[0]) > 0
+  assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["2", "4"]
+  with open(os.path.join(run, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["steps"] == 4 and summary["policy"] == "O2"
+  assert summary["final_eval_loss"] == pytest.approx(float(table[-1]["eval_loss"]))
+  assert summary["optimizer_state_bytes"] > 0
+  saved = config.load_config(os.path.join(run, "config.yaml"))
+  assert saved == config.load_config(FP16, SMALL)
+
+
+def test_resume_continues_the_step_count_with_the_same_losses(run, tmp_path):
+  copy = tmp_path / "resumed"
+  shutil.copytree(run, copy)
+  shutil.rmtree(copy / "checkpoints" / "4")  # as if stopped after step 2's checkpoint
+  assert cli.main(train_args(FP16, copy, "--resume")) == 0
+  before, after = rows(run), rows(copy)
+  assert [int(r["step"]) for r in after] == [1, 2, 3, 4]
+  for key in ("loss", "loss_scale", "global_norm", "eval_loss"):
+    np.testing.assert_allclose([_num(r[key]) for r in after],
+                               [_num(r[key]) for r in before], rtol=1e-6)
+  with open(copy / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["resumed_from"] == 2 and summary["steps"] == 4
+  # A finished run resumes at its end: nothing to train, the summary is rewritten.
+  assert cli.main(train_args(FP16, copy, "--resume")) == 0
+  with open(copy / "summary.json") as f:
+    assert json.load(f)["resumed_from"] == 4
+
+
+def _num(text):
+  return float(text) if text else np.nan
+
+
+def test_an_existing_run_is_not_overwritten(run, capsys):
+  before = snapshot(run)
+  assert cli.main(train_args(FP16, run)) == 2
+  assert "--resume" in capsys.readouterr().err
+  assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("text, overrides, fragments", [
+    ("model:\n  nun_layers: 2\n", [], ["model.nun_layers", "unknown key"]),
+    ("train:\n  steps: many\n", [], ["train.steps", "expected an int"]),
+    ("model:\n  num_layers: 3\nmesh:\n  stage: 2\n", [],
+     ["model.num_layers (3)", "mesh.stage (2)"]),
+    ("{}\n", ["train.stepz=3"], ["train.stepz", "set by --set"]),
+    ("{}\n", ["precision.policy=O7"], ["precision.policy", "unknown policy"]),
+    ("{}\n", ["mesh.data=16", "data.batch_size=16"], ["mesh", "--devices 16"]),
+    ("{}\n", ["data.path=/no/such/file"], ["data.path", "/no/such/file"]),
+])
+def test_config_errors_name_key_and_file_and_write_nothing(tmp_path, capsys, text,
+                                                           overrides, fragments):
+  path = tmp_path / "bad.yaml"
+  path.write_text(text)
+  out = tmp_path / "out"
+  assert cli.main(["train", "--config", str(path), "--out", str(out), "--quiet",
+                   *sets(overrides)]) == 2
+  err = capsys.readouterr().err
+  assert str(path) in err
+  for fragment in fragments:
+    assert fragment in err
+  assert not out.exists()
+
+
+def test_a_failed_overwrite_keeps_the_old_run(run, tmp_path):
+  copy = tmp_path / "kept"
+  shutil.copytree(run, copy)
+  before = snapshot(copy)
+  assert cli.main(train_args(FP16, copy, "--overwrite",
+                             overrides=SMALL + ["precision.policy=O7"])) == 2
+  assert snapshot(copy) == before
+
+
+def test_devices_cannot_exceed_a_running_backend(capsys):
+  assert cli.main(["train", "--config", FP16, "--devices", "64"]) == 2
+  assert "already running with 8 devices" in capsys.readouterr().err
+  cli.set_host_device_count(4)  # fewer than the 8 running: fine
+
+
+def test_devices_flag_sets_the_host_device_count_before_jax_starts():
+  code = ("from mpscale import cli; cli.set_host_device_count(3); import jax; "
+          "print(jax.device_count())")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        env=env, cwd=ROOT, timeout=120)
+  assert done.stdout.strip() == "3", done.stderr
+  done = subprocess.run([sys.executable, "-m", "mpscale", "--help"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert done.returncode == 0 and "compare" in done.stdout
+
+
+def test_compare_writes_a_table_and_a_plot(tmp_path):
+  out, png = tmp_path / "compare", tmp_path / "docs" / "cmp.png"
+  args = ["compare", FP32, FP16, "--out", str(out), "--plot", str(png), "--quiet",
+          "--no-progress", *sets(SMALL + ["train.steps=2"])]
+  assert cli.main(args) == 0
+  with open(out / "comparison.csv", newline="") as f:
+    table = list(csv.DictReader(f))
+  assert [r["run"] for r in table] == ["tiny_lm_fp32", "tiny_lm_fp16"]
+  assert table[0]["eval vs first"] == "+0.00%"
+  assert "| tiny_lm_fp16 | O2 | dynamic" in (out / "comparison.md").read_text()
+  assert png.read_bytes()[:4] == b"\x89PNG"
+  assert (out / "tiny_lm_fp16" / "metrics.csv").exists()
+
+
+def test_compare_refuses_two_configs_with_one_name(tmp_path, capsys):
+  assert cli.main(["compare", FP16, FP16, "--out", str(tmp_path / "c")]) == 2
+  assert "two configs are named 'tiny_lm_fp16'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_data_by_stage_mesh_trains(tmp_path):
+  path = os.path.join(ROOT, "configs", "tiny_lm_dp_pp.yaml")
+  out = tmp_path / "dp_pp"
+  small = ["model.d_model=32", "model.num_heads=2", "model.d_ff=64", "model.seq_len=16",
+           "data.batch_size=8", "data.eval_batches=1", "train.steps=2",
+           "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+           "schedule.warmup_steps=0"]
+  assert cli.main(["train", "--config", path, "--out", str(out), "--devices", "4",
+                   "--quiet", "--no-progress", *sets(small)]) == 0
+  table = rows(out)
+  assert [int(r["step"]) for r in table] == [1, 2]
+  assert {"norm/stage_0", "norm/stage_1"} <= set(table[0])
+  assert all(np.isfinite(float(r["loss"])) for r in table)

@@ -1,0 +1,121 @@
+"""The tiny LM: pipeline-form functions, the unpipelined loss, masks, causality, dtypes."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpscale
+from mpscale import config
+from mpscale import lm
+
+CFG = config.ModelConfig(d_model=32, num_heads=4, num_layers=3, d_ff=64, seq_len=16)
+
+
+class Jitted:
+  """The model's functions, jitted (op-by-op dispatch is slow on a loaded CPU)."""
+
+  def __init__(self, model):
+    self.model = model
+    for name in ("embed_fn", "stage_fn", "head_fn", "hidden_fn", "loss_fn",
+                 "mean_loss_fn"):
+      setattr(self, name, jax.jit(getattr(model, name)))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Jitted(lm.TinyLM(CFG))
+
+
+@pytest.fixture(scope="module")
+def params(model):
+  return model.model.init(jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def batch():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, size=(4, CFG.seq_len + 1)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+          "mask": np.ones((4, CFG.seq_len), np.float32)}
+
+
+def test_params_are_stacked_per_layer(params):
+  assert set(params) == {"embed", "stages", "head"}
+  for leaf in jax.tree_util.tree_leaves(params["stages"]):
+    assert leaf.shape[0] == CFG.num_layers
+  kernels = params["stages"]["qkv"]["kernel"]
+  assert not np.allclose(kernels[0], kernels[1])  # independently initialized
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+  assert lm.num_params(params) == sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+def test_loss_at_init_is_uniform_over_bytes(model, params, batch):
+  loss_sum, num_tokens = model.loss_fn(params, batch)
+  assert num_tokens == 4 * CFG.seq_len
+  assert abs(loss_sum / num_tokens - math.log(256)) < 0.05
+  assert np.isclose(model.mean_loss_fn(params, batch), loss_sum / num_tokens)
+
+
+def test_loss_fn_is_the_composition_of_the_pipeline_functions(model, params, batch):
+  x = model.embed_fn(params, batch)
+  for i in range(CFG.num_layers):
+    x = model.stage_fn(jax.tree_util.tree_map(lambda p: p[i], params["stages"]), x)
+  expected = model.head_fn(params, x, batch)
+  np.testing.assert_allclose(model.loss_fn(params, batch), expected, rtol=1e-5)
+
+
+def test_pipeline_apply_matches_loss_fn(model, params, batch):
+  m = model.model
+  pipeline = mpscale.Pipeline(m.embed_fn, m.stage_fn, m.head_fn, num_microbatches=2)
+  np.testing.assert_allclose(jax.jit(pipeline.apply)(params, batch),
+                             model.loss_fn(params, batch), rtol=1e-5)
+
+
+def test_mask_drops_tokens(model, params, batch):
+  masked = dict(batch, mask=batch["mask"].copy())
+  masked["mask"][:, 8:] = 0
+  loss_sum, num_tokens = model.loss_fn(params, masked)
+  assert num_tokens == 4 * 8
+  changed = dict(masked, targets=masked["targets"].copy())
+  changed["targets"][:, 8:] = (changed["targets"][:, 8:] + 1) % 256
+  np.testing.assert_allclose(model.loss_fn(params, changed)[0], loss_sum, rtol=1e-6)
+
+
+def test_attention_is_causal(model, params, batch):
+  hidden = model.hidden_fn(params, batch)
+  later = dict(batch, inputs=batch["inputs"].copy())
+  later["inputs"][:, 10:] = (later["inputs"][:, 10:] + 7) % 256
+  changed = model.hidden_fn(params, later)
+  np.testing.assert_allclose(hidden[:, :10], changed[:, :10], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(hidden[:, 10:], changed[:, 10:])
+
+
+@pytest.mark.parametrize("spec, dtype", [("O2", jnp.float16), ("bf16", jnp.bfloat16),
+                                         ("O0", jnp.float32)])
+def test_activations_follow_the_compute_dtype_and_loss_is_float32(
+    model, params, batch, spec, dtype):
+  policy = mpscale.get_policy(spec)
+  cast = policy.cast_to_compute(params)  # O2 keeps norms and biases in float32
+  hidden = jax.eval_shape(model.model.hidden_fn, cast, batch)
+  assert hidden.dtype == dtype
+  loss_sum, num_tokens = jax.eval_shape(model.model.loss_fn, cast, batch)
+  assert loss_sum.dtype == jnp.float32 and num_tokens.dtype == jnp.float32
+  loss = jax.jit(model.model.mean_loss_fn)(cast, batch)
+  assert abs(float(loss) - math.log(256)) < 0.1
+
+
+def test_remat_gives_the_same_gradients(params, batch):
+  plain, remat = lm.TinyLM(CFG), lm.TinyLM(CFG, remat=True)
+  g1 = jax.jit(jax.grad(plain.mean_loss_fn))(params, batch)
+  g2 = jax.jit(jax.grad(remat.mean_loss_fn))(params, batch)
+  for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_too_long_sequence_is_an_error(model, params):
+  tokens = np.zeros((1, CFG.seq_len + 1), np.int32)
+  with pytest.raises(ValueError, match="longer than the model's seq_len"):
+    model.model.loss_fn(params, {"inputs": tokens, "targets": tokens})
