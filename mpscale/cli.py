@@ -56,6 +56,10 @@ class RunDirError(ValueError):
   """The output folder holds a run that this command would overwrite."""
 
 
+class CheckpointError(ValueError):
+  """A checkpoint to resume from is corrupt or belongs to another run."""
+
+
 # ------------------------------------------------------------------ devices
 
 
@@ -350,7 +354,13 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
       if latest is not None:
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
                                           _checkpoint_tree(state))
-        saved = reader.restore(latest, args=ocp.args.StandardRestore(abstract))
+        try:
+          saved = reader.restore(latest, args=ocp.args.StandardRestore(abstract))
+        except Exception as e:  # orbax raises many kinds; all mean "not this run's"
+          raise CheckpointError(
+              f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "
+              f"from it (corrupt, or written by another config): "
+              f"{type(e).__name__}: {str(e)[:300]}") from None
         state = _from_checkpoint_tree(state, saved)
         start = int(jax.device_get(state.step))
   if overwrite and main_process:
@@ -610,7 +620,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       compare(args.configs, args.out, overrides=args.set, data_path=args.data,
               resume=args.resume, overwrite=args.overwrite, progress=args.progress,
               plot_path=args.plot, verbose=not args.quiet)
-  except (config_lib.ConfigError, RunDirError) as e:
+  except (config_lib.ConfigError, RunDirError, CheckpointError) as e:
     print(f"mpscale: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
