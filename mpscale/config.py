@@ -397,6 +397,13 @@ def _check(cfg: RunConfig) -> None:
   non_negative("data.eval_batches", d.eval_batches)
   if not cfg.precision.policy.strip():
     raise ConfigError("precision.policy: must not be empty")
+  from mpscale import policy as policy_lib  # a light module: dtypes and casts
+  try:
+    policy_lib.get_policy(cfg.precision.policy)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"precision.policy: {e}") from None
+  # The step count first: the schedule's checks below are stated in terms of it.
+  positive("train.steps", tr.steps)
   for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale",
                "max_scale"):
     positive(f"loss_scale.{name}", getattr(ls, name))
