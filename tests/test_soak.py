@@ -97,3 +97,34 @@ def test_soak_poisoned_steps_are_skipped_and_cost_nothing():
   for r in range(REPLICAS):
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
       np.testing.assert_array_equal(np.asarray(got[r]), np.asarray(want[0]))
+
+
+def test_long_fp16_run_recovers_its_working_scale_after_an_overflow_burst():
+  """Scaled float16 gradients overflow on their own once the scale passes ~2^10, so the
+  scale settles in a working range; a burst of 12 poisoned steps knocks it far down;
+  it grows back to the same range, and no burst step touches the params."""
+  interval, steps, burst = 10, 1500, range(700, 712)
+  tx = mpscale.dynamic_loss_scale(optax.sgd(1e-3), init_scale=1.0,
+                                  growth_interval=interval, min_scale=2.0**-20)
+  params = {"w": jnp.zeros((64,), jnp.float32)}
+  g_true = jnp.linspace(10.0, 40.0, 64)  # fp16 max 65504: overflow above scale ~1638
+
+  def body(carry, t):
+    params, state = carry
+    scaled = (mpscale.loss_scale_of(state) * g_true).astype(jnp.float16)  # may be inf
+    poisoned = (t >= burst.start) & (t < burst.stop)
+    scaled = jnp.where(poisoned, jnp.nan, scaled)
+    updates, state = tx.update({"w": scaled}, state, params)
+    return (optax.apply_updates(params, updates), state), (
+        state.loss_scale, state.guard.skipped, jnp.all(jnp.isfinite(params["w"])))
+
+  (params, state), (scales, skipped, finite) = jax.jit(
+      lambda c: jax.lax.scan(body, c, jnp.arange(steps)))((params, tx.init(params)))
+  scales = np.log2(np.asarray(scales))
+  working = scales[500:700]  # settled: grows to the edge, overflows, backs off
+  assert working.min() >= 8 and working.max() <= 11
+  assert scales[burst.stop - 1] <= working.min() - 10  # the burst halved it 12 times
+  recovered = scales[burst.stop + 12 * interval + 100:]
+  assert recovered.min() >= working.min() and recovered.max() <= working.max()
+  assert np.asarray(finite).all()
+  assert int(state.guard.skipped) >= len(burst)
