@@ -66,44 +66,17 @@ import numpy as np
 import optax
 
 import mpscale
+from gpt2_tree import gpt2_like_shapes, is_shape  # benchmarks/gpt2_tree.py
 
 LR = 1e-3
 GRAD_STD = 1e-3
-
-
-def gpt2_like_shapes(*, vocab: int = 8192, ctx: int = 1024, d: int = 768,
-                     layers: int = 3) -> dict:
-  """GPT-2 small's leaf shapes with fewer blocks and a smaller vocabulary.
-
-  Defaults: embeddings, 3 blocks of 12 leaves, final layer norm, untied head: 41
-  leaves, 34.6M parameters (about 21% in 1-D leaves by count, 0.1% by size).
-  """
-  def block():
-    return {
-        "ln_1": {"scale": (d,), "bias": (d,)},
-        "attn": {"c_attn": {"kernel": (d, 3 * d), "bias": (3 * d,)},
-                 "c_proj": {"kernel": (d, d), "bias": (d,)}},
-        "ln_2": {"scale": (d,), "bias": (d,)},
-        "mlp": {"c_fc": {"kernel": (d, 4 * d), "bias": (4 * d,)},
-                "c_proj": {"kernel": (4 * d, d), "bias": (d,)}},
-    }
-  return {
-      "embed": {"wte": (vocab, d), "wpe": (ctx, d)},
-      "h": {str(i): block() for i in range(layers)},
-      "ln_f": {"scale": (d,), "bias": (d,)},
-      "lm_head": {"kernel": (d, vocab)},
-  }
-
-
-def _is_shape(x):
-  return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
 def make_tree(shapes: dict, seed: int, scale: float) -> dict:
   rng = np.random.default_rng(seed)
   return jax.tree_util.tree_map(
       lambda s: (scale * rng.standard_normal(s)).astype(np.float32), shapes,
-      is_leaf=_is_shape)
+      is_leaf=is_shape)
 
 
 class Impl(NamedTuple):

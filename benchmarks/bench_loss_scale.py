@@ -60,6 +60,7 @@ from jax import lax
 import optax
 
 import mpscale
+from gpt2_tree import gpt2_like_shapes, is_shape  # benchmarks/gpt2_tree.py
 
 try:  # host page-fault counts (POSIX only)
   import resource
@@ -74,38 +75,8 @@ GRAD_STD = 1e-3
 # --------------------------------------------------------------------------------------
 
 
-def gpt2_like_shapes(*, vocab: int = 8192, ctx: int = 1024, d: int = 768,
-                     layers: int = 3, untied_head: bool = True) -> dict:
-  """Nested dict of shapes shaped like GPT-2 small (a few layers, smaller vocab).
-
-  Defaults: 3 blocks of 12 leaves, embeddings, final layer norm and an untied head:
-  41 leaves, 34.6M parameters, in four top-level modules (embed, h, ln_f, lm_head).
-  """
-  def block():
-    return {
-        "ln_1": {"scale": (d,), "bias": (d,)},
-        "attn": {"c_attn": {"kernel": (d, 3 * d), "bias": (3 * d,)},
-                 "c_proj": {"kernel": (d, d), "bias": (d,)}},
-        "ln_2": {"scale": (d,), "bias": (d,)},
-        "mlp": {"c_fc": {"kernel": (d, 4 * d), "bias": (4 * d,)},
-                "c_proj": {"kernel": (4 * d, d), "bias": (d,)}},
-    }
-  shapes = {
-      "embed": {"wte": (vocab, d), "wpe": (ctx, d)},
-      "h": {str(i): block() for i in range(layers)},
-      "ln_f": {"scale": (d,), "bias": (d,)},
-  }
-  if untied_head:
-    shapes["lm_head"] = {"kernel": (d, vocab)}
-  return shapes
-
-
-def _is_shape(x):
-  return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
-
-
 def make_tree(shapes: dict, key: jax.Array, scale: float) -> Any:
-  leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
+  leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=is_shape)
   keys = jax.random.split(key, len(leaves))
   arrays = [scale * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)]
   return jax.tree_util.tree_unflatten(treedef, arrays)

@@ -35,7 +35,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -44,6 +43,7 @@ import optax
 
 from mpscale import finite
 from mpscale import norms as norms_lib
+from mpscale import validation
 
 
 class LossScaleState(NamedTuple):
@@ -56,23 +56,6 @@ class LossScaleState(NamedTuple):
   """int32 overflows still tolerated before the next back-off (dynamic only)."""
   guard: finite.SkipNonfiniteState
   """The finite-check-and-skip state, which holds the inner state and step stats."""
-
-
-def _check_positive_float(name: str, value: Any, *, finite_only: bool = True) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(f"{name} must be a float; got {type(value).__name__}")
-  value = float(value)
-  if not value > 0 or (finite_only and not math.isfinite(value)):
-    raise ValueError(f"{name} must be positive and finite; got {value}")
-  return value
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-  if value < 1:
-    raise ValueError(f"{name} must be >= 1; got {value}")
-  return value
 
 
 def _wrapper(inner, *, init_scale: float, drop: bool, dynamic: bool,
@@ -173,25 +156,23 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
     >>> grads = jax.grad(lambda p: scale * loss_fn(p))(params)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
   """
-  min_scale = _check_positive_float("min_scale", min_scale)
-  max_scale = _check_positive_float("max_scale", max_scale)
+  min_scale = validation.positive_float("min_scale", min_scale)
+  max_scale = validation.positive_float("max_scale", max_scale)
   if min_scale > max_scale:
     raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
-  init_scale = _check_positive_float("init_scale", init_scale)
+  init_scale = validation.positive_float("init_scale", init_scale)
   if not min_scale <= init_scale <= max_scale:
     raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = "
                      f"[{min_scale}, {max_scale}]")
-  growth_factor = _check_positive_float("growth_factor", growth_factor)
+  growth_factor = validation.positive_float("growth_factor", growth_factor)
   if growth_factor <= 1:
     raise ValueError(f"growth_factor must be > 1; got {growth_factor}")
-  backoff_factor = _check_positive_float("backoff_factor", backoff_factor)
+  backoff_factor = validation.positive_float("backoff_factor", backoff_factor)
   if backoff_factor >= 1:
     raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}")
-  _check_positive_int("growth_interval", growth_interval)
-  _check_positive_int("hysteresis", hysteresis)
-  if not isinstance(consecutive_hysteresis, bool):
-    raise TypeError("consecutive_hysteresis must be a bool; got "
-                    f"{type(consecutive_hysteresis).__name__}")
+  validation.positive_int("growth_interval", growth_interval)
+  validation.positive_int("hysteresis", hysteresis)
+  validation.boolean("consecutive_hysteresis", consecutive_hysteresis)
   return _wrapper(inner, init_scale=init_scale, drop=True, dynamic=True,
                   growth_factor=growth_factor, backoff_factor=backoff_factor,
                   growth_interval=growth_interval, hysteresis=hysteresis,
@@ -222,10 +203,8 @@ def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
   """
-  scale = _check_positive_float("scale", scale)
-  if not isinstance(drop_overflow_update, bool):
-    raise TypeError("drop_overflow_update must be a bool; got "
-                    f"{type(drop_overflow_update).__name__}")
+  scale = validation.positive_float("scale", scale)
+  validation.boolean("drop_overflow_update", drop_overflow_update)
   return _wrapper(inner, init_scale=scale, drop=drop_overflow_update, dynamic=False,
                   groups=groups, axis_name=axis_name)
 

@@ -68,6 +68,7 @@ from mpscale import metrics as metrics_lib
 from mpscale import norms as norms_lib
 from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
+from mpscale import validation
 
 LossFn = Callable[[Any, Any], Any]
 DataAxis = Union[str, tuple[str, ...]]
@@ -216,7 +217,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     count); and the token count (the number of batch rows without ``per_token_loss``).
   """
   policy = policy_lib.Policy() if policy is None else policy_lib.get_policy(policy)
-  _check_positive_int("num_microbatches", num_microbatches)
+  validation.positive_int("num_microbatches", num_microbatches)
   scale = jnp.asarray(loss_scale, jnp.float32)
   rows = _check_batch(batch, num_microbatches * _data_size(mesh, data_axis),
                       "the data-parallel size x num_microbatches")
@@ -297,20 +298,6 @@ def _zero1_spec(shape: Sequence[int], data_size: int, data_axis: DataAxis
   # No trailing Nones: XLA hands the outputs back without them, and jit would see
   # P("data", None) != P("data") and compile the step a second time.
   return PartitionSpec(*([None] * best), data_axis)
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-  if value < 1:
-    raise ValueError(f"{name} must be >= 1; got {value}")
-  return value
-
-
-def _check_bool(name: str, value: Any) -> bool:
-  if not isinstance(value, bool):
-    raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
-  return value
 
 
 def _data_size(mesh: Optional[Mesh], data_axis: DataAxis) -> int:
@@ -468,10 +455,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     raise TypeError("optimizer must be an optax.GradientTransformation; got "
                     f"{type(optimizer).__name__}")
   policy = policy_lib.Policy() if policy is None else policy_lib.get_policy(policy)
-  _check_positive_int("num_microbatches", num_microbatches)
-  _check_bool("per_token_loss", per_token_loss)
-  _check_bool("shard_optimizer_state", shard_optimizer_state)
-  _check_bool("donate", donate)
+  validation.positive_int("num_microbatches", num_microbatches)
+  validation.boolean("per_token_loss", per_token_loss)
+  validation.boolean("shard_optimizer_state", shard_optimizer_state)
+  validation.boolean("donate", donate)
   data_size = _data_size(mesh, data_axis)
   if shard_optimizer_state and mesh is None:
     raise ValueError("shard_optimizer_state=True needs a mesh")
