@@ -2,8 +2,11 @@
 
 The check reads the per-leaf sums of squares from `mpscale.norms` (one pass over the
 gradients, shared with the global and group norms and any clip), and the skip is a
-select, not a ``lax.cond``: the inner update is always computed and XLA fuses the select
-into the inner update's own elementwise passes, so skipping costs no extra read.
+select, not a ``lax.cond``: the inner update is always computed and the new or the old
+state kept elementwise. A select needs no device-to-host sync of the predicate (a
+``cond`` on GPU does) and is elementwise work XLA can fuse into the inner update. On
+XLA:CPU, which has no multi-output fusion, the select on a donated state currently
+costs copies of the state (see benchmarks/README.md for the measured figures).
 """
 
 from __future__ import annotations
