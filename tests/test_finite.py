@@ -91,3 +91,57 @@ def test_initial_state_can_be_donated():
     assert len({id(x) for x in leaves}) == len(leaves)
     step = jax.jit(lambda p, s: tx.update(p, s, p)[1], donate_argnums=(1,))
     jax.block_until_ready(step(params, state))
+
+
+def _big_copies(hlo: str, min_size: int = 1024) -> list[str]:
+  """The copy instructions in compiled HLO text that copy an array of >= min_size."""
+  import re
+  found = []
+  for m in re.finditer(r"= \w+\[([\d,]*)\][^=\n]*? copy\(", hlo):
+    dims = [int(d) for d in m.group(1).split(",") if d]
+    if dims and np.prod(dims) >= min_size:
+      found.append(m.group(0))
+  return found
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_donated_skip_step_copies_no_state(clip):
+  # Selecting each state leaf where the inner update makes it lets XLA update the
+  # donated Adam moments in place; a select at the end made XLA:CPU copy every moment.
+  params = {"w": jnp.ones((64, 64)), "v": {"u": jnp.ones((128, 32)), "b": jnp.ones((64,))}}
+  inner = optax.adamw(1e-3)
+  if clip:
+    inner = optax.chain(mpscale.clip_by_global_norm(1.0), inner)
+  tx = mpscale.dynamic_loss_scale(inner)
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile(
+  ).as_text()
+  assert not _big_copies(hlo), _big_copies(hlo)[:3]
+
+
+def test_select_at_the_producer_keeps_skips_exact_for_many_optimizers():
+  params = {"w": jnp.arange(12.0).reshape(3, 4) / 7, "b": jnp.array([-0.0, 1.0])}
+  grads = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)
+  bad = {"w": grads["w"].at[1, 1].set(jnp.inf), "b": grads["b"]}
+  for inner in (optax.adamw(0.1), optax.sgd(0.1, momentum=0.9, nesterov=True),
+                optax.lion(0.1), optax.adafactor(0.1),
+                optax.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
+                optax.chain(optax.adamw(0.1), mpscale.clip_by_global_norm(0.5))):
+    tx = mpscale.skip_nonfinite(inner)
+
+    @jax.jit
+    def step(params, state, grads, tx=tx):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    p, s = step(params, tx.init(params), grads)
+    p2, s2 = step(p, s, bad)
+    assert jax.tree.map(lambda x: np.asarray(x).tobytes(), (p2, s2.inner_state)) == \
+        jax.tree.map(lambda x: np.asarray(x).tobytes(), (p, s.inner_state))
+    p3, _ = step(p, s, grads)  # a kept step does move
+    assert not np.array_equal(np.asarray(p3["w"]), np.asarray(p["w"]))
