@@ -62,6 +62,14 @@ def train(kind: str) -> dict:
   return jax.tree.map(np.asarray, out)
 
 
+def flatten(result: dict) -> dict:
+  """``result`` as a flat ``{"params/w": array, ...}`` dict (npz keys)."""
+  from mpscale import norms
+  import jax
+  return {norms.path_name(path): v
+          for path, v in jax.tree_util.tree_flatten_with_path(result)[0]}
+
+
 def main():
   process_id, port, kind, out_path = sys.argv[1:]
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -73,9 +81,7 @@ def main():
   assert jax.device_count() == 8 and jax.local_device_count() == 4
   result = train(kind)
   if jax.process_index() == 0:
-    flat = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v
-            for path, v in jax.tree_util.tree_flatten_with_path(result)[0]}
-    np.savez(out_path, **flat)
+    np.savez(out_path, **flatten(result))
   jax.distributed.shutdown()
 
 

@@ -21,11 +21,6 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _flatten(result):
-  return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v
-          for path, v in jax.tree_util.tree_flatten_with_path(result)[0]}
-
-
 @pytest.mark.parametrize("kind", ["data", "pipeline"])
 def test_two_processes_match_one_process(kind, tmp_path):
   port, out = _free_port(), tmp_path / "result.npz"
@@ -46,7 +41,7 @@ def test_two_processes_match_one_process(kind, tmp_path):
       pytest.fail("multi-process run timed out")
   assert all(p.returncode == 0 for p in procs), "\n".join(logs)
   got = dict(np.load(out))
-  want = _flatten(worker.train(kind))  # the same run on this process's 8 devices
+  want = worker.flatten(worker.train(kind))  # the same run on this process's 8 devices
   assert set(got) == set(want)
   for key in want:
     np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-6, err_msg=key)
