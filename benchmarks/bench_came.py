@@ -19,7 +19,7 @@ are not timed.
 
 Targets (printed as PASS/MISS; the script always exits 0, it is a benchmark):
 
-  came / optax.adamw           <= 1.10
+  came / optax.adamw           <= 1.30 (and within 2x of the HBM bound, on a GPU)
   came-pytorch / came          >= 3
   pytorch_optimizer / came     >= 2
 
@@ -164,6 +164,49 @@ def big_passes(compiled_text: str, big: int) -> tuple[int, int, int]:
   return fusions, reads, writes
 
 
+def copy_bandwidth(nbytes: int = 2**30, reps: int = 20) -> float:
+  """Device memory bandwidth in bytes/s (read + write) of a jitted ``x + 1`` over a
+  float32 array of ``nbytes``: the roofline the optimizers are measured against."""
+  x = jnp.zeros((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda v: v + 1, donate_argnums=0)
+  x = jax.block_until_ready(f(x))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    x = jax.block_until_ready(f(x))
+    times.append(time.perf_counter() - t0)
+  del x
+  return 2 * nbytes / statistics.median(times)
+
+
+# Minimal passes over gradient-sized float32 arrays, in units of one parameter tree
+# (reads + writes), for an update fused as far as the algorithm allows:
+#   adamw: read g, p, mu, nu; write p, mu, nu                                    = 7
+#   came (factored matrices): read g for the row/column sums of g^2; read g again
+#     for the sum of u^2 (the clip needs the new factors); read g, mu and write mu
+#     while reducing the instability (u - mu)^2 to rows/columns; read mu, p and
+#     write p (the update needs the instability factors)                       = 8
+MIN_TREE_PASSES = {"adamw": 7, "came": 8}
+
+
+def print_bandwidth_bound(times: dict, leaves: list) -> None:
+  """Each JAX optimizer's median step time against the HBM bound of its minimal
+  passes (only meaningful on an accelerator)."""
+  if jax.devices()[0].platform == "cpu":
+    return
+  tree_bytes = sum(x.size for x in leaves) * 4
+  bandwidth = copy_bandwidth()
+  print(f"\nmemory bound (copy bandwidth {bandwidth / 1e12:.2f} TB/s, measured now; "
+        f"one tree = {tree_bytes / 2**20:.1f} MiB):")
+  for k, passes in MIN_TREE_PASSES.items():
+    bound = passes * tree_bytes / bandwidth
+    t = statistics.median(times[k])
+    print(f"  {k:10s} {passes} tree passes = {passes * tree_bytes / 2**20:7.1f} MiB, "
+          f"bound {1e3 * bound:7.3f} ms, measured {1e3 * t:7.3f} ms = {t / bound:5.2f} x "
+          f"bound" + ("  (target <= 2: " + ("PASS" if t / bound <= 2 else "MISS") + ")"
+                      if k == "came" else ""))
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true",
@@ -172,6 +215,8 @@ def main(argv=None) -> None:
   ap.add_argument("--reps", type=int, default=3, help="steps per impl per round")
   ap.add_argument("--no-torch", action="store_true", help="skip the torch optimizers")
   ap.add_argument("--hlo", action="store_true", help="print compiled-HLO pass counts")
+  ap.add_argument("--dump-hlo", default=None, metavar="DIR",
+                  help="write each JAX impl's compiled HLO text to DIR/came_<key>.txt")
   args = ap.parse_args(argv)
   rounds = args.rounds or (5 if args.quick else 8)
   shapes = (gpt2_like_shapes(vocab=4096, layers=1) if args.quick
@@ -235,7 +280,7 @@ def main(argv=None) -> None:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
   print("\nmedian of paired ratios:")
-  checks = [("came", "adamw", "<=", 1.10), ("came", "adafactor", None, None),
+  checks = [("came", "adamw", "<=", 1.30), ("came", "adafactor", None, None),
             ("adafactor", "adamw", None, None),
             ("came-pytorch", "came", ">=", 3.0),
             ("pytorch_optimizer", "came", ">=", 2.0)]
@@ -257,6 +302,14 @@ def main(argv=None) -> None:
            for k, tx in state_only.items()]
   for k, b in rows:
     print(f"  {k:18s} {b / 2**20:9.1f} MiB  ({b / adamw_bytes:.3f} x adamw)")
+
+  print_bandwidth_bound(times, leaves)
+
+  if args.dump_hlo:
+    os.makedirs(args.dump_hlo, exist_ok=True)
+    for k in ("came", "adamw", "adafactor"):
+      with open(os.path.join(args.dump_hlo, f"came_{k}.txt"), "w") as fh:
+        fh.write(impl_holders[k]["hlo"])
 
   if args.hlo:
     big = min(x.size for x in leaves if x.ndim == 2)

@@ -2,14 +2,31 @@
 
 The flag must be set before jax is imported anywhere, which is why it lives at the
 top of conftest.py (pytest imports it before any test module).
+
+``MPSCALE_TEST_PLATFORM=gpu`` (or ``tpu``) runs the suite on that backend instead, with
+whatever devices it has: tests that build a mesh of more devices than there are skip
+(see `needs_devices`), so on one accelerator the single-device and numerical tests run.
 """
 import os
 
+import pytest
+
+PLATFORM = os.environ.get("MPSCALE_TEST_PLATFORM", "cpu")
 _FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if PLATFORM == "cpu":
+  if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:
+  os.environ["JAX_PLATFORMS"] = PLATFORM
 
 import jax  # noqa: E402  (after the flag on purpose)
 
-assert jax.device_count() == 8, "tests expect 8 fake CPU devices"
+if PLATFORM == "cpu":
+  assert jax.device_count() == 8, "tests expect 8 fake CPU devices"
+
+
+def needs_devices(n: int):
+  """Skip unless ``n`` devices exist (always true on the 8 fake CPU devices)."""
+  return pytest.mark.skipif(jax.device_count() < n,
+                            reason=f"needs {n} devices, {jax.device_count()} present")
