@@ -7,7 +7,7 @@
 # Needs jax with its CUDA (or TPU) plugin, optax, flax, chex, PyYAML and orbax; torch is
 # optional (came-pytorch comparisons run on the CPU, so they are skipped here). Each
 # benchmark has its own time limit (seconds, env T_<NAME>), so one that hangs cannot
-# take the others down. About 6 minutes on one H100.
+# take the others down; ONLY="came precision" runs just those. About 6 minutes on one H100.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="$(mkdir -p "${1:-gpu_results}" && cd "${1:-gpu_results}" && pwd)"
@@ -25,6 +25,7 @@ EOF
 bench() {  # bench NAME DEFAULT_LIMIT_S SCRIPT ARGS...
   local name=$1 limit=$2; shift 2
   local var="T_${name^^}"
+  [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return 0
   echo "== $name: python $* (limit ${!var:-$limit} s)"
   timeout "${!var:-$limit}" python "$@" 2>&1 | tee "$out/$name.txt"
   echo "== $name: exit ${PIPESTATUS[0]}"
