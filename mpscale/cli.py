@@ -63,6 +63,17 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------ devices
 
 
+def _backends_are_initialized() -> bool:
+  """Whether JAX has started its backends (then XLA_FLAGS no longer apply). JAX has
+  no public API for this; where its private one moved, assume they have not: the
+  flag is then set, and a mesh that needs more devices than exist fails by name."""
+  try:
+    from jax._src import xla_bridge  # noqa: PLC0415
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # pragma: no cover - a JAX that moved it
+    return False
+
+
 def set_host_device_count(n: Optional[int]) -> None:
   """Make the CPU backend simulate ``n`` devices (before JAX initializes a backend).
 
@@ -73,15 +84,13 @@ def set_host_device_count(n: Optional[int]) -> None:
     return
   if n < 1:
     raise ValueError(f"--devices must be >= 1; got {n}")
-  if "jax" in sys.modules:
-    from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():
-      import jax
-      if jax.device_count() < n:
-        raise ValueError(f"--devices {n}: JAX is already running with "
-                         f"{jax.device_count()} devices; set XLA_FLAGS={_DEVICE_FLAG}="
-                         f"{n} before starting Python")
-      return
+  if "jax" in sys.modules and _backends_are_initialized():
+    import jax
+    if jax.device_count() < n:
+      raise ValueError(f"--devices {n}: JAX is already running with "
+                       f"{jax.device_count()} devices; set XLA_FLAGS={_DEVICE_FLAG}="
+                       f"{n} before starting Python")
+    return
   flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
   os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
 

@@ -5,9 +5,10 @@ gradients, shared with the global and group norms and any clip), and the skip is
 select, not a ``lax.cond``: the inner update is always computed and the new or the old
 state kept elementwise. A select needs no device-to-host sync of the predicate (a
 ``cond`` on GPU does) and is elementwise work XLA fuses into the inner update. Each
-state leaf is selected where the inner update produces it (`_update_or_keep`), so the
-inner update's own outputs read the selected state and a donated state is updated in
-place with no copies, on every backend (see benchmarks/README.md for the figures).
+state leaf is selected where the inner update produces it
+(`mpscale.producer_select`), so the inner update's own outputs read the selected state
+and a donated state is updated in place with no copies, on every backend (see
+benchmarks/README.md for the figures).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jax_core
 import optax
 
 from mpscale import norms as norms_lib
+from mpscale import producer_select
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -50,84 +51,6 @@ def _any_across(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
   if axis_name is None:
     return flag
   return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
-
-
-def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """Elementwise ``pred ? on_true : on_false`` over two trees of the same structure."""
-  return jax.tree_util.tree_map(
-      lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def _update_or_keep(run_inner, keep: jax.Array, old_state: Any):
-  """``run_inner()``'s ``(updates, state)`` with the state kept as ``old_state``
-  where ``keep`` is false; also returns the unselected new state.
-
-  Each new state leaf is selected where the inner update makes it, and everything the
-  inner update computes from it afterwards (its updates) reads the selected value:
-  equal bit for bit to the new one on a kept step, while the returned updates of a
-  skipped step are discarded by the caller. Selecting only at the end would leave
-  the updates reading the *old* state, which the select overwrites in place when the
-  state is donated; XLA then copies the whole donated state first (XLA:CPU, with no
-  multi-output fusion, did so for every moment of Adam: ~2 trees of fresh scratch
-  and passes per step). Reading the selected state orders the parameter update after
-  the in-place write, as in the unwrapped optimizer. The inner update is traced to a
-  jaxpr and evaluated here equation by equation; a leaf it does not compute (passed
-  through, or of a changed shape or dtype) is selected at the end as before.
-  """
-  if not isinstance(keep, jax.core.Tracer):
-    # Eager (op by op): nothing is donated, so there is nothing to order; run the
-    # inner update as written (re-evaluating its jaxpr eagerly can differ in the
-    # last bit from running it).
-    updates, new_state = run_inner()
-    return updates, select_tree(keep, new_state, old_state), new_state
-  closed, out_shape = jax.make_jaxpr(run_inner, return_shape=True)()
-  jaxpr = closed.jaxpr
-  n_upd = len(jax.tree_util.tree_leaves(out_shape[0]))
-  old_leaves, old_def = jax.tree_util.tree_flatten(old_state)
-  state_vars = jaxpr.outvars[n_upd:]
-  new_def = jax.tree_util.tree_structure(out_shape[1])
-
-  is_var = lambda v: not isinstance(v, jax_core.Literal)
-  subst: dict = {}  # var -> the old leaf it falls back to
-  if new_def == old_def:
-    for v, old, new in zip(state_vars, old_leaves, jax.tree_util.tree_leaves(out_shape[1])):
-      if (is_var(v) and v not in subst and jnp.shape(old) == new.shape
-          and jnp.result_type(old) == new.dtype):
-        subst[v] = old
-
-  env: dict = dict(zip(jaxpr.constvars, closed.consts))
-  raw: dict = {}  # var -> unselected value, where it differs from env's
-  read = lambda v: v.val if not is_var(v) else env[v]
-  read_raw = lambda v: raw[v] if is_var(v) and v in raw else read(v)
-  def bind(eqn, values):
-    with eqn.ctx.manager:
-      outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
-    return outs if eqn.primitive.multiple_results else [outs]
-
-  for eqn in jaxpr.eqns:
-    outs = bind(eqn, map(read, eqn.invars))
-    raw_outs = None
-    if not eqn.effects and any(is_var(v) and v in raw for v in eqn.invars):
-      raw_outs = bind(eqn, map(read_raw, eqn.invars))
-    for i, (v, out) in enumerate(zip(eqn.outvars, outs)):
-      if isinstance(v, jax_core.DropVar):
-        continue
-      env[v] = out
-      if raw_outs is not None:
-        raw[v] = raw_outs[i]
-      if v in subst:
-        raw.setdefault(v, out)
-        env[v] = jnp.where(keep, out, subst[v])
-
-  updates = jax.tree_util.tree_unflatten(
-      jax.tree_util.tree_structure(out_shape[0]), [read(v) for v in jaxpr.outvars[:n_upd]])
-  raw_state = jax.tree_util.tree_unflatten(new_def, [read_raw(v) for v in state_vars])
-  if new_def != old_def:
-    return updates, select_tree(keep, raw_state, old_state), raw_state  # raises
-  flat_new = [read(v) if is_var(v) and subst.get(v) is old
-              else jnp.where(keep, read_raw(v), old)
-              for v, old in zip(state_vars, old_leaves)]
-  return updates, jax.tree_util.tree_unflatten(new_def, flat_new), raw_state
 
 
 def find_states(tree: Any, kind: type) -> list:
@@ -185,7 +108,7 @@ def guard_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
       updates, state.inner_state, params, grad_sum_squares=squares, **extra_args)
   if drop:
     keep = ~overflow
-    new_updates, new_inner, raw_inner = _update_or_keep(
+    new_updates, new_inner, raw_inner = producer_select.update_or_keep(
         run_inner, keep, state.inner_state)
     # -0.0, not 0.0: p + (-0.0) == p bit for bit for every p, including p == -0.0.
     new_updates = jax.tree_util.tree_map(

@@ -145,11 +145,17 @@ def _varying_axes(x: Any) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))
 
 
+def _mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  if hasattr(lax, "pcast"):  # jax >= 0.8
+    return lax.pcast(x, axes, to="varying")
+  return lax.pvary(x, axes)  # jax 0.7, where pcast does not exist yet
+
+
 def _cast_varying(tree: Any, axes: Sequence[str]) -> Any:
   """Marks every leaf device-varying over ``axes`` (no data moves)."""
   def cast(x):
     missing = tuple(a for a in axes if a not in _varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
+    return _mark_varying(x, missing) if missing else x
   return jax.tree_util.tree_map(cast, tree)
 
 

@@ -43,6 +43,14 @@ def _gradients():
   return tuple(recipe.gradient(step) for step in range(1, recipe.STEPS + 1))
 
 
+def _enable_x64(on: bool):
+  """``jax.enable_x64`` (jax >= 0.8), or its older home in jax.experimental."""
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(on)
+  from jax.experimental import enable_x64, disable_x64  # noqa: PLC0415
+  return enable_x64() if on else disable_x64()
+
+
 def _step_fn(tx, donate=False):
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
@@ -81,8 +89,10 @@ def test_reference_gradients_are_reproduced():
   for name, g in first.items():
     want = ref[f"grad1/{name}"]
     got = recipe.big_sample(g) if name == recipe.BIG else g
-    np.testing.assert_array_equal(
-        got, want, err_msg="NumPy's generator no longer reproduces the gradients the "
+    # Not bit for bit: np.exp's SIMD kernel differs by CPU in the last float64 bit.
+    np.testing.assert_allclose(
+        got, want, rtol=1e-14, atol=0,
+        err_msg="NumPy's generator no longer reproduces the gradients the "
         "reference was made with; rerun tests/data/make_came_reference.py")
   meta = json.loads(str(ref["meta"]))
   assert meta["steps"] == recipe.STEPS and meta["seed"] == recipe.SEED
@@ -93,7 +103,7 @@ def test_reference_gradients_are_reproduced():
 def test_matches_came_pytorch(variant, dtype, tol):
   ref = _reference()
   config = recipe.VARIANTS[variant]
-  with jax.enable_x64(dtype == "float64"):
+  with _enable_x64(dtype == "float64"):
     np_dtype = np.dtype(dtype)
     tx = mpscale.came(**config)
     params = {k: jnp.asarray(v.astype(np_dtype))

@@ -1,0 +1,228 @@
+"""Skip an optimizer step by selecting each state leaf where the update produces it.
+
+A skipped step must leave the optimizer state as it was. The plain way, and the
+reference this module's results always equal bit for bit, is `select_at_end`::
+
+  updates, new_state = inner.update(...)
+  state = where(keep, new_state, old_state)        # leaf by leaf
+
+Under ``jit`` with the state donated this is slow: the parameter updates are computed
+from the *new* moments, XLA recomputes those from the *old* moments inside the update's
+fusion, and the final select then overwrites the old moments in place while that
+fusion still reads them, so XLA copies every donated state leaf first (on XLA:CPU two
+extra state-sized passes and scratch per step; see benchmarks/README.md).
+
+`update_or_keep` instead traces ``inner.update`` to a jaxpr and evaluates it equation by
+equation, inserting ``where(keep, new, old)`` right where each state leaf is produced,
+so everything computed from it afterwards (the updates) reads the selected value, as
+the unwrapped optimizer reads its own outputs. The results are the same as
+`select_at_end` bit for bit: on a kept step the selected value *is* the new one, and on
+a skipped step the caller discards the updates.
+
+What is guaranteed:
+
+* Results: always those of `select_at_end`, bit for bit.
+* Speed (no copies of a donated state): where a state leaf is the output of a
+  *top-level* equation of the update's jaxpr. A leaf produced inside a nested ``jit``,
+  a ``lax.cond`` / ``scan`` / ``custom_vjp`` body (``optax.MultiSteps`` builds its
+  state in a ``cond``), or passed through unchanged is selected at the end instead:
+  still right, but XLA may copy it.
+* Fallback: the whole update goes the `select_at_end` way when the trace is eager
+  (nothing is donated, nothing to order), when the update's jaxpr has effects (a
+  debug callback, I/O), when the JAX internals the evaluator needs are missing, or
+  when evaluating raises (a primitive whose parameters take a form this module does
+  not know: a JAX whose internals moved). The last two warn once, naming the cause.
+
+Each equation is bound the way ``jax.core.eval_jaxpr`` binds it: in its own context
+(``eqn.ctx``) and under its source information, so ``jax.named_scope`` names of the
+inner optimizer reach the compiled HLO and the profiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+try:  # the public home of the jaxpr types
+  from jax.extend.core import Literal as _Literal
+except ImportError as e:  # pragma: no cover - a JAX that moved it
+  _Literal = None
+  _UNAVAILABLE = f"jax.extend.core has no Literal ({e})"
+else:
+  _UNAVAILABLE = None
+
+try:
+  from jax.extend import source_info_util as _source_info
+except ImportError:  # pragma: no cover - names are lost, results are not
+  _source_info = None
+
+Updates = Any
+State = Any
+
+_local = threading.local()
+_warned: set[str] = set()
+
+
+@contextlib.contextmanager
+def select_at_end_only() -> Iterator[None]:
+  """Within this context (while tracing), `update_or_keep` always takes the
+  `select_at_end` path: for tests, and to rule the evaluator out when debugging."""
+  before = getattr(_local, "forced", False)
+  _local.forced = True
+  try:
+    yield
+  finally:
+    _local.forced = before
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """Elementwise ``pred ? on_true : on_false`` over two trees of the same structure."""
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def select_at_end(run_inner: Callable[[], tuple[Updates, State]], keep: jax.Array,
+                  old_state: State) -> tuple[Updates, State, State]:
+  """``run_inner()``, then the state selected leaf by leaf: the reference path.
+
+  Returns:
+    ``(updates, state, new_state)``: the inner updates, the state (``old_state``
+    where ``keep`` is false) and the inner update's own new state.
+  """
+  updates, new_state = run_inner()
+  return updates, select_tree(keep, new_state, old_state), new_state
+
+
+def update_or_keep(run_inner: Callable[[], tuple[Updates, State]], keep: jax.Array,
+                   old_state: State) -> tuple[Updates, State, State]:
+  """`select_at_end`'s results, with each state leaf selected where it is produced.
+
+  Args:
+    run_inner: ``() -> (updates, new_state)``, the inner optimizer's update.
+    keep: a bool scalar: keep the new state (true) or ``old_state`` (false).
+    old_state: the state before the update; the same tree structure as the new one.
+
+  Returns:
+    ``(updates, state, new_state)`` as `select_at_end`.
+  """
+  reason = _decline_reason(keep)
+  if reason is not None:
+    return select_at_end(run_inner, keep, old_state)
+  closed, out_shape = jax.make_jaxpr(run_inner, return_shape=True)()
+  if closed.effects or (jax.tree_util.tree_structure(out_shape[1])
+                        != jax.tree_util.tree_structure(old_state)):
+    return select_at_end(run_inner, keep, old_state)  # the latter raises
+  try:
+    return _evaluate(closed, out_shape, keep, old_state)
+  except Exception as e:  # noqa: BLE001 - any failure of the evaluator falls back
+    _warn_once(f"{type(e).__name__}: {e}")
+    return select_at_end(run_inner, keep, old_state)
+
+
+def _decline_reason(keep: Any) -> str | None:
+  if getattr(_local, "forced", False):
+    return "forced"
+  if not isinstance(keep, jax.core.Tracer):
+    # Eager (op by op): nothing is donated, so there is nothing to order; run the
+    # inner update as written (re-evaluating its jaxpr eagerly can differ in the last
+    # bit from running it).
+    return "eager"
+  if _UNAVAILABLE is not None:
+    _warn_once(_UNAVAILABLE)
+    return "unavailable"
+  return None
+
+
+def _warn_once(cause: str) -> None:
+  if cause in _warned:
+    return
+  _warned.add(cause)
+  warnings.warn(
+      "mpscale: the skip's select-at-the-producer evaluator could not run on this "
+      f"JAX ({jax.__version__}): {cause}. Falling back to selecting the state at the "
+      "end of the update: results are identical, but a donated optimizer state may be "
+      "copied on every step.", RuntimeWarning, stacklevel=3)
+
+
+def _bind(eqn: Any, values: list) -> list:
+  """Binds one equation as ``jax.core.eval_jaxpr`` does (context, source info)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(params, tuple):  # jax < 0.7.1: (subfuns, params)
+    subfuns, params = params
+    values = [*subfuns, *values]
+  elif not isinstance(params, dict):
+    raise TypeError(f"{eqn.primitive}.get_bind_params returned a "
+                    f"{type(params).__name__}")
+  context = eqn.ctx.manager
+  if _source_info is not None:
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    context_info = _source_info.user_context(eqn.source_info.traceback,
+                                             name_stack=name_stack)
+  else:  # pragma: no cover
+    context_info = contextlib.nullcontext()
+  with context_info, context:
+    outs = eqn.primitive.bind(*values, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _evaluate(closed: Any, out_shape: Any, keep: jax.Array, old_state: State
+             ) -> tuple[Updates, State, State]:
+  jaxpr = closed.jaxpr
+  n_updates = len(jax.tree_util.tree_leaves(out_shape[0]))
+  old_leaves, old_def = jax.tree_util.tree_flatten(old_state)
+  new_def = jax.tree_util.tree_structure(out_shape[1])
+  state_vars = jaxpr.outvars[n_updates:]
+  is_var = lambda v: not isinstance(v, _Literal)
+
+  # Which equation outputs to select, and the old leaf each falls back to. A var
+  # that is also an input of the jaxpr (a state leaf passed through) or appears
+  # twice among the outputs is left to the final select.
+  produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+  fallback: dict = {}
+  for v, old, new in zip(state_vars, old_leaves,
+                         jax.tree_util.tree_leaves(out_shape[1])):
+    if (is_var(v) and v in produced and v not in fallback
+        and jnp.shape(old) == new.shape and jnp.result_type(old) == new.dtype):
+      fallback[v] = old
+
+  # The unselected new state is reported for a skipped step (the norms a clip after
+  # the optimizer measured). Where an equation feeding it reads a selected value, it
+  # is evaluated a second time from the unselected values; only those equations.
+  feeds_state = set()
+  wanted = {v for v in state_vars if is_var(v)}
+  for i in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[i]
+    if any(v in wanted for v in eqn.outvars):
+      feeds_state.add(i)
+      wanted.update(v for v in eqn.invars if is_var(v))
+
+  env: dict = dict(zip(jaxpr.constvars, closed.consts))
+  unselected: dict = {}  # var -> its value without any select upstream
+  read = lambda v: env[v] if is_var(v) else v.val
+  read_unselected = lambda v: unselected[v] if is_var(v) and v in unselected else read(v)
+  for i, eqn in enumerate(jaxpr.eqns):
+    outs = _bind(eqn, [read(v) for v in eqn.invars])
+    if i in feeds_state and any(is_var(v) and v in unselected for v in eqn.invars):
+      for v, out in zip(eqn.outvars, _bind(eqn, [read_unselected(v)
+                                                 for v in eqn.invars])):
+        unselected[v] = out
+    for v, out in zip(eqn.outvars, outs):  # a dropped output is written, never read
+      if v in fallback:
+        unselected.setdefault(v, out)
+        out = jnp.where(keep, out, fallback[v])
+      env[v] = out
+
+  updates = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(out_shape[0]),
+      [read(v) for v in jaxpr.outvars[:n_updates]])
+  state, new_state = [], []
+  for v, old in zip(state_vars, old_leaves):
+    selected = is_var(v) and fallback.get(v) is old
+    state.append(read(v) if selected else jnp.where(keep, read_unselected(v), old))
+    new_state.append(read_unselected(v))
+  return (updates, jax.tree_util.tree_unflatten(new_def, state),
+          jax.tree_util.tree_unflatten(new_def, new_state))
