@@ -1,5 +1,10 @@
 """mpscale: mixed-precision and parallel training pieces for JAX, as Optax transforms."""
 
+from mpscale import _versions
+
+_versions.check()
+
+
 from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by_came
 from mpscale.config import ConfigError, RunConfig, load_config
 from mpscale.data import TextData, load_data

@@ -13,6 +13,7 @@ benchmarks/README.md for the figures).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -51,6 +52,27 @@ def _any_across(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
   if axis_name is None:
     return flag
   return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
+
+
+def _nnx():
+  """flax.nnx if the program has imported it (else no NNX object can exist)."""
+  return sys.modules.get("flax.nnx")
+
+
+def plain_state(opt_state: Any) -> Any:
+  """``opt_state`` as plain arrays: a Flax NNX ``nnx.Optimizer`` gives its state, and
+  NNX ``Variable`` wrappers (``nnx.OptArray``, ``nnx.OptState``) give their values;
+  anything else is returned as it is."""
+  nnx = _nnx()
+  if nnx is None:
+    return opt_state
+  if isinstance(opt_state, nnx.Optimizer):
+    opt_state = opt_state.opt_state
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  return jax.tree_util.tree_map(
+      lambda x: x.get_value() if hasattr(x, "get_value") else x.value, opt_state,
+      is_leaf=is_var) if any(is_var(x) for x in jax.tree_util.tree_leaves(
+          opt_state, is_leaf=is_var)) else opt_state
 
 
 def find_states(tree: Any, kind: type) -> list:

@@ -35,6 +35,7 @@ References:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -234,12 +235,13 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
   """The current loss scale in ``opt_state`` (anywhere inside a chain), else 1.
 
   Args:
-    opt_state: an optimizer state that may contain a `LossScaleState`.
+    opt_state: an optimizer state that may contain a `LossScaleState`; or a Flax NNX
+      ``nnx.Optimizer`` or its ``opt_state``.
 
   Returns:
-    A float32 scalar to multiply the loss by before differentiation.
+    A float32 scalar (a plain array) to multiply the loss by before differentiation.
   """
-  states = finite.find_states(opt_state, LossScaleState)
+  states = finite.find_states(finite.plain_state(opt_state), LossScaleState)
   if not states:
     return jnp.ones((), jnp.float32)
   return states[0].loss_scale
@@ -248,15 +250,29 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
 def with_loss_scale(opt_state: Any, scale: Any) -> Any:
   """``opt_state`` with the outermost loss scale replaced by ``scale`` (no recompile).
 
+  Args:
+    opt_state: an optimizer state holding a `LossScaleState`. A Flax NNX
+      ``nnx.Optimizer`` is changed in place (NNX state is mutable) and returned; an
+      NNX ``opt_state`` comes back with its loss-scale ``Variable`` holding ``scale``.
+    scale: the new loss scale.
+
   Raises:
     ValueError: if ``opt_state`` holds no `LossScaleState`.
   """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(opt_state, nnx.Optimizer):
+    opt_state.opt_state = with_loss_scale(opt_state.opt_state, scale)
+    return opt_state
   done = []
 
   def replace(x):
     if isinstance(x, LossScaleState) and not done:
       done.append(True)
-      return x._replace(loss_scale=jnp.asarray(scale, jnp.float32))
+      value = jnp.asarray(scale, jnp.float32)
+      old = x.loss_scale
+      if nnx is not None and isinstance(old, nnx.Variable):
+        value = old.replace(value)
+      return x._replace(loss_scale=value)
     return x
 
   new = jax.tree_util.tree_map(replace, opt_state, is_leaf=_is_scale_state)

@@ -34,7 +34,8 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
 
   Args:
     opt_state: a state containing an mpscale loss-scale or skip wrapper (and possibly a
-      `clip_by_global_norm` and an ``optax.inject_hyperparams`` optimizer).
+      `clip_by_global_norm` and an ``optax.inject_hyperparams`` optimizer); or a Flax
+      NNX ``nnx.Optimizer`` or its ``opt_state`` (values come back as plain arrays).
 
   Returns:
     A dict with ``loss_scale`` (1 without a loss-scale wrapper), ``overflow``, ``nan``,
@@ -47,6 +48,7 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
   Raises:
     ValueError: if ``opt_state`` holds no mpscale wrapper state.
   """
+  opt_state = finite.plain_state(opt_state)
   guards = finite.find_states(opt_state, finite.SkipNonfiniteState)
   if not guards:
     raise ValueError("opt_state holds no mpscale loss-scale or skip_nonfinite state")

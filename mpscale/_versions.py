@@ -1,0 +1,56 @@
+"""The oldest releases mpscale works with, checked when it is imported.
+
+These are pyproject.toml's lower bounds; CI runs the tests on exactly these releases
+(.ci/floors.txt) as well as on the newest ones. A pip that honours the bounds never
+installs older ones, but a cluster image or a ``--no-deps`` install can: importing
+mpscale then fails at once, naming the package and the version needed, instead of
+deep inside a trace.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+FLOORS = {
+    "jax": "0.7.0",
+    "jaxlib": "0.7.0",
+    "optax": "0.2.5",
+    "flax": "0.10.7",
+    "chex": "0.1.89",
+}
+
+
+def _release(version: str) -> tuple[int, ...]:
+  """The numeric release of a version string: ``"0.7.0rc1"`` -> ``(0, 7, 0)``."""
+  parts = []
+  for piece in version.split("."):
+    m = re.match(r"\d+", piece)
+    if not m:
+      break
+    parts.append(int(m.group()))
+    if m.end() < len(piece):
+      break
+  return tuple(parts)
+
+
+def check(installed=None) -> None:
+  """Raises ``ImportError`` naming every package older than its floor.
+
+  Args:
+    installed: ``name -> version`` to check instead of the installed distributions
+      (for tests).
+  """
+  too_old = []
+  for name, floor in FLOORS.items():
+    try:
+      version = (installed[name] if installed is not None
+                 else importlib.metadata.version(name))
+    except (KeyError, importlib.metadata.PackageNotFoundError):
+      continue  # not installed as a distribution (e.g. a source tree): nothing to say
+    if _release(version) < _release(floor):
+      too_old.append(f"{name} {version} (needs >= {floor})")
+  if too_old:
+    raise ImportError("mpscale needs newer releases: " + ", ".join(too_old) +
+                      "; upgrade with: pip install -U " +
+                      " ".join(t.split()[0] for t in too_old))
