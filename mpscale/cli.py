@@ -577,9 +577,25 @@ def _load(path: str, overrides: Sequence[str], data_path: Optional[str]
   return cfg
 
 
+def _version_text() -> str:
+  """``mpscale X (jax Y, optax Z, flax W)``, read without importing JAX."""
+  from importlib import metadata  # noqa: PLC0415
+  from mpscale import _versions  # noqa: PLC0415
+
+  def version(name):
+    try:
+      return metadata.version(name)
+    except metadata.PackageNotFoundError:
+      return "not installed"
+  deps = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "optax", "flax"))
+  return f"mpscale {version('mpscale')} ({deps}; floors: " + ", ".join(
+      f"{n}>={v}" for n, v in _versions.FLOORS.items()) + ")"
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="mpscale", description="Train the tiny mixed-precision LM from a config.")
+  parser.add_argument("--version", action="version", version=_version_text())
   sub = parser.add_subparsers(dest="command", required=True)
 
   def common(p: argparse.ArgumentParser) -> None:

@@ -195,3 +195,11 @@ def test_data_by_stage_mesh_trains(tmp_path):
   assert [int(r["step"]) for r in table] == [1, 2]
   assert {"norm/stage_0", "norm/stage_1"} <= set(table[0])
   assert all(np.isfinite(float(r["loss"])) for r in table)
+
+
+def test_version_names_mpscale_jax_and_the_floors(capsys):
+  with pytest.raises(SystemExit) as done:
+    cli.main(["--version"])
+  assert done.value.code == 0
+  out = capsys.readouterr().out
+  assert out.startswith("mpscale 0.") and "jax " in out and "jax>=0.7.0" in out
