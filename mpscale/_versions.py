@@ -15,7 +15,7 @@ import re
 FLOORS = {
     "jax": "0.7.0",
     "jaxlib": "0.7.0",
-    "optax": "0.2.5",
+    "optax": "0.2.7",
     "flax": "0.10.7",
     "chex": "0.1.89",
 }
