@@ -396,6 +396,37 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   def due(done: int, every: int) -> bool:
     return done == steps or (every > 0 and done % every == 0)
 
+  def flush(done: int, evaluating: bool) -> dict:
+    """Logs one metrics.csv row for the steps in ``pending`` (ending at ``done``)."""
+    nonlocal pending, t_mark, overflow_total, eval_loss
+    host = jax.device_get(pending)
+    now = time.perf_counter()
+    overflows = sum(int(m["overflow"]) for m in host)
+    overflow_total += overflows
+    last = host[-1]
+    if evaluating:
+      eval_loss = evaluate(setup, state.params, data, cfg)
+    row = {
+        "step": done,
+        "loss": sum(float(m["loss"]) for m in host) / len(host),
+        "eval_loss": eval_loss if evaluating else None,
+        "loss_scale": float(last["loss_scale"]),
+        "overflows": overflows, "overflow_total": overflow_total,
+        "skipped": int(last["skipped"]),
+        "global_norm": float(last["global_norm"]),
+        "learning_rate": float(last.get("learning_rate", math.nan)),
+        "tokens_per_s": len(host) * tokens_per_step / max(now - t_mark, 1e-9),
+        "wall_s": now - t_run,
+    }
+    row.update({f"norm/{k}": float(v) for k, v in last["group_norms"].items()})
+    log.write(row)
+    pending, t_mark = [], time.perf_counter()
+    bar.update(task, info=(
+        f"loss {_fmt(row['loss'])} | scale {_fmt(row['loss_scale'])} | "
+        f"overflows {overflow_total} | norm {_fmt(row['global_norm'], 3)} | "
+        f"{row['tokens_per_s'] / 1e3:.1f}k tok/s"))
+    return row
+
   bar = rich_progress.Progress(
       rich_progress.TextColumn("[bold]{task.description}"), rich_progress.BarColumn(),
       rich_progress.MofNCompleteColumn(), rich_progress.TimeRemainingColumn(),
@@ -414,32 +445,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
         checkpointing = due(done, tc.checkpoint_every)
         if not (due(done, tc.log_every) or evaluating or checkpointing):
           continue
-        host = jax.device_get(pending)
-        now = time.perf_counter()
-        overflows = sum(int(m["overflow"]) for m in host)
-        overflow_total += overflows
-        last = host[-1]
-        if evaluating:
-          eval_loss = evaluate(setup, state.params, data, cfg)
-        row = {
-            "step": done,
-            "loss": sum(float(m["loss"]) for m in host) / len(host),
-            "eval_loss": eval_loss if evaluating else None,
-            "loss_scale": float(last["loss_scale"]),
-            "overflows": overflows, "overflow_total": overflow_total,
-            "skipped": int(last["skipped"]),
-            "global_norm": float(last["global_norm"]),
-            "learning_rate": float(last.get("learning_rate", math.nan)),
-            "tokens_per_s": len(host) * tokens_per_step / max(now - t_mark, 1e-9),
-            "wall_s": now - t_run,
-        }
-        row.update({f"norm/{k}": float(v) for k, v in last["group_norms"].items()})
-        log.write(row)
-        pending, t_mark = [], time.perf_counter()
-        bar.update(task, info=(
-            f"loss {_fmt(row['loss'])} | scale {_fmt(row['loss_scale'])} | "
-            f"overflows {overflow_total} | norm {_fmt(row['global_norm'], 3)} | "
-            f"{row['tokens_per_s'] / 1e3:.1f}k tok/s"))
+        row = flush(done, evaluating)
         if evaluating and verbose and not show and main_process:
           console.print(f"{cfg.name} step {done}/{steps}: loss {_fmt(row['loss'])}, "
                         f"eval {_fmt(eval_loss)}, scale {_fmt(row['loss_scale'])}, "
@@ -447,8 +453,11 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
         if checkpointing:
           manager.save(done, args=ocp.args.StandardSave(_checkpoint_tree(state)))
   except KeyboardInterrupt:
-    # Preempted: keep what was done so --resume continues from here.
+    # Preempted: keep what was done so --resume continues from here: the steps
+    # since the last metrics row get their row, and the state a checkpoint.
     done = int(jax.device_get(state.step))
+    if pending:
+      flush(done, evaluating=False)
     if done > (manager.latest_step() or 0):
       manager.save(done, args=ocp.args.StandardSave(_checkpoint_tree(state)))
     manager.wait_until_finished()

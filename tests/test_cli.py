@@ -203,3 +203,31 @@ def test_version_names_mpscale_jax_and_the_floors(capsys):
   assert done.value.code == 0
   out = capsys.readouterr().out
   assert out.startswith("mpscale 0.") and "jax " in out and "jax>=0.7.0" in out
+
+
+def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, monkeypatch,
+                                                                  capsys):
+  from mpscale import data as data_lib
+  out = tmp_path / "interrupted"
+  overrides = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
+                       "train.checkpoint_every=4"]
+  real = data_lib.TextData.train_batch
+
+  def interrupt_at_step_6(self, seed, step, *args):
+    if step == 6:  # steps 5 and 6 are done, the row of step 8 not yet written
+      raise KeyboardInterrupt
+    return real(self, seed, step, *args)
+
+  monkeypatch.setattr(data_lib.TextData, "train_batch", interrupt_at_step_6)
+  assert cli.main(train_args(FP16, out, overrides=overrides)) == 130
+  assert "--resume" in capsys.readouterr().err
+  assert [int(r["step"]) for r in rows(out)] == [4, 6]  # the partial interval's row
+  monkeypatch.setattr(data_lib.TextData, "train_batch", real)
+  assert cli.main(train_args(FP16, out, "--resume", overrides=overrides)) == 0
+  resumed = rows(out)
+  assert [int(r["step"]) for r in resumed] == [4, 6, 8]
+  straight = tmp_path / "straight"
+  assert cli.main(train_args(FP16, straight, overrides=overrides)) == 0
+  # The same training: the state at step 8 is the uninterrupted run's.
+  assert resumed[-1]["loss_scale"] == rows(straight)[-1]["loss_scale"]
+  assert float(resumed[0]["loss"]) == float(rows(straight)[0]["loss"])
