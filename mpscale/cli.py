@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -275,6 +276,50 @@ def _fmt(x: float, digits: int = 4) -> str:
   return "nan" if x is None or math.isnan(x) else f"{x:.{digits}g}"
 
 
+def _scale_text(scale: float) -> str:
+  """A loss scale as ``2^k`` when it is a power of two (as it is, with the defaults)."""
+  if scale > 0 and math.isfinite(scale) and math.frexp(scale)[0] == 0.5:
+    return f"2^{math.frexp(scale)[1] - 1}"
+  return _fmt(scale)
+
+
+def progress_info(row: dict[str, Any], overflow_total: int, eval_loss: float) -> str:
+  """The metrics line under the progress bar, most important first (it is cut at the
+  terminal's width): the interval's mean loss, the last evaluation, the scale, ..."""
+  interval = row.get("interval", 1)
+  parts = [f"loss {_fmt(row['loss'])}" + (f" ({interval}-step mean)" if interval > 1
+                                          else "")]
+  if eval_loss is not None and not math.isnan(eval_loss):
+    parts.append(f"eval {_fmt(eval_loss)}")
+  parts += [f"scale {_scale_text(row['loss_scale'])}", f"overflows {overflow_total}",
+            f"norm {_fmt(row['global_norm'], 3)}",
+            f"{row['tokens_per_s'] / 1e3:.1f}k tok/s"]
+  return " | ".join(parts)
+
+
+def make_progress(console: Any, *, disable: bool = False) -> Any:
+  """A two-line rich progress display: name, bar, step counter, elapsed and remaining
+  time on the first line (always whole), the metrics line (`progress_info`, cut
+  with an ellipsis to the width) on the second."""
+  from rich import progress as rich_progress  # noqa: PLC0415
+  from rich.text import Text  # noqa: PLC0415
+
+  class Progress(rich_progress.Progress):
+    def get_renderables(self):
+      yield self.make_tasks_table(self.tasks)
+      for task in self.tasks:
+        info = task.fields.get("info", "")
+        if info:
+          yield Text(info, no_wrap=True, overflow="ellipsis")
+
+  return Progress(
+      rich_progress.TextColumn("[bold]{task.description}"),
+      rich_progress.BarColumn(bar_width=None),
+      rich_progress.MofNCompleteColumn(), rich_progress.TimeElapsedColumn(),
+      rich_progress.TextColumn("eta"), rich_progress.TimeRemainingColumn(),
+      console=console, disable=disable, transient=False, expand=False)
+
+
 def _global_batch(batch: dict[str, Any], mesh: Any) -> Any:
   """The host batch, or across processes a global array built from every process's
   identical copy (the batch is a pure function of seed and step)."""
@@ -325,7 +370,6 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   """
   import jax
   from rich.console import Console
-  from rich import progress as rich_progress
 
   from mpscale import builders
   from mpscale import data as data_lib
@@ -372,6 +416,17 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
               f"{type(e).__name__}: {str(e)[:300]}") from None
         state = _from_checkpoint_tree(state, saved)
         start = int(jax.device_get(state.step))
+  summary_path = os.path.join(out_dir, "summary.json")
+  if resume and start >= cfg.train.steps and os.path.exists(summary_path):
+    # Nothing to train: say so, and leave the finished run's files as they are.
+    with open(summary_path) as f:
+      finished = json.load(f)
+    if verbose and main_process:
+      Console(stderr=True).print(
+          f"{cfg.name}: already finished at step {start} of {cfg.train.steps} in "
+          f"{out_dir}; nothing to resume (raise train.steps to train on)",
+          soft_wrap=True)
+    return finished
   if overwrite and main_process:
     for name in existing_run_files(out_dir):
       path = os.path.join(out_dir, name)
@@ -420,27 +475,32 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     }
     row.update({f"norm/{k}": float(v) for k, v in last["group_norms"].items()})
     log.write(row)
+    row["interval"] = len(host)
     pending, t_mark = [], time.perf_counter()
-    bar.update(task, info=(
-        f"loss {_fmt(row['loss'])} | scale {_fmt(row['loss_scale'])} | "
-        f"overflows {overflow_total} | norm {_fmt(row['global_norm'], 3)} | "
-        f"{row['tokens_per_s'] / 1e3:.1f}k tok/s"))
+    bar.update(task, info=progress_info(row, overflow_total, eval_loss))
     return row
 
-  bar = rich_progress.Progress(
-      rich_progress.TextColumn("[bold]{task.description}"), rich_progress.BarColumn(),
-      rich_progress.MofNCompleteColumn(), rich_progress.TimeRemainingColumn(),
-      rich_progress.TextColumn("{task.fields[info]}"), console=console,
-      disable=not (show and main_process), transient=False)
+  bar = make_progress(console, disable=not (show and main_process))
   try:
     with bar:
-      task = bar.add_task(cfg.name, total=steps, completed=start, info="compiling")
+      task = bar.add_task(cfg.name, total=steps, completed=start,
+                          info="compiling the step (the first step waits for it)")
       for step in range(start, steps):
         batch = data.train_batch(cfg.seed, step, cfg.data.batch_size, cfg.model.seq_len)
         state, metrics = setup.step(state, _global_batch(batch, setup.mesh))
         pending.append(metrics)
         done = step + 1
-        bar.update(task, completed=done)
+        if step == start:
+          # Compiled and run once: restart the clock so the time estimate leaves
+          # compilation out, and say what the bar shows until the first log.
+          jax.block_until_ready(metrics)
+          first_log = (min(steps, (done // tc.log_every + 1) * tc.log_every)
+                       if tc.log_every > 0 else steps)
+          bar.reset(task, total=steps, completed=done,
+                    info=f"training; the first metrics come at step {first_log}")
+          t_mark = time.perf_counter()
+        else:
+          bar.update(task, completed=done)
         evaluating = due(done, tc.eval_every)
         checkpointing = due(done, tc.checkpoint_every)
         if not (due(done, tc.log_every) or evaluating or checkpointing):
@@ -449,7 +509,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
         if evaluating and verbose and not show and main_process:
           console.print(f"{cfg.name} step {done}/{steps}: loss {_fmt(row['loss'])}, "
                         f"eval {_fmt(eval_loss)}, scale {_fmt(row['loss_scale'])}, "
-                        f"overflows {overflow_total}")
+                        f"overflows {overflow_total}", soft_wrap=True)
         if checkpointing:
           manager.save(done, args=ocp.args.StandardSave(_checkpoint_tree(state)))
   except KeyboardInterrupt:
@@ -492,7 +552,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     if verbose:
       console.print(f"{cfg.name}: {final_step} steps, train loss {_fmt(train_loss)}, "
                     f"eval loss {_fmt(eval_loss)}, skipped {summary['skipped']} "
-                    f"-> {out_dir}")
+                    f"-> {out_dir}", soft_wrap=True)
   return summary
 
 
@@ -586,6 +646,27 @@ def _load(path: str, overrides: Sequence[str], data_path: Optional[str]
   return cfg
 
 
+def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> str:
+  """``runs/<name>``, or with ``--set`` overrides ``runs/<name>+<overrides>``, so a
+  shortened or changed run never lands in the folder of the config's own run."""
+  if not overrides:
+    return os.path.join(root, name)
+  slug = "+".join(re.sub(r"[^A-Za-z0-9_.=\-]+", "_", o) for o in overrides)
+  if len(slug) > 60:
+    digest = hashlib.sha1("\0".join(overrides).encode()).hexdigest()[:8]
+    slug = f"{slug[:50]}-{digest}"
+  return os.path.join(root, f"{name}+{slug}")
+
+
+def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> None:
+  needed = cfg.mesh.data * cfg.mesh.stage
+  if devices is not None and devices > needed:
+    print(f"mpscale: warning: --devices {devices}, but the config's mesh is data "
+          f"{cfg.mesh.data} x stage {cfg.mesh.stage}, so the run uses {needed} "
+          f"device(s); e.g. --set mesh.data={devices // cfg.mesh.stage} for data "
+          "parallelism", file=sys.stderr)
+
+
 def _version_text() -> str:
   """``mpscale X (jax Y, optax Z, flax W)``, read without importing JAX."""
   from importlib import metadata  # noqa: PLC0415
@@ -625,12 +706,13 @@ def _parser() -> argparse.ArgumentParser:
 
   t = sub.add_parser("train", help="train one config")
   t.add_argument("--config", required=True, help="the run's YAML config")
-  t.add_argument("--out", help="the run's folder (default runs/<config name>)")
+  t.add_argument("--out", help="the run's folder (default runs/<config name>, plus "
+                 "+<overrides> with --set)")
   common(t)
   c = sub.add_parser("compare", help="train several configs, plot and tabulate them")
   c.add_argument("configs", nargs="+", help="YAML configs")
-  c.add_argument("--out", default=os.path.join("runs", "compare"),
-                 help="folder of the runs and the comparison (default runs/compare)")
+  c.add_argument("--out", help="folder of the runs and the comparison (default "
+                 "runs/compare, plus +<overrides> with --set)")
   c.add_argument("--plot", metavar="PNG", help="also copy the comparison plot here")
   common(c)
   return parser
@@ -648,10 +730,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     if args.command == "train":
       cfg = _load(args.config, args.set, args.data)
-      train(cfg, args.out, resume=args.resume, overwrite=args.overwrite,
+      _warn_unused_devices(cfg, args.devices)
+      out = args.out or default_out_dir(cfg.name, args.set)
+      train(cfg, out, resume=args.resume, overwrite=args.overwrite,
             progress=args.progress, source=args.config, verbose=not args.quiet)
     else:
-      compare(args.configs, args.out, overrides=args.set, data_path=args.data,
+      for path in args.configs:
+        _warn_unused_devices(_load(path, args.set, args.data), args.devices)
+      compare(args.configs, args.out or default_out_dir("compare", args.set),
+              overrides=args.set, data_path=args.data,
               resume=args.resume, overwrite=args.overwrite, progress=args.progress,
               plot_path=args.plot, verbose=not args.quiet)
   except (config_lib.ConfigError, RunDirError, CheckpointError) as e:

@@ -443,6 +443,12 @@ def _check(cfg: RunConfig) -> None:
                         f"{sch.warmup_fraction}")
   decay_steps = tr.steps if sch.decay_steps is None else sch.decay_steps
   if sch.warmup_steps >= max(decay_steps, 1) and sch.warmup_steps:
+    if sch.decay_steps is None:  # the user set train.steps, not decay_steps
+      raise ConfigError(f"train.steps ({tr.steps}) must be > schedule.warmup_steps "
+                        f"({sch.warmup_steps}): the learning rate decays over "
+                        "train.steps after the warm-up; lower schedule.warmup_steps "
+                        "too (e.g. --set schedule.warmup_steps="
+                        f"{max(0, tr.steps // 10)})")
     raise ConfigError(f"schedule.warmup_steps ({sch.warmup_steps}) must be < "
                       f"schedule.decay_steps ({decay_steps})")
   positive("mesh.data", mesh.data)

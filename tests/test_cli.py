@@ -231,3 +231,49 @@ def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, mon
   # The same training: the state at step 8 is the uninterrupted run's.
   assert resumed[-1]["loss_scale"] == rows(straight)[-1]["loss_scale"]
   assert float(resumed[0]["loss"]) == float(rows(straight)[0]["loss"])
+
+
+def test_progress_at_80_columns_shows_the_counter_the_time_and_the_loss():
+  import io
+  from rich.console import Console
+  buffer = io.StringIO()
+  console = Console(file=buffer, width=80, force_terminal=True, color_system=None)
+  bar = cli.make_progress(console)
+  task = bar.add_task("tiny_lm_fp16_long_name", total=300, completed=0)
+  bar.update(task, completed=120, info=cli.progress_info(
+      {"loss": 3.1712, "loss_scale": 32768.0, "global_norm": 0.8123,
+       "tokens_per_s": 31900.0, "interval": 10}, overflow_total=3, eval_loss=2.377))
+  console.print(bar.get_renderable())
+  lines = buffer.getvalue().splitlines()
+  assert all(len(line) <= 80 for line in lines), lines
+  text = "\n".join(lines)
+  assert "120/300" in text and "eta" in text
+  assert "loss 3.171 (10-step mean)" in text and "eval 2.377" in text
+  assert "scale 2^15" in text and "overflows 3" in text
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(run, tmp_path, capsys):
+  copy = tmp_path / "finished"
+  shutil.copytree(run, copy)
+  before = snapshot(copy)
+  capsys.readouterr()
+  assert cli.main(["train", "--config", FP16, "--out", str(copy), "--resume",
+                   "--no-progress", *sets(SMALL)]) == 0
+  assert "already finished at step 4 of 4" in capsys.readouterr().err
+  assert snapshot(copy) == before
+
+
+def test_overrides_get_their_own_default_run_folder_and_unused_devices_warn(capsys):
+  assert cli.default_out_dir("tiny", []) == os.path.join("runs", "tiny")
+  short = cli.default_out_dir("tiny", ["train.steps=50"])
+  assert short == os.path.join("runs", "tiny+train.steps=50")
+  long = cli.default_out_dir("tiny", [f"model.d_model={i}" for i in range(20)])
+  assert len(os.path.basename(long)) < 80 and long != cli.default_out_dir(
+      "tiny", [f"model.d_model={i}" for i in range(21)])
+  cfg = config.load_config(FP16)
+  cli._warn_unused_devices(cfg, 4)
+  assert "--devices 4, but the config's mesh is data 1 x stage 1" in \
+      capsys.readouterr().err
+  cli._warn_unused_devices(cfg, None)
+  cli._warn_unused_devices(cfg, 1)
+  assert capsys.readouterr().err == ""

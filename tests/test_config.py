@@ -84,7 +84,9 @@ def test_wrong_type_is_a_type_error_naming_key_and_file(tmp_path, text, key):
     ("loss_scale:\n  kind: dynmaic\n", ["loss_scale.kind", "'dynamic'"]),
     ("optimizer:\n  came:\n    eps: [1.0, 1.0]\n", ["optimizer.came.eps", "3"]),
     ("schedule:\n  warmup_steps: 400\ntrain:\n  steps: 300\n",
-     ["schedule.warmup_steps", "schedule.decay_steps"]),
+     ["train.steps (300)", "schedule.warmup_steps (400)"]),
+    ("schedule:\n  warmup_steps: 400\n  decay_steps: 200\n",
+     ["schedule.warmup_steps (400)", "schedule.decay_steps (200)"]),
     ("data:\n  eval_fraction: 1.5\n", ["data.eval_fraction"]),
 ])
 def test_impossible_value_names_keys_and_file(tmp_path, text, fragments):
