@@ -277,3 +277,17 @@ def test_overrides_get_their_own_default_run_folder_and_unused_devices_warn(caps
   cli._warn_unused_devices(cfg, None)
   cli._warn_unused_devices(cfg, 1)
   assert capsys.readouterr().err == ""
+
+
+def test_plot_shows_the_whole_loss_the_learning_rate_and_the_group_norms(run, tmp_path):
+  table = rows(run)
+  fig = cli.plot_runs({"fp16": os.path.join(run, "metrics.csv")}, str(tmp_path / "p.png"))
+  loss_ax, _, _, lr_ax, groups_ax, _ = fig.axes
+  losses = [float(r["loss"]) for r in table]
+  low, high = loss_ax.get_ylim()
+  assert low <= min(losses) and high >= max(losses)  # nothing cut off
+  assert "interval mean" in loss_ax.get_title()
+  assert lr_ax.get_lines()[0].get_ydata().size == len(table)
+  group_keys = [k for k in table[0] if k.startswith("norm/")]
+  assert group_keys and len(groups_ax.get_lines()) == len(group_keys)
+  assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
