@@ -16,6 +16,7 @@ from mpscale.loss_scale import (
     fixed_loss_scale,
     loss_scale_of,
     no_loss_scale,
+    scale_loss,
     with_loss_scale,
 )
 from mpscale.metrics import step_metrics
@@ -65,6 +66,7 @@ __all__ = [
     "make_train_step",
     "no_loss_scale",
     "scale_by_came",
+    "scale_loss",
     "skip_nonfinite",
     "schedule_table",
     "stage_groups",

@@ -247,6 +247,29 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
   return states[0].loss_scale
 
 
+def scale_loss(loss: Any, opt_state: Any) -> Any:
+  """``loss`` multiplied by the current loss scale of ``opt_state``: what to
+  differentiate (jmp's ``loss_scale.scale``, PyTorch's ``GradScaler.scale``).
+
+  The wrapper in ``opt_state`` divides the gradients by the same scale before its inner
+  optimizer, so nothing else changes in a train step.
+
+  Args:
+    loss: a scalar loss, or any pytree of arrays (each leaf is scaled).
+    opt_state: a state holding an mpscale loss-scale wrapper (else the scale is 1),
+      or a Flax NNX ``nnx.Optimizer`` or its state.
+
+  Returns:
+    ``loss * scale``, leaf by leaf, in at least float32.
+
+  Example:
+    >>> grads = jax.grad(lambda p: mpscale.scale_loss(loss_fn(p), opt_state))(params)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+  """
+  scale = loss_scale_of(opt_state)
+  return jax.tree_util.tree_map(lambda x: jnp.asarray(x) * scale, loss)
+
+
 def with_loss_scale(opt_state: Any, scale: Any) -> Any:
   """``opt_state`` with the outermost loss scale replaced by ``scale`` (no recompile).
 

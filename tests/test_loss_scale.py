@@ -416,3 +416,21 @@ def test_shard_map_one_poisoned_replica_makes_all_skip():
   np.testing.assert_array_equal(skipped, np.zeros((8,)))
   chex.assert_trees_all_equal(*[jax.tree.map(lambda x: x[r], new_params)
                                 for r in range(8)])
+
+
+def test_scale_loss_multiplies_by_the_current_scale_and_the_wrapper_undoes_it():
+  params = _params()
+  tx = mpscale.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**8)
+  state = tx.init(params)
+  loss_fn = lambda p: jnp.sum(p["dense"]["kernel"] ** 2) + jnp.sum(p["head"])
+  assert float(mpscale.scale_loss(jnp.float32(3.0), state)) == 3.0 * 2**8
+  half = mpscale.scale_loss(jnp.float16(3.0), state)
+  assert half.dtype == jnp.float32 and float(half) == 768.0  # not an fp16 overflow
+  tree = mpscale.scale_loss({"a": 1.0, "b": jnp.ones(2)}, state)
+  assert float(tree["a"]) == 256.0 and tree["b"].tolist() == [256.0, 256.0]
+  grads = jax.grad(lambda p: mpscale.scale_loss(loss_fn(p), state))(params)
+  got, _ = tx.update(grads, state, params)
+  want, _ = optax.sgd(0.1).update(jax.grad(loss_fn)(params), optax.sgd(0.1).init(params))
+  chex.assert_trees_all_close(got, want, rtol=1e-6)
+  # Without a loss-scale wrapper the scale is 1.
+  assert float(mpscale.scale_loss(2.0, optax.adam(1e-3).init(params))) == 2.0
