@@ -213,6 +213,76 @@ def _from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int]:
+  """``state`` restored from the latest checkpoint in ``ckpt_dir`` and its step, or
+  ``(state, 0)`` when there is none.
+
+  Raises:
+    CheckpointError: naming the checkpoint, when it cannot be restored into a state
+      shaped like ``state`` (corrupt, or written by another config).
+  """
+  import jax
+  import orbax.checkpoint as ocp
+  if not os.path.isdir(ckpt_dir):
+    return state, 0
+  with ocp.CheckpointManager(ckpt_dir) as reader:
+    latest = reader.latest_step()
+    if latest is None:
+      return state, 0
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
+                                      _checkpoint_tree(state))
+    try:
+      saved = reader.restore(latest, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # orbax raises many kinds; all mean "not this run's"
+      raise CheckpointError(
+          f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "
+          f"from it (corrupt, or written by another config): "
+          f"{type(e).__name__}: {str(e)[:300]}") from None
+  state = _from_checkpoint_tree(state, saved)
+  return state, int(jax.device_get(state.step))
+
+
+def load_run(out_dir: str) -> tuple[config_lib.RunConfig, Any, Any, int]:
+  """A finished or interrupted run: ``(cfg, setup, state, step)`` from its
+  ``config.yaml`` and latest checkpoint.
+
+  Raises:
+    RunDirError: if ``out_dir`` holds no run or no checkpoint.
+  """
+  from mpscale import builders
+  path = os.path.join(out_dir, "config.yaml")
+  if not os.path.exists(path):
+    raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
+  cfg = config_lib.load_config(path)
+  setup = builders.build(cfg)
+  state = setup.init(builders.init_params(cfg, setup.model))
+  state, step = restore_latest(os.path.abspath(os.path.join(out_dir, "checkpoints")),
+                               state)
+  if step == 0:
+    raise RunDirError(f"{out_dir} holds no checkpoint yet")
+  return cfg, setup, state, step
+
+
+def evaluate_run(out_dir: str) -> tuple[float, int]:
+  """``(eval loss, step)`` of a run's latest checkpoint on its held-out split."""
+  from mpscale import data as data_lib
+  cfg, setup, state, step = load_run(out_dir)
+  data = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
+  return evaluate(setup, state.params, data, cfg), step
+
+
+def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,
+               seed: int = 0) -> str:
+  """Text the run's latest checkpoint writes after ``prompt`` (byte level)."""
+  import jax
+  from mpscale import data as data_lib
+  _, setup, state, _ = load_run(out_dir)
+  tokens = setup.model.generate(setup.policy.cast_to_compute(state.params),
+                                data_lib.tokenize(prompt), num_tokens,
+                                rng=jax.random.key(seed), temperature=temperature)
+  return data_lib.detokenize(tokens)
+
+
 # ------------------------------------------------------------------ plots
 
 
@@ -414,21 +484,8 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   import orbax.checkpoint as ocp
   ckpt_dir = os.path.abspath(os.path.join(out_dir, "checkpoints"))
   start = 0
-  if resume and os.path.isdir(ckpt_dir):
-    with ocp.CheckpointManager(ckpt_dir) as reader:
-      latest = reader.latest_step()
-      if latest is not None:
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
-                                          _checkpoint_tree(state))
-        try:
-          saved = reader.restore(latest, args=ocp.args.StandardRestore(abstract))
-        except Exception as e:  # orbax raises many kinds; all mean "not this run's"
-          raise CheckpointError(
-              f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "
-              f"from it (corrupt, or written by another config): "
-              f"{type(e).__name__}: {str(e)[:300]}") from None
-        state = _from_checkpoint_tree(state, saved)
-        start = int(jax.device_get(state.step))
+  if resume:
+    state, start = restore_latest(ckpt_dir, state)
   summary_path = os.path.join(out_dir, "summary.json")
   if resume and start >= cfg.train.steps and os.path.exists(summary_path):
     # Nothing to train: say so, and leave the finished run's files as they are.
@@ -728,6 +785,17 @@ def _parser() -> argparse.ArgumentParser:
                  "runs/compare, plus +<overrides> with --set)")
   c.add_argument("--plot", metavar="PNG", help="also copy the comparison plot here")
   common(c)
+  e = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
+  e.add_argument("run", help="the run's folder")
+  g = sub.add_parser("sample", help="write text with a run's latest checkpoint")
+  g.add_argument("run", help="the run's folder")
+  g.add_argument("--prompt", default="", help="text to continue (default: none)")
+  g.add_argument("--tokens", type=int, default=200, help="bytes to write")
+  g.add_argument("--temperature", type=float, default=0.8,
+                 help="sampling temperature; 0 picks the likeliest byte")
+  g.add_argument("--seed", type=int, default=0)
+  for p in (e, g):
+    p.add_argument("--devices", type=int, metavar="N", help=argparse.SUPPRESS)
   return parser
 
 
@@ -747,6 +815,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       out = args.out or default_out_dir(cfg.name, args.set)
       train(cfg, out, resume=args.resume, overwrite=args.overwrite,
             progress=args.progress, source=args.config, verbose=not args.quiet)
+    elif args.command == "eval":
+      loss, step = evaluate_run(args.run)
+      print(f"{args.run}: eval loss {loss:.4f} nats/byte at step {step}")
+    elif args.command == "sample":
+      if args.tokens < 1 or args.temperature < 0:
+        raise config_lib.ConfigError("--tokens must be >= 1 and --temperature >= 0")
+      print(sample_run(args.run, args.prompt, args.tokens,
+                       temperature=args.temperature, seed=args.seed))
     else:
       for path in args.configs:
         _warn_unused_devices(_load(path, args.set, args.data), args.devices)

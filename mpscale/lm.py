@@ -204,6 +204,49 @@ class TinyLM:
     """The unpipelined model: ``(loss_sum, num_tokens)`` for a per-token loss."""
     return self.head_fn(params, self.hidden_fn(params, batch), batch)
 
+  def generate(self, params: Params, prompt: np.ndarray, num_tokens: int, *,
+               rng: jax.Array, temperature: float = 1.0) -> np.ndarray:
+    """``prompt`` followed by ``num_tokens`` sampled bytes.
+
+    One compiled forward pass over a window of ``seq_len`` tokens (right-padded; the
+    attention is causal, so padding never reaches the position read), slid along as
+    the text grows past it.
+
+    Args:
+      params: the model's parameters (in the dtype to compute in).
+      prompt: 1-D integer tokens; may be empty.
+      num_tokens: how many tokens to write, >= 1.
+      rng: a JAX random key.
+      temperature: softmax temperature; 0 picks the likeliest token every time.
+
+    Returns:
+      A 1-D ``uint8`` array: the prompt, then the written tokens.
+    """
+    if num_tokens < 1:
+      raise ValueError(f"num_tokens must be >= 1; got {num_tokens}")
+    if temperature < 0:
+      raise ValueError(f"temperature must be >= 0; got {temperature}")
+    window = self.config.seq_len
+
+    @jax.jit
+    def next_token(params, tokens, length, key):
+      x = self.hidden_fn(params, {"inputs": tokens[None]})
+      logits = self.logits_fn(params, x)[0, length - 1]
+      if temperature == 0:
+        return jnp.argmax(logits)
+      return jax.random.categorical(key, logits / temperature)
+
+    text = [int(t) for t in np.asarray(prompt).reshape(-1)]
+    start = len(text)
+    if not text:
+      text = [ord("\n")]  # something to condition on
+    for key in jax.random.split(rng, num_tokens):
+      context = text[-window:]
+      tokens = np.zeros(window, np.int32)
+      tokens[:len(context)] = context
+      text.append(int(next_token(params, jnp.asarray(tokens), len(context), key)))
+    return np.asarray(text[-(start + num_tokens):] if start else text[1:], np.uint8)
+
   def mean_loss_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
     """The mean cross-entropy per token of ``batch`` (for ``per_token_loss=False``)."""
     loss_sum, num_tokens = self.loss_fn(params, batch)

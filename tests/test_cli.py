@@ -94,10 +94,10 @@ def test_resume_continues_the_step_count_with_the_same_losses(run, tmp_path):
   with open(copy / "summary.json") as f:
     summary = json.load(f)
   assert summary["resumed_from"] == 2 and summary["steps"] == 4
-  # A finished run resumes at its end: nothing to train, the summary is rewritten.
+  # A finished run resumed again: nothing to train, and its summary is left alone.
   assert cli.main(train_args(FP16, copy, "--resume")) == 0
   with open(copy / "summary.json") as f:
-    assert json.load(f)["resumed_from"] == 4
+    assert json.load(f)["resumed_from"] == 2
 
 
 def _num(text):
@@ -291,3 +291,23 @@ def test_plot_shows_the_whole_loss_the_learning_rate_and_the_group_norms(run, tm
   group_keys = [k for k in table[0] if k.startswith("norm/")]
   assert group_keys and len(groups_ax.get_lines()) == len(group_keys)
   assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_and_sample_read_the_latest_checkpoint(run, capsys):
+  with open(os.path.join(run, "summary.json")) as f:
+    summary = json.load(f)
+  loss, step = cli.evaluate_run(run)
+  assert step == summary["steps"] == 4
+  assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-6)
+  capsys.readouterr()
+  assert cli.main(["eval", run]) == 0
+  assert f"eval loss {loss:.4f} nats/byte at step 4" in capsys.readouterr().out
+  greedy = cli.sample_run(run, "def ", 12, temperature=0.0)
+  assert greedy.startswith("def ") and greedy == cli.sample_run(run, "def ", 12,
+                                                               temperature=0.0)
+  a = cli.sample_run(run, "x", 30, seed=1)
+  assert a == cli.sample_run(run, "x", 30, seed=1) != cli.sample_run(run, "x", 30, seed=2)
+  assert cli.main(["sample", run, "--prompt", "ab", "--tokens", "5"]) == 0
+  assert capsys.readouterr().out.startswith("ab")
+  assert cli.main(["eval", os.path.dirname(run)]) == 2
+  assert "holds no run" in capsys.readouterr().err

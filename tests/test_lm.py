@@ -119,3 +119,25 @@ def test_too_long_sequence_is_an_error(model, params):
   tokens = np.zeros((1, CFG.seq_len + 1), np.int32)
   with pytest.raises(ValueError, match="longer than the model's seq_len"):
     model.model.loss_fn(params, {"inputs": tokens, "targets": tokens})
+
+
+def test_generate_continues_the_prompt_past_the_window():
+  from mpscale import config as config_lib
+  from mpscale.lm import TinyLM
+  model = TinyLM(config_lib.ModelConfig(d_model=16, num_heads=2, num_layers=1, d_ff=32,
+                                        seq_len=8))
+  params = model.init(jax.random.key(0))
+  prompt = np.frombuffer(b"hello", np.uint8)
+  out = model.generate(params, prompt, 20, rng=jax.random.key(1), temperature=0.0)
+  assert out.dtype == np.uint8 and len(out) == 25 and bytes(out[:5]) == b"hello"
+  # Greedy: each written token is the argmax given the (windowed) text before it.
+  text = list(out)
+  for i in (5, 12, 24):
+    context = text[max(0, i - 8):i]
+    tokens = np.zeros(8, np.int32)
+    tokens[:len(context)] = context
+    logits = model.logits_fn(params, model.hidden_fn(params, {"inputs": tokens[None]}))
+    assert int(np.argmax(logits[0, len(context) - 1])) == text[i]
+  assert len(model.generate(params, np.zeros(0, np.uint8), 3, rng=jax.random.key(2))) == 3
+  with pytest.raises(ValueError, match="num_tokens"):
+    model.generate(params, prompt, 0, rng=jax.random.key(0))
