@@ -547,7 +547,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     log.write(row)
     row["interval"] = len(host)
     pending, t_mark = [], time.perf_counter()
-    bar.update(task, info=progress_info(row, overflow_total, eval_loss))
+    bar.update(task, completed=done, info=progress_info(row, overflow_total, eval_loss))
     return row
 
   bar = make_progress(console, disable=not (show and main_process))
@@ -569,8 +569,11 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
           bar.reset(task, total=steps, completed=done,
                     info=f"training; the first metrics come at step {first_log}")
           t_mark = time.perf_counter()
-        else:
-          bar.update(task, completed=done)
+        elif show and len(pending) >= 2:
+          # Steps are dispatched ahead of the device: count the ones it has finished
+          # (keeping one in flight), so the counter never runs ahead of the metrics.
+          jax.block_until_ready(pending[-2]["loss"])
+          bar.update(task, completed=done - 1)
         evaluating = due(done, tc.eval_every)
         checkpointing = due(done, tc.checkpoint_every)
         if not (due(done, tc.log_every) or evaluating or checkpointing):
