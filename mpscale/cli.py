@@ -581,7 +581,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
         row = flush(done, evaluating)
         if evaluating and verbose and not show and main_process:
           console.print(f"{cfg.name} step {done}/{steps}: loss {_fmt(row['loss'])}, "
-                        f"eval {_fmt(eval_loss)}, scale {_fmt(row['loss_scale'])}, "
+                        f"eval {_fmt(eval_loss)}, scale {_scale_text(row['loss_scale'])}, "
                         f"overflows {overflow_total}", soft_wrap=True)
         if checkpointing:
           manager.save(done, args=ocp.args.StandardSave(_checkpoint_tree(state)))
