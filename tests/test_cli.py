@@ -205,6 +205,7 @@ def test_version_names_mpscale_jax_and_the_floors(capsys):
   assert out.startswith("mpscale 0.") and "jax " in out and "jax>=0.7.0" in out
 
 
+@pytest.mark.slow  # three short runs
 def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, monkeypatch,
                                                                   capsys):
   from mpscale import data as data_lib

@@ -107,6 +107,7 @@ def test_activations_follow_the_compute_dtype_and_loss_is_float32(
   assert abs(float(loss) - math.log(256)) < 0.1
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
 def test_remat_gives_the_same_gradients(params, batch):
   plain, remat = lm.TinyLM(CFG), lm.TinyLM(CFG, remat=True)
   g1 = jax.jit(jax.grad(plain.mean_loss_fn))(params, batch)

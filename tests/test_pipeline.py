@@ -86,6 +86,7 @@ def test_loss_and_grads_equal_unpipelined(schedule, data, stage, micro):
   assert_close(grads, want_grads)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_mean_loss_and_loss_scale(schedule):
   params, batch = make_params(), make_batch()
@@ -98,6 +99,7 @@ def test_mean_loss_and_loss_scale(schedule):
   assert_close(jax.tree.map(lambda g: g / 1024.0, grads), want_grads)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_nan_filled_bubbles_never_reach_gradients(schedule):
   params, batch = make_params(), make_batch()
@@ -110,6 +112,7 @@ def test_nan_filled_bubbles_never_reach_gradients(schedule):
   chex.assert_trees_all_equal(clean, poisoned)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
 def test_remat_gives_the_same_gradients():
   params, batch = make_params(), make_batch()
   mesh = mesh_of(2, 4)
@@ -149,6 +152,7 @@ def _optimizer(stages):
       init_scale=2.0**8, groups=groups)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
 @pytest.mark.parametrize("schedule, data, stage, micro", [
     ("gpipe", 1, 8, 8), ("gpipe", 2, 4, 2), ("1f1b", 4, 2, 4), ("1f1b", 2, 4, 8),
     ("1f1b", 8, 1, 1)])
