@@ -1,7 +1,7 @@
 """Skip an optimizer step by selecting each state leaf where the update produces it.
 
 A skipped step must leave the optimizer state as it was. The plain way, and the
-reference this module's results always equal bit for bit, is `select_at_end`::
+reference for this module's results, is `select_at_end`::
 
   updates, new_state = inner.update(...)
   state = where(keep, new_state, old_state)        # leaf by leaf
@@ -15,13 +15,16 @@ extra state-sized passes and scratch per step; see benchmarks/README.md).
 `update_or_keep` instead traces ``inner.update`` to a jaxpr and evaluates it equation by
 equation, inserting ``where(keep, new, old)`` right where each state leaf is produced,
 so everything computed from it afterwards (the updates) reads the selected value, as
-the unwrapped optimizer reads its own outputs. The results are the same as
-`select_at_end` bit for bit: on a kept step the selected value *is* the new one, and on
-a skipped step the caller discards the updates.
+the unwrapped optimizer reads its own outputs. The arithmetic is `select_at_end`'s: on
+a kept step the selected value *is* the new one, and on a skipped step the caller
+discards the updates.
 
 What is guaranteed:
 
-* Results: always those of `select_at_end`, bit for bit.
+* Results: those of `select_at_end`: on a skipped step bit for bit (the old state,
+  and updates of ``-0.0`` from the caller); on a kept step the same arithmetic, which
+  XLA may fuse, and so round, differently from `select_at_end`'s program (a few units
+  in the last place, as between any two differently fused programs).
 * Speed (no copies of a donated state): where a state leaf is the output of a
   *top-level* equation of the update's jaxpr. A leaf produced inside a nested ``jit``,
   a ``lax.cond`` / ``scan`` / ``custom_vjp`` body (``optax.MultiSteps`` builds its
@@ -144,8 +147,8 @@ def _warn_once(cause: str) -> None:
   warnings.warn(
       "mpscale: the skip's select-at-the-producer evaluator could not run on this "
       f"JAX ({jax.__version__}): {cause}. Falling back to selecting the state at the "
-      "end of the update: results are identical, but a donated optimizer state may be "
-      "copied on every step.", RuntimeWarning, stacklevel=3)
+      "end of the update: the same results (skipped steps bit for bit), but a donated "
+      "optimizer state may be copied on every step.", RuntimeWarning, stacklevel=3)
 
 
 def _bind(eqn: Any, values: list) -> list:
@@ -173,7 +176,7 @@ def _evaluate(closed: Any, out_shape: Any, keep: jax.Array, old_state: State
              ) -> tuple[Updates, State, State]:
   jaxpr = closed.jaxpr
   n_updates = len(jax.tree_util.tree_leaves(out_shape[0]))
-  old_leaves, old_def = jax.tree_util.tree_flatten(old_state)
+  old_leaves = jax.tree_util.tree_leaves(old_state)
   new_def = jax.tree_util.tree_structure(out_shape[1])
   state_vars = jaxpr.outvars[n_updates:]
   is_var = lambda v: not isinstance(v, _Literal)
