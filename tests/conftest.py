@@ -4,12 +4,11 @@ The flag must be set before jax is imported anywhere, which is why it lives at t
 top of conftest.py (pytest imports it before any test module).
 
 ``MPSCALE_TEST_PLATFORM=gpu`` (or ``tpu``) runs the suite on that backend instead, with
-whatever devices it has: tests that build a mesh of more devices than there are skip
-(see `needs_devices`), so on one accelerator the single-device and numerical tests run.
+the devices it has: there the tests that build meshes of several devices need that
+many, so on one accelerator run the single-device and numerical files, e.g.
+``tests/test_loss_scale.py tests/test_came.py tests/test_producer_select.py``.
 """
 import os
-
-import pytest
 
 PLATFORM = os.environ.get("MPSCALE_TEST_PLATFORM", "cpu")
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -24,9 +23,3 @@ import jax  # noqa: E402  (after the flag on purpose)
 
 if PLATFORM == "cpu":
   assert jax.device_count() == 8, "tests expect 8 fake CPU devices"
-
-
-def needs_devices(n: int):
-  """Skip unless ``n`` devices exist (always true on the 8 fake CPU devices)."""
-  return pytest.mark.skipif(jax.device_count() < n,
-                            reason=f"needs {n} devices, {jax.device_count()} present")
