@@ -69,10 +69,12 @@ def plain_state(opt_state: Any) -> Any:
   if isinstance(opt_state, nnx.Optimizer):
     opt_state = opt_state.opt_state
   is_var = lambda x: isinstance(x, nnx.Variable)
-  return jax.tree_util.tree_map(
-      lambda x: x.get_value() if hasattr(x, "get_value") else x.value, opt_state,
-      is_leaf=is_var) if any(is_var(x) for x in jax.tree_util.tree_leaves(
-          opt_state, is_leaf=is_var)) else opt_state
+
+  def unwrap(x):
+    if not is_var(x):
+      return x
+    return x.get_value() if hasattr(x, "get_value") else x.value
+  return jax.tree_util.tree_map(unwrap, opt_state, is_leaf=is_var)
 
 
 def find_states(tree: Any, kind: type) -> list:
