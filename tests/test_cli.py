@@ -162,6 +162,7 @@ def test_devices_flag_sets_the_host_device_count_before_jax_starts():
   assert done.returncode == 0 and "compare" in done.stdout
 
 
+@pytest.mark.slow  # two short runs
 def test_compare_writes_a_table_and_a_plot(tmp_path):
   out, png = tmp_path / "compare", tmp_path / "docs" / "cmp.png"
   args = ["compare", FP32, FP16, "--out", str(out), "--plot", str(png), "--quiet",
@@ -294,6 +295,7 @@ def test_plot_shows_the_whole_loss_the_learning_rate_and_the_group_norms(run, tm
   assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # compiles the sampler several times: about a minute on 2 cores
 def test_eval_and_sample_read_the_latest_checkpoint(run, capsys):
   with open(os.path.join(run, "summary.json")) as f:
     summary = json.load(f)
