@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from typing import Optional
 
 FLOORS = {
     "jax": "0.7.0",
@@ -34,19 +35,26 @@ def _release(version: str) -> tuple[int, ...]:
   return tuple(parts)
 
 
-def check(installed=None) -> None:
+def installed(name: str) -> Optional[str]:
+  """The installed distribution's version of ``name``, or None."""
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def check(installed_versions: Optional[dict[str, str]] = None) -> None:
   """Raises ``ImportError`` naming every package older than its floor.
 
   Args:
-    installed: ``name -> version`` to check instead of the installed distributions
-      (for tests).
+    installed_versions: ``name -> version`` to check instead of the installed
+      distributions (for tests).
   """
   too_old = []
   for name, floor in FLOORS.items():
-    try:
-      version = (installed[name] if installed is not None
-                 else importlib.metadata.version(name))
-    except (KeyError, importlib.metadata.PackageNotFoundError):
+    version = (installed_versions.get(name) if installed_versions is not None
+               else installed(name))
+    if version is None:
       continue  # not installed as a distribution (e.g. a source tree): nothing to say
     if _release(version) < _release(floor):
       too_old.append(f"{name} {version} (needs >= {floor})")

@@ -617,7 +617,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
       "resumed_from": start, "data": data.source, "out_dir": out_dir,
   }
   if main_process:
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    with open(summary_path, "w") as f:
       json.dump(summary, f, indent=2)
     plot_runs({cfg.name: log.path}, os.path.join(out_dir, "metrics.png"),
               title=f"{cfg.name} ({summary['policy']}, loss scale "
@@ -742,14 +742,10 @@ def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> N
 
 def _version_text() -> str:
   """``mpscale X (jax Y, optax Z, flax W)``, read without importing JAX."""
-  from importlib import metadata  # noqa: PLC0415
   from mpscale import _versions  # noqa: PLC0415
 
   def version(name):
-    try:
-      return metadata.version(name)
-    except metadata.PackageNotFoundError:
-      return "not installed"
+    return _versions.installed(name) or "not installed"
   deps = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "optax", "flax"))
   return f"mpscale {version('mpscale')} ({deps}; floors: " + ", ".join(
       f"{n}>={v}" for n, v in _versions.FLOORS.items()) + ")"

@@ -54,8 +54,8 @@ def _any_across(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
   return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
 
 
-def _nnx():
-  """flax.nnx if the program has imported it (else no NNX object can exist)."""
+def nnx_module():
+  """flax.nnx if the program has imported it, else None (then no NNX object exists)."""
   return sys.modules.get("flax.nnx")
 
 
@@ -63,7 +63,7 @@ def plain_state(opt_state: Any) -> Any:
   """``opt_state`` as plain arrays: a Flax NNX ``nnx.Optimizer`` gives its state, and
   NNX ``Variable`` wrappers (``nnx.OptArray``, ``nnx.OptState``) give their values;
   anything else is returned as it is."""
-  nnx = _nnx()
+  nnx = nnx_module()
   if nnx is None:
     return opt_state
   if isinstance(opt_state, nnx.Optimizer):

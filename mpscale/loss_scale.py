@@ -35,7 +35,6 @@ References:
 
 from __future__ import annotations
 
-import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -282,7 +281,7 @@ def with_loss_scale(opt_state: Any, scale: Any) -> Any:
   Raises:
     ValueError: if ``opt_state`` holds no `LossScaleState`.
   """
-  nnx = sys.modules.get("flax.nnx")
+  nnx = finite.nnx_module()
   if nnx is not None and isinstance(opt_state, nnx.Optimizer):
     opt_state.opt_state = with_loss_scale(opt_state.opt_state, scale)
     return opt_state

@@ -7,11 +7,9 @@ import re
 
 import jax.numpy as jnp
 
+from mpscale import _versions
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _release(version):
-  return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
 
 
 def _blocks():
@@ -24,7 +22,7 @@ def test_readme_python_blocks_run_and_their_stated_results_hold():
   assert len(blocks) >= 2
   namespace: dict = {}
   import flax
-  old_nnx = _release(flax.__version__) < (0, 11)  # Optimizer.update(model, grads)
+  old_nnx = _versions._release(flax.__version__) < (0, 11)  # Optimizer.update(model, grads)
   for code in blocks:  # one namespace, in order, as a reader would paste them
     if old_nnx and "from flax import nnx" in code:
       continue
