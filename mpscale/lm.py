@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -30,6 +30,8 @@ from jax import lax
 import numpy as np
 
 from mpscale import config as config_lib
+from mpscale import norms as norms_lib
+from mpscale import sharding as sharding_lib
 
 Params = dict[str, Any]
 
@@ -53,6 +55,27 @@ class Embed(nn.Module):
     return x + position[:tokens.shape[-1]].astype(token.dtype)
 
 
+def _heads_major(init: Callable, num_heads: int) -> Callable:
+  """``init`` for a ``[d, 3 d]`` qkv kernel, with its columns reordered from
+  ``(q|k|v, head, dim)`` to ``(head, q|k|v, dim)``.
+
+  The values are the ones ``init`` draws, so the model computes exactly what the
+  ``(q|k|v, head, dim)`` layout did; in this order a contiguous slice of columns is a
+  set of whole heads, which is what a tensor-parallel split of the kernel needs.
+  """
+  def heads_major(key, shape, dtype=jnp.float32):
+    w = init(key, shape, dtype)
+    d_in, n = shape
+    return (w.reshape(d_in, 3, num_heads, n // (3 * num_heads))
+            .transpose(0, 2, 1, 3).reshape(d_in, n))
+  return heads_major
+
+
+def _unconstrained(x: jax.Array, kind: str) -> jax.Array:
+  del kind
+  return x
+
+
 class Block(nn.Module):
   """One pre-LN transformer block: causal self-attention, then a GELU MLP."""
   num_heads: int
@@ -61,11 +84,14 @@ class Block(nn.Module):
   num_layers: int
   dtype: Optional[Any] = None
   """Activation dtype; ``None``: the input's."""
+  shard: Callable[[jax.Array, str], jax.Array] = _unconstrained
+  """Lays out an activation of a kind (``"residual"``, ``"heads"``, ``"mlp"``); see
+  `ActivationSharding`."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = self.dtype or x.dtype
-    x = x.astype(dtype)
+    x = self.shard(x.astype(dtype), "residual")
     batch, length, d_model = x.shape
     head_dim = d_model // self.num_heads
     init = nn.initializers.normal(self.init_std)
@@ -73,24 +99,28 @@ class Block(nn.Module):
     out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.num_layers))
 
     h = nn.LayerNorm(dtype=dtype, name="ln_attn")(x)
-    qkv = nn.Dense(3 * d_model, dtype=dtype, kernel_init=init, name="qkv")(h)
-    q, k, v = jnp.split(qkv.reshape(batch, length, 3 * self.num_heads, head_dim), 3,
-                        axis=2)
+    qkv = nn.Dense(3 * d_model, dtype=dtype, name="qkv",
+                   kernel_init=_heads_major(init, self.num_heads))(h)
+    qkv = qkv.reshape(batch, length, self.num_heads, 3, head_dim)
+    q, k, v = (self.shard(qkv[:, :, :, i], "heads") for i in range(3))
     q = q * jnp.asarray(1 / math.sqrt(head_dim), dtype)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     causal = jnp.tril(jnp.ones((length, length), bool))
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    attn = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, d_model)
+    attn = self.shard(jnp.einsum("bhqk,bkhd->bqhd", weights, v), "heads")
+    attn = attn.reshape(batch, length, d_model)
     x = x + nn.Dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
+    x = self.shard(x, "residual")
 
     h = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x)
-    h = nn.Dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h)
+    h = self.shard(nn.Dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h),
+                   "mlp")
     # float32: tanh-GELU's x**3 overflows float16 for |x| > 40, and its gradient is
     # then inf * 0 = NaN.
     h = nn.gelu(h.astype(jnp.float32)).astype(dtype)
     x = x + nn.Dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h)
-    return x
+    return self.shard(x, "residual")
 
 
 class Head(nn.Module):
@@ -116,6 +146,47 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array
   return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+LOGICAL_RULES = (("layers", "stage"), ("vocab", "tensor"), ("heads", "tensor"),
+                 ("mlp", "tensor"))
+"""The default rules from `TinyLM.logical_axes` names to mesh axes: stacked layers
+over ``stage``; attention heads, MLP hidden units and the vocabulary over ``tensor``
+(Megatron's column- and row-parallel split). FSDP is added on top by
+`TinyLM.param_specs`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSharding:
+  """How `TinyLM` lays out its activations on a mesh (tensor and sequence parallelism).
+
+  ``kind`` is ``"residual"`` (``[batch, seq, d_model]``, between and around attention
+  and MLP), ``"heads"`` (``[batch, seq, heads, head_dim]``) or ``"mlp"``
+  (``[batch, seq, d_ff]``). Heads and MLP units are split over ``tensor_axis``; the
+  residual stream is replicated over it, or, with ``sequence_parallel``, split along
+  the sequence (Megatron's sequence parallelism: layer norms and residual adds on a
+  slice of the sequence, an all-gather before attention and MLP and a reduce-scatter
+  after). The batch dimension is split over ``batch_axes`` (the data axes: with
+  FSDP, GSPMD then gathers parameters rather than activations).
+  """
+  mesh: Any
+  batch_axes: tuple[str, ...] = ("data", "fsdp")
+  tensor_axis: str = "tensor"
+  sequence_parallel: bool = False
+
+  def __call__(self, x: jax.Array, kind: str) -> jax.Array:
+    batch = tuple(a for a in self.batch_axes if a in self.mesh.axis_names) or None
+    free = batch
+    tensor = self.tensor_axis
+    if kind == "residual":
+      spec = (free, tensor if self.sequence_parallel else None, None)
+    elif kind == "heads":
+      spec = (free, None, tensor, None)
+    elif kind == "mlp":
+      spec = (free, None, tensor)
+    else:
+      raise ValueError(f"unknown activation kind {kind!r}")
+    return sharding_lib.constrain(x, jax.sharding.PartitionSpec(*spec), self.mesh)
+
+
 @dataclasses.dataclass(frozen=True)
 class TinyLM:
   """The tiny decoder-only LM: ``init`` and the pipeline-form functions.
@@ -133,6 +204,9 @@ class TinyLM:
   config: config_lib.ModelConfig = dataclasses.field(
       default_factory=config_lib.ModelConfig)
   remat: bool = False
+  shard: Optional[ActivationSharding] = None
+  """Activation layout for tensor and sequence parallelism; ``None``: GSPMD's
+  choice."""
 
   def _embed(self) -> Embed:
     c = self.config
@@ -140,7 +214,8 @@ class TinyLM:
 
   def _block(self, dtype: Any = None) -> Block:
     c = self.config
-    return Block(c.num_heads, c.d_ff, c.init_std, c.num_layers, dtype=dtype)
+    return Block(c.num_heads, c.d_ff, c.init_std, c.num_layers, dtype=dtype,
+                 shard=self.shard or _unconstrained)
 
   def _head(self, dtype: Any = None) -> Head:
     return Head(self.config.vocab_size, self.config.init_std, dtype=dtype)
@@ -162,6 +237,60 @@ class TinyLM:
             jax.random.split(k_stages, c.num_layers)),
         "head": self._head().init(k_head, x)["params"],
     }
+
+  def logical_axes(self) -> Any:
+    """A logical name per dimension of every parameter, in the structure of
+    `init`'s params: ``layers`` (the stacked blocks), ``embed`` (model width),
+    ``heads`` (the qkv and out-projection columns and rows, head by head), ``mlp``,
+    ``vocab``, and ``None`` for dimensions never split (positions)."""
+    names = {
+        "embed/token": ("vocab", "embed"), "embed/position": (None, "embed"),
+        "qkv/kernel": ("embed", "heads"), "qkv/bias": ("heads",),
+        "out/kernel": ("heads", "embed"), "out/bias": ("embed",),
+        "fc/kernel": ("embed", "mlp"), "fc/bias": ("mlp",),
+        "proj/kernel": ("mlp", "embed"), "proj/bias": ("embed",),
+        "head/out/kernel": ("embed", "vocab"),
+    }
+
+    def name(path, _):
+      key = norms_lib.path_name(path)
+      top, rest = key.split("/", 1)
+      axes = names.get(key, names.get(rest, ("embed",)))  # layer norms: (embed,)
+      return ("layers",) + axes if top == "stages" else axes
+
+    shapes = jax.eval_shape(self._init, jax.random.key(0))
+    return jax.tree_util.tree_map_with_path(name, shapes)
+
+  def param_specs(self, mesh: Any, rules: Any = LOGICAL_RULES,
+                  fsdp_axis: Optional[str] = "fsdp") -> Any:
+    """PartitionSpecs of the params on ``mesh``: `logical_axes` through ``rules``
+    (rules naming an axis ``mesh`` lacks, or one of size 1, are dropped), then FSDP
+    over ``fsdp_axis`` on each leaf's largest free dimension it divides
+    (`mpscale.sharding.fsdp_specs`).
+
+    Raises:
+      ValueError: when ``tensor`` does not divide the heads, the MLP width or the
+        vocabulary, naming both.
+    """
+    rules = tuple((name, axis) for name, axis in rules
+                  if axis is not None and all(
+                      a in mesh.axis_names and mesh.shape[a] > 1
+                      for a in ((axis,) if isinstance(axis, str) else axis)))
+    c = self.config
+    sizes = {"heads": ("model.num_heads", c.num_heads),
+             "mlp": ("model.d_ff", c.d_ff), "vocab": ("model.vocab_size", c.vocab_size)}
+    for name, axis in rules:
+      if name in sizes:
+        key, n = sizes[name]
+        size = sharding_lib.axis_size(mesh, axis)
+        if n % size:
+          raise ValueError(f"{key} ({n}) is not divisible by mesh axis {axis!r} "
+                           f"(size {size})")
+    specs = sharding_lib.logical_specs(self.logical_axes(), rules)
+    if fsdp_axis is not None and fsdp_axis in mesh.axis_names:
+      shapes = jax.eval_shape(self._init, jax.random.key(0))
+      specs = sharding_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs)
+    return specs
 
   def embed_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
     """Embeddings ``[B, T, d_model]`` of ``batch["inputs"]``, in the embedding's dtype."""

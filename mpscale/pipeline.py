@@ -47,22 +47,45 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mpscale import norms as norms_lib
+from mpscale.gradients import Gradients
 
 SCHEDULES = ("gpipe", "1f1b")
 IDLE, FWD, BWD = 0, 1, 2
+_BUBBLE_FILL = 0.0
+"""What the activation buffers hold before any stage wrote them: what a bubble tick
+would compute on. Tests set it to NaN to show that nothing from a bubble reaches a
+gradient."""
 
 
 # --------------------------------------------------------------------------- schedules
-def schedule_table(schedule: str, num_stages: int, num_microbatches: int) -> np.ndarray:
+def schedule_table(schedule: str, num_stages: int, num_microbatches: int,
+                   virtual_stages: int = 1) -> np.ndarray:
   """The op each stage runs at each tick, as an int array ``[ticks, stages, 2]``.
 
   ``table[t, s] = (op, m)`` with ``op`` one of ``IDLE``, ``FWD``, ``BWD`` and ``m`` the
   micro-batch. Built by running every stage's op list in lock step: an op starts when its
-  input arrived at an earlier tick (``ppermute`` takes one tick).
+  input arrived at an earlier tick (``ppermute`` takes one tick). With
+  ``virtual_stages=v`` (GPipe only) a tick runs one of a device's ``v`` layer chunks:
+  the forward takes ``v M + S - 1`` ticks, and the backward mirrors it.
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
-  S, M = num_stages, num_microbatches
+  S, M, v = num_stages, num_microbatches, virtual_stages
+  if v > 1:
+    if schedule != "gpipe":
+      raise ValueError("virtual_stages > 1 needs the gpipe schedule")
+    forward = []
+    for t in range(v * M + S - 1):
+      row = []
+      for s in range(S):
+        item = t - s
+        within = item % (S * v)
+        m = item // (S * v) * S + within % S
+        row.append((FWD, m) if 0 <= item < v * M else (IDLE, 0))
+      forward.append(row)
+    backward = [[(BWD, m) if op == FWD else (IDLE, 0) for op, m in row]
+                for row in forward[::-1]]
+    return np.asarray(forward + backward, np.int32)
   order = []
   for s in range(S):
     if schedule == "gpipe":
@@ -182,6 +205,9 @@ class Pipeline:
       recomputes a stage from its saved input).
     stage_axis: the mesh axis the stages are split over.
     stages_key: the key of ``params`` holding the stacked layers.
+    virtual_stages: layer chunks per device (``v``, Megatron's interleaved schedule,
+      GPipe only): device ``s`` runs chunks ``s, s + S, ...``, shrinking the bubble to
+      ``(S - 1) / (v M + S - 1)``; ``M`` must be a multiple of ``S``.
   """
   embed_fn: Callable
   stage_fn: Callable
@@ -191,18 +217,23 @@ class Pipeline:
   remat: bool = False
   stage_axis: str = "stage"
   stages_key: str = "stages"
+  virtual_stages: int = 1
 
   def __post_init__(self):
     for name in ("embed_fn", "stage_fn", "head_fn"):
       if not callable(getattr(self, name)):
         raise TypeError(f"{name} must be callable")
-    m = self.num_microbatches
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-      raise ValueError(f"num_microbatches must be an int >= 1; got {m!r}")
+    for name in ("num_microbatches", "virtual_stages"):
+      n = getattr(self, name)
+      if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be an int >= 1; got {n!r}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}; got {self.schedule!r}")
     if not isinstance(self.remat, bool):
       raise TypeError(f"remat must be a bool; got {type(self.remat).__name__}")
+    if self.virtual_stages > 1 and self.schedule != "gpipe":
+      raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='gpipe' "
+                       f"(interleaved 1F1B is not implemented); got {self.schedule!r}")
 
   # ---- the unpipelined model (reference, and the single-stage path)
   def _layers(self, layer_params: Any, x: jax.Array) -> jax.Array:
@@ -217,12 +248,7 @@ class Pipeline:
     return self.head_fn(params, x, batch)
 
   # ---- layout
-  def num_stages(self, mesh: Optional[Mesh]) -> int:
-    if mesh is None or self.stage_axis not in mesh.axis_names:
-      return 1
-    return mesh.shape[self.stage_axis]
-
-  def check(self, params: Any, mesh: Mesh, data_axis: Optional[str], batch: Any = None
+  def check(self, params: Any, mesh: Mesh, data_axis: Any = None, batch: Any = None
            ) -> None:
     """Raises ``ValueError`` naming the problem for a layout that cannot pipeline."""
     if mesh is None or self.stage_axis not in mesh.axis_names:
@@ -231,28 +257,46 @@ class Pipeline:
     if not isinstance(params, dict) or self.stages_key not in params:
       raise ValueError(f"params must be a dict with the stacked layers under "
                        f"{self.stages_key!r}")
-    S = mesh.shape[self.stage_axis]
+    S, v = mesh.shape[self.stage_axis], self.virtual_stages
     layers = {np.shape(x)[0] if np.ndim(x) else None
               for x in jax.tree_util.tree_leaves(params[self.stages_key])}
     if len(layers) != 1 or None in layers:
       raise ValueError(f"every leaf of params[{self.stages_key!r}] needs the same "
                        f"leading (layer) axis; got {sorted(map(str, layers))}")
     (num_layers,) = layers
-    if num_layers % S:
-      raise ValueError(f"{num_layers} layers are not divisible by {S} stages")
+    if num_layers % (S * v):
+      raise ValueError(f"{num_layers} layers are not divisible by {S} stages x "
+                       f"{v} virtual stages")
+    if v > 1 and self.num_microbatches % S:
+      raise ValueError(f"virtual_stages={v} needs num_microbatches "
+                       f"({self.num_microbatches}) divisible by the {S} stages")
     if batch is not None:
-      D = mesh.shape[data_axis] if data_axis in mesh.axis_names else 1
+      D = _size(mesh, _data_axes(mesh, data_axis))
       for x in jax.tree_util.tree_leaves(batch):
         if np.ndim(x) == 0 or np.shape(x)[0] % (D * self.num_microbatches):
           raise ValueError(
               f"batch size {np.shape(x)[:1]} is not divisible by data-parallel size "
               f"{D} x num_microbatches {self.num_microbatches}")
 
-  def param_specs(self, params: Any) -> Any:
-    """PartitionSpecs: stacked layers sharded over the stage axis, the rest replicated."""
-    return {k: jax.tree_util.tree_map(
-        lambda _: P(self.stage_axis) if k == self.stages_key else P(), v)
-            for k, v in params.items()}
+  def param_specs(self, params: Any, specs: Any = None) -> Any:
+    """PartitionSpecs: the stacked layers' leading axis over the stage axis, on top of
+    ``specs`` (a pytree of specs like ``params``; default replicated)."""
+    if specs is None:
+      specs = jax.tree_util.tree_map(lambda _: P(), params)
+
+    def staged(spec, leaf):
+      entries = list(spec) + [None] * (np.ndim(leaf) - len(spec))
+      if entries and entries[0] in (None, self.stage_axis):
+        entries[0] = self.stage_axis
+      else:
+        raise ValueError(f"params[{self.stages_key!r}]: the layer axis of every leaf "
+                         f"is split over {self.stage_axis!r}; got the spec {spec}")
+      while entries and entries[-1] is None:
+        entries.pop()
+      return P(*entries)
+
+    return {k: jax.tree_util.tree_map(staged, specs[k], v, is_leaf=_is_spec)
+            if k == self.stages_key else specs[k] for k, v in params.items()}
 
   def shard_params(self, params: Any, mesh: Mesh) -> Any:
     """``params`` placed on ``mesh`` with `param_specs`."""
@@ -260,48 +304,67 @@ class Pipeline:
         lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
         params, self.param_specs(params))
 
+  def bubble(self, num_stages: int) -> float:
+    """The bubble fraction of this pipeline's schedule on ``num_stages`` stages."""
+    return bubble_fraction(schedule_table(self.schedule, num_stages,
+                                          self.num_microbatches, self.virtual_stages))
+
   # ---- gradients
   def value_and_grad(self, params: Any, batch: Any, *, mesh: Mesh,
-                     data_axis: str = "data", loss_scale: Any = 1.0,
+                     data_axis: Any = "data", loss_scale: Any = 1.0,
                      per_token_loss: bool = False,
                      cast: Callable[[Any], Any] = lambda p: p,
-                     _bubble_fill: float = 0.0) -> tuple[jax.Array, jax.Array, Any]:
+                     param_specs: Any = None) -> Gradients:
     """Loss and gradients of ``loss_scale * loss``, pipelined over ``mesh``.
+
+    ``shard_map`` is manual over the stage axis and the data axes that split no
+    parameter; every other axis (``tensor``, ``fsdp``) stays automatic, so each stage's
+    layers keep the tensor-parallel or FSDP layout of ``param_specs`` and GSPMD inserts
+    their collectives inside the stage.
 
     Args:
       params: the model parameters (see the class docstring), float32 masters.
       batch: a pytree of arrays with the global batch on the leading axis.
-      mesh: a mesh with the stage axis (and optionally ``data_axis``).
-      data_axis: the data-parallel mesh axis.
+      mesh: a mesh with the stage axis (and optionally the data axes).
+      data_axis: the data-parallel mesh axis, or a tuple of them.
       loss_scale: the loss scale (gradients are of ``loss_scale * loss``).
       per_token_loss: ``head_fn`` returns ``(loss_sum, num_tokens)``; the loss is the
         sum over every micro-batch and replica divided by the total token count.
       cast: applied to ``params`` before use (a precision policy's cast to the
         compute dtype); gradients come back in the masters' dtype.
+      param_specs: the params' PartitionSpecs (a pytree like ``params``), or ``None``:
+        stacked layers over the stage axis, the rest replicated.
 
     Returns:
-      ``(loss, num_tokens, grads)``: the unscaled mean loss, the token (or example)
-      count, and the gradients of ``loss_scale * loss``, laid out like ``params``.
+      `mpscale.gradients.Gradients` ``(grads, loss, num_tokens)``: the gradients of
+      ``loss_scale * loss`` laid out like ``params``, the unscaled mean loss, and the
+      token count (with ``per_token_loss``; else micro-batches x data replicas).
     """
     self.check(params, mesh, data_axis, batch)
-    S = mesh.shape[self.stage_axis]
-    D = mesh.shape[data_axis] if data_axis in mesh.axis_names else 1
+    specs = self.param_specs(params, param_specs)
+    used = {a for spec in jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
+            for entry in spec for a in _names(entry)}
+    data_axes = tuple(a for a in _data_axes(mesh, data_axis) if a not in used)
+    axes = data_axes + (self.stage_axis,)
+    D = _size(mesh, data_axes)
     M = self.num_microbatches
-    axes = tuple(a for a in (data_axis, self.stage_axis) if a in mesh.axis_names)
-    batch_spec = P(data_axis) if data_axis in mesh.axis_names else P()
-    specs = self.param_specs(params)
-    table = schedule_table(self.schedule, S, M)
-    run = self._run_gpipe if self.schedule == "gpipe" else self._run_1f1b
+    run = _PipelineRun(self, mesh.shape[self.stage_axis], M, per_token_loss, cast, axes)
+    interleave = _interleave_order(
+        jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0],
+        run.S, self.virtual_stages)
+    manual = lambda spec: P(*[_manual(entry, axes) for entry in spec])  # noqa: E731
+    in_param_specs = jax.tree_util.tree_map(manual, specs, is_leaf=_is_spec)
 
     def per_device(params, batch, scale):
-      # Everything in the loop varies over every axis, so autodiff puts no psum in it.
+      # Everything in the loop varies over every manual axis, so autodiff puts no
+      # psum in it.
       varying = _cast_varying(params, axes)
       micro = jax.tree_util.tree_map(
           lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), batch)
       micro = _cast_varying(micro, axes)
       scale = _cast_varying(scale, axes)
-      loss, count, grads = run(varying, micro, scale, S, M, table, per_token_loss, cast,
-                               _bubble_fill, axes)
+      executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b
+      loss, count, grads = executor(run, varying, micro, scale)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
       if per_token_loss:
@@ -310,165 +373,242 @@ class Pipeline:
         denom = jnp.asarray(M * D, jnp.float32)
         count = jnp.asarray(M * D, jnp.float32)
       grads = jax.tree_util.tree_map(lambda g: g / denom.astype(g.dtype), grads)
-      return loss / denom, count, grads
+      return grads, loss / denom, count
 
     fn = jax.shard_map(
         per_device, mesh=mesh,
-        in_specs=(specs, jax.tree_util.tree_map(lambda _: batch_spec, batch), P()),
-        out_specs=(P(), P(), specs))
-    return fn(params, batch, jnp.asarray(loss_scale, jnp.float32))
+        in_specs=(in_param_specs, jax.tree_util.tree_map(
+            lambda _: P(data_axes or None), batch), P()),
+        out_specs=(in_param_specs, P(), P()), axis_names=set(axes))
+    if interleave is not None:
+      # Device s must hold its chunks s, s + S, ...: one all-to-all of the layers.
+      params = {**params, self.stages_key: jax.tree_util.tree_map(
+          lambda x: x[interleave], params[self.stages_key])}
+    grads, loss, count = fn(params, batch, jnp.asarray(loss_scale, jnp.float32))
+    if interleave is not None:
+      back = np.argsort(interleave)
+      grads = {**grads, self.stages_key: jax.tree_util.tree_map(
+          lambda g: g[back], grads[self.stages_key])}
+    return Gradients(grads, loss, count)
 
-  def _head_terms(self, params, x, batch, per_token_loss, axes):
-    """``(loss, count)`` from ``head_fn``, both float32 and varying over ``axes`` (a
-    head may return a constant count, which would otherwise be device-invariant)."""
-    loss, count = self._head_outputs(params, x, batch, per_token_loss)
-    return _cast_varying((loss, count), axes)
 
-  def _head_outputs(self, params, x, batch, per_token_loss):
-    out = self.head_fn(params, x, batch)
-    if per_token_loss:
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _manual(entry: Any, axes: Sequence[str]) -> Any:
+  """The part of one spec entry over the manual ``axes``."""
+  kept = tuple(a for a in _names(entry) if a in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _data_axes(mesh: Mesh, data_axis: Any) -> tuple[str, ...]:
+  if data_axis is None:
+    return ()
+  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+  return tuple(a for a in axes if a in mesh.axis_names)
+
+
+def _size(mesh: Mesh, axes: Sequence[str]) -> int:
+  return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
+def _interleave_order(num_layers: int, S: int, v: int) -> Optional[np.ndarray]:
+  """Layer order that puts virtual stage ``c S + s`` (chunk ``c`` of device ``s``) in
+  device ``s``'s contiguous block; ``None`` without virtual stages."""
+  if v == 1:
+    return None
+  per_chunk = num_layers // (S * v)
+  return np.asarray([(c * S + s) * per_chunk + k for s in range(S) for c in range(v)
+                     for k in range(per_chunk)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _PipelineRun:
+  """What the executors share for one pipelined gradient."""
+  pipeline: Pipeline
+  S: int
+  M: int
+  per_token_loss: bool
+  cast: Callable[[Any], Any]
+  axes: tuple[str, ...]
+  """The manual axes (data, stage) every loop value varies over."""
+
+  def zero(self) -> jax.Array:
+    return _cast_varying(jnp.zeros((), jnp.float32), self.axes)
+
+  def embed_shape(self, params: Any, micro: Any) -> jax.ShapeDtypeStruct:
+    return jax.eval_shape(lambda p, b: self.pipeline.embed_fn(self.cast(p), b),
+                          params, jax.tree_util.tree_map(lambda x: x[0], micro))
+
+  def head_terms(self, params: Any, x: jax.Array, batch: Any
+                ) -> tuple[jax.Array, jax.Array]:
+    """``(loss, count)`` from ``head_fn``, both float32 and varying over the manual
+    axes (a head may return a constant count, which would otherwise be invariant)."""
+    out = self.pipeline.head_fn(params, x, batch)
+    if self.per_token_loss:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError("with per_token_loss, head_fn must return (loss_sum, "
                         f"num_tokens); got {type(out).__name__}")
       loss, count = out
-      return jnp.asarray(loss, jnp.float32), jnp.asarray(count, jnp.float32)
-    if isinstance(out, tuple) or jnp.ndim(out) != 0:
+      count = jnp.asarray(count, jnp.float32)
+    elif isinstance(out, tuple) or jnp.ndim(out) != 0:
       raise TypeError("head_fn must return a scalar loss (or, with per_token_loss, "
                       "(loss_sum, num_tokens))")
-    return jnp.asarray(out, jnp.float32), jnp.ones((), jnp.float32)
+    else:
+      loss, count = out, jnp.ones((), jnp.float32)
+    return _cast_varying((jnp.asarray(loss, jnp.float32), count), self.axes)
 
-  def _run_gpipe(self, params, micro, scale, S, M, table, per_token_loss, cast, fill,
-                 axes):
-    stage = lax.axis_index(self.stage_axis)
-    vzero = lambda: _cast_varying(jnp.zeros((), jnp.float32), axes)
-    first, last = stage == 0, stage == S - 1
-    x_shape = jax.eval_shape(
-        lambda p, b: self.embed_fn(cast(p), b), params,
-        jax.tree_util.tree_map(lambda x: x[0], micro))
-    ring = [(i, i + 1) for i in range(S - 1)]
 
-    def objective(params):
-      p = cast(params)
-      layers = p[self.stages_key]
+def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
+          ) -> tuple[jax.Array, jax.Array, Any]:
+  """GPipe, interleaved over ``virtual_stages`` chunks: the forward loop, run
+  backward by autodiff. Returns ``(loss sum, count sum, grads)`` of this device."""
+  pipe, S, M = run.pipeline, run.S, run.M
+  v = pipe.virtual_stages
+  stage = lax.axis_index(pipe.stage_axis)
+  x_shape = run.embed_shape(params, micro)
+  ring = [(i, (i + 1) % S) for i in range(S if v > 1 else S - 1)]
 
-      def tick(carry, t):
-        received, loss, count = carry
-        m_in = t - stage
-        valid_in = (m_in >= 0) & (m_in < M)
-        mb_in = jax.tree_util.tree_map(lambda x: x[jnp.clip(t, 0, M - 1)], micro)
-        x = lax.cond(first & (t < M), lambda: self.embed_fn(p, mb_in).astype(
-            x_shape.dtype), lambda: received)
-        # A bubble's input is garbage: replace it before any arithmetic touches it.
-        x = jnp.where(valid_in, x, jnp.zeros_like(x))
-        y = self._layers(layers, x)
-        m_out = jnp.clip(t - (S - 1), 0, M - 1)
-        valid_out = last & (t >= S - 1)
-        mb_out = jax.tree_util.tree_map(lambda x: x[m_out], micro)
-        l, c = lax.cond(valid_out,
-                        lambda: self._head_terms(p, y, mb_out, per_token_loss, axes),
-                        lambda: (vzero(), vzero()))
-        received = lax.ppermute(y, self.stage_axis, ring) if S > 1 else y
-        return (received, loss + l, count + c), None
+  def objective(params):
+    p = run.cast(params)
+    layers = p[pipe.stages_key]
+    if v > 1:
+      layers = jax.tree_util.tree_map(
+          lambda x: x.reshape((v, x.shape[0] // v) + x.shape[1:]), layers)
 
-      init = _cast_varying(jnp.full(x_shape.shape, fill, x_shape.dtype), axes)
-      (_, loss, count), _ = lax.scan(tick, (init, vzero(), vzero()),
-                                     jnp.arange(M + S - 1))
-      return scale * loss, (loss, count)
-
-    grads, (loss, count) = jax.grad(objective, has_aux=True)(params)
-    return loss, count, grads
-
-  def _run_1f1b(self, params, micro, scale, S, M, table, per_token_loss, cast, fill,
-                axes):
-    stage = lax.axis_index(self.stage_axis)
-    vary = lambda tree: _cast_varying(tree, axes)
-    zero_s = lambda: vary(jnp.zeros((), jnp.float32))
-    K = _live_slots(table)
-    mb0 = jax.tree_util.tree_map(lambda x: x[0], micro)
-    x_shape = jax.eval_shape(lambda p, b: self.embed_fn(cast(p), b), params, mb0)
-    up = [(i, i + 1) for i in range(S - 1)]
-    down = [(i + 1, i) for i in range(S - 1)]
-    ops = jnp.asarray(table)
-    zeros_like_params = lambda: vary(jax.tree_util.tree_map(
-        lambda x: jnp.zeros(x.shape, jnp.float32), params))
-    layers_of = lambda p: p[self.stages_key]
-
-    def embed(p, m):
+    def tick(carry, t):
+      received, loss, count = carry
+      item = t - stage                   # this device's work item
+      valid = (item >= 0) & (item < v * M)
+      item = jnp.clip(item, 0, v * M - 1)
+      within = item % (S * v)
+      chunk = within // S
+      m = item // (S * v) * S + within % S
       mb = jax.tree_util.tree_map(lambda x: x[m], micro)
-      return self.embed_fn(cast(p), mb).astype(x_shape.dtype)
+      starts = (stage == 0) & (chunk == 0)
+      x = lax.cond(starts, lambda: pipe.embed_fn(p, mb).astype(x_shape.dtype),
+                   lambda: received)
+      # A bubble's input is garbage: replace it before any arithmetic touches it.
+      x = jnp.where(valid, x, jnp.zeros_like(x))
+      chunk_layers = layers if v == 1 else jax.tree_util.tree_map(
+          lambda x: lax.dynamic_index_in_dim(x, chunk, keepdims=False), layers)
+      y = pipe._layers(chunk_layers, x)  # pylint: disable=protected-access
+      ends = valid & (stage == S - 1) & (chunk == v - 1)
+      l, c = lax.cond(ends, lambda: run.head_terms(p, y, mb),
+                      lambda: (run.zero(), run.zero()))
+      received = lax.ppermute(y, pipe.stage_axis, ring) if S > 1 else y
+      return (received, loss + l, count + c), None
 
-    def stage_only(p, x):
-      return self._layers(layers_of(cast(p)), x)
+    init = _cast_varying(jnp.full(x_shape.shape, _BUBBLE_FILL, x_shape.dtype),
+                         run.axes)
+    (_, loss, count), _ = lax.scan(tick, (init, run.zero(), run.zero()),
+                                   jnp.arange(v * M + S - 1))
+    return scale * loss, (loss, count)
 
-    def stage_and_head(p, x, m):
-      mb = jax.tree_util.tree_map(lambda x: x[m], micro)
-      y = self._layers(layers_of(cast(p)), x)
-      loss, count = self._head_terms(cast(p), y, mb, per_token_loss, axes)
-      return scale * loss, (loss, count)
+  grads, (loss, count) = jax.grad(objective, has_aux=True)(params)
+  return loss, count, grads
 
-    def forward(p, x_in, m):
-      x = lax.cond(stage == 0, lambda: embed(p, m), lambda: x_in)
-      y = lax.cond(stage == S - 1, lambda: x, lambda: stage_only(p, x))
-      return x, y
 
-    def backward(p, x, ct, m):
-      def through_head():
-        _, vjp, (loss, count) = jax.vjp(
-            lambda p, x: stage_and_head(p, x, m), p, x, has_aux=True)
-        dp, dx = vjp(vary(jnp.ones((), jnp.float32)))
-        return dp, dx, loss, count
+def _one_f_one_b(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
+                ) -> tuple[jax.Array, jax.Array, Any]:
+  """1F1B from `schedule_table`: each tick one forward, one backward or nothing.
+  Returns ``(loss sum, count sum, grads)`` of this device."""
+  pipe, S, M = run.pipeline, run.S, run.M
+  table = schedule_table("1f1b", S, M)
+  stage = lax.axis_index(pipe.stage_axis)
+  vary = lambda tree: _cast_varying(tree, run.axes)  # noqa: E731
+  K = _live_slots(table)
+  x_shape = run.embed_shape(params, micro)
+  up = [(i, i + 1) for i in range(S - 1)]
+  down = [(i + 1, i) for i in range(S - 1)]
+  ops = jnp.asarray(table)
+  zeros_like_params = lambda: vary(jax.tree_util.tree_map(  # noqa: E731
+      lambda x: jnp.zeros(x.shape, jnp.float32), params))
+  layers_of = lambda p: p[pipe.stages_key]  # noqa: E731
 
-      def through_stage():
-        _, vjp = jax.vjp(stage_only, p, x)
-        dp, dx = vjp(ct)
-        return dp, dx, zero_s(), zero_s()
+  def embed(p, m):
+    mb = jax.tree_util.tree_map(lambda x: x[m], micro)
+    return pipe.embed_fn(run.cast(p), mb).astype(x_shape.dtype)
 
-      dp, dx, loss, count = lax.cond(stage == S - 1, through_head, through_stage)
+  def stage_only(p, x):
+    return pipe._layers(layers_of(run.cast(p)), x)  # pylint: disable=protected-access
 
-      def into_embed():
-        _, vjp = jax.vjp(lambda p: embed(p, m), p)
-        (dp_embed,) = vjp(dx)
-        return jax.tree_util.tree_map(jnp.add, dp, dp_embed)
+  def stage_and_head(p, x, m):
+    mb = jax.tree_util.tree_map(lambda x: x[m], micro)
+    y = stage_only(p, x)
+    loss, count = run.head_terms(run.cast(p), y, mb)
+    return scale * loss, (loss, count)
 
-      dp = lax.cond(stage == 0, into_embed, lambda: dp)
+  def forward(p, x_in, m):
+    x = lax.cond(stage == 0, lambda: embed(p, m), lambda: x_in)
+    y = lax.cond(stage == S - 1, lambda: x, lambda: stage_only(p, x))
+    return x, y
+
+  def backward(p, x, ct, m):
+    def through_head():
+      _, vjp, (loss, count) = jax.vjp(
+          lambda p, x: stage_and_head(p, x, m), p, x, has_aux=True)
+      dp, dx = vjp(vary(jnp.ones((), jnp.float32)))
       return dp, dx, loss, count
 
-    def tick(carry, row):
-      saved, inbox_f, inbox_b, grads, loss, count = carry
-      op, m = row[stage, 0], row[stage, 1]
-      slot = m % K
-      x_in = inbox_f[slot]
+    def through_stage():
+      _, vjp = jax.vjp(stage_only, p, x)
+      dp, dx = vjp(ct)
+      return dp, dx, run.zero(), run.zero()
 
-      def do_forward():
-        x, y = forward(params, x_in, m)
-        return x, y, jnp.zeros_like(y), zeros_like_params(), zero_s(), zero_s()
+    dp, dx, loss, count = lax.cond(stage == S - 1, through_head, through_stage)
 
-      def do_backward():
-        dp, dx, l, c = backward(params, saved[slot], inbox_b[slot], m)
-        dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
-        return (saved[slot], jnp.zeros_like(dx), dx.astype(x_shape.dtype), dp, l, c)
+    def into_embed():
+      _, vjp = jax.vjp(lambda p: embed(p, m), p)
+      (dp_embed,) = vjp(dx)
+      return jax.tree_util.tree_map(jnp.add, dp, dp_embed)
 
-      def do_nothing():
-        z = jnp.zeros_like(x_in)
-        return z, z, z, zeros_like_params(), zero_s(), zero_s()
+    dp = lax.cond(stage == 0, into_embed, lambda: dp)
+    return dp, dx, loss, count
 
-      x, y, dx, dp, l, c = lax.switch(op, (do_nothing, do_forward, do_backward))
-      saved = saved.at[slot].set(jnp.where(op == FWD, x, saved[slot]))
-      grads = jax.tree_util.tree_map(jnp.add, grads, dp)
-      if S > 1:
-        from_prev = lax.ppermute(y, self.stage_axis, up)
-        from_next = lax.ppermute(dx, self.stage_axis, down)
-        prev_op, prev_m = row[jnp.maximum(stage - 1, 0)]
-        next_op, next_m = row[jnp.minimum(stage + 1, S - 1)]
-        got_f = (stage > 0) & (prev_op == FWD)
-        got_b = (stage < S - 1) & (next_op == BWD)
-        inbox_f = inbox_f.at[prev_m % K].set(
-            jnp.where(got_f, from_prev, inbox_f[prev_m % K]))
-        inbox_b = inbox_b.at[next_m % K].set(
-            jnp.where(got_b, from_next, inbox_b[next_m % K]))
-      return (saved, inbox_f, inbox_b, grads, loss + l, count + c), None
+  def tick(carry, row):
+    saved, inbox_f, inbox_b, grads, loss, count = carry
+    op, m = row[stage, 0], row[stage, 1]
+    slot = m % K
+    x_in = inbox_f[slot]
 
-    buf = vary(jnp.full((K,) + x_shape.shape, fill, x_shape.dtype))
-    carry = (buf, buf, buf, zeros_like_params(), zero_s(), zero_s())
-    (_, _, _, grads, loss, count), _ = lax.scan(tick, carry, ops)
-    return loss, count, grads
+    def do_forward():
+      x, y = forward(params, x_in, m)
+      return x, y, jnp.zeros_like(y), zeros_like_params(), run.zero(), run.zero()
+
+    def do_backward():
+      dp, dx, l, c = backward(params, saved[slot], inbox_b[slot], m)
+      dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
+      return (saved[slot], jnp.zeros_like(dx), dx.astype(x_shape.dtype), dp, l, c)
+
+    def do_nothing():
+      z = jnp.zeros_like(x_in)
+      return z, z, z, zeros_like_params(), run.zero(), run.zero()
+
+    x, y, dx, dp, l, c = lax.switch(op, (do_nothing, do_forward, do_backward))
+    saved = saved.at[slot].set(jnp.where(op == FWD, x, saved[slot]))
+    grads = jax.tree_util.tree_map(jnp.add, grads, dp)
+    if S > 1:
+      from_prev = lax.ppermute(y, pipe.stage_axis, up)
+      from_next = lax.ppermute(dx, pipe.stage_axis, down)
+      prev_op, prev_m = row[jnp.maximum(stage - 1, 0)]
+      next_op, next_m = row[jnp.minimum(stage + 1, S - 1)]
+      got_f = (stage > 0) & (prev_op == FWD)
+      got_b = (stage < S - 1) & (next_op == BWD)
+      inbox_f = inbox_f.at[prev_m % K].set(
+          jnp.where(got_f, from_prev, inbox_f[prev_m % K]))
+      inbox_b = inbox_b.at[next_m % K].set(
+          jnp.where(got_b, from_next, inbox_b[next_m % K]))
+    return (saved, inbox_f, inbox_b, grads, loss + l, count + c), None
+
+  buf = vary(jnp.full((K,) + x_shape.shape, _BUBBLE_FILL, x_shape.dtype))
+  carry = (buf, buf, buf, zeros_like_params(), run.zero(), run.zero())
+  (_, _, _, grads, loss, count), _ = lax.scan(tick, carry, ops)
+  return loss, count, grads

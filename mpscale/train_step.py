@@ -51,6 +51,7 @@ A Flax ``TrainState`` user takes the short path::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
@@ -63,11 +64,13 @@ import numpy as np
 import optax
 
 from mpscale import finite
+from mpscale.gradients import Gradients
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import metrics as metrics_lib
 from mpscale import norms as norms_lib
 from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
+from mpscale import sharding as sharding_lib
 from mpscale import validation
 
 LossFn = Callable[[Any, Any], Any]
@@ -121,18 +124,22 @@ def _wrapped(optimizer: optax.GradientTransformation, params: Any
   return loss_scale_lib.no_loss_scale(optimizer)
 
 
-def _split_microbatches(batch: Any, num_microbatches: int, num_replicas: int) -> Any:
-  """Leading dim ``B`` -> ``[num_microbatches, num_replicas, B / (both)]``, or
-  ``[num_microbatches, B / num_microbatches]`` with one replica.
+def _split_microbatches(batch: Any, num_microbatches: int, num_replicas: int,
+                        num_inner: int = 1) -> Any:
+  """Leading dim ``B`` -> ``[num_microbatches, num_replicas, B / (num_microbatches x
+  num_replicas)]``, or ``[num_microbatches, B / num_microbatches]`` with one replica.
 
-  Replica ``r``'s rows are the contiguous block ``r`` of the batch (its data-parallel
-  shard), cut into ``num_microbatches`` contiguous micro-batches, so the split moves no
-  data between devices. With one replica, micro-batch ``k`` is block ``k``.
+  The batch's rows are ``num_replicas x num_inner`` contiguous device blocks (its
+  data-parallel shards; ``num_inner`` shards inside each replica, e.g. over ``fsdp``).
+  Each block is cut into ``num_microbatches`` contiguous pieces, and micro-batch ``k``
+  of a replica holds piece ``k`` of each of its blocks, so the split moves no data
+  between devices. With one block, micro-batch ``k`` is block ``k``.
   """
   def split(x):
-    rows = x.shape[0] // (num_microbatches * num_replicas)
-    x = x.reshape((num_replicas, num_microbatches, rows) + x.shape[1:])
-    x = jnp.swapaxes(x, 0, 1)
+    rows = x.shape[0] // (num_microbatches * num_replicas * num_inner)
+    x = x.reshape((num_replicas, num_inner, num_microbatches, rows) + x.shape[1:])
+    x = jnp.moveaxis(x, 2, 0)
+    x = x.reshape((num_microbatches, num_replicas, num_inner * rows) + x.shape[4:])
     return x[:, 0] if num_replicas == 1 else x
   return jax.tree_util.tree_map(split, batch)
 
@@ -185,8 +192,8 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
                          loss_scale: Any = 1.0,
                          policy: Union[None, str, policy_lib.Policy] = None,
                          num_microbatches: int = 1, per_token_loss: bool = False,
-                         mesh: Optional[Mesh] = None, data_axis: DataAxis = "data"
-                        ) -> tuple[Any, jax.Array, jax.Array]:
+                         mesh: Optional[Mesh] = None, data_axis: DataAxis = "data",
+                         param_specs: Any = None) -> Gradients:
   """float32 gradients of ``loss_scale * loss``, accumulated over micro-batches.
 
   ``loss_fn`` sees the parameters cast by ``policy.cast_to_compute``; the gradients
@@ -208,19 +215,31 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     mesh: with micro-batches, the mesh whose ``data_axis`` shards the batch: each data
       replica then accumulates its own gradient (``jax.vmap`` over replicas) and the
       replicas' gradients are added once, after the loop, so the gradient all-reduce
-      happens once per step. Without micro-batches GSPMD needs no help.
+      happens once per step. A data axis that also splits parameters (FSDP) is not
+      vmapped: its gradients are reduce-scattered into sharded accumulators at every
+      micro-batch, as ZeRO-3 does. Without micro-batches GSPMD needs no help.
     data_axis: the mesh axis (or axes) of the data-parallel replicas.
+    param_specs: the params' ``PartitionSpec``s (a pytree like ``params``; see
+      `mpscale.sharding`), or ``None`` for replicated params.
 
   Returns:
-    ``(grads, loss, num_tokens)``: the float32 gradients of ``loss_scale * loss``; the
-    unscaled float32 loss (the mean over micro-batches, or the loss sum over the token
-    count); and the token count (the number of batch rows without ``per_token_loss``).
+    `Gradients` ``(grads, loss, num_tokens)``.
   """
   policy = policy_lib.Policy() if policy is None else policy_lib.get_policy(policy)
   validation.positive_int("num_microbatches", num_microbatches)
   scale = jnp.asarray(loss_scale, jnp.float32)
+  data_axes = _data_axes(mesh, data_axis)
   rows = _check_batch(batch, num_microbatches * _data_size(mesh, data_axis),
                       "the data-parallel size x num_microbatches")
+  specs = (sharding_lib.resolve_specs(param_specs, params) if mesh is not None
+           else None)
+  sharded = set() if specs is None else {
+      a for s in jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
+      for a in sharding_lib.spec_axes(s)}
+  # Data axes that split no parameter get one accumulator per replica (vmapped); the
+  # others (FSDP) accumulate into the parameters' own sharding.
+  vmap_axes = tuple(a for a in data_axes if a not in sharded)
+  inner_axes = tuple(a for a in data_axes if a in sharded)
 
   def scaled_loss(p, micro_batch):
     out = loss_fn(policy.cast_to_compute(p), micro_batch)
@@ -230,30 +249,44 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
 
   grad_fn = jax.grad(scaled_loss, has_aux=True)
 
+  def like_params(grads, leading=()):
+    """Constrains gradient-shaped trees to the params' layout (after ``leading``)."""
+    if specs is None:
+      return grads
+    return jax.tree_util.tree_map(
+        lambda g, spec: sharding_lib.constrain(
+            g, PartitionSpec(*leading, *sharding_lib.pad(spec, g.ndim - len(leading))),
+            mesh), grads, specs)
+
   if num_microbatches == 1:
-    # One gradient: under a mesh, GSPMD all-reduces it once.
+    # One gradient: under a mesh, GSPMD all-reduces (or reduce-scatters) it once.
     grads, (loss, tokens) = grad_fn(params, batch)
-    grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    grads = like_params(jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads))
     pieces = 1
   else:
-    # Each replica accumulates its own gradient over the micro-batches, and the
-    # replicas' sums are added once after the loop: one gradient all-reduce per step,
-    # not one per micro-batch.
-    replicas = _data_size(mesh, data_axis)
+    replicas = _data_size(mesh, vmap_axes) if vmap_axes else 1
+    inner = _data_size(mesh, inner_axes) if inner_axes else 1
     pieces = num_microbatches * replicas
-    micro_batches = _split_microbatches(batch, num_microbatches, replicas)
+    micro_batches = _split_microbatches(batch, num_microbatches, replicas, inner)
     piece_grad = grad_fn if replicas == 1 else jax.vmap(grad_fn, in_axes=(None, 0))
-
-    def on_replicas(tree, batch_dim):
-      if replicas == 1:
-        return tree
-      spec = PartitionSpec(*([None] * batch_dim), data_axis)
-      return lax.with_sharding_constraint(
-          tree, jax.tree_util.tree_map(lambda _: NamedSharding(mesh, spec), tree))
-
-    micro_batches = on_replicas(micro_batches, 1)
+    lead = (vmap_axes,) if replicas > 1 else ()
+    if mesh is not None:
+      rows_spec = PartitionSpec(None, *lead, inner_axes or None)
+      micro_batches = jax.tree_util.tree_map(
+          lambda x: sharding_lib.constrain(x, rows_spec, mesh), micro_batches)
     first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
     grad_shapes, (loss_shape, tokens_shape) = jax.eval_shape(piece_grad, params, first)
+
+    def on_replicas(carry):
+      grads, (loss, tokens) = carry
+      if mesh is None:
+        return carry
+      grads = like_params(grads, lead)
+      if lead:
+        loss, tokens = (sharding_lib.constrain(x, PartitionSpec(*lead), mesh)
+                        for x in (loss, tokens))
+      return grads, (loss, tokens)
+
     zeros = (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32),
                                     grad_shapes),
              (jnp.zeros(loss_shape.shape, jnp.float32),
@@ -262,12 +295,13 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     def body(carry, micro_batch):
       new = piece_grad(params, micro_batch)
       carry = jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry, new)
-      return on_replicas(carry, 0), None
+      return on_replicas(carry), None
 
-    (grads, (loss, tokens)), _ = lax.scan(body, on_replicas(zeros, 0), micro_batches)
+    (grads, (loss, tokens)), _ = lax.scan(body, on_replicas(zeros), micro_batches)
     if replicas > 1:
       grads, loss, tokens = jax.tree_util.tree_map(
           lambda x: jnp.sum(x, axis=0), (grads, loss, tokens))
+      grads = like_params(grads)
 
   if per_token_loss:
     tokens = tokens.astype(_token_dtype(jnp.result_type(tokens)))
@@ -278,7 +312,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   if per_token_loss or pieces > 1:
     grads = jax.tree_util.tree_map(lambda g: g * inv, grads)
     loss = loss * inv
-  return grads, loss, tokens
+  return Gradients(grads, loss, tokens)
 
 
 def _token_dtype(dtype: Any) -> Any:
@@ -286,23 +320,14 @@ def _token_dtype(dtype: Any) -> Any:
   return jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else jnp.float32
 
 
-def _zero1_spec(shape: Sequence[int], data_size: int, data_axis: DataAxis
-               ) -> PartitionSpec:
-  """Shards the largest dimension divisible by ``data_size``; else replicates."""
-  best = None
-  for i, n in enumerate(shape):
-    if n >= data_size and n % data_size == 0 and (best is None or n > shape[best]):
-      best = i
-  if best is None or data_size == 1:
-    return PartitionSpec()
-  # No trailing Nones: XLA hands the outputs back without them, and jit would see
-  # P("data", None) != P("data") and compile the step a second time.
-  return PartitionSpec(*([None] * best), data_axis)
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, PartitionSpec)
 
 
-def _data_size(mesh: Optional[Mesh], data_axis: DataAxis) -> int:
+def _data_axes(mesh: Optional[Mesh], data_axis: DataAxis) -> tuple[str, ...]:
+  """``data_axis`` as a tuple of axes of ``mesh`` (``()`` without a mesh)."""
   if mesh is None:
-    return 1
+    return ()
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
   axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
@@ -312,38 +337,168 @@ def _data_size(mesh: Optional[Mesh], data_axis: DataAxis) -> int:
   if missing:
     raise ValueError(f"mesh has axes {tuple(mesh.axis_names)} but no data axis "
                      f"{missing[0]!r}; pass data_axis= one of them")
-  return math.prod(mesh.shape[a] for a in axes)
+  return axes
+
+
+def _data_size(mesh: Optional[Mesh], data_axis: DataAxis) -> int:
+  return math.prod(mesh.shape[a] for a in _data_axes(mesh, data_axis))
 
 
 def _check_pipeline(pipeline: pipeline_lib.Pipeline, mesh: Optional[Mesh],
-                    data_axis: DataAxis, num_microbatches: int,
-                    shard_optimizer_state: bool) -> int:
+                    num_microbatches: int) -> int:
   """Validates a pipelined step's settings; returns its micro-batch count."""
   if mesh is None or pipeline.stage_axis not in mesh.axis_names:
     raise ValueError(f"a Pipeline needs a mesh with its stage axis "
                      f"{pipeline.stage_axis!r}; got "
                      f"{None if mesh is None else tuple(mesh.axis_names)}")
-  if not isinstance(data_axis, str):
-    raise TypeError(f"with a Pipeline, data_axis must be one axis name; got "
-                    f"{data_axis!r}")
   if num_microbatches not in (1, pipeline.num_microbatches):
     raise ValueError(f"num_microbatches={num_microbatches} disagrees with the "
                      f"pipeline's num_microbatches={pipeline.num_microbatches}")
-  if shard_optimizer_state:
-    raise ValueError("shard_optimizer_state is not supported with a Pipeline (the "
-                     "stage axis already splits the layers' optimizer state)")
   return pipeline.num_microbatches
 
 
-def _like_params(opt_state: Any, param_shardings: Any, other: Any) -> Any:
-  """Shardings for ``opt_state``: subtrees shaped like the params (Adam's moments)
-  take the params' shardings, every other leaf ``other``."""
-  params_def = jax.tree_util.tree_structure(param_shardings)
-  like = lambda x: (not isinstance(x, NamedSharding) and
-                    jax.tree_util.tree_structure(x) == params_def)
-  return jax.tree_util.tree_map(
-      lambda x: param_shardings if like(x) else other, opt_state,
-      is_leaf=lambda x: like(x) or not isinstance(x, (tuple, list, dict)))
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Where every array of a step lives on the mesh (``mesh=None``: one device)."""
+  mesh: Optional[Mesh]
+  data_axes: tuple[str, ...]
+  param_specs: Any
+  zero1: bool
+  pipeline: Optional[pipeline_lib.Pipeline]
+
+  def specs(self, params: Any) -> Any:
+    """The params' specs, checked (a pipeline adds its stage axis)."""
+    specs = sharding_lib.resolve_specs(self.param_specs, params)
+    if self.pipeline is not None:
+      specs = self.pipeline.param_specs(params, specs)
+    sharding_lib.check_specs(params, specs, self.mesh)
+    return specs
+
+  def state(self, state: TrainState) -> Optional[TrainState]:
+    """``NamedSharding``s for a `TrainState` (of arrays or shapes)."""
+    if self.mesh is None:
+      return None
+    params = self.specs(state.params)
+    opt = sharding_lib.state_specs(state.opt_state, state.params, params)
+    # FSDP shards the optimizer state over its data axes too (a moment the spec of
+    # its parameter leaves unsplit: a factored one); ZeRO-1 over every data axis.
+    used = {a for s in jax.tree_util.tree_leaves(params, is_leaf=_is_spec)
+            for a in sharding_lib.spec_axes(s)}
+    over = self.data_axes if self.zero1 else tuple(a for a in self.data_axes
+                                                   if a in used)
+    if over:
+      opt = sharding_lib.zero1_specs(state.opt_state, opt, self.mesh, over)
+    return TrainState(*sharding_lib.shardings(
+        self.mesh, (params, opt, PartitionSpec())))
+
+  def batch(self) -> Optional[NamedSharding]:
+    if self.mesh is None:
+      return None
+    return NamedSharding(self.mesh, PartitionSpec(self.data_axes))
+
+  def constrain(self, tree: Any, shardings: Any = None) -> Any:
+    """``tree`` constrained to ``shardings`` (default: replicated)."""
+    if self.mesh is None:
+      return tree
+    if shardings is None:
+      shardings = jax.tree_util.tree_map(
+          lambda _: NamedSharding(self.mesh, PartitionSpec()), tree)
+    return lax.with_sharding_constraint(tree, shardings)
+
+
+def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
+                     num_microbatches: int, per_token_loss: bool
+                    ) -> Callable[[Any, Any, jax.Array], Gradients]:
+  """The step's one gradient source: ``(params, batch, loss_scale) -> Gradients``."""
+  if isinstance(loss_fn, pipeline_lib.Pipeline):
+    def pipelined(params, batch, scale):
+      grads = loss_fn.value_and_grad(
+          params, batch, mesh=layout.mesh, data_axis=layout.data_axes,
+          loss_scale=scale, per_token_loss=per_token_loss, cast=policy.cast_to_compute,
+          param_specs=layout.specs(params))
+      if per_token_loss:
+        return grads
+      return grads._replace(num_tokens=jnp.asarray(_check_batch(batch, 1, ""),
+                                                   jnp.int32))
+    return pipelined
+
+  def accumulated(params, batch, scale):
+    return accumulate_gradients(
+        loss_fn, params, batch, loss_scale=scale, policy=policy,
+        num_microbatches=num_microbatches, per_token_loss=per_token_loss,
+        mesh=layout.mesh, data_axis=layout.data_axes or "data",
+        param_specs=None if layout.mesh is None else layout.specs(params))
+  return accumulated
+
+
+def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
+                       state: TrainState, batch: Any, divisor: int, divisor_text: str,
+                       num_microbatches: int, per_token_loss: bool) -> None:
+  """At trace time: the batch divides, the state matches the optimizer, and the loss
+  function returns the structure ``per_token_loss`` asks for."""
+  _check_batch(batch, divisor, divisor_text)
+  expected = jax.tree_util.tree_structure(
+      jax.eval_shape(tx.init, _shapes(state.params)))
+  if jax.tree_util.tree_structure(state.opt_state) != expected:
+    raise ValueError("state.opt_state does not match the optimizer passed to "
+                     "make_train_step; build the state with its init()")
+  micro_batch = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(
+          (x.shape[0] // num_microbatches,) + x.shape[1:] if x.shape else (),
+          x.dtype), batch)
+  _check_loss_structure(
+      jax.eval_shape(lambda p, b: model(policy.cast_to_compute(p), b),
+                     _shapes(state.params), micro_batch), per_token_loss)
+
+
+def _adopt_opt_state(optimizer: optax.GradientTransformation, params: Any,
+                     opt_state: Any) -> Any:
+  """``opt_state`` in the structure of the wrapped optimizer's state."""
+  wrapped = _wrapped(optimizer, params)
+  expected = jax.tree_util.tree_structure(
+      jax.eval_shape(wrapped.init, _shapes(params)))
+  if jax.tree_util.tree_structure(opt_state) == expected:
+    return opt_state
+  if wrapped is not optimizer:
+    inner = jax.tree_util.tree_structure(
+        jax.eval_shape(optimizer.init, _shapes(params)))
+    if jax.tree_util.tree_structure(opt_state) == inner:
+      fresh = wrapped.init(params)
+      return fresh._replace(guard=fresh.guard._replace(inner_state=opt_state))
+  raise ValueError("the given opt_state does not match the optimizer passed to "
+                   "make_train_step (its tree structure differs)")
+
+
+def _init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Policy,
+                layout: _Layout, params_or_state: Any) -> TrainState:
+  """`make_train_step`'s ``init``: a placed `TrainState` in fresh buffers."""
+  def fresh_state(params):
+    return TrainState(params, _wrapped(optimizer, params).init(params),
+                      jnp.zeros((), jnp.int32))
+
+  if isinstance(params_or_state, TrainState) or _is_flax_state(params_or_state):
+    given = (params_or_state if isinstance(params_or_state, TrainState)
+             else TrainState.from_flax(params_or_state))
+    params = policy.cast_to_param(given.params)
+    state = TrainState(params, _adopt_opt_state(optimizer, params, given.opt_state),
+                       jnp.asarray(given.step, jnp.int32))
+    shardings = layout.state(_shapes(state))
+    if shardings is not None:
+      state = jax.device_put(state, shardings)
+    # A jit copy gives every leaf its own new buffer: the step donates its input,
+    # which must neither free the caller's arrays nor meet one buffer twice (an
+    # eagerly built optimizer state can share one array between fields).
+    state = jax.jit(lambda s: s, out_shardings=shardings)(state)
+  else:
+    params = policy.cast_to_param(params_or_state)
+    shardings = layout.state(jax.eval_shape(fresh_state, _shapes(params)))
+    if shardings is not None:
+      params = jax.device_put(params, shardings.params)
+    # jit returns new buffers, so donating the state never frees ``params``.
+    state = jax.jit(fresh_state, out_shardings=shardings)(params)
+  _check_finite_params(state.params)
+  _warn_if_unscaled(policy, state.opt_state)
+  return state
 
 
 def _check_finite_params(params: Any) -> None:
@@ -381,7 +536,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     policy: Union[None, str, policy_lib.Policy] = None,
                     mesh: Optional[Mesh] = None, data_axis: DataAxis = "data",
                     num_microbatches: int = 1, per_token_loss: bool = False,
-                    shard_optimizer_state: bool = False, donate: bool = True
+                    shard_optimizer_state: bool = False,
+                    param_specs: sharding_lib.SpecsLike = None, donate: bool = True
                    ) -> tuple[Callable[[Any], TrainState],
                               Callable[[TrainState, Any], tuple[TrainState, dict]]]:
   """A jitted mixed-precision, data-parallel train step and its ``init``.
@@ -448,8 +604,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     >>> state = init(params)
     >>> state, metrics = step(state, batch)
   """
-  pipeline = loss_fn if isinstance(loss_fn, pipeline_lib.Pipeline) else None
-  if pipeline is None and not callable(loss_fn):
+  if not (isinstance(loss_fn, pipeline_lib.Pipeline) or callable(loss_fn)):
     raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError("optimizer must be an optax.GradientTransformation; got "
@@ -459,133 +614,42 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   validation.boolean("per_token_loss", per_token_loss)
   validation.boolean("shard_optimizer_state", shard_optimizer_state)
   validation.boolean("donate", donate)
-  data_size = _data_size(mesh, data_axis)
+  data_axes = _data_axes(mesh, data_axis)
   if shard_optimizer_state and mesh is None:
     raise ValueError("shard_optimizer_state=True needs a mesh")
+  if param_specs is not None and mesh is None:
+    raise ValueError("param_specs needs a mesh")
+  pipeline = loss_fn if isinstance(loss_fn, pipeline_lib.Pipeline) else None
   if pipeline is not None:
-    num_microbatches = _check_pipeline(pipeline, mesh, data_axis, num_microbatches,
-                                       shard_optimizer_state)
-  divisor = data_size * num_microbatches
+    num_microbatches = _check_pipeline(pipeline, mesh, num_microbatches)
+  layout = _Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline)
+  gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
+                               per_token_loss)
+  model = pipeline.apply if pipeline is not None else loss_fn
+  data_size = _data_size(mesh, data_axis)
   divisor_text = (f"data-parallel size {data_size} x num_microbatches "
                   f"{num_microbatches}")
 
-  def state_shardings(state: TrainState) -> Optional[TrainState]:
-    if mesh is None:
-      return None
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def opt_sharding(x):
-      if not shard_optimizer_state:
-        return replicated
-      return NamedSharding(mesh, _zero1_spec(np.shape(x), data_size, data_axis))
-
-    if pipeline is not None:
-      params = jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec),
-                                      pipeline.param_specs(state.params))
-      return TrainState(params, _like_params(state.opt_state, params, replicated),
-                        replicated)
-    return TrainState(
-        params=jax.tree_util.tree_map(lambda _: replicated, state.params),
-        opt_state=jax.tree_util.tree_map(opt_sharding, state.opt_state),
-        step=replicated)
-
-  def fresh_state(params):
-    return TrainState(params, _wrapped(optimizer, params).init(params),
-                      jnp.zeros((), jnp.int32))
-
-  def adopt_opt_state(params, opt_state):
-    """``opt_state`` in the structure of the wrapped optimizer's state."""
-    wrapped = _wrapped(optimizer, params)
-    expected = jax.tree_util.tree_structure(
-        jax.eval_shape(wrapped.init, _shapes(params)))
-    if jax.tree_util.tree_structure(opt_state) == expected:
-      return opt_state
-    if wrapped is not optimizer:
-      inner = jax.tree_util.tree_structure(
-          jax.eval_shape(optimizer.init, _shapes(params)))
-      if jax.tree_util.tree_structure(opt_state) == inner:
-        fresh = wrapped.init(params)
-        return fresh._replace(guard=fresh.guard._replace(inner_state=opt_state))
-    raise ValueError("the given opt_state does not match the optimizer passed to "
-                     "make_train_step (its tree structure differs)")
-
   def init(params_or_state: Any) -> TrainState:
-    if isinstance(params_or_state, TrainState) or _is_flax_state(params_or_state):
-      given = (params_or_state if isinstance(params_or_state, TrainState)
-               else TrainState.from_flax(params_or_state))
-      params = policy.cast_to_param(given.params)
-      state = TrainState(params, adopt_opt_state(params, given.opt_state),
-                         jnp.asarray(given.step, jnp.int32))
-      shardings = state_shardings(state)
-      if shardings is not None:
-        state = jax.device_put(state, shardings)
-      # A jit copy gives every leaf its own new buffer: the step donates its input,
-      # which must neither free the caller's arrays nor meet one buffer twice (an
-      # eagerly built optimizer state can share one array between fields).
-      state = jax.jit(lambda s: s, out_shardings=shardings)(state)
-    else:
-      params = policy.cast_to_param(params_or_state)
-      shapes = jax.eval_shape(fresh_state, _shapes(params))
-      shardings = state_shardings(shapes)
-      if shardings is not None:
-        params = jax.device_put(params, shardings.params)
-      # jit returns new buffers, so donating the state never frees ``params``.
-      state = jax.jit(fresh_state, out_shardings=shardings)(params)
-    _check_finite_params(state.params)
-    _warn_if_unscaled(policy, state.opt_state)
-    return state
-
-  def constrain(tree, shardings):
-    if shardings is None:
-      return tree
-    return lax.with_sharding_constraint(tree, shardings)
+    return _init_state(optimizer, policy, layout, params_or_state)
 
   def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-    _check_batch(batch, divisor, divisor_text)
     tx = _wrapped(optimizer, state.params)
-    expected = jax.tree_util.tree_structure(
-        jax.eval_shape(tx.init, _shapes(state.params)))
-    if jax.tree_util.tree_structure(state.opt_state) != expected:
-      raise ValueError("state.opt_state does not match the optimizer passed to "
-                       "make_train_step; build the state with its init()")
-    micro_batch = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(
-            (x.shape[0] // num_microbatches,) + x.shape[1:] if x.shape else (),
-            x.dtype), batch)
-    model = pipeline.apply if pipeline is not None else loss_fn
-    _check_loss_structure(
-        jax.eval_shape(lambda p, b: model(policy.cast_to_compute(p), b),
-                       _shapes(state.params), micro_batch), per_token_loss)
-
+    _check_step_inputs(model, policy, tx, state, batch, data_size * num_microbatches,
+                       divisor_text, num_microbatches, per_token_loss)
     scale = loss_scale_lib.loss_scale_of(state.opt_state)
-    if pipeline is not None:
-      loss, num_tokens, grads = pipeline.value_and_grad(
-          state.params, batch, mesh=mesh, data_axis=data_axis, loss_scale=scale,
-          per_token_loss=per_token_loss, cast=policy.cast_to_compute)
-      if not per_token_loss:
-        num_tokens = jnp.asarray(_check_batch(batch, 1, ""), jnp.int32)
-    else:
-      grads, loss, num_tokens = accumulate_gradients(
-          loss_fn, state.params, batch, loss_scale=scale, policy=policy,
-          num_microbatches=num_microbatches, per_token_loss=per_token_loss, mesh=mesh,
-          data_axis=data_axis)
+    grads, loss, num_tokens = gradients(state.params, batch, scale)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(params, opt_state, state.step + 1)
-    new_state = constrain(new_state, state_shardings(new_state))
-
+    new_state = layout.constrain(new_state, layout.state(new_state))
     metrics = metrics_lib.step_metrics(opt_state)
     metrics.update(loss=loss, num_tokens=num_tokens, loss_scale=scale)
-    if mesh is not None:
-      metrics = constrain(metrics, jax.tree_util.tree_map(
-          lambda _: NamedSharding(mesh, PartitionSpec()), metrics))
-    return new_state, metrics
+    return new_state, layout.constrain(metrics)
 
+  # The state keeps the sharding it arrives with (init's); the batch is placed, from
+  # host memory, straight into its data-parallel sharding.
   jit_kwargs: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
   if mesh is not None:
-    # None: the state keeps the sharding it arrives with (init's); the batch is
-    # placed, from host memory, straight into its data-parallel sharding.
-    jit_kwargs["in_shardings"] = (
-        None, NamedSharding(mesh, PartitionSpec(data_axis)))
-  step = jax.jit(step_fn, **jit_kwargs)
-  return init, step
+    jit_kwargs["in_shardings"] = (None, layout.batch())
+  return init, jax.jit(step_fn, **jit_kwargs)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
 from mpscale import pipeline as pl
@@ -79,7 +79,7 @@ def test_loss_and_grads_equal_unpipelined(schedule, data, stage, micro):
   want_loss, want_grads = reference(params, batch)
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule)
   mesh = mesh_of(data, stage)
-  loss, tokens, grads = jax.jit(lambda p, b: model.value_and_grad(
+  grads, loss, tokens = jax.jit(lambda p, b: model.value_and_grad(
       p, b, mesh=mesh, per_token_loss=True))(params, batch)
   assert float(tokens) == float(batch["mask"].sum())
   assert_close(loss, want_loss)
@@ -92,7 +92,7 @@ def test_mean_loss_and_loss_scale(schedule):
   params, batch = make_params(), make_batch()
   want_loss, want_grads = reference(params, batch, per_token=False)
   model = pl.Pipeline(embed_fn, stage_fn, mean_head_fn, 4, schedule=schedule)
-  loss, count, grads = model.value_and_grad(params, batch, mesh=mesh_of(2, 4),
+  grads, loss, count = model.value_and_grad(params, batch, mesh=mesh_of(2, 4),
                                             loss_scale=1024.0)
   assert float(count) == 8  # 4 micro-batches x 2 replicas
   assert_close(loss, want_loss)
@@ -101,12 +101,15 @@ def test_mean_loss_and_loss_scale(schedule):
 
 @pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_nan_filled_bubbles_never_reach_gradients(schedule):
+def test_nan_filled_bubbles_never_reach_gradients(schedule, monkeypatch):
   params, batch = make_params(), make_batch()
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, 2, schedule=schedule)
   mesh = mesh_of(2, 4)
-  run = lambda fill: model.value_and_grad(params, batch, mesh=mesh,
-                                          per_token_loss=True, _bubble_fill=fill)
+
+  def run(fill):
+    monkeypatch.setattr(pl, "_BUBBLE_FILL", fill)
+    return model.value_and_grad(params, batch, mesh=mesh, per_token_loss=True)
+
   clean, poisoned = run(0.0), run(float("nan"))
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(poisoned))
   chex.assert_trees_all_equal(clean, poisoned)
@@ -168,7 +171,7 @@ def test_five_steps_match_unpipelined(schedule, data, stage, micro):
   mesh = mesh_of(data, stage)
 
   def pipe_grads(p, b, scale):
-    loss, _, grads = model.value_and_grad(p, b, mesh=mesh, loss_scale=scale,
+    grads, loss, _ = model.value_and_grad(p, b, mesh=mesh, loss_scale=scale,
                                           per_token_loss=True)
     return loss, grads
 
@@ -198,7 +201,7 @@ def test_overflow_in_one_stage_makes_every_stage_and_replica_skip():
 
   @jax.jit
   def step(params, opt_state):
-    _, _, grads = model.value_and_grad(params, batch, mesh=mesh, per_token_loss=True,
+    grads, _, _ = model.value_and_grad(params, batch, mesh=mesh, per_token_loss=True,
                                        loss_scale=mpscale.loss_scale_of(opt_state))
     # Layer 5 lives on stage 2 only.
     grads["stages"]["w"] = grads["stages"]["w"].at[5, 0, 0].set(jnp.inf)
@@ -348,5 +351,50 @@ def test_make_train_step_pipeline_errors():
     mpscale.make_train_step(model, tx, mesh=Mesh(np.array(jax.devices()), ("data",)))
   with pytest.raises(ValueError, match="disagrees"):
     mpscale.make_train_step(model, tx, mesh=mesh_of(2, 4), num_microbatches=2)
-  with pytest.raises(ValueError, match="shard_optimizer_state"):
-    mpscale.make_train_step(model, tx, mesh=mesh_of(2, 4), shard_optimizer_state=True)
+  with pytest.raises(ValueError, match=r"layer axis of every leaf is split over "
+                     r"'stage'"):
+    init, _ = mpscale.make_train_step(model, tx, mesh=mesh_of(2, 4),
+                                      param_specs={"stages": P("data"), "embed": P(),
+                                                   "head": P()})
+    init(make_params())
+
+
+@pytest.mark.parametrize("virtual, micro", [(2, 4), (4, 4), (2, 8)])
+def test_interleaved_stages_equal_unpipelined(virtual, micro):
+  params, batch = make_params(), make_batch()
+  want_loss, want_grads = reference(params, batch)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, virtual_stages=virtual)
+  grads, loss, tokens = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(2, 4 if LAYERS // virtual >= 4 else 2), per_token_loss=True)
+                                )(params, batch)
+  assert float(tokens) == float(batch["mask"].sum())
+  assert_close(loss, want_loss)
+  assert_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("stages, virtual, micro", [(4, 2, 4), (2, 4, 6), (4, 1, 8),
+                                                    (3, 3, 3)])
+def test_interleaved_bubble_is_megatrons(stages, virtual, micro):
+  S, v, M = stages, virtual, micro
+  table = pl.schedule_table("gpipe", S, M, virtual_stages=v)
+  assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, M, virtual_stages=v)
+  assert model.bubble(S) == pytest.approx((S - 1) / (v * M + S - 1))
+  # Every micro-batch runs forward and backward through each of the v chunks once.
+  for op in (pl.FWD, pl.BWD):
+    counts = np.bincount(table[..., 1][table[..., 0] == op], minlength=M)
+    assert (counts == S * v).all()
+
+
+def test_interleaved_clear_errors():
+  params, batch = make_params(), make_batch()
+  with pytest.raises(ValueError, match="needs schedule='gpipe'"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule="1f1b", virtual_stages=2)
+  with pytest.raises(ValueError, match="virtual_stages must be"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, virtual_stages=0)
+  with pytest.raises(ValueError, match="num_microbatches .6. divisible by the 4"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 6, virtual_stages=2).value_and_grad(
+        params, make_batch(size=12), mesh=mesh_of(1, 4), per_token_loss=True)
+  with pytest.raises(ValueError, match="not divisible by 4 stages x 4 virtual"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, virtual_stages=4).value_and_grad(
+        params, batch, mesh=mesh_of(2, 4), per_token_loss=True)

@@ -1,0 +1,407 @@
+"""Parameter layouts on a mesh: PartitionSpecs for parameters, optimizer state, batches.
+
+A layout is one ``PartitionSpec`` per parameter leaf. `make_train_step` takes it as
+``param_specs``, in any of three forms, resolved once by `resolve_specs`::
+
+  param_specs = {"w": P("fsdp", "tensor"), "b": P()}     # a pytree like the params
+  param_specs = lambda path, leaf: P(...)                 # a function of the key path
+  param_specs = logical_specs(names, rules)               # logical axis names + rules
+
+Logical names are MaxText's and Flax's idea: a model names each dimension once
+(``("embed", "mlp")`` for an MLP kernel) and a table of rules maps names to mesh axes
+(``("embed", "fsdp"), ("mlp", "tensor")``), so one model runs under every layout. Flax
+models that carry their own metadata (``nn.with_logical_partitioning``,
+``nn.with_partitioning``, ``nnx.with_partitioning``) give their specs with
+`flax_specs`.
+
+Everything else follows the parameters::
+
+  optimizer state   a leaf shaped like its parameter takes its spec; a factored moment
+                    (CAME's and Adafactor's row and column statistics, one dimension
+                    fewer) takes the spec without that dimension; scalars replicate
+  ZeRO-1            on top, each optimizer-state leaf also splits its largest free
+                    dimension over the data axes that are not already in its spec
+  FSDP (ZeRO-3)     `fsdp_specs`: each parameter splits its largest free dimension
+                    over the ``fsdp`` axis; GSPMD all-gathers it for compute and
+                    reduce-scatters its gradient
+  the batch         leading dimension over the data axes (``data`` and ``fsdp``)
+
+GSPMD turns the specs into collectives. What mpscale adds (the overflow check, the
+global and group norms, the clip, the loss scale) reads one float32 sum of squares per
+leaf, which XLA computes where each shard lives and all-reduces as a scalar: no
+gradient ever crosses devices for them.
+
+References:
+  Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+  Models", SC 2020. https://arxiv.org/abs/1910.02054
+  Xu et al., "GSPMD: General and Scalable Parallelization for ML Computation Graphs",
+  2021. https://arxiv.org/abs/2105.04663
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+
+from mpscale import norms as norms_lib
+
+AxisNames = Union[None, str, tuple[str, ...]]
+Rules = Sequence[tuple[str, AxisNames]]
+SpecsLike = Union[None, Any, Callable[[Any, Any], PartitionSpec]]
+
+_UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def pad(spec: PartitionSpec, ndim: int) -> list[AxisNames]:
+  """The entries of ``spec`` padded with ``None`` to ``ndim``."""
+  return list(spec) + [None] * (ndim - len(spec))
+
+
+def _axes_of(entry: AxisNames) -> tuple[str, ...]:
+  if entry is None or entry is _UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(entries: Sequence[AxisNames]) -> PartitionSpec:
+  """A spec without trailing ``None``s (XLA returns specs in that form, and jit would
+  otherwise see two different shardings and compile twice)."""
+  entries = list(entries)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return PartitionSpec(*entries)
+
+
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+  """Every mesh axis ``spec`` names, in order."""
+  return tuple(a for entry in spec for a in _axes_of(entry))
+
+
+def axis_size(mesh: Mesh, axes: AxisNames) -> int:
+  """The number of devices along ``axes`` of ``mesh`` (1 for ``None``)."""
+  return math.prod(mesh.shape[a] for a in _axes_of(axes))
+
+
+# --------------------------------------------------------------------------- logical
+def logical_specs(logical: Any, rules: Rules) -> Any:
+  """PartitionSpecs from logical axis names, through ``rules``.
+
+  Args:
+    logical: a pytree whose leaves are tuples of logical names, one per dimension
+      (``None`` for a dimension that is never split), e.g. ``("embed", "mlp")``.
+    rules: ``(logical name, mesh axis | tuple of axes | None)`` pairs. A name without
+      a rule, or whose mesh axes an earlier dimension of the same leaf already uses, is
+      not split (Flax's ``logical_to_mesh_axes`` convention).
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``logical``.
+  """
+  table: dict[str, AxisNames] = {}
+  for rule in rules:
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2
+            and isinstance(rule[0], str)):
+      raise TypeError(f"rules must be (logical name, mesh axes) pairs; got {rule!r}")
+    table.setdefault(rule[0], rule[1])
+
+  def one(names):
+    used: set[str] = set()
+    entries = []
+    for name in names:
+      axes = _axes_of(table.get(name)) if name is not None else ()
+      if not axes or used & set(axes):
+        entries.append(None)
+        continue
+      used |= set(axes)
+      entries.append(axes[0] if len(axes) == 1 else tuple(axes))
+    return _spec(entries)
+
+  return jax.tree_util.tree_map(
+      one, logical, is_leaf=lambda x: isinstance(x, tuple) and all(
+          n is None or isinstance(n, str) for n in x))
+
+
+def flax_specs(variables: Any, rules: Optional[Rules] = None) -> Any:
+  """The PartitionSpecs a Flax model's parameters carry as metadata.
+
+  Args:
+    variables: linen variables or params holding ``nn.Partitioned`` /
+      ``nn.LogicallyPartitioned`` boxes, or an ``nnx.State`` whose variables have a
+      ``sharding`` (``nnx.with_partitioning``).
+    rules: rules for the logical names of ``nn.with_logical_partitioning``; without
+      them its names are taken as mesh axes.
+
+  Returns:
+    A pytree of ``PartitionSpec`` shaped like ``flax_unbox(variables)`` (leaves with
+    no metadata are replicated).
+  """
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if isinstance(variables, nnx.State):
+    variable_types = tuple(t for t in (getattr(nnx, "Variable", None),
+                                       getattr(nnx, "VariableState", None)) if t)
+
+    def of_variable(v):
+      names = getattr(v, "sharding_names", None)      # flax >= 0.11
+      if names is None:
+        names = getattr(v, "sharding", None)          # flax 0.10: the names
+        names = names if isinstance(names, (tuple, list)) else None
+      return PartitionSpec(*names) if names else PartitionSpec()
+
+    return jax.tree_util.tree_map(of_variable, variables,
+                                  is_leaf=lambda v: isinstance(v, variable_types))
+
+  def of_box(box):
+    if not isinstance(box, nn.Partitioned):
+      return PartitionSpec()
+    if isinstance(box, nn.LogicallyPartitioned) and rules is not None:
+      return logical_specs(tuple(box.names), rules)
+    return PartitionSpec(*box.names)
+
+  return jax.tree_util.tree_map(of_box, variables,
+                                is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def flax_unbox(variables: Any) -> Any:
+  """``variables`` without Flax's partitioning boxes (plain arrays)."""
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  return nn.meta.unbox(variables)
+
+
+# --------------------------------------------------------------------------- resolve
+def resolve_specs(param_specs: SpecsLike, params: Any) -> Any:
+  """One ``PartitionSpec`` per leaf of ``params``, from any accepted form.
+
+  Args:
+    param_specs: ``None`` (replicated), a pytree of ``PartitionSpec`` with the
+      structure of ``params`` (or a prefix of it: a spec covers a whole subtree), or a
+      function ``(key_path, leaf) -> PartitionSpec``.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``params``.
+
+  Raises:
+    TypeError: naming the leaf when a function returns something else, or when the
+      pytree does not match ``params``.
+  """
+  if param_specs is None:
+    return jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
+  if callable(param_specs) and not _is_spec(param_specs):
+    def call(path, leaf):
+      spec = param_specs(path, leaf)
+      if spec is None:
+        return PartitionSpec()
+      if not _is_spec(spec):
+        raise TypeError(f"param_specs({norms_lib.path_name(path)!r}, leaf) must return "
+                        f"a PartitionSpec; got {type(spec).__name__}")
+      return spec
+    return jax.tree_util.tree_map_with_path(call, params)
+  try:
+    return jax.tree_util.tree_map(
+        lambda spec, leaf: jax.tree_util.tree_map(
+            lambda _: PartitionSpec() if spec is None else spec, leaf),
+        param_specs, params, is_leaf=lambda x: x is None or _is_spec(x))
+  except (ValueError, TypeError) as e:
+    raise TypeError("param_specs must be a pytree of PartitionSpec matching the "
+                    f"params (or a prefix of them), or a function; {e}") from None
+
+
+def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
+               ) -> None:
+  """Raises ``ValueError`` naming the leaf and the axis of a layout that cannot work.
+
+  Checks every leaf: its spec has at most one entry per dimension, names axes of
+  ``mesh`` only, uses each at most once, and each dimension is divisible by the size
+  of the axes that split it.
+  """
+  for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)):
+    name = norms_lib.path_name(path) or "params"
+    shape = np.shape(leaf)
+    if len(spec) > len(shape):
+      raise ValueError(f"{what}: leaf {name!r} of shape {shape} has a spec {spec} with "
+                       f"{len(spec)} entries for {len(shape)} dimensions")
+    seen: set[str] = set()
+    for dim, entry in enumerate(pad(spec, len(shape))):
+      for axis in _axes_of(entry):
+        if axis not in mesh.axis_names:
+          raise ValueError(f"{what}: leaf {name!r} names mesh axis {axis!r}, which the "
+                           f"mesh does not have (its axes are {tuple(mesh.axis_names)})")
+        if axis in seen:
+          raise ValueError(f"{what}: leaf {name!r} uses mesh axis {axis!r} twice in "
+                           f"{spec}")
+        seen.add(axis)
+      size = axis_size(mesh, entry)
+      if shape[dim] % size:
+        raise ValueError(
+            f"{what}: leaf {name!r} dimension {dim} (size {shape[dim]}) is not "
+            f"divisible by mesh axis {entry!r} (size {size})")
+
+
+def shardings(mesh: Mesh, specs: Any) -> Any:
+  """``NamedSharding``s on ``mesh`` for a pytree of specs."""
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                is_leaf=_is_spec)
+
+
+# --------------------------------------------------------------------------- FSDP
+def split_largest(spec: PartitionSpec, shape: Sequence[int], axes: AxisNames,
+                  size: int) -> PartitionSpec:
+  """``spec`` with ``axes`` added on the largest dimension that no axis splits yet and
+  that ``size`` divides; ``spec`` unchanged when there is none (or ``size`` is 1)."""
+  axes = tuple(a for a in _axes_of(axes) if a not in spec_axes(spec))
+  if not axes or size == 1:
+    return spec
+  entries = pad(spec, len(shape))
+  best = None
+  for dim, n in enumerate(shape):
+    if entries[dim] is None and n >= size and n % size == 0 and (
+        best is None or n > shape[best]):
+      best = dim
+  if best is None:
+    return spec
+  entries[best] = axes[0] if len(axes) == 1 else axes
+  return _spec(entries)
+
+
+def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
+               param_specs: SpecsLike = None) -> Any:
+  """FSDP (ZeRO-3): every parameter also split over ``axis`` on its largest free
+  dimension that the axis size divides (the rest stay as ``param_specs`` has them).
+
+  Args:
+    params: the parameters (arrays or shapes).
+    mesh: the mesh holding ``axis``.
+    axis: the FSDP mesh axis (or axes); the batch is split over it too.
+    param_specs: a layout to add FSDP to (tensor or stage splits); any form
+      `resolve_specs` accepts.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``params``.
+  """
+  size = axis_size(mesh, axis)
+  base = resolve_specs(param_specs, params)
+  return jax.tree_util.tree_map(
+      lambda spec, leaf: split_largest(spec, np.shape(leaf), axis, size),
+      base, params, is_leaf=_is_spec)
+
+
+# --------------------------------------------------------------------------- state
+def _follow(param_spec: PartitionSpec, param_shape: Sequence[int],
+            shape: Sequence[int], name: str) -> PartitionSpec:
+  """The spec of an optimizer-state leaf of ``shape`` kept for a parameter."""
+  param_shape, shape = tuple(param_shape), tuple(shape)
+  entries = pad(param_spec, len(param_shape))
+  if shape == param_shape:
+    return param_spec
+  dropped = [d for d in range(len(param_shape))
+             if param_shape[:d] + param_shape[d + 1:] == shape]
+  if not dropped:
+    return PartitionSpec()
+  lowered = name.lower()
+  if len(dropped) > 1 and "row" in lowered and len(param_shape) - 1 in dropped:
+    dim = len(param_shape) - 1        # a row statistic averages over the last dim
+  elif len(dropped) > 1 and "col" in lowered and len(param_shape) - 2 in dropped:
+    dim = len(param_shape) - 2        # a column statistic over the second-to-last
+  else:
+    dim = dropped[-1]
+  return _spec(entries[:dim] + entries[dim + 1:])
+
+
+def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
+  """Specs for an optimizer state that follow its parameters' specs.
+
+  Every subtree of ``state`` with the tree structure of ``params`` (Adam's moments,
+  CAME's statistics) is laid out leaf by leaf after the matching parameter: the same
+  spec for the same shape, the spec without the averaged dimension for a factored
+  statistic, replicated otherwise; leaves outside such subtrees are replicated.
+  """
+  params_def = jax.tree_util.tree_structure(params)
+  param_leaves = jax.tree_util.tree_leaves_with_path(params)
+  spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=_is_spec)
+
+  def like(x):
+    return (not _is_array_like(x) and x is not None
+            and jax.tree_util.tree_structure(x) == params_def)
+
+  def lay_out(path, sub):
+    if not like(sub):
+      return PartitionSpec()
+    field = norms_lib.path_name(path)
+    leaves = jax.tree_util.tree_leaves(sub)
+    return params_def.unflatten([
+        _follow(spec, np.shape(p), np.shape(x), field)
+        for (_, p), spec, x in zip(param_leaves, spec_leaves, leaves)])
+
+  return jax.tree_util.tree_map_with_path(
+      lay_out, state, is_leaf=lambda x: like(x) or _is_array_like(x))
+
+
+def _is_array_like(x: Any) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def zero1_specs(state: Any, specs: Any, mesh: Mesh, data_axes: AxisNames) -> Any:
+  """ZeRO-1 on top of ``specs``: each state leaf also split over the data axes its spec
+  does not use yet, on its largest free dimension they divide."""
+  def add(spec, leaf):
+    free = tuple(a for a in _axes_of(data_axes) if a not in spec_axes(spec))
+    return split_largest(spec, np.shape(leaf), free, axis_size(mesh, free))
+  return jax.tree_util.tree_map(add, specs, state, is_leaf=_is_spec)
+
+
+# --------------------------------------------------------------------------- activations
+def _manual_axes() -> tuple[frozenset, Any]:
+  """The manual axes of the enclosing ``shard_map`` (empty outside one) and the
+  abstract mesh that names them."""
+  get = getattr(jax.sharding, "get_abstract_mesh", None)
+  abstract = get() if get is not None else None
+  if abstract is None or getattr(abstract, "empty", True):
+    return frozenset(), None
+  return frozenset(getattr(abstract, "manual_axes", ())), abstract
+
+
+def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Array:
+  """``lax.with_sharding_constraint(x, spec)`` on ``mesh``; ``x`` itself without one.
+
+  Works under ``jit`` and inside a ``shard_map`` that is manual over some axes: there
+  the manual axes are dropped from ``spec`` (each device already holds its own part
+  along them). Use ``PartitionSpec.UNCONSTRAINED`` for dimensions whose layout GSPMD
+  should choose.
+  """
+  if mesh is None:
+    return x
+  manual, abstract = _manual_axes()
+  target: Any = mesh
+  if manual:
+    def keep(entry):
+      if entry is None or entry is _UNCONSTRAINED:
+        return entry
+      kept = tuple(a for a in _axes_of(entry) if a not in manual)
+      return None if not kept else kept[0] if len(kept) == 1 else kept
+    spec = PartitionSpec(*(keep(e) for e in spec))
+    if hasattr(jax.typeof(x), "manual_axis_type"):  # jax >= 0.9 wants the abstract mesh
+      target = abstract
+  return lax.with_sharding_constraint(x, NamedSharding(target, spec))
+
+
+def bytes_per_device(mesh: Mesh, params: Any, specs: Any) -> dict[str, int]:
+  """Bytes of ``params`` laid out by ``specs`` on ``mesh``: ``{"total", "per_device"}``
+  (exact: from shapes and specs; ``params`` may be ``jax.ShapeDtypeStruct``s)."""
+  total = per_device = 0
+  for leaf, spec in zip(jax.tree_util.tree_leaves(params),
+                        jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)):
+    nbytes = int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
+    total += nbytes
+    per_device += nbytes // axis_size(mesh, spec_axes(spec))
+  return {"total": total, "per_device": per_device}

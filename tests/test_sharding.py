@@ -1,0 +1,425 @@
+"""Sharded parameters (FSDP, tensor, sequence) beside data and pipeline stages.
+
+The reference for every layout is the same step on one device: after five steps of
+dynamic loss scale + clip + CAME (or AdamW) with micro-batches, a per-token loss and
+uneven masks, the loss, the norms and the parameters agree to 1e-5 (float32).
+"""
+
+import collections
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import mpscale
+from mpscale import lm as lm_lib
+from mpscale import sharding
+from mpscale import train_step as train_step_lib
+from mpscale.config import ModelConfig
+
+AXES = ("data", "fsdp", "stage", "tensor")
+CONFIG = ModelConfig(d_model=32, num_heads=8, num_layers=4, d_ff=64, seq_len=16)
+BATCH, STEPS, MICRO = 16, 5, 2
+
+
+def make_mesh(data=1, fsdp=1, stage=1, tensor=1):
+  shape = (data, fsdp, stage, tensor)
+  return Mesh(np.array(jax.devices()[:np.prod(shape)]).reshape(shape), AXES)
+
+
+def make_batch(seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, 256, (BATCH, CONFIG.seq_len + 1)).astype(np.int32)
+  # Uneven masks: rows keep from 10% to 90% of their tokens.
+  keep = np.linspace(0.1, 0.9, BATCH)[:, None]
+  mask = (rng.random((BATCH, CONFIG.seq_len)) < keep).astype(np.float32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def make_optimizer(name):
+  # The key bias of attention has a true gradient of zero (the softmax is shift
+  # invariant), so its float32 gradient is rounding noise (about 1e-12), which a
+  # normalizing optimizer with a tiny eps turns into a full +-lr step whose sign
+  # depends on the order of the sums: CAME normalizes it twice, by the second moment
+  # (eps[0]) and by the instability (eps[2]). Larger eps keep the noise from deciding
+  # those updates; every other parameter moves as with the defaults.
+  if name == "came":
+    inner = mpscale.came(1e-2, eps=(1e-8, 1e-3, 1e-6))
+  else:
+    inner = optax.adamw(1e-2, eps=1e-6)
+  return mpscale.dynamic_loss_scale(
+      optax.chain(mpscale.clip_by_global_norm(0.5, groups=1), inner),
+      init_scale=2.0 ** 10, groups=1)
+
+
+def make_step(mesh, optimizer, *, virtual=0, sequence_parallel=False, schedule="gpipe",
+              zero1=False, donate=True):
+  shard = None if mesh is None else lm_lib.ActivationSharding(
+      mesh, sequence_parallel=sequence_parallel)
+  model = lm_lib.TinyLM(CONFIG, shard=shard)
+  loss = model.loss_fn
+  if virtual:
+    loss = mpscale.Pipeline(model.embed_fn, model.stage_fn, model.head_fn, MICRO,
+                            schedule=schedule, virtual_stages=virtual)
+  return model, mpscale.make_train_step(
+      loss, make_optimizer(optimizer), mesh=mesh,
+      data_axis=("data", "fsdp") if mesh is not None else "data",
+      num_microbatches=MICRO, per_token_loss=True, shard_optimizer_state=zero1,
+      param_specs=None if mesh is None else model.param_specs(mesh), donate=donate)
+
+
+def train(mesh, optimizer, **kw):
+  model, (init, step) = make_step(mesh, optimizer, **kw)
+  state = init(model.init(jax.random.key(0)))
+  history = []
+  for i in range(STEPS):
+    state, metrics = step(state, make_batch(i))
+    history.append(jax.device_get(metrics))
+  return state, history
+
+
+@functools.lru_cache(maxsize=None)
+def reference(optimizer):
+  state, history = train(None, optimizer)
+  return jax.device_get(state), history
+
+
+def assert_same_run(got, want):
+  (state, history), (want_state, want_history) = got, want
+  for metrics, expected in zip(history, want_history):
+    for key in ("loss", "global_norm", "num_tokens", "loss_scale"):
+      np.testing.assert_allclose(metrics[key], expected[key], rtol=1e-5, atol=1e-5,
+                                 err_msg=key)
+    for name, norm in expected["group_norms"].items():
+      np.testing.assert_allclose(metrics["group_norms"][name], norm, rtol=1e-5,
+                                 atol=1e-5, err_msg=name)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                          jax.tree_util.tree_leaves(want_state.params)):
+    np.testing.assert_allclose(np.asarray(x), y, rtol=1e-5, atol=1e-5,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+LAYOUTS = {
+    # (data, fsdp, tensor)
+    "dp2-fsdp2-tp2": dict(data=2, fsdp=2, tensor=2),
+    "fsdp4-tp2": dict(fsdp=4, tensor=2),
+    "fsdp8": dict(fsdp=8),
+    "tp8": dict(tensor=8),
+    # (data, stage, tensor) and (stage, fsdp), pipelined
+    "dp2-pp2-tp2": dict(data=2, stage=2, tensor=2),
+    "pp4-fsdp2": dict(stage=4, fsdp=2),
+}
+
+
+@pytest.mark.slow  # about 20 s each on 2 cores
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("optimizer", ["came", "adamw"])
+def test_matches_one_device(layout, optimizer):
+  shape = LAYOUTS[layout]
+  virtual = 1 if shape.get("stage", 1) > 1 else 0
+  got = train(make_mesh(**shape), optimizer, virtual=virtual)
+  assert_same_run(got, reference(optimizer))
+
+
+def test_fsdp_tensor_sequence_parallel_zero1_matches_one_device():
+  got = train(make_mesh(data=2, fsdp=2, tensor=2), "came", sequence_parallel=True,
+              zero1=True)
+  assert_same_run(got, reference("came"))
+  specs = {jax.tree_util.keystr(p): x.sharding.spec
+           for p, x in jax.tree_util.tree_leaves_with_path(got[0].params)}
+  assert specs["['stages']['qkv']['kernel']"] == P(None, "fsdp", "tensor")
+  assert specs["['stages']['proj']['kernel']"] == P(None, "tensor", "fsdp")
+
+
+@pytest.mark.slow  # about 20 s each on 2 cores
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 2), ("1f1b", 1)])
+def test_pipelines_with_tensor_parallel_stages_match_one_device(schedule, virtual):
+  got = train(make_mesh(data=2, stage=2, tensor=2), "came", virtual=virtual,
+              schedule=schedule, sequence_parallel=True)
+  assert_same_run(got, reference("came"))
+
+
+def test_interleaved_bubble_is_smaller():
+  model, _ = make_step(None, "came")
+  pipe = lambda v: mpscale.Pipeline(model.embed_fn, model.stage_fn, model.head_fn,
+                                    MICRO * 2, virtual_stages=v)
+  S, M = 2, MICRO * 2
+  for v in (1, 2):
+    assert pipe(v).bubble(S) == pytest.approx((S - 1) / (v * M + S - 1))
+
+
+# ------------------------------------------------------------------ skipping, norms
+
+
+def test_an_overflow_in_one_shard_makes_every_device_skip():
+  mesh = make_mesh(fsdp=4, tensor=2)
+  specs = {"w": P("fsdp", "tensor")}
+
+  def loss_fn(params, batch):  # d loss / d w = batch["c"] summed over rows
+    return jnp.mean(jnp.sum(params["w"] * batch["c"], axis=(1, 2)))
+
+  init, step = mpscale.make_train_step(
+      loss_fn, make_optimizer("came"), mesh=mesh, data_axis=("data", "fsdp"),
+      param_specs=specs, num_microbatches=2)
+  state = init({"w": jnp.ones((8, 6))})
+  before = jax.device_get(state)
+  c = np.ones((8, 8, 6), np.float32)
+  c[5, 7, 5] = np.inf  # lands on one element of w: the shard of fsdp 3, tensor 1
+  state, metrics = step(state, {"c": c})
+  assert bool(metrics["overflow"]) and int(metrics["skipped"]) == 1
+  for x, y in zip(jax.tree_util.tree_leaves(state.params),
+                  jax.tree_util.tree_leaves(before.params)):
+    for shard in x.addressable_shards:  # every device kept its shard as it was
+      np.testing.assert_array_equal(shard.data, y[shard.index])
+  inner = jax.tree_util.tree_leaves(state.opt_state.guard.inner_state)
+  assert all(np.isfinite(np.asarray(s.data)).all() for x in inner
+             for s in x.addressable_shards)
+  # A clean step after it moves every shard.
+  state, metrics = step(state, {"c": np.ones((8, 8, 6), np.float32)})
+  assert not bool(metrics["overflow"])
+  assert not np.allclose(np.asarray(state.params["w"]), before.params["w"])
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _shard_bytes(tree):
+  """Bytes each device holds of ``tree`` (the first device's shards)."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_fsdp_divides_params_and_optimizer_state():
+  n = 8
+  _, (init, step) = make_step(make_mesh(fsdp=n), "came")
+  state = init(lm_lib.TinyLM(CONFIG).init(jax.random.key(0)))
+  leaves = jax.tree_util.tree_leaves((state.params, state.opt_state))
+  total = sum(x.nbytes for x in leaves)
+  unsplit = [x.nbytes for x in leaves
+             if "fsdp" not in sharding.spec_axes(x.sharding.spec)]
+  assert max(unsplit) <= 16  # only scalars (step counts, the scale) stay whole
+  bound = total / n + sum(unsplit)
+  per_device = _shard_bytes((state.params, state.opt_state))
+  assert per_device <= bound, (per_device, total / n, sum(unsplit))
+  # The compiled step holds no more than that, plus the batch.
+  compiled = step.lower(state, make_batch()).compile()
+  batch_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(make_batch()))
+  argument_bytes = compiled.memory_analysis().argument_size_in_bytes
+  assert argument_bytes <= bound + batch_bytes + 64, (argument_bytes, bound)
+
+
+def test_tensor_parallelism_divides_the_matrices_it_splits():
+  _, (init, _) = make_step(make_mesh(tensor=8), "adamw")
+  state = init(lm_lib.TinyLM(CONFIG).init(jax.random.key(0)))
+  split = {"['embed']['token']", "['head']['out']['kernel']"} | {
+      f"['stages']['{name}']['kernel']" for name in ("qkv", "out", "fc", "proj")}
+  for path, x in jax.tree_util.tree_leaves_with_path(state.params):
+    name = jax.tree_util.keystr(path)
+    if name in split:
+      assert x.addressable_shards[0].data.nbytes == x.nbytes // 8, name
+  # Adam's moments follow their parameters.
+  mu = state.opt_state.guard.inner_state[1][0].mu
+  assert mu["stages"]["qkv"]["kernel"].sharding.spec == P(None, None, "tensor")
+
+
+def test_came_factors_follow_their_dimension():
+  mesh = make_mesh(fsdp=2, tensor=4)
+  params = {"w": jax.ShapeDtypeStruct((8, 12), jnp.float32)}
+  specs = {"w": P("fsdp", "tensor")}
+  state = jax.eval_shape(mpscale.came(1e-3).init, params)
+  laid = sharding.state_specs(state, params, specs)
+  came_state = laid[0]
+  assert came_state.mu["w"] == P("fsdp", "tensor")
+  assert came_state.v_row["w"] == P("fsdp")          # mean over the last dim
+  assert came_state.v_col["w"] == P("tensor")        # mean over the rows
+  assert came_state.instability_row["w"] == P("fsdp")
+  assert came_state.v["w"] == P()                    # an empty placeholder
+  # Square factors: the field name decides which dimension a statistic kept.
+  square = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+  laid = sharding.state_specs(jax.eval_shape(mpscale.came(1e-3).init, square), square,
+                              specs)[0]
+  assert (laid.v_row["w"], laid.v_col["w"]) == (P("fsdp"), P("tensor"))
+  # ZeRO-1 on top: the data axes a leaf does not use yet, on a free dimension.
+  followed = sharding.state_specs(state, params, {"w": P(None, "tensor")})
+  zero = sharding.zero1_specs(state, followed, mesh, ("fsdp",))
+  assert zero[0].mu["w"] == P("fsdp", "tensor")
+  assert zero[0].v_col["w"] == P("tensor")  # 12 / 4; fsdp has no free dim left
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def _collectives(hlo):
+  """Collective kind -> list of non-scalar operand shapes, from compiled HLO text."""
+  found = collections.defaultdict(list)
+  pattern = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all)"
+                       r"(?:-start)?\(")
+  for line in hlo.splitlines():
+    m = pattern.search(line)
+    if m:
+      for shape in re.findall(r"\w+\[[\d,]*\]", m.group(1)):
+        if not re.search(r"\[\]", shape):
+          found[m.group(2)].append(shape)
+  return found
+
+
+def test_collectives_of_fsdp_and_tensor_step_and_only_scalars_for_the_check():
+  mesh = make_mesh(fsdp=4, tensor=2)
+  model, (init, step) = make_step(mesh, "adamw")
+  state = init(model.init(jax.random.key(0)))
+  step_ops = _collectives(step.lower(state, make_batch()).compile().as_text())
+  assert step_ops["all-gather"], "FSDP gathers the parameters for compute"
+  # XLA:CPU lowers a reduce-scatter as an all-reduce and a slice; GPU keeps it.
+  assert step_ops["all-reduce"] or step_ops["reduce-scatter"]
+
+  # The update alone, on gradients laid out like the parameters: the overflow check,
+  # the global and group norms, the clip, the loss scale and AdamW move only scalars.
+  tx = make_optimizer("adamw")
+  shardings = jax.tree_util.tree_map(lambda x: x.sharding, (state.params,
+                                                            state.opt_state))
+  update = jax.jit(tx.update, in_shardings=shardings + (shardings[0],),
+                   out_shardings=(shardings[0], shardings[1]))
+  hlo = update.lower(state.params, state.opt_state, state.params).compile().as_text()
+  assert "all-reduce" in hlo  # the per-leaf sums of squares
+  assert not any(_collectives(hlo).values()), dict(_collectives(hlo))
+
+
+def test_sequence_parallel_splits_the_residual_stream_over_the_sequence():
+  mesh = make_mesh(tensor=8)
+  params = lm_lib.TinyLM(CONFIG).init(jax.random.key(0))
+  batch = make_batch()
+
+  def compiled(sp):
+    model = lm_lib.TinyLM(CONFIG, shard=lm_lib.ActivationSharding(
+        mesh, sequence_parallel=sp))
+    return jax.jit(model.hidden_fn).lower(params, batch).compile().as_text()
+
+  # Each device holds the residual stream [batch, seq / 8, d_model] with sequence
+  # parallelism, and the whole of it without.
+  local = f"f32[{BATCH},{CONFIG.seq_len // 8},{CONFIG.d_model}]"
+  assert local in compiled(True)
+  assert local not in compiled(False)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
+  import orbax.checkpoint as ocp
+  from mpscale import cli
+
+  mesh_a, mesh_b = make_mesh(data=2, fsdp=2, tensor=2), make_mesh(fsdp=4, tensor=2)
+  model, (init_a, step_a) = make_step(mesh_a, "came", donate=False)
+  state = init_a(model.init(jax.random.key(0)))
+  state, _ = step_a(state, make_batch(0))
+  with ocp.CheckpointManager(tmp_path) as manager:
+    manager.save(1, args=ocp.args.StandardSave(cli._checkpoint_tree(state)))
+
+  _, (init_b, step_b) = make_step(mesh_b, "came")
+  fresh = init_b(model.init(jax.random.key(1)))
+  restored, at = cli.restore_latest(str(tmp_path), fresh)
+  assert at == 1
+  for x, y in zip(jax.tree_util.tree_leaves(restored),
+                  jax.tree_util.tree_leaves(fresh)):
+    assert x.sharding == y.sharding  # laid out for mesh B
+  for x, y in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # And the run goes on the same on either mesh.
+  on_a, _ = step_a(state, make_batch(1))
+  on_b, _ = step_b(restored, make_batch(1))
+  for x, y in zip(jax.tree_util.tree_leaves(on_a.params),
+                  jax.tree_util.tree_leaves(on_b.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ bad layouts
+
+
+def _loss(params, batch):
+  return jnp.mean(batch["x"] @ params["w"])
+
+
+def test_bad_layouts_name_the_leaf_and_axis_before_any_step():
+  mesh = make_mesh(fsdp=2, tensor=4)
+  params = {"w": jnp.ones((6, 8))}
+  tx = optax.sgd(0.1)
+
+  def build(specs):
+    init, _ = mpscale.make_train_step(_loss, tx, mesh=mesh, param_specs=specs,
+                                      data_axis=("data", "fsdp"))
+    return init(params)
+
+  with pytest.raises(ValueError, match=r"'w' dimension 0 \(size 6\) is not divisible "
+                     r"by mesh axis 'tensor' \(size 4\)"):
+    build({"w": P("tensor")})
+  with pytest.raises(ValueError, match="'w' names mesh axis 'model'"):
+    build({"w": P(None, "model")})
+  with pytest.raises(ValueError, match="'w' uses mesh axis 'fsdp' twice"):
+    build({"w": P("fsdp", "fsdp")})
+  with pytest.raises(ValueError, match="'w' of shape .* 3 entries for 2 dimensions"):
+    build({"w": P(None, None, "fsdp")})
+  with pytest.raises(TypeError, match=r"param_specs\('w', leaf\) must return"):
+    build(lambda path, leaf: "tensor")
+  with pytest.raises(ValueError, match="param_specs needs a mesh"):
+    mpscale.make_train_step(_loss, tx, param_specs={"w": P()})
+  with pytest.raises(ValueError, match=r"model.num_heads \(4\) is not divisible by "
+                     r"mesh axis 'tensor' \(size 8\)"):
+    lm_lib.TinyLM(ModelConfig(num_heads=4)).param_specs(make_mesh(tensor=8))
+
+
+def test_param_specs_forms_agree():
+  mesh = make_mesh(fsdp=2, tensor=4)
+  params = {"a": {"w": jnp.ones((4, 8))}, "b": jnp.ones((8,))}
+  as_tree = {"a": {"w": P("fsdp", "tensor")}, "b": P()}
+  as_prefix = {"a": P("fsdp", "tensor"), "b": None}
+  as_function = lambda path, leaf: P("fsdp", "tensor") if leaf.ndim == 2 else P()
+  as_logical = sharding.logical_specs(
+      {"a": {"w": ("rows", "cols")}, "b": ("cols_again",)},
+      [("rows", "fsdp"), ("cols", "tensor")])
+  results = [sharding.resolve_specs(f, params)
+             for f in (as_tree, as_prefix, as_function, as_logical)]
+  for r in results:
+    assert r == as_tree
+  # A mesh axis is used once per leaf: the second dimension naming it is not split.
+  assert sharding.logical_specs(("x", "y"), [("x", "tensor"), ("y", "tensor")]) == (
+      P("tensor"))
+  fsdp = sharding.fsdp_specs(params, mesh, "fsdp", {"a": {"w": P(None, "tensor")},
+                                                    "b": P()})
+  assert fsdp == {"a": {"w": P("fsdp", "tensor")}, "b": P("fsdp")}
+
+
+def test_flax_partitioning_metadata():
+  import flax.linen as nn
+  from flax import nnx
+
+  class Linen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      k = self.param("kernel", nn.with_partitioning(nn.initializers.ones, (None, "tensor")),
+                     (4, 8))
+      b = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                          ("mlp",)), (8,))
+      return x @ k + b
+
+  variables = jax.eval_shape(Linen().init, jax.random.key(0), jnp.ones((1, 4)))
+  specs = sharding.flax_specs(variables["params"], rules=[("mlp", "tensor")])
+  assert specs == {"kernel": P(None, "tensor"), "bias": P("tensor")}
+  assert jax.tree_util.tree_structure(specs) == jax.tree_util.tree_structure(
+      sharding.flax_unbox(variables["params"]))
+
+  class Nnx(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("fsdp", None))(
+          rngs.params(), (4, 8)))
+
+  mesh = make_mesh(fsdp=2)
+  with (jax.set_mesh(mesh) if hasattr(jax, "set_mesh")  # flax >= 0.11 wants a mesh
+        else jax.sharding.use_mesh(mesh)):
+    state = nnx.state(Nnx(nnx.Rngs(0)), nnx.Param)
+  specs = sharding.flax_specs(state)
+  assert jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)) == [
+      P("fsdp", None)]
