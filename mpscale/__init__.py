@@ -9,6 +9,7 @@ from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by
 from mpscale.config import ConfigError, RunConfig, load_config
 from mpscale.data import TextData, load_data
 from mpscale.finite import SkipNonfiniteState, skip_nonfinite
+from mpscale.gradients import Gradients
 from mpscale.lm import TinyLM
 from mpscale.loss_scale import (
     LossScaleState,
@@ -29,6 +30,7 @@ from mpscale.norms import (
 )
 from mpscale.pipeline import Pipeline, bubble_fraction, schedule_table, stage_groups
 from mpscale.schedules import lr_schedule, weight_decay_schedule
+from mpscale.sharding import flax_specs, fsdp_specs, logical_specs
 from mpscale.policy import Policy, default_keep_fp32, get_policy, keep_fp32_by_name
 from mpscale.train_step import TrainState, accumulate_gradients, make_train_step
 
@@ -38,6 +40,7 @@ __all__ = [
     "CameLearningRateState",
     "ClipByGlobalNormState",
     "ConfigError",
+    "Gradients",
     "LeafSquares",
     "LossScaleState",
     "Pipeline",
@@ -55,11 +58,14 @@ __all__ = [
     "default_keep_fp32",
     "dynamic_loss_scale",
     "fixed_loss_scale",
+    "flax_specs",
+    "fsdp_specs",
     "get_policy",
     "global_norm",
     "group_norms",
     "keep_fp32_by_name",
     "load_config",
+    "logical_specs",
     "load_data",
     "loss_scale_of",
     "lr_schedule",

@@ -5,9 +5,11 @@ Data flows one way: config -> these builders -> the training loop (`mpscale.cli`
   policy    = get_policy(precision.policy)
   optimizer = <loss_scale.kind>_loss_scale(chain(clip_by_global_norm(clip.max_norm),
                                                  <optimizer.name>(lr_schedule, wd)))
-  mesh      = Mesh(devices[:data * stage].reshape(data, stage), ("data", "stage"))
+  mesh      = Mesh(devices, ("data", "fsdp", "stage", "tensor"))   # axes > 1, and data
+  specs     = TinyLM.param_specs(mesh)           # tensor and FSDP splits, if any
   loss      = TinyLM.loss_fn  or  Pipeline(embed_fn, stage_fn, head_fn) if stage > 1
-  init, step = make_train_step(loss, optimizer, policy=policy, mesh=mesh, ...)
+  init, step = make_train_step(loss, optimizer, policy=policy, mesh=mesh,
+                               data_axis=("data", "fsdp"), param_specs=specs, ...)
 
 A builder's error is a ``ValueError``/``TypeError`` whose message starts with the config
 key at fault, e.g. ``precision.policy: unknown policy 'O7'``.
@@ -34,7 +36,10 @@ from mpscale import train_step as train_step_lib
 from mpscale.came import came
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
 STAGE_AXIS = "stage"
+TENSOR_AXIS = "tensor"
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, TENSOR_AXIS)
 
 
 def _keyed(key: str, fn: Callable[[], Any]) -> Any:
@@ -50,9 +55,34 @@ def build_policy(cfg: config_lib.RunConfig) -> policy_lib.Policy:
   return _keyed("precision.policy", lambda: policy_lib.get_policy(cfg.precision.policy))
 
 
-def build_model(cfg: config_lib.RunConfig) -> lm_lib.TinyLM:
-  """The tiny LM with ``model`` sizes and ``train.remat``."""
-  return lm_lib.TinyLM(cfg.model, remat=cfg.train.remat)
+def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
+               ) -> lm_lib.TinyLM:
+  """The tiny LM with ``model`` sizes and ``train.remat``; on a mesh with ``fsdp`` or
+  ``tensor`` axes its activations are laid out for them (``mesh.sequence_parallel``).
+  """
+  shard = None
+  if mesh is not None and (FSDP_AXIS in mesh.axis_names
+                           or TENSOR_AXIS in mesh.axis_names):
+    shard = lm_lib.ActivationSharding(
+        mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
+        sequence_parallel=cfg.mesh.sequence_parallel)
+  return lm_lib.TinyLM(cfg.model, remat=cfg.train.remat, shard=shard)
+
+
+def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
+  """The mesh axes the batch is split over: ``data``, and ``fsdp`` when present."""
+  if mesh is None:
+    return (DATA_AXIS,)
+  return tuple(a for a in (DATA_AXIS, FSDP_AXIS) if a in mesh.axis_names)
+
+
+def build_param_specs(cfg: config_lib.RunConfig, model: lm_lib.TinyLM,
+                      mesh: Optional[Mesh]) -> Any:
+  """The params' PartitionSpecs (`TinyLM.param_specs`) when ``mesh.fsdp`` or
+  ``mesh.tensor`` split them; ``None`` (replicated, or split by stage only) else."""
+  if mesh is None or (cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1):
+    return None
+  return _keyed("mesh", lambda: model.param_specs(mesh))
 
 
 def build_lr_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
@@ -138,8 +168,8 @@ def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
   """The groups of the logged norms: ``clip.groups`` depth, or per pipeline stage."""
   if cfg.clip.groups is not None:
     return cfg.clip.groups
-  if cfg.mesh.stage > 1:
-    return pipeline_lib.stage_groups(cfg.mesh.stage)
+  if cfg.mesh.stage > 1:  # one group per (virtual) stage
+    return pipeline_lib.stage_groups(cfg.mesh.stage * cfg.mesh.virtual_stages)
   return None
 
 
@@ -166,23 +196,28 @@ def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
 
 def build_mesh(cfg: config_lib.RunConfig,
                devices: Optional[Sequence[Any]] = None) -> Optional[Mesh]:
-  """A ``("data", "stage")`` mesh of ``mesh.data x mesh.stage`` devices, or ``None``
-  for a single device.
+  """A mesh of ``mesh.data x fsdp x stage x tensor`` devices, or ``None`` for a single
+  device. Its axes are ``data`` and every other axis of size > 1, in the order
+  ``("data", "fsdp", "stage", "tensor")``: ``tensor`` innermost, on the devices
+  nearest each other.
 
   Raises:
     ValueError: naming ``mesh`` when there are too few devices.
   """
-  shape = (cfg.mesh.data, cfg.mesh.stage)
-  if shape == (1, 1):
+  m = cfg.mesh
+  sizes = dict(zip(MESH_AXES, (m.data, m.fsdp, m.stage, m.tensor)))
+  if m.num_devices == 1:
     return None
+  axes = tuple(a for a in MESH_AXES if a == DATA_AXIS or sizes[a] > 1)
   devices = list(jax.devices() if devices is None else devices)
-  needed = shape[0] * shape[1]
+  needed = m.num_devices
   if len(devices) < needed:
     hint = (f"; on CPU, simulate them with --devices {needed}"
             if devices[0].platform == "cpu" else "")
-    raise ValueError(f"mesh: data x stage = {shape[0]} x {shape[1]} needs {needed} "
-                     f"devices, but {len(devices)} are available{hint}")
-  return Mesh(np.asarray(devices[:needed]).reshape(shape), (DATA_AXIS, STAGE_AXIS))
+    shape = " x ".join(f"{a} {sizes[a]}" for a in axes)
+    raise ValueError(f"mesh: {shape} needs {needed} devices, but {len(devices)} are "
+                     f"available{hint}")
+  return Mesh(np.asarray(devices[:needed]).reshape([sizes[a] for a in axes]), axes)
 
 
 def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
@@ -198,7 +233,7 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
-        stage_axis=STAGE_AXIS))
+        stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages))
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
 
 
@@ -227,17 +262,18 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None
   Raises:
     ValueError, TypeError: with the config key at fault first in the message.
   """
-  model = build_model(cfg)
   policy = build_policy(cfg)
   optimizer = build_optimizer(cfg)
   mesh = build_mesh(cfg, devices)
+  model = build_model(cfg, mesh)
   loss = build_loss(cfg, model)
   pipelined = cfg.mesh.stage > 1
   init, step = _keyed("train", lambda: train_step_lib.make_train_step(
-      loss, optimizer, policy=policy, mesh=mesh, data_axis=DATA_AXIS,
+      loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
       num_microbatches=1 if pipelined else cfg.train.num_microbatches,
       per_token_loss=cfg.train.per_token_loss,
-      shard_optimizer_state=cfg.mesh.shard_optimizer_state))
+      shard_optimizer_state=cfg.mesh.shard_optimizer_state,
+      param_specs=build_param_specs(cfg, model, mesh)))
 
   @jax.jit
   def evaluate(params, batch):
@@ -269,4 +305,4 @@ def describe(cfg: config_lib.RunConfig) -> dict[str, str]:
              "fixed": f"fixed {ls.init_scale:g}", "none": "none"}[ls.kind]
   return {"policy": cfg.precision.policy, "loss_scale": scaling,
           "optimizer": cfg.optimizer.name,
-          "mesh": f"{cfg.mesh.data}x{cfg.mesh.stage}"}
+          "mesh": cfg.mesh.shape_text}

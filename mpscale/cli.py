@@ -411,7 +411,7 @@ def _global_batch(batch: dict[str, Any], mesh: Any) -> Any:
     return batch
   from jax.sharding import NamedSharding, PartitionSpec
   from mpscale import builders
-  sharding = NamedSharding(mesh, PartitionSpec(builders.DATA_AXIS))
+  sharding = NamedSharding(mesh, PartitionSpec(builders.data_axes(mesh)))
   return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
           for k, v in batch.items()}
 
@@ -732,12 +732,13 @@ def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> 
 
 
 def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> None:
-  needed = cfg.mesh.data * cfg.mesh.stage
+  m = cfg.mesh
+  needed = m.num_devices
   if devices is not None and devices > needed:
     print(f"mpscale: warning: --devices {devices}, but the config's mesh is data "
-          f"{cfg.mesh.data} x stage {cfg.mesh.stage}, so the run uses {needed} "
-          f"device(s); e.g. --set mesh.data={devices // cfg.mesh.stage} for data "
-          "parallelism", file=sys.stderr)
+          f"{m.data} x fsdp {m.fsdp} x stage {m.stage} x tensor {m.tensor}, so the "
+          f"run uses {needed} device(s); e.g. --set mesh.data="
+          f"{devices // (needed // m.data)} for data parallelism", file=sys.stderr)
 
 
 def _version_text() -> str:

@@ -177,13 +177,41 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The device mesh: ``data`` x ``stage`` (pipeline) devices."""
+  """The device mesh: ``data x fsdp x stage x tensor`` devices (see the README's layout
+  table)."""
   data: int = 1
+  """Data-parallel replicas: the batch is split, the parameters are replicated."""
+  fsdp: int = 1
+  """FSDP (ZeRO-3): the batch and every parameter and optimizer-state leaf are split;
+  parameters are gathered for compute."""
   stage: int = 1
+  """Pipeline stages: the stacked layers are split."""
+  tensor: int = 1
+  """Tensor parallelism: attention heads, MLP units and the vocabulary are split
+  (Megatron's column- and row-parallel layers); must divide ``model.num_heads``,
+  ``model.d_ff`` and ``model.vocab_size``."""
+  virtual_stages: int = 1
+  """Layer chunks per pipeline stage (interleaved schedule, gpipe only): a smaller
+  bubble, ``(stage - 1) / (virtual_stages x num_microbatches + stage - 1)``."""
+  sequence_parallel: bool = False
+  """With ``tensor`` > 1: layer norms and residual adds on a slice of the sequence."""
   pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
   """Used when ``stage`` > 1."""
   shard_optimizer_state: bool = False
-  """ZeRO-1 over the data axis."""
+  """ZeRO-1: the optimizer state also split over the ``data`` axis."""
+
+  @property
+  def num_devices(self) -> int:
+    return self.data * self.fsdp * self.stage * self.tensor
+
+  @property
+  def shape_text(self) -> str:
+    """``"2x1"``-style label: ``data x stage``, with fsdp and tensor when used."""
+    parts = [f"{self.data}x{self.stage}"]
+    parts += [f"fsdp{self.fsdp}"] if self.fsdp > 1 else []
+    parts += [f"tp{self.tensor}"] if self.tensor > 1 else []
+    parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
+    return "-".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,25 +479,47 @@ def _check(cfg: RunConfig) -> None:
                         f"{max(0, tr.steps // 10)})")
     raise ConfigError(f"schedule.warmup_steps ({sch.warmup_steps}) must be < "
                       f"schedule.decay_steps ({decay_steps})")
-  positive("mesh.data", mesh.data)
-  positive("mesh.stage", mesh.stage)
-  if m.num_layers % mesh.stage:
+  for key in ("data", "fsdp", "stage", "tensor", "virtual_stages"):
+    positive(f"mesh.{key}", getattr(mesh, key))
+  chunks = mesh.stage * mesh.virtual_stages
+  if m.num_layers % chunks:
     raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by "
-                      f"mesh.stage ({mesh.stage})")
+                      f"mesh.stage ({mesh.stage}) x mesh.virtual_stages "
+                      f"({mesh.virtual_stages})")
+  for key, size in (("num_heads", m.num_heads), ("d_ff", m.d_ff),
+                    ("vocab_size", m.vocab_size)):
+    if size % mesh.tensor:
+      raise ConfigError(f"model.{key} ({size}) must be divisible by mesh.tensor "
+                        f"({mesh.tensor})")
+  if mesh.sequence_parallel and mesh.tensor == 1:
+    raise ConfigError("mesh.sequence_parallel needs mesh.tensor > 1 (it splits the "
+                      "sequence over the tensor axis)")
+  if mesh.sequence_parallel and m.seq_len % mesh.tensor:
+    raise ConfigError(f"model.seq_len ({m.seq_len}) must be divisible by mesh.tensor "
+                      f"({mesh.tensor}) with mesh.sequence_parallel")
+  if mesh.virtual_stages > 1:
+    if mesh.stage == 1:
+      raise ConfigError("mesh.virtual_stages > 1 needs mesh.stage > 1")
+    if mesh.pipeline_schedule != "gpipe":
+      raise ConfigError("mesh.virtual_stages > 1 needs mesh.pipeline_schedule: gpipe "
+                        "(interleaved 1F1B is not implemented)")
+    if tr.num_microbatches % mesh.stage:
+      raise ConfigError(f"train.num_microbatches ({tr.num_microbatches}) must be "
+                        f"divisible by mesh.stage ({mesh.stage}) with "
+                        "mesh.virtual_stages > 1")
   if mesh.shard_optimizer_state and mesh.data == 1:
     raise ConfigError("mesh.shard_optimizer_state needs mesh.data > 1")
-  if mesh.shard_optimizer_state and mesh.stage > 1:
-    raise ConfigError("mesh.shard_optimizer_state is not supported with mesh.stage > 1")
   positive("train.steps", tr.steps)
   positive("train.num_microbatches", tr.num_microbatches)
   positive("train.log_every", tr.log_every)
   non_negative("train.eval_every", tr.eval_every)
   non_negative("train.checkpoint_every", tr.checkpoint_every)
   positive("train.keep_checkpoints", tr.keep_checkpoints)
-  if d.batch_size % (mesh.data * tr.num_microbatches):
+  if d.batch_size % (mesh.data * mesh.fsdp * tr.num_microbatches):
     raise ConfigError(
         f"data.batch_size ({d.batch_size}) must be divisible by mesh.data "
-        f"({mesh.data}) x train.num_microbatches ({tr.num_microbatches})")
+        f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
+        f"({tr.num_microbatches})")
   if mesh.stage > 1 and not tr.per_token_loss:
     raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
                       "pipeline's head returns a loss sum and a token count)")

@@ -175,7 +175,7 @@ class ActivationSharding:
   def __call__(self, x: jax.Array, kind: str) -> jax.Array:
     batch = tuple(a for a in self.batch_axes if a in self.mesh.axis_names) or None
     free = batch
-    tensor = self.tensor_axis
+    tensor = self.tensor_axis if self.tensor_axis in self.mesh.axis_names else None
     if kind == "residual":
       spec = (free, tensor if self.sequence_parallel else None, None)
     elif kind == "heads":

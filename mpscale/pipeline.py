@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a ``stage`` mesh axis: GPipe and 1F1B in ``shard_map``.
+"""Pipeline parallelism over a ``stage`` mesh axis: GPipe (interleaved) and 1F1B.
 
 A pipelined model is three functions::
 
@@ -7,31 +7,53 @@ A pipelined model is three functions::
   head_fn(params, x, batch) -> loss           # last stage; or (loss_sum, num_tokens)
 
 ``params`` is a dict whose ``"stages"`` entry holds every layer's parameters stacked on a
-leading axis of size ``num_layers``; the rest (embedding, head) is replicated. On a mesh
-with axes (``data``, ``stage``) the stacked layers are split into ``num_stages`` equal
-slices sharded over ``stage``, the batch is sharded over ``data`` and cut into
-``num_microbatches`` micro-batches, and activations move between stages with
-``ppermute``. The gradients equal the unpipelined model's.
+leading axis of size ``num_layers``; the rest (embedding, head) is replicated over the
+stages. On a mesh with a ``stage`` axis the stacked layers are split into ``S`` equal
+slices over it, the batch is split over the data axes and cut into ``M`` micro-batches,
+and activations move between stages with ``ppermute``. The gradients equal the
+unpipelined model's.
 
-Schedules, per data replica (S stages, M micro-batches)::
+Layouts inside a stage: ``shard_map`` is manual over the stage and data axes and
+automatic over the rest, so a stage's layers keep a ``tensor`` split of their
+``param_specs`` and GSPMD inserts its collectives inside the stage. A parameter split
+over a data axis (FSDP) is all-gathered whole when the step starts and its gradient
+reduce-scattered back when it ends (``lax.all_gather`` / ``lax.psum_scatter``).
 
-  gpipe: for t in range(M + S - 1):           # forward; autodiff runs it backward
-           stage s runs micro-batch t - s if 0 <= t - s < M, sends to s + 1
-  1f1b:  a static table gives each (tick, stage) one op, F(m) or B(m) or idle, in
-         PipeDream-flush order: S - 1 - s warm-up forwards, then one forward and one
-         backward alternately, then the remaining backwards. B(m) recomputes the
-         stage from its saved input and applies its VJP, so at most S inputs per stage
-         are alive: memory stays flat in M while GPipe's grows with M.
+Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
 
-Both have the bubble fraction (S - 1) / (M + S - 1). Bubble ticks never compute on
-their garbage: a stage's input on a bubble tick is replaced by zeros before use (GPipe)
-or the tick runs no op at all (1F1B), so nothing from a bubble reaches a gradient.
-Replicated values are cast to device-varying before the loop, so the only all-reduces
-(the gradient sums over ``data`` and ``stage``) happen once, after it.
+  gpipe: for t in range(v * M + S - 1):       # forward; autodiff runs it backward
+           i = t - s                          # stage s's work item, if 0 <= i < v * M
+           c = i % (S * v) // S               # its chunk: virtual stage c * S + s
+           m = i // (S * v) * S + i % S       # its micro-batch
+           x = embed(m) if s == 0 and c == 0 else what stage s - 1 (mod S) sent
+           y = layers of chunk c (x); head(y) if s == S - 1 and c == v - 1
+           send y to stage s + 1 (mod S)      # one ppermute per tick
+
+  1f1b:  for t, row in enumerate(schedule_table("1f1b", S, M)):
+           op, m = row[s]                     # F(m), B(m) or idle, PipeDream-flush
+           F(m): x = embed(m) if s == 0 else inbox_f[m % K]; saved[m % K] = x
+                 send stage(x) up             # the last stage sends nothing
+           B(m): dp, dx = vjp(stage [+ head if s == S - 1], saved[m % K],
+                              inbox_b[m % K]); grads += dp; send dx down
+         (S - 1 - s warm-up forwards, then one forward and one backward alternately,
+         then the remaining backwards; B recomputes the stage from its saved input,
+         so at most K <= S inputs per stage are alive: memory stays flat in M while
+         GPipe's grows with M.)
+
+The bubble fraction is (S - 1) / (v M + S - 1) (``v = 1`` for 1F1B). With ``v > 1``
+(Megatron's interleaved schedule, ``num_layers_per_virtual_pipeline_stage``) device
+``s`` holds chunks ``s, s + S, ...``; the layers are stored in model order, so the step
+permutes the stacked layers into that order (one all-to-all of the stage parameters,
+and of their gradients back) and ``M`` must be a multiple of ``S``. Bubble ticks never
+compute on their garbage: a stage's input on a bubble tick is replaced by zeros before
+use (GPipe) or the tick runs no op at all (1F1B), so nothing from a bubble reaches a
+gradient. Replicated values are cast to device-varying before the loop, so the only
+all-reduces (the gradient sums over the data axes and ``stage``) happen once, after it.
 
 References:
   Huang et al., "GPipe", NeurIPS 2019. https://arxiv.org/abs/1811.06965
-  Narayanan et al., "PipeDream" / Megatron-LM 1F1B, SC 2021.
+  Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM" (1F1B, interleaved stages), SC 2021.
   https://arxiv.org/abs/2104.04473
 """
 
@@ -342,9 +364,7 @@ class Pipeline:
     """
     self.check(params, mesh, data_axis, batch)
     specs = self.param_specs(params, param_specs)
-    used = {a for spec in jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
-            for entry in spec for a in _names(entry)}
-    data_axes = tuple(a for a in _data_axes(mesh, data_axis) if a not in used)
+    data_axes = _data_axes(mesh, data_axis)
     axes = data_axes + (self.stage_axis,)
     D = _size(mesh, data_axes)
     M = self.num_microbatches
@@ -358,13 +378,14 @@ class Pipeline:
     def per_device(params, batch, scale):
       # Everything in the loop varies over every manual axis, so autodiff puts no
       # psum in it.
-      varying = _cast_varying(params, axes)
+      varying = _gather(_cast_varying(params, axes), in_param_specs, data_axes)
       micro = jax.tree_util.tree_map(
           lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), batch)
       micro = _cast_varying(micro, axes)
       scale = _cast_varying(scale, axes)
       executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b
       loss, count, grads = executor(run, varying, micro, scale)
+      grads = _scatter(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
       if per_token_loss:
@@ -394,6 +415,36 @@ class Pipeline:
 
 def _is_spec(x: Any) -> bool:
   return isinstance(x, P)
+
+
+def _fsdp_dims(spec: P, axes: Sequence[str]) -> list[tuple[int, tuple[str, ...]]]:
+  """``(dim, data axes splitting it)`` for each dimension ``spec`` splits over
+  ``axes``."""
+  found = []
+  for dim, entry in enumerate(spec):
+    over = tuple(a for a in _names(entry) if a in axes)
+    if over:
+      found.append((dim, over))
+  return found
+
+
+def _gather(params: Any, specs: Any, data_axes: Sequence[str]) -> Any:
+  """FSDP inside the pipeline: each parameter split over data axes is all-gathered
+  whole for compute (its gradient is reduce-scattered back by `_scatter`)."""
+  def gather(x, spec):
+    for dim, over in _fsdp_dims(spec, data_axes):
+      x = lax.all_gather(x, over, axis=dim, tiled=True)
+    return x
+  return jax.tree_util.tree_map(gather, params, specs)
+
+
+def _scatter(grads: Any, specs: Any, data_axes: Sequence[str]) -> Any:
+  """Sums each FSDP gradient over its data axes and keeps this device's slice."""
+  def scatter(g, spec):
+    for dim, over in reversed(_fsdp_dims(spec, data_axes)):
+      g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+    return g
+  return jax.tree_util.tree_map(scatter, grads, specs)
 
 
 def _names(entry: Any) -> tuple[str, ...]:

@@ -396,8 +396,13 @@ def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Ar
 
 
 def bytes_per_device(mesh: Mesh, params: Any, specs: Any) -> dict[str, int]:
-  """Bytes of ``params`` laid out by ``specs`` on ``mesh``: ``{"total", "per_device"}``
-  (exact: from shapes and specs; ``params`` may be ``jax.ShapeDtypeStruct``s)."""
+  """Bytes of ``params`` laid out by ``specs`` on ``mesh``, in all and per device.
+
+  Exact: from shapes and specs; ``params`` may hold ``jax.ShapeDtypeStruct`` leaves.
+
+  Returns:
+    ``{"total": int, "per_device": int}``.
+  """
   total = per_device = 0
   for leaf, spec in zip(jax.tree_util.tree_leaves(params),
                         jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)):

@@ -1,4 +1,4 @@
-"""The train step: precision policy, loss scaling, micro-batches and data parallelism.
+"""The train step: precision, loss scaling, micro-batches and every mesh layout.
 
 `make_train_step(loss_fn, optimizer, ...)` returns ``(init, step)``. One step::
 
@@ -15,11 +15,24 @@ The optimizer's mpscale wrapper (`dynamic_loss_scale`, `fixed_loss_scale`,
 step and adjusts the scale. An optimizer without one is wrapped in `no_loss_scale`, so
 every step reports the same metrics and skips non-finite gradients.
 
+The code reads the same way::
+
+  layout    = _Layout(mesh, data axes, param_specs, ZeRO-1, pipeline)  # where arrays live
+  gradients = _gradient_source(loss_fn, ...)    # chosen once: accumulate or pipeline
+  def step(state, batch):
+    grads, loss, tokens = gradients(state.params, batch, loss_scale_of(state))
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    state = layout.constrain(TrainState(apply_updates(...), opt_state, step + 1))
+
 Data parallelism is jit + GSPMD over a `jax.sharding.Mesh`: the batch is sharded over
-the data axis, the parameters are replicated, and XLA inserts the gradient all-reduce.
-With ``shard_optimizer_state=True`` each optimizer-state leaf is sharded over the data
-axis along its largest divisible dimension (ZeRO-1); XLA then updates each shard where
-it lives and all-gathers the parameter updates.
+the data axes, and XLA inserts the gradient all-reduce. ``param_specs`` lays the
+parameters out on the mesh (`mpscale.sharding`): FSDP splits them over a data axis
+(``("data", "fsdp")``), tensor parallelism over a ``tensor`` axis, and XLA gathers and
+reduce-scatters them; the optimizer state follows its parameters (a factored moment
+the dimension it kept), and FSDP's data axes split it too. With
+``shard_optimizer_state=True`` each optimizer-state leaf is also split over the
+remaining data axes along its largest free divisible dimension (ZeRO-1); XLA then
+updates each shard where it lives and all-gathers the parameter updates.
 
 The overflow check, the global norm and the group norms read one float32 sum of squares
 per gradient leaf (`mpscale.norms`); across devices they only ever move those scalars,
@@ -566,9 +579,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     policy: a `mpscale.Policy` or a name for `mpscale.get_policy`; default float32.
       ``init`` warns when the policy needs loss scaling (float16) and the optimizer's
       loss scale is 1: no wrapper, `no_loss_scale`, or a fixed scale of 1.
-    mesh: a ``jax.sharding.Mesh`` for data parallelism, or ``None`` for one device.
-    data_axis: the mesh axis (or tuple of axes) the batch is sharded over; parameters
-      are replicated over the whole mesh.
+    mesh: a ``jax.sharding.Mesh``, or ``None`` for one device.
+    data_axis: the mesh axis (or tuple of axes, e.g. ``("data", "fsdp")``) the batch
+      is sharded over.
     num_microbatches: gradient accumulation: the batch's leading dimension is split
       into this many micro-batches under one loss scale, with one optimizer update.
       Each data replica's rows are cut into contiguous micro-batches, and ``loss_fn``
@@ -577,9 +590,17 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     per_token_loss: the gradient is divided by the token count summed over all
       micro-batches and data replicas (mindformers/Megatron
       ``calculate_per_token_loss``).
-    shard_optimizer_state: ZeRO-1: shard each optimizer-state leaf over the data axis
-      along its largest dimension divisible by the data-parallel size (others are
-      replicated). Needs a mesh. Results are the same as unsharded.
+    shard_optimizer_state: ZeRO-1: shard each optimizer-state leaf over the data axes
+      its spec does not use yet, along its largest free dimension they divide (others
+      stay as they are). Needs a mesh. Results are the same as unsharded.
+    param_specs: the parameters' layout on ``mesh``: a pytree of ``PartitionSpec``
+      like the params (or a prefix of it), a function ``(key_path, leaf) ->
+      PartitionSpec``, or `mpscale.sharding.logical_specs` of logical names;
+      `mpscale.sharding.fsdp_specs` adds FSDP and `mpscale.sharding.flax_specs` reads
+      a Flax model's own metadata. ``None``: replicated (a Pipeline's stacked layers
+      over its stage axis). Checked by ``init`` (`mpscale.sharding.check_specs`): a
+      dimension its axes do not divide, or an axis the mesh lacks, is a ``ValueError``
+      naming the leaf and the axis.
     donate: donate the input state's buffers to the output state.
 
   Returns:

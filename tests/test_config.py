@@ -88,6 +88,19 @@ def test_wrong_type_is_a_type_error_naming_key_and_file(tmp_path, text, key):
     ("schedule:\n  warmup_steps: 400\n  decay_steps: 200\n",
      ["schedule.warmup_steps (400)", "schedule.decay_steps (200)"]),
     ("data:\n  eval_fraction: 1.5\n", ["data.eval_fraction"]),
+    ("model:\n  num_heads: 4\nmesh:\n  tensor: 8\n",
+     ["model.num_heads (4)", "mesh.tensor (8)"]),
+    ("model:\n  num_layers: 4\nmesh:\n  stage: 2\n  virtual_stages: 4\n",
+     ["model.num_layers (4)", "mesh.stage (2)", "mesh.virtual_stages (4)"]),
+    ("model:\n  num_layers: 4\nmesh:\n  stage: 2\n  virtual_stages: 2\n"
+     "  pipeline_schedule: 1f1b\n", ["mesh.virtual_stages", "gpipe"]),
+    ("model:\n  num_layers: 4\nmesh:\n  stage: 2\n  virtual_stages: 2\n"
+     "train:\n  num_microbatches: 3\n",
+     ["train.num_microbatches (3)", "mesh.stage (2)"]),
+    ("mesh:\n  virtual_stages: 2\n", ["mesh.virtual_stages", "mesh.stage > 1"]),
+    ("mesh:\n  sequence_parallel: true\n", ["mesh.sequence_parallel", "mesh.tensor"]),
+    ("data:\n  batch_size: 8\nmesh:\n  fsdp: 16\n", ["data.batch_size", "mesh.fsdp (16)"]),
+    ("mesh:\n  fsdp: 0\n", ["mesh.fsdp"]),
 ])
 def test_impossible_value_names_keys_and_file(tmp_path, text, fragments):
   path = write(tmp_path, text)

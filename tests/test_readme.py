@@ -34,6 +34,9 @@ def test_readme_python_blocks_run_and_their_stated_results_hold():
               "group_sizes"):
     assert key in metrics, key
   assert bool(jnp.isfinite(metrics["loss"]))
+  from jax.sharding import PartitionSpec
+  assert namespace["state"].params["w1"].sharding.spec == PartitionSpec("fsdp", "tensor")
+  assert not bool(namespace["sharded_metrics"]["overflow"])
   if not old_nnx:  # NNX metrics come back as plain arrays, not nnx Variables
     import jax
     assert all(isinstance(namespace["nnx_metrics"][k], jax.Array)

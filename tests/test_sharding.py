@@ -117,8 +117,8 @@ LAYOUTS = {
 
 
 @pytest.mark.slow  # about 20 s each on 2 cores
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("optimizer", ["came", "adamw"])
+@pytest.mark.parametrize("layout, optimizer", [(layout, "came") for layout in LAYOUTS]
+                         + [("fsdp8", "adamw"), ("dp2-pp2-tp2", "adamw")])
 def test_matches_one_device(layout, optimizer):
   shape = LAYOUTS[layout]
   virtual = 1 if shape.get("stage", 1) > 1 else 0
@@ -423,3 +423,53 @@ def test_flax_partitioning_metadata():
   specs = sharding.flax_specs(state)
   assert jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)) == [
       P("fsdp", None)]
+
+
+# ------------------------------------------------------------------ from a config
+
+
+@pytest.mark.slow  # about 40 s on 2 cores
+def test_the_all_axes_config_trains_like_one_device():
+  import dataclasses
+  from mpscale import builders, config as config_lib, data as data_lib
+
+  # float32 and no loss scale, so that one device and eight can agree to 1e-5.
+  cfg = config_lib.load_config(
+      "configs/tiny_lm_all_axes.yaml",
+      ["precision.policy=O0", "loss_scale.kind=none", "train.steps=3",
+       "schedule.warmup_steps=1", "model.d_model=32", "model.d_ff=64",
+       "model.seq_len=16", "data.batch_size=8"])
+  single = dataclasses.replace(cfg, mesh=config_lib.MeshConfig())
+  text = data_lib.load_data(single.data.path, single.data.eval_fraction)
+  runs = []
+  for c in (cfg, single):
+    setup = builders.build(c)
+    state = setup.init(builders.init_params(c, setup.model))
+    for step in range(3):
+      batch = text.train_batch(c.seed, step, c.data.batch_size, c.model.seq_len)
+      state, metrics = setup.step(state, batch)
+    runs.append((jax.device_get(state.params), jax.device_get(metrics)))
+  (sharded, m_sharded), (one, m_one) = runs
+  assert set(m_sharded["group_norms"]) == {"embed", "head"} | {
+      f"stage_{i}" for i in range(4)}  # one group per virtual stage
+  np.testing.assert_allclose(m_sharded["loss"], m_one["loss"], rtol=1e-5)
+  np.testing.assert_allclose(m_sharded["global_norm"], m_one["global_norm"], rtol=1e-5)
+  for x, y in zip(jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(one)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # a real subprocess: about 30 s on 2 cores
+def test_the_all_axes_config_runs_from_the_command(tmp_path):
+  import subprocess
+  import sys
+  out = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-c", "import sys; from mpscale.cli import main; "
+       "sys.exit(main())", "train", "--config",
+       "configs/tiny_lm_all_axes.yaml", "--devices", "8", "--out", str(out),
+       "--set", "train.steps=4", "--set", "train.eval_every=4", "--set",
+       "train.log_every=2", "--set", "schedule.warmup_steps=1", "--set",
+       "data.eval_batches=1"], capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (out / "metrics.csv").read_text().count("\n") >= 2
+  assert "eval loss" in result.stdout
