@@ -132,14 +132,16 @@ def bench_lm(quick: bool, timed: bool) -> None:
   base = None
   for name, (shape, zero1, sp, virtual) in LM_LAYOUTS.items():
     mesh = make_mesh(shape)
-    model = lm_lib.TinyLM(cfg, shard=lm_lib.ActivationSharding(mesh, sequence_parallel=sp))
+    laid_out = shape[1] > 1 or shape[3] > 1  # fsdp or tensor: as the main job does
+    model = lm_lib.TinyLM(cfg, shard=lm_lib.ActivationSharding(
+        mesh, sequence_parallel=sp) if laid_out else None)
     loss = model.loss_fn
     if shape[2] > 1:
       loss = mpscale.Pipeline(model.embed_fn, model.stage_fn, model.head_fn, micro,
                               virtual_stages=virtual)
     tx = mpscale.dynamic_loss_scale(optax.chain(mpscale.clip_by_global_norm(1.0),
                                                 mpscale.came(1e-3)))
-    specs = None if shape[1] == shape[3] == 1 else model.param_specs(mesh)
+    specs = model.param_specs(mesh) if laid_out else None
     init, step = mpscale.make_train_step(
         loss, tx, mesh=mesh, data_axis=("data", "fsdp"), num_microbatches=micro,
         per_token_loss=True, shard_optimizer_state=zero1, param_specs=specs)

@@ -228,9 +228,9 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     mesh: with micro-batches, the mesh whose ``data_axis`` shards the batch: each data
       replica then accumulates its own gradient (``jax.vmap`` over replicas) and the
       replicas' gradients are added once, after the loop, so the gradient all-reduce
-      happens once per step. A data axis that also splits parameters (FSDP) is not
-      vmapped: its gradients are reduce-scattered into sharded accumulators at every
-      micro-batch, as ZeRO-3 does. Without micro-batches GSPMD needs no help.
+      happens once per step. With ``param_specs``, each micro-batch's gradient is
+      instead reduced into the parameters' layout (a reduce-scatter for FSDP, as
+      ZeRO-3 does) and accumulated there. Without micro-batches GSPMD needs no help.
     data_axis: the mesh axis (or axes) of the data-parallel replicas.
     param_specs: the params' ``PartitionSpec``s (a pytree like ``params``; see
       `mpscale.sharding`), or ``None`` for replicated params.
@@ -244,15 +244,13 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   data_axes = _data_axes(mesh, data_axis)
   rows = _check_batch(batch, num_microbatches * _data_size(mesh, data_axis),
                       "the data-parallel size x num_microbatches")
-  specs = (sharding_lib.resolve_specs(param_specs, params) if mesh is not None
-           else None)
-  sharded = set() if specs is None else {
-      a for s in jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
-      for a in sharding_lib.spec_axes(s)}
-  # Data axes that split no parameter get one accumulator per replica (vmapped); the
-  # others (FSDP) accumulate into the parameters' own sharding.
-  vmap_axes = tuple(a for a in data_axes if a not in sharded)
-  inner_axes = tuple(a for a in data_axes if a in sharded)
+  specs = (sharding_lib.resolve_specs(param_specs, params)
+           if mesh is not None and param_specs is not None else None)
+  # Replicated parameters: one accumulator per data replica (vmapped), summed once.
+  # Laid-out parameters: each micro-batch's gradient is reduced into their layout
+  # (FSDP's reduce-scatter), and the model's activation layout sees the whole batch.
+  vmap_axes = data_axes if specs is None else ()
+  inner_axes = () if specs is None else data_axes
 
   def scaled_loss(p, micro_batch):
     out = loss_fn(policy.cast_to_compute(p), micro_batch)
@@ -440,7 +438,7 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
         loss_fn, params, batch, loss_scale=scale, policy=policy,
         num_microbatches=num_microbatches, per_token_loss=per_token_loss,
         mesh=layout.mesh, data_axis=layout.data_axes or "data",
-        param_specs=None if layout.mesh is None else layout.specs(params))
+        param_specs=None if layout.param_specs is None else layout.specs(params))
   return accumulated
 
 

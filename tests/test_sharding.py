@@ -105,8 +105,8 @@ def assert_same_run(got, want):
 
 
 LAYOUTS = {
-    # (data, fsdp, tensor)
-    "dp2-fsdp2-tp2": dict(data=2, fsdp=2, tensor=2),
+    # (data, fsdp, tensor); 2x2x2 is the quick test below, with ZeRO-1 and sequence
+    # parallelism on top
     "fsdp4-tp2": dict(fsdp=4, tensor=2),
     "fsdp8": dict(fsdp=8),
     "tp8": dict(tensor=8),
@@ -118,7 +118,7 @@ LAYOUTS = {
 
 @pytest.mark.slow  # about 20 s each on 2 cores
 @pytest.mark.parametrize("layout, optimizer", [(layout, "came") for layout in LAYOUTS]
-                         + [("fsdp8", "adamw"), ("dp2-pp2-tp2", "adamw")])
+                         + [("fsdp8", "adamw")])
 def test_matches_one_device(layout, optimizer):
   shape = LAYOUTS[layout]
   virtual = 1 if shape.get("stage", 1) > 1 else 0
@@ -464,22 +464,3 @@ def test_the_all_axes_config_trains_like_one_device():
   np.testing.assert_allclose(m_sharded["global_norm"], m_one["global_norm"], rtol=1e-5)
   for x, y in zip(jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(one)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow  # a real subprocess: about 30 s on 2 cores
-def test_the_all_axes_config_runs_from_the_command(tmp_path):
-  import subprocess
-  import sys
-  out = tmp_path / "run"
-  result = subprocess.run(
-      [sys.executable, "-c", "import sys; from mpscale.cli import main; "
-       "sys.exit(main())", "train", "--config",
-       "configs/tiny_lm_all_axes.yaml", "--devices", "8", "--out", str(out),
-       "--set", "train.steps=4", "--set", "train.eval_every=4", "--set",
-       "train.log_every=2", "--set", "schedule.warmup_steps=1", "--set",
-       "data.eval_batches=1", "--set", "model.d_model=32", "--set", "model.d_ff=64",
-       "--set", "model.seq_len=16", "--set", "data.batch_size=8"],
-      capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert (out / "metrics.csv").read_text().count("\n") >= 2
-  assert "eval loss" in result.stdout + result.stderr
