@@ -348,6 +348,15 @@ def _data_axes(mesh: Optional[Mesh], data_axis: DataAxis) -> tuple[str, ...]:
   if missing:
     raise ValueError(f"mesh has axes {tuple(mesh.axis_names)} but no data axis "
                      f"{missing[0]!r}; pass data_axis= one of them")
+  explicit = [name for name, kind in zip(mesh.axis_names,
+                                         getattr(mesh, "axis_types", None) or ())
+              if "explicit" in str(kind).lower()]
+  if explicit:
+    raise ValueError(
+        f"mesh axes {explicit} are Explicit (jax.make_mesh's default on newer jax); "
+        "make_train_step lays arrays out with GSPMD and needs Auto axes: build the "
+        "mesh with jax.sharding.Mesh(devices, names) or jax.make_mesh(shape, names, "
+        "axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
   return axes
 
 

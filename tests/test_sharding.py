@@ -369,6 +369,11 @@ def test_bad_layouts_name_the_leaf_and_axis_before_any_step():
     build({"w": P(None, None, "fsdp")})
   with pytest.raises(TypeError, match=r"param_specs\('w', leaf\) must return"):
     build(lambda path, leaf: "tensor")
+  if hasattr(jax.sharding, "AxisType"):
+    explicit = jax.make_mesh((8,), ("data",),
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+    with pytest.raises(ValueError, match=r"mesh axes \['data'\] are Explicit"):
+      mpscale.make_train_step(_loss, tx, mesh=explicit)
   with pytest.raises(ValueError, match="param_specs needs a mesh"):
     mpscale.make_train_step(_loss, tx, param_specs={"w": P()})
   with pytest.raises(ValueError, match=r"model.num_heads \(4\) is not divisible by "
