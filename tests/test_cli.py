@@ -165,8 +165,10 @@ def test_devices_flag_sets_the_host_device_count_before_jax_starts():
 @pytest.mark.slow  # two short runs
 def test_compare_writes_a_table_and_a_plot(tmp_path):
   out, png = tmp_path / "compare", tmp_path / "docs" / "cmp.png"
+  # decay_steps as in the `run` fixture's 4 steps: the fp16 run's step is then the
+  # one compiled there, which the persistent compilation cache (conftest.py) loads.
   args = ["compare", FP32, FP16, "--out", str(out), "--plot", str(png), "--quiet",
-          "--no-progress", *sets(SMALL + ["train.steps=2"])]
+          "--no-progress", *sets(SMALL + ["train.steps=2", "schedule.decay_steps=4"])]
   assert cli.main(args) == 0
   with open(out / "comparison.csv", newline="") as f:
     table = list(csv.DictReader(f))
@@ -274,8 +276,8 @@ def test_overrides_get_their_own_default_run_folder_and_unused_devices_warn(caps
       "tiny", [f"model.d_model={i}" for i in range(21)])
   cfg = config.load_config(FP16)
   cli._warn_unused_devices(cfg, 4)
-  assert "--devices 4, but the config's mesh is data 1 x stage 1" in \
-      capsys.readouterr().err
+  assert ("--devices 4, but the config's mesh is data 1 x fsdp 1 x stage 1 x tensor 1"
+          in capsys.readouterr().err)
   cli._warn_unused_devices(cfg, None)
   cli._warn_unused_devices(cfg, 1)
   assert capsys.readouterr().err == ""
