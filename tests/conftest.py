@@ -7,8 +7,20 @@ top of conftest.py (pytest imports it before any test module).
 the devices it has: there the tests that build meshes of several devices need that
 many, so on one accelerator run the single-device and numerical files, e.g.
 ``tests/test_loss_scale.py tests/test_came.py tests/test_producer_select.py``.
+
+JAX's persistent compilation cache is on for the session, in a fresh temporary folder
+(removed at exit), so nothing carries over from one test run to the next. It is set
+through the environment, so the processes the tests start (``mpscale train`` in
+test_resume.py, the notebook kernels) share it with this one: a train step compiled
+once is loaded, not compiled again, by the next test or process that builds the same
+one (the cache key is the whole compiled program, its options, XLA flags and the
+jax/jaxlib versions, so a hit is the same executable). ``MPSCALE_TEST_COMPILATION_CACHE``
+names a folder to use instead, or ``off`` turns the cache off.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 PLATFORM = os.environ.get("MPSCALE_TEST_PLATFORM", "cpu")
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -18,6 +30,20 @@ if PLATFORM == "cpu":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:
   os.environ["JAX_PLATFORMS"] = PLATFORM
+
+_CACHE = os.environ.get("MPSCALE_TEST_COMPILATION_CACHE", "")
+if _CACHE.lower() in ("off", "0", "no", "false"):
+  os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+else:
+  if not _CACHE:
+    _CACHE = tempfile.mkdtemp(prefix="mpscale-test-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "true"
+  # Every compile is cached, not only those over a second: many steps take less.
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
+      "MPSCALE_TEST_CACHE_MIN_SECS", "0")
 
 import jax  # noqa: E402  (after the flag on purpose)
 

@@ -27,6 +27,11 @@ def test_two_processes_match_one_process(kind, tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  # No persistent compilation cache (conftest.py) for the two workers: they compile
+  # the same program at the same moment, so one could read the entry the other is
+  # still writing; and nothing else compiles it (other XLA flags), so it saves nothing.
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   procs = [subprocess.Popen(
       [sys.executable, "-m", "tests._multiprocess_worker", str(i), str(port), kind,
        str(out)], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

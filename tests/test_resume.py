@@ -20,7 +20,11 @@ SETTINGS = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
             f"train.log_every={EVERY}", f"train.eval_every={STEPS}",
             "train.keep_checkpoints=100", "model.d_model=32", "model.d_ff=64",
             "model.num_layers=2", "model.seq_len=32", "data.batch_size=8",
-            "data.eval_batches=1", "schedule.warmup_steps=1"]
+            "data.eval_batches=1", "schedule.warmup_steps=1",
+            # The default (train.steps) for these runs, stated so that the shorter run
+            # of test_corrupt_checkpoint_is_refused_by_name compiles the same step,
+            # which the persistent compilation cache (conftest.py) then loads.
+            f"schedule.decay_steps={STEPS}"]
 
 
 def _command(out, *extra):
@@ -30,10 +34,13 @@ def _command(out, *extra):
           *sets, *extra]
 
 
-def _env():
+def _env(compilation_cache=True):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  if not compilation_cache:
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   return env
 
 
@@ -52,21 +59,37 @@ def _steps_saved(run_dir):
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
   whole, killed = tmp_path / "whole", tmp_path / "killed"
-  subprocess.run(_command(whole), check=True, env=_env(), cwd=ROOT,
-                 capture_output=True, timeout=600)
-
-  # Kill at a random moment after a random checkpoint has landed.
-  target = random.Random().choice(range(EVERY, STEPS - EVERY + 1, EVERY))
-  proc = subprocess.Popen(_command(killed), env=_env(), cwd=ROOT,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 300
-  while not [s for s in _steps_saved(killed) if s >= target]:
-    assert proc.poll() is None, "the run ended before it could be killed"
-    assert time.time() < deadline, "no checkpoint appeared"
-    time.sleep(0.05)
-  time.sleep(random.Random().uniform(0.0, 0.5))
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  # The two runs are independent processes, so they run side by side (one core each
+  # on a 2-core machine). The one to be killed compiles for itself, without the
+  # persistent compilation cache: as in a first run, compiling the evaluation at the
+  # last step leaves seconds between the last two checkpoints, so a kill up to 0.5 s
+  # after checkpoint STEPS - EVERY still lands before the run ends.
+  whole_log = tmp_path / "whole.log"
+  with open(whole_log, "wb") as log:
+    whole_proc = subprocess.Popen(_command(whole), env=_env(), cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT)
+  proc = None
+  try:
+    # Kill at a random moment after a random checkpoint has landed.
+    target = random.Random().choice(range(EVERY, STEPS - EVERY + 1, EVERY))
+    proc = subprocess.Popen(_command(killed), env=_env(compilation_cache=False),
+                            cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not [s for s in _steps_saved(killed) if s >= target]:
+      assert proc.poll() is None, "the run ended before it could be killed"
+      assert time.time() < deadline, "no checkpoint appeared"
+      time.sleep(0.05)
+    time.sleep(random.Random().uniform(0.0, 0.5))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    whole_proc.wait(timeout=600)
+  finally:
+    for p in (whole_proc, proc):  # a no-op for one that has exited
+      if p is not None and p.poll() is None:
+        p.kill()
+        p.wait()
+  assert whole_proc.returncode == 0, whole_log.read_text()[-3000:]
   saved_at_kill = _steps_saved(killed)
   assert saved_at_kill and saved_at_kill[-1] < STEPS, "killed too late to test resume"
 
