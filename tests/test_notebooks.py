@@ -2,7 +2,9 @@
 
 `python notebooks/execute.py` re-executes them in place. Each notebook's last code cell
 prints ``summary: {...}`` (JSON) with the numbers its markdown states; the slow test
-executes a fresh copy and checks those numbers still hold.
+executes a fresh copy and checks those numbers still hold. The fresh copies run side by
+side, one kernel per core (the `fresh_runs` fixture), so ``--durations`` shows their
+time as the setup of the first of those tests.
 """
 
 import glob
@@ -97,17 +99,51 @@ def test_stored_summary_matches_the_text(name):
   CHECKS.get(name, lambda s: None)(_summary(nbformat.read(NOTEBOOKS[name], as_version=4)))
 
 
+async def _execute_fresh(names, lanes):
+  """``{name: executed notebook, or the exception that stopped it}``: each notebook
+  run from scratch in its own kernel, ``lanes`` of them at a time."""
+  import asyncio
+
+  import nbclient
+  gate = asyncio.Semaphore(lanes)
+
+  async def run(name):
+    nb = nbformat.read(NOTEBOOKS[name], as_version=4)
+    for cell in _code_cells(nb):  # run from scratch, not on top of the stored outputs
+      cell.outputs, cell.execution_count = [], None
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3",
+        resources={"metadata": {"path": os.path.dirname(NOTEBOOKS[name])}})
+    async with gate:
+      await client.async_execute()  # raises CellExecutionError on the first failing cell
+    return nb
+
+  done = await asyncio.gather(*(run(name) for name in names), return_exceptions=True)
+  return dict(zip(names, done))
+
+
+@pytest.fixture(scope="module")
+def fresh_runs(request):
+  """The notebooks this session's test_notebook_runs cases ask for, executed side by
+  side: each kernel computes on about one core (XLA:CPU compiles on one thread, and
+  the models are small), so on 2 cores two at a time take about half as long."""
+  import asyncio
+  names = [item.callspec.params["name"] for item in request.session.items
+           if getattr(item, "originalname", None) == "test_notebook_runs"
+           and item.module is request.module]
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count() or 1)
+  lanes = max(1, min(len(names), cores))
+  return asyncio.run(_execute_fresh(names, lanes))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALL)
-def test_notebook_runs(name):
-  import nbclient
-  nb = nbformat.read(NOTEBOOKS[name], as_version=4)
-  for cell in _code_cells(nb):  # run from scratch, not on top of the stored outputs
-    cell.outputs, cell.execution_count = [], None
-  client = nbclient.NotebookClient(
-      nb, timeout=600, kernel_name="python3",
-      resources={"metadata": {"path": os.path.dirname(NOTEBOOKS[name])}})
-  client.execute()  # raises CellExecutionError on the first failing cell
+def test_notebook_runs(name, fresh_runs):
+  import asyncio
+  nb = fresh_runs.get(name) or asyncio.run(_execute_fresh([name], 1))[name]
+  if isinstance(nb, BaseException):
+    raise nb
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if o.output_type == "error"]
   assert not errors
