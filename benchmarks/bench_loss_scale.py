@@ -390,7 +390,7 @@ def main(argv=None) -> int:
   for impl in impls:
     p = copy_tree(params0)
     # Copied leaf by leaf: an eagerly built state may hold one array in several leaves
-    # (mpscale's guard_init did before b0debc8), and donating such a state fails with
+    # (mpscale's init_state did before b0debc8), and donating such a state fails with
     # "Attempt to donate the same buffer twice".
     s = copy_tree(impl.init(p))
     g = scaled_grads if impl.scaled_grads else grads

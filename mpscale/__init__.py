@@ -8,13 +8,14 @@ _versions.check()
 from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by_came
 from mpscale.config import ConfigError, RunConfig, load_config
 from mpscale.data import TextData, load_data
-from mpscale.finite import SkipNonfiniteState, skip_nonfinite
+from mpscale.skip import SkipNonfiniteState, skip_nonfinite
 from mpscale.gradients import Gradients
 from mpscale.lm import TinyLM
 from mpscale.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
     fixed_loss_scale,
+    loss_scale_for,
     loss_scale_of,
     no_loss_scale,
     scale_loss,
@@ -67,6 +68,7 @@ __all__ = [
     "load_config",
     "logical_specs",
     "load_data",
+    "loss_scale_for",
     "loss_scale_of",
     "lr_schedule",
     "make_train_step",

@@ -17,7 +17,9 @@ key at fault, e.g. ``precision.policy: unknown policy 'O7'``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+import dataclasses
+import re
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,7 @@ from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
 from mpscale import schedules as schedules_lib
 from mpscale import train_step as train_step_lib
+from mpscale import validation
 from mpscale.came import came
 
 DATA_AXIS = "data"
@@ -42,12 +45,29 @@ TENSOR_AXIS = "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, TENSOR_AXIS)
 
 
-def _keyed(key: str, fn: Callable[[], Any]) -> Any:
-  """``fn()``, with a ``ValueError``/``TypeError`` re-raised naming ``key``."""
+def _keyed(keys: Union[str, Mapping[str, str]], fn: Callable[[], Any]) -> Any:
+  """``fn()``, with a ``ValueError``/``TypeError`` re-raised naming config keys.
+
+  ``keys`` is a section (the message gets it as a prefix) or a mapping from the
+  argument names ``fn``'s checks use to config keys, which replace them in the message
+  (`mpscale.validation` messages start with the argument's name).
+  """
   try:
     return fn()
   except (ValueError, TypeError) as e:
-    raise type(e)(f"{key}: {e}") from None
+    message = str(e)
+    if isinstance(keys, str):
+      raise type(e)(f"{keys}: {message}") from None
+    names = sorted(keys, key=len, reverse=True)
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w])")
+    raise type(e)(pattern.sub(lambda m: keys[m.group(1)], message)) from None
+
+
+def _section_keys(section: str, config: Any, **renamed: str) -> dict[str, str]:
+  """Each field of a config section as its dotted key, plus ``renamed`` arguments."""
+  keys = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(config)}
+  keys.update(renamed)
+  return keys
 
 
 def build_policy(cfg: config_lib.RunConfig) -> policy_lib.Policy:
@@ -66,7 +86,8 @@ def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
     shard = lm_lib.ActivationSharding(
         mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
         sequence_parallel=cfg.mesh.sequence_parallel)
-  return lm_lib.TinyLM(cfg.model, remat=cfg.train.remat, shard=shard)
+  return _keyed(_section_keys("model", cfg.model, remat="train.remat"),
+                lambda: lm_lib.TinyLM(cfg.model, remat=cfg.train.remat, shard=shard))
 
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
@@ -89,7 +110,10 @@ def build_lr_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
   """``schedule`` applied to ``optimizer.learning_rate`` (`mpscale.lr_schedule`)."""
   s = cfg.schedule
   decay_steps = cfg.train.steps if s.decay_steps is None else s.decay_steps
-  return _keyed("schedule", lambda: schedules_lib.lr_schedule(
+  keys = _section_keys("schedule", s, peak="optimizer.learning_rate")
+  if s.decay_steps is None:
+    keys["decay_steps"] = "train.steps"
+  return _keyed(keys, lambda: schedules_lib.lr_schedule(
       cfg.optimizer.learning_rate, warmup_steps=s.warmup_steps,
       warmup_fraction=s.warmup_fraction, decay_steps=decay_steps, style=s.style,
       min_lr=s.min_lr))
@@ -99,13 +123,12 @@ def build_weight_decay(cfg: config_lib.RunConfig) -> Any:
   """``optimizer.weight_decay``, or a schedule to ``schedule.weight_decay_end``."""
   start, end = cfg.optimizer.weight_decay, cfg.schedule.weight_decay_end
   if end is None:
-    return start
-  style = cfg.schedule.weight_decay_style
-  if style == "constant" and start != end:
-    raise ValueError("schedule.weight_decay_style: 'constant' needs "
-                     "schedule.weight_decay_end == optimizer.weight_decay")
-  return _keyed("schedule.weight_decay_end", lambda: schedules_lib.weight_decay_schedule(
-      start, end, cfg.train.steps, style=style))
+    return _keyed({"weight_decay": "optimizer.weight_decay"},
+                  lambda: validation.non_negative_float("weight_decay", start))
+  keys = {"start": "optimizer.weight_decay", "end": "schedule.weight_decay_end",
+          "steps": "train.steps", "style": "schedule.weight_decay_style"}
+  return _keyed(keys, lambda: schedules_lib.weight_decay_schedule(
+      start, end, cfg.train.steps, style=cfg.schedule.weight_decay_style))
 
 
 def weight_decay_mask(kind: str) -> Optional[Callable[[Any], Any]]:
@@ -115,7 +138,7 @@ def weight_decay_mask(kind: str) -> Optional[Callable[[Any], Any]]:
 
   def mask(params):
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: norms_lib.key_name(path[-1]) not in ("bias", "scale"), params)
+        lambda path, _: norms_lib.path_str(path[-1:]) not in ("bias", "scale"), params)
 
   return mask
 
@@ -137,29 +160,36 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
   wd = build_weight_decay(cfg)
   mask = weight_decay_mask(opt.weight_decay_mask)
   if opt.name == "came":
-    c = opt.came
-    return _keyed("optimizer.came", lambda: came(
-        lr, eps=c.eps, clip_threshold=c.clip_threshold, decay_rate=c.decay_rate,
-        beta1=c.beta1, beta2=c.beta2, beta3=c.beta3, weight_decay=wd,
-        scale_parameter=c.scale_parameter, relative_step=c.relative_step,
-        warmup_init=c.warmup_init, compression=c.compression, mask=mask))
+    came_cfg = opt.came
+    keys = _section_keys("optimizer.came", came_cfg, learning_rate="optimizer.learning_rate",
+                         weight_decay="optimizer.weight_decay")
+    return _keyed(keys, lambda: came(
+        lr, eps=came_cfg.eps, clip_threshold=came_cfg.clip_threshold,
+        decay_rate=came_cfg.decay_rate, beta1=came_cfg.beta1, beta2=came_cfg.beta2,
+        beta3=came_cfg.beta3, weight_decay=wd,
+        scale_parameter=came_cfg.scale_parameter,
+        relative_step=came_cfg.relative_step, warmup_init=came_cfg.warmup_init,
+        compression=came_cfg.compression, mask=mask))
   if opt.name == "adamw":
-    a = opt.adamw
+    adamw = opt.adamw
     return _keyed("optimizer.adamw", lambda: optax.inject_hyperparams(
         optax.adamw, static_args=("mask",))(
-            learning_rate=lr, b1=a.b1, b2=a.b2, eps=a.eps, weight_decay=wd, mask=mask))
+            learning_rate=lr, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
+            weight_decay=wd, mask=mask))
   if opt.name == "adafactor":
-    a = opt.adafactor
+    adafactor = opt.adafactor
     wd_fn = _scheduled(wd)
     return _keyed("optimizer.adafactor", lambda: optax.inject_hyperparams(
         optax.adafactor, static_args=(
             "min_dim_size_to_factor", "multiply_by_parameter_scale", "momentum",
             "dtype_momentum", "factored", "weight_decay_mask"))(
-                learning_rate=lr, min_dim_size_to_factor=a.min_dim_size_to_factor,
-                decay_rate=a.decay_rate,
-                multiply_by_parameter_scale=a.multiply_by_parameter_scale,
-                clipping_threshold=a.clipping_threshold, momentum=a.momentum,
-                eps=a.eps, weight_decay_rate=lambda n: lr(n) * wd_fn(n),
+                learning_rate=lr,
+                min_dim_size_to_factor=adafactor.min_dim_size_to_factor,
+                decay_rate=adafactor.decay_rate,
+                multiply_by_parameter_scale=adafactor.multiply_by_parameter_scale,
+                clipping_threshold=adafactor.clipping_threshold,
+                momentum=adafactor.momentum, eps=adafactor.eps,
+                weight_decay_rate=lambda n: lr(n) * wd_fn(n),
                 weight_decay_mask=mask))
   raise ValueError(f"optimizer.name: unknown optimizer {opt.name!r}")
 
@@ -178,18 +208,20 @@ def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
   groups = build_groups(cfg)
   inner = build_inner_optimizer(cfg)
   if cfg.clip.max_norm is not None:
-    inner = optax.chain(norms_lib.clip_by_global_norm(cfg.clip.max_norm, groups=groups),
-                        inner)
-  ls = cfg.loss_scale
-  if ls.kind == "dynamic":
-    return _keyed("loss_scale", lambda: loss_scale_lib.dynamic_loss_scale(
-        inner, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
-        backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval,
-        hysteresis=ls.hysteresis, consecutive_hysteresis=ls.consecutive_hysteresis,
-        min_scale=ls.min_scale, max_scale=ls.max_scale, groups=groups))
-  if ls.kind == "fixed":
-    return _keyed("loss_scale", lambda: loss_scale_lib.fixed_loss_scale(
-        inner, ls.init_scale, drop_overflow_update=ls.drop_overflow_update,
+    inner = optax.chain(_keyed(_section_keys("clip", cfg.clip), lambda: (
+        norms_lib.clip_by_global_norm(cfg.clip.max_norm, groups=groups))), inner)
+  scaling = cfg.loss_scale
+  keys = _section_keys("loss_scale", scaling, scale="loss_scale.init_scale")
+  if scaling.kind == "dynamic":
+    return _keyed(keys, lambda: loss_scale_lib.dynamic_loss_scale(
+        inner, init_scale=scaling.init_scale, growth_factor=scaling.growth_factor,
+        backoff_factor=scaling.backoff_factor,
+        growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis,
+        consecutive_hysteresis=scaling.consecutive_hysteresis,
+        min_scale=scaling.min_scale, max_scale=scaling.max_scale, groups=groups))
+  if scaling.kind == "fixed":
+    return _keyed(keys, lambda: loss_scale_lib.fixed_loss_scale(
+        inner, scaling.init_scale, skip_nonfinite=scaling.skip_nonfinite,
         groups=groups))
   return loss_scale_lib.no_loss_scale(inner, groups=groups)
 
@@ -229,12 +261,28 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   ``model.mean_loss_fn``.
   """
   if cfg.mesh.stage > 1:
-    return _keyed("mesh", lambda: pipeline_lib.Pipeline(
+    keys = _section_keys("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
+                         num_microbatches="train.num_microbatches",
+                         remat="train.remat")
+    return _keyed(keys, lambda: pipeline_lib.Pipeline(
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
         stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages))
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
+
+
+def check(cfg: config_lib.RunConfig) -> None:
+  """Builds what ``cfg`` describes without a mesh, devices or arrays: the precision
+  policy, the model, the optimizer (schedules, clip, loss scaling) and the pipeline.
+  Each constructor checks its own arguments (`mpscale.validation`).
+
+  Raises:
+    ValueError, TypeError: naming the config keys at fault.
+  """
+  build_policy(cfg)
+  build_loss(cfg, build_model(cfg))
+  build_optimizer(cfg)
 
 
 class Setup(NamedTuple):

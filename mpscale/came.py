@@ -51,7 +51,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -59,6 +58,8 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 import optax
+
+from mpscale import validation
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 Compression = Union[bool, str, Any]
@@ -101,54 +102,10 @@ class CameLearningRateState(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------
-# Validation (at build time, naming the argument).
+# Argument conversion (at build time, naming the argument).
 
-def _check_float(name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
-    raise TypeError(f"{name} must be a float; got {type(value).__name__}")
-  value = float(value)
-  if math.isnan(value):
-    raise ValueError(f"{name} must not be NaN")
-  return value
-
-
-def _check_unit_interval(name: str, value: Any) -> float:
-  value = _check_float(name, value)
-  if not 0.0 <= value <= 1.0:
-    raise ValueError(f"{name} must be in [0, 1]; got {value}")
-  return value
-
-
-def _check_positive(name: str, value: Any, *, allow_inf: bool = False) -> float:
-  value = _check_float(name, value)
-  if not value > 0 or (not allow_inf and math.isinf(value)):
-    raise ValueError(f"{name} must be positive{'' if allow_inf else ' and finite'}; "
-                     f"got {value}")
-  return value
-
-
-def _check_bool(name: str, value: Any) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
-  return bool(value)
-
-
-def _check_eps(eps: Any) -> tuple[float, float, float]:
-  if not isinstance(eps, (tuple, list)):
-    raise TypeError(f"eps must be a tuple of three floats; got {type(eps).__name__}")
-  if len(eps) != 3:
-    raise ValueError(f"eps must be three floats (eps[0] for g^2, eps[1] the parameter "
-                     f"RMS floor, eps[2] for the instability); got {len(eps)} values")
-  return tuple(_check_positive(f"eps[{i}]", e) for i, e in enumerate(eps))
-
-
-def _check_scalar_or_schedule(name: str, value: Any, *, unit: bool) -> ScalarOrSchedule:
-  if callable(value):
-    return value
-  value = _check_unit_interval(name, value) if unit else _check_float(name, value)
-  if not unit and not (value >= 0 and math.isfinite(value)):
-    raise ValueError(f"{name} must be >= 0 and finite; got {value}")
-  return value
+def _unit(name: str, value: Any) -> float:
+  return validation.float_in(name, value, 0.0, 1.0)
 
 
 def compression_dtype(compression: Compression) -> Optional[jnp.dtype]:
@@ -249,39 +206,42 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
     >>> tx = optax.chain(mpscale.scale_by_came(beta2=0.999, decay_rate=None),
     ...                  optax.scale_by_learning_rate(1e-3))
   """
-  eps = _check_eps(eps)
-  clip_threshold = _check_positive("clip_threshold", clip_threshold, allow_inf=True)
-  beta1 = _check_unit_interval("beta1", beta1)
-  beta3 = _check_unit_interval("beta3", beta3)
+  eps = validation.floats("eps", eps, 3, validation.positive_float)
+  clip_threshold = validation.positive_float("clip_threshold", clip_threshold,
+                                             allow_inf=True)
+  beta1 = _unit("beta1", beta1)
+  beta3 = _unit("beta3", beta3)
   if beta2 is not None:
-    beta2 = _check_float("beta2", beta2)
-    # Also < 1 once rounded to float32, or the second moment would stay 0.
-    if not (0.0 <= beta2 < 1.0 and np.float32(beta2) < 1.0):
-      raise ValueError(f"beta2 must be in [0, 1) (in float32 too); got {beta2}")
+    beta2 = validation.float_in("beta2", beta2, 0.0, 1.0, high_open=True)
+    if np.float32(beta2) >= 1.0:  # the second moment would stay 0
+      raise ValueError(f"beta2 must be < 1 in float32 too; got {beta2!r}")
   elif decay_rate is None:
     raise ValueError("decay_rate and beta2 cannot both be None: give a decay_rate for "
                      "Adafactor's 1 - t**-decay_rate, or a constant beta2")
   else:
-    decay_rate = _check_unit_interval("decay_rate", decay_rate)
+    decay_rate = _unit("decay_rate", decay_rate)
   store_dtype = compression_dtype(compression)
-  loss_scale = _check_positive("loss_scale", loss_scale)
+  loss_scale = validation.positive_float("loss_scale", loss_scale)
   eps_sq, _, eps_instability = eps
 
   def init_fn(params):
     leaves, treedef = jax.tree_util.tree_flatten(params)
     per_leaf = []
     for p in leaves:
-      shape = np.shape(p)
-      cdt = _compute_dtype(jnp.result_type(p))
+      p = jnp.asarray(p)
+      cdt = _compute_dtype(p.dtype)
       mdt = store_dtype or cdt
-      mu = jnp.zeros(shape, mdt)
-      if len(shape) >= 2:
+      # zeros_like keeps the parameter's sharding (under an explicit-sharding mesh,
+      # its type); the factored statistics take that of the reduction the update
+      # makes, so the state's types do not change after a step.
+      mu = jnp.zeros_like(p, dtype=mdt)
+      if p.ndim >= 2:
         # Separate arrays for every field, so that the state can be donated.
-        row = lambda: jnp.zeros(shape[:-1], cdt)  # noqa: E731
-        col = lambda: jnp.zeros(shape[:-2] + shape[-1:], cdt)  # noqa: E731
+        row = lambda: jnp.zeros_like(jnp.sum(p, axis=-1), dtype=cdt)  # noqa: E731
+        col = lambda: jnp.zeros_like(jnp.sum(p, axis=-2), dtype=cdt)  # noqa: E731
         per_leaf.append((mu, row(), col(), _empty(mdt), row(), col()))
       else:
-        per_leaf.append((mu, _empty(cdt), _empty(cdt), jnp.zeros(shape, mdt),
+        per_leaf.append((mu, _empty(cdt), _empty(cdt), jnp.zeros_like(p, dtype=mdt),
                          _empty(cdt), _empty(cdt)))
     trees = [treedef.unflatten(t) for t in zip(*per_leaf)] if leaves else [params] * 6
     return ScaleByCameState(jnp.zeros((), jnp.int32), *trees)
@@ -506,19 +466,19 @@ def came(learning_rate: Optional[ScalarOrSchedule] = None,
   """
   if learning_rate is None and not relative_step:
     raise ValueError("learning_rate is None: give a learning rate or relative_step=True")
-  relative_step = _check_bool("relative_step", relative_step)
-  warmup_init = _check_bool("warmup_init", warmup_init)
-  scale_parameter = _check_bool("scale_parameter", scale_parameter)
+  relative_step = validation.boolean("relative_step", relative_step)
+  warmup_init = validation.boolean("warmup_init", warmup_init)
+  scale_parameter = validation.boolean("scale_parameter", scale_parameter)
   if relative_step and learning_rate is not None:
     raise ValueError("learning_rate must be None with relative_step=True (the relative "
                      "step size is the learning rate)")
   if warmup_init and not relative_step:
     raise ValueError("warmup_init=True needs relative_step=True")
   if learning_rate is not None:
-    learning_rate = _check_scalar_or_schedule("learning_rate", learning_rate,
-                                              unit=False)
-  weight_decay = _check_scalar_or_schedule("weight_decay", weight_decay, unit=True)
-  eps = _check_eps(eps)
+    learning_rate = validation.scalar_or_schedule(
+        "learning_rate", learning_rate, validation.non_negative_float)
+  weight_decay = validation.scalar_or_schedule("weight_decay", weight_decay, _unit)
+  eps = validation.floats("eps", eps, 3, validation.positive_float)
   direction = scale_by_came(eps=eps, clip_threshold=clip_threshold,
                             decay_rate=decay_rate, beta1=beta1, beta2=beta2,
                             beta3=beta3, compression=compression,

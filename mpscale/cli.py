@@ -192,13 +192,17 @@ class _MetricsLog:
 # ------------------------------------------------------------------ checkpoints
 
 
+def _checkpoint_key(path: Any) -> str:
+  import jax
+  return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+
+
 def _checkpoint_tree(state: Any) -> dict[str, Any]:
-  """``state`` as a flat dict ``"opt_state.guard...kernel" -> array`` without its
+  """``state`` as a flat dict ``"opt_state.skip_state...kernel" -> array`` without its
   zero-size leaves (CAME keeps empty placeholders, which orbax refuses to save)."""
   import jax
-  from mpscale import norms
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  return {".".join(norms.key_name(k) for k in path): leaf for path, leaf in flat
+  return {_checkpoint_key(path): leaf for path, leaf in flat
           if getattr(leaf, "size", 1) > 0}
 
 
@@ -206,10 +210,8 @@ def _from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
   """The state shaped like ``like`` with the leaves of ``saved`` (zero-size leaves
   taken from ``like``)."""
   import jax
-  from mpscale import norms
   flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-  leaves = [saved.get(".".join(norms.key_name(k) for k in path), leaf)
-            for path, leaf in flat]
+  leaves = [saved.get(_checkpoint_key(path), leaf) for path, leaf in flat]
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import re
 import types
@@ -97,7 +96,7 @@ class LossScaleConfig:
   """Refill the hysteresis on every finite step (DeepSpeed)."""
   min_scale: float = 1.0
   max_scale: float = 16777216.0
-  drop_overflow_update: bool = True
+  skip_nonfinite: bool = True
   """Fixed scale only: skip an overflowed step (else apply it anyway)."""
 
 
@@ -395,136 +394,81 @@ def _to_dataclass(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _check(cfg: RunConfig) -> None:
-  """Value checks across the whole config; raises `ConfigError` naming the keys."""
-  def positive(key: str, value: Any) -> None:
-    if value is not None and not value > 0:
-      raise ConfigError(f"{key}: must be > 0, got {value}")
+  """Value checks: the keys no constructor takes, then each section's constructor
+  (`mpscale.builders.check`), then the rules that span sections. Raises a
+  `ConfigError` naming the keys."""
+  from mpscale import builders  # builds the pieces; imports jax and optax
+  from mpscale import validation
 
-  def non_negative(key: str, value: Any) -> None:
-    if value is not None and value < 0:
-      raise ConfigError(f"{key}: must be >= 0, got {value}")
+  def keyed(fn, *args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except TypeError as e:
+      raise ConfigTypeError(str(e)) from None
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
-  def finite(key: str, value: Any) -> None:
-    if value is not None and not math.isfinite(value):
-      raise ConfigError(f"{key}: must be finite, got {value}")
-
-  m, d, ls, opt, sch, mesh, tr = (cfg.model, cfg.data, cfg.loss_scale, cfg.optimizer,
-                                  cfg.schedule, cfg.mesh, cfg.train)
-  for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
-    positive(f"model.{name}", getattr(m, name))
-  positive("model.init_std", m.init_std)
-  if m.vocab_size < 256:
-    raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
-                      f"{m.vocab_size}")
-  if m.d_model % m.num_heads:
-    raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by "
-                      f"model.num_heads ({m.num_heads})")
-  if not 0 < d.eval_fraction < 1:
-    raise ConfigError(f"data.eval_fraction: must be in (0, 1), got {d.eval_fraction}")
-  positive("data.batch_size", d.batch_size)
-  non_negative("data.eval_batches", d.eval_batches)
-  if not cfg.precision.policy.strip():
-    raise ConfigError("precision.policy: must not be empty")
-  from mpscale import policy as policy_lib  # a light module: dtypes and casts
-  try:
-    policy_lib.get_policy(cfg.precision.policy)
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"precision.policy: {e}") from None
-  # The step count first: the schedule's checks below are stated in terms of it.
-  positive("train.steps", tr.steps)
-  for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale",
-               "max_scale"):
-    positive(f"loss_scale.{name}", getattr(ls, name))
-    finite(f"loss_scale.{name}", getattr(ls, name))
-  positive("loss_scale.growth_interval", ls.growth_interval)
-  positive("loss_scale.hysteresis", ls.hysteresis)
-  if ls.growth_factor <= 1:
-    raise ConfigError(f"loss_scale.growth_factor: must be > 1, got {ls.growth_factor}")
-  if ls.backoff_factor >= 1:
-    raise ConfigError("loss_scale.backoff_factor: must be in (0, 1), got "
-                      f"{ls.backoff_factor}")
-  if ls.min_scale > ls.max_scale:
-    raise ConfigError(f"loss_scale.min_scale ({ls.min_scale}) must be <= "
-                      f"loss_scale.max_scale ({ls.max_scale})")
-  if ls.kind == "dynamic" and not ls.min_scale <= ls.init_scale <= ls.max_scale:
-    raise ConfigError(f"loss_scale.init_scale ({ls.init_scale}) must lie in "
-                      f"[loss_scale.min_scale, loss_scale.max_scale] = "
-                      f"[{ls.min_scale}, {ls.max_scale}]")
-  positive("clip.max_norm", cfg.clip.max_norm)
-  positive("clip.groups", cfg.clip.groups)
-  positive("optimizer.learning_rate", opt.learning_rate)
-  finite("optimizer.learning_rate", opt.learning_rate)
-  non_negative("optimizer.weight_decay", opt.weight_decay)
-  non_negative("schedule.warmup_steps", sch.warmup_steps)
-  positive("schedule.decay_steps", sch.decay_steps)
-  non_negative("schedule.min_lr", sch.min_lr)
-  non_negative("schedule.weight_decay_end", sch.weight_decay_end)
-  if sch.min_lr > opt.learning_rate:
-    raise ConfigError(f"schedule.min_lr ({sch.min_lr}) must be <= "
-                      f"optimizer.learning_rate ({opt.learning_rate})")
-  if sch.warmup_fraction is not None:
-    if sch.warmup_steps:
-      raise ConfigError("schedule.warmup_fraction and schedule.warmup_steps are "
-                        "exclusive; set one")
-    if not 0 <= sch.warmup_fraction < 1:
-      raise ConfigError("schedule.warmup_fraction: must be in [0, 1), got "
-                        f"{sch.warmup_fraction}")
-  decay_steps = tr.steps if sch.decay_steps is None else sch.decay_steps
-  if sch.warmup_steps >= max(decay_steps, 1) and sch.warmup_steps:
-    if sch.decay_steps is None:  # the user set train.steps, not decay_steps
-      raise ConfigError(f"train.steps ({tr.steps}) must be > schedule.warmup_steps "
-                        f"({sch.warmup_steps}): the learning rate decays over "
-                        "train.steps after the warm-up; lower schedule.warmup_steps "
-                        "too (e.g. --set schedule.warmup_steps="
-                        f"{max(0, tr.steps // 10)})")
-    raise ConfigError(f"schedule.warmup_steps ({sch.warmup_steps}) must be < "
-                      f"schedule.decay_steps ({decay_steps})")
-  for key in ("data", "fsdp", "stage", "tensor", "virtual_stages"):
-    positive(f"mesh.{key}", getattr(mesh, key))
-  chunks = mesh.stage * mesh.virtual_stages
-  if m.num_layers % chunks:
-    raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by "
-                      f"mesh.stage ({mesh.stage}) x mesh.virtual_stages "
-                      f"({mesh.virtual_stages})")
-  for key, size in (("num_heads", m.num_heads), ("d_ff", m.d_ff),
-                    ("vocab_size", m.vocab_size)):
-    if size % mesh.tensor:
-      raise ConfigError(f"model.{key} ({size}) must be divisible by mesh.tensor "
-                        f"({mesh.tensor})")
+  model, data, mesh, train = cfg.model, cfg.data, cfg.mesh, cfg.train
+  # Keys no constructor takes.
+  keyed(validation.integer, "seed", cfg.seed, 0)
+  keyed(validation.float_in, "data.eval_fraction", data.eval_fraction, 0.0, 1.0,
+        low_open=True, high_open=True)
+  keyed(validation.positive_int, "data.batch_size", data.batch_size)
+  keyed(validation.integer, "data.eval_batches", data.eval_batches, 0)
+  for key in ("data", "fsdp", "stage", "tensor"):
+    keyed(validation.positive_int, f"mesh.{key}", getattr(mesh, key))
+  for key in ("steps", "num_microbatches", "log_every", "keep_checkpoints"):
+    keyed(validation.positive_int, f"train.{key}", getattr(train, key))
+  for key in ("eval_every", "checkpoint_every"):
+    keyed(validation.integer, f"train.{key}", getattr(train, key), 0)
+  if mesh.virtual_stages > 1 and mesh.stage == 1:
+    raise ConfigError("mesh.virtual_stages > 1 needs mesh.stage > 1")
   if mesh.sequence_parallel and mesh.tensor == 1:
     raise ConfigError("mesh.sequence_parallel needs mesh.tensor > 1 (it splits the "
                       "sequence over the tensor axis)")
-  if mesh.sequence_parallel and m.seq_len % mesh.tensor:
-    raise ConfigError(f"model.seq_len ({m.seq_len}) must be divisible by mesh.tensor "
-                      f"({mesh.tensor}) with mesh.sequence_parallel")
-  if mesh.virtual_stages > 1:
-    if mesh.stage == 1:
-      raise ConfigError("mesh.virtual_stages > 1 needs mesh.stage > 1")
-    if mesh.pipeline_schedule != "gpipe":
-      raise ConfigError("mesh.virtual_stages > 1 needs mesh.pipeline_schedule: gpipe "
-                        "(interleaved 1F1B is not implemented)")
-    if tr.num_microbatches % mesh.stage:
-      raise ConfigError(f"train.num_microbatches ({tr.num_microbatches}) must be "
-                        f"divisible by mesh.stage ({mesh.stage}) with "
-                        "mesh.virtual_stages > 1")
   if mesh.shard_optimizer_state and mesh.data == 1:
     raise ConfigError("mesh.shard_optimizer_state needs mesh.data > 1")
-  positive("train.steps", tr.steps)
-  positive("train.num_microbatches", tr.num_microbatches)
-  positive("train.log_every", tr.log_every)
-  non_negative("train.eval_every", tr.eval_every)
-  non_negative("train.checkpoint_every", tr.checkpoint_every)
-  positive("train.keep_checkpoints", tr.keep_checkpoints)
-  if d.batch_size % (mesh.data * mesh.fsdp * tr.num_microbatches):
+  # The schedule decays over train.steps unless told otherwise: say so, not
+  # decay_steps, when the warm-up outlasts the run.
+  schedule = cfg.schedule
+  if (schedule.decay_steps is None and schedule.warmup_steps
+      and schedule.warmup_steps >= train.steps):
+    raise ConfigError(f"train.steps ({train.steps}) must be > schedule.warmup_steps "
+                      f"({schedule.warmup_steps}): the learning rate decays over "
+                      "train.steps after the warm-up; lower schedule.warmup_steps "
+                      "too (e.g. --set schedule.warmup_steps="
+                      f"{max(0, train.steps // 10)})")
+  # Each section's own rules, checked by the constructors it feeds.
+  keyed(builders.check, cfg)
+  # Rules that span sections.
+  if model.vocab_size < 256:
+    raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
+                      f"{model.vocab_size}")
+  chunks = mesh.stage * mesh.virtual_stages
+  if model.num_layers % chunks:
+    raise ConfigError(f"model.num_layers ({model.num_layers}) must be divisible by "
+                      f"mesh.stage ({mesh.stage}) x mesh.virtual_stages "
+                      f"({mesh.virtual_stages})")
+  for key, size in (("num_heads", model.num_heads), ("d_ff", model.d_ff),
+                    ("vocab_size", model.vocab_size)):
+    if size % mesh.tensor:
+      raise ConfigError(f"model.{key} ({size}) must be divisible by mesh.tensor "
+                        f"({mesh.tensor})")
+  if mesh.sequence_parallel and model.seq_len % mesh.tensor:
+    raise ConfigError(f"model.seq_len ({model.seq_len}) must be divisible by "
+                      f"mesh.tensor ({mesh.tensor}) with mesh.sequence_parallel")
+  if mesh.virtual_stages > 1 and train.num_microbatches % mesh.stage:
+    raise ConfigError(f"train.num_microbatches ({train.num_microbatches}) must be "
+                      f"divisible by mesh.stage ({mesh.stage}) with "
+                      "mesh.virtual_stages > 1")
+  if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
     raise ConfigError(
-        f"data.batch_size ({d.batch_size}) must be divisible by mesh.data "
+        f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
         f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
-        f"({tr.num_microbatches})")
-  if mesh.stage > 1 and not tr.per_token_loss:
+        f"({train.num_microbatches})")
+  if mesh.stage > 1 and not train.per_token_loss:
     raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
                       "pipeline's head returns a loss sum and a token count)")
-  if cfg.seed < 0:
-    raise ConfigError(f"seed: must be >= 0, got {cfg.seed}")
 
 
 # ------------------------------------------------------------------ entry points
@@ -610,6 +554,7 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
     message = str(e)
     key = message.split(":", 1)[0].split(" ", 1)[0].split("[", 1)[0]
     by_set = any(key == t or key.startswith(t + ".") or t.startswith(key + ".")
+                 or re.search(rf"(?<![\w.]){re.escape(t)}(?![\w])", message)
                  for t in touched)
     suffix = " (set by --set)" if by_set else ""
     raise type(e)(f"{source}: {message}{suffix}") from None

@@ -25,6 +25,8 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 
+from mpscale import validation
+
 STDLIB_MODULES: tuple[str, ...] = tuple(sorted((
     "argparse", "ast", "asyncio.base_events", "asyncio.events", "asyncio.tasks",
     "base64", "bisect", "calendar", "cmd", "codecs", "collections",
@@ -145,8 +147,8 @@ def split_tokens(tokens: np.ndarray, eval_fraction: float
   Raises:
     ValueError: if ``eval_fraction`` is outside (0, 1) or the text is too short.
   """
-  if not 0 < eval_fraction < 1:
-    raise ValueError(f"eval_fraction must be in (0, 1); got {eval_fraction}")
+  validation.float_in("eval_fraction", eval_fraction, 0.0, 1.0, low_open=True,
+                      high_open=True)
   num_blocks = -(-len(tokens) // BLOCK_BYTES)
   block = BLOCK_BYTES
   if num_blocks < 2:  # short text: split it in two blocks

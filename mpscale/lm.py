@@ -32,6 +32,7 @@ import numpy as np
 from mpscale import config as config_lib
 from mpscale import norms as norms_lib
 from mpscale import sharding as sharding_lib
+from mpscale import validation
 
 Params = dict[str, Any]
 
@@ -208,6 +209,16 @@ class TinyLM:
   """Activation layout for tensor and sequence parallelism; ``None``: GSPMD's
   choice."""
 
+  def __post_init__(self):
+    c = self.config
+    for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
+      validation.positive_int(name, getattr(c, name))
+    validation.positive_float("init_std", c.init_std)
+    if c.d_model % c.num_heads:
+      raise ValueError(f"d_model ({c.d_model}) must be divisible by num_heads "
+                       f"({c.num_heads})")
+    validation.boolean("remat", self.remat)
+
   def _embed(self) -> Embed:
     c = self.config
     return Embed(c.vocab_size, c.d_model, c.seq_len, c.init_std)
@@ -253,7 +264,7 @@ class TinyLM:
     }
 
     def name(path, _):
-      key = norms_lib.path_name(path)
+      key = norms_lib.path_str(path)
       top, rest = key.split("/", 1)
       axes = names.get(key, names.get(rest, ("embed",)))  # layer norms: (embed,)
       return ("layers",) + axes if top == "stages" else axes

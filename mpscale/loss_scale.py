@@ -3,7 +3,7 @@
 The scale lives in the optimizer state. Inside the train step the loss is multiplied by
 `loss_scale_of(opt_state)` before differentiation; the wrapper's ``update`` receives the
 gradients of ``scale * loss``, unscales them in float32, checks them in one pass (see
-`mpscale.finite`), runs or skips the inner transformation, and adjusts the scale.
+`mpscale.skip`), runs or skips the inner transformation, and adjusts the scale.
 
 Dynamic loss scaling, per step::
 
@@ -41,8 +41,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpscale import finite
 from mpscale import norms as norms_lib
+from mpscale import opt_state as opt_state_lib
+from mpscale import skip as skip_lib
 from mpscale import validation
 
 
@@ -54,26 +55,27 @@ class LossScaleState(NamedTuple):
   """int32 consecutive finite steps since the last growth or overflow (dynamic only)."""
   hysteresis_left: jax.Array
   """int32 overflows still tolerated before the next back-off (dynamic only)."""
-  guard: finite.SkipNonfiniteState
-  """The finite-check-and-skip state, which holds the inner state and step stats."""
+  skip_state: skip_lib.SkipNonfiniteState
+  """The finite-check-and-skip state (`mpscale.skip_nonfinite`'s), which holds the
+  inner state and the step's statistics."""
 
 
-def _wrapper(inner, *, init_scale: float, drop: bool, dynamic: bool,
+def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bool,
              growth_factor: float = 2.0, backoff_factor: float = 0.5,
              growth_interval: int = 1, hysteresis: int = 1,
              consecutive_hysteresis: bool = False, min_scale: float = 1.0,
              max_scale: float = 2.0**24, groups: norms_lib.Groups = None,
              axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
-  inner = finite.check_inner(inner)
-  norms_lib.validate_groups(groups)
-  finite.check_axis_name(axis_name)
+  inner = validation.transformation("inner", inner)
+  groups = validation.groups("groups", groups)
+  axis_name = validation.axis_name("axis_name", axis_name)
 
   def init_fn(params):
     return LossScaleState(
         loss_scale=jnp.asarray(init_scale, jnp.float32),
         growth_count=jnp.zeros((), jnp.int32),
         hysteresis_left=jnp.asarray(hysteresis, jnp.int32),
-        guard=finite.guard_init(inner, params, groups))
+        skip_state=skip_lib.init_state(inner, params, groups))
 
   def next_scale(state: LossScaleState, overflow: jax.Array):
     scale, count, hyst = state.loss_scale, state.growth_count, state.hysteresis_left
@@ -92,25 +94,27 @@ def _wrapper(inner, *, init_scale: float, drop: bool, dynamic: bool,
             jnp.where(overflow, 0, ok_count).astype(jnp.int32),
             jnp.where(overflow, bad_hyst, ok_hyst).astype(jnp.int32))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(grads, state, params=None, *, leaf_squares=None, **extra_args):
+    del leaf_squares  # an outer wrapper's; these gradients are measured scaled below
     inv_scale = 1.0 / state.loss_scale
     raw = jax.tree_util.tree_map(lambda g: jnp.asarray(g).astype(jnp.float32), grads)
     # The reduction reads the gradient buffers themselves; summing (g * inv)**2 made
     # XLA write the unscaled tree out first, two extra passes. Exact for power-of-two
     # scales; a scaled sum past float32's range counts as an overflow.
-    measured = norms_lib.leaf_squares(raw, norms_lib.splits_for(raw, groups))
+    scaled = norms_lib.measure(raw, norms_lib.splits_for(raw, groups))
     unscaled = jax.tree_util.tree_map(lambda g: g * inv_scale, raw)
-    squares = norms_lib.LeafSquares(
+    leaf_squares = norms_lib.LeafSquares(
         tuple(jax.tree_util.tree_leaves(unscaled)),
-        tuple(s * (inv_scale * inv_scale) for s in measured.sums), measured.paths)
-    updates, guard = finite.guard_update(
-        inner, unscaled, state.guard, params, drop=drop, groups=groups,
-        axis_name=axis_name, extra_args=extra_args, squares=squares)
+        tuple(s * (inv_scale * inv_scale) for s in scaled.sums), scaled.paths)
+    updates, skip_state = skip_lib.apply_or_skip(
+        inner, unscaled, state.skip_state, params, skip_nonfinite=skip_nonfinite,
+        groups=groups, axis_name=axis_name, extra_args=extra_args,
+        leaf_squares=leaf_squares)
     if dynamic:
-      scale, count, hyst = next_scale(state, guard.overflow)
+      scale, count, hyst = next_scale(state, skip_state.overflow)
     else:
       scale, count, hyst = state.loss_scale, state.growth_count, state.hysteresis_left
-    return updates, LossScaleState(scale, count, hyst, guard)
+    return updates, LossScaleState(scale, count, hyst, skip_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -159,29 +163,25 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
   min_scale = validation.positive_float("min_scale", min_scale)
   max_scale = validation.positive_float("max_scale", max_scale)
   if min_scale > max_scale:
-    raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
-  init_scale = validation.positive_float("init_scale", init_scale)
-  if not min_scale <= init_scale <= max_scale:
-    raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = "
-                     f"[{min_scale}, {max_scale}]")
-  growth_factor = validation.positive_float("growth_factor", growth_factor)
-  if growth_factor <= 1:
-    raise ValueError(f"growth_factor must be > 1; got {growth_factor}")
-  backoff_factor = validation.positive_float("backoff_factor", backoff_factor)
-  if backoff_factor >= 1:
-    raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}")
+    raise ValueError(f"min_scale ({min_scale:g}) must be <= max_scale ({max_scale:g})")
+  init_scale = validation.float_in("init_scale", init_scale, min_scale, max_scale)
+  growth_factor = validation.float_in("growth_factor", growth_factor, 1.0,
+                                      low_open=True)
+  backoff_factor = validation.float_in("backoff_factor", backoff_factor, 0.0, 1.0,
+                                       low_open=True, high_open=True)
   validation.positive_int("growth_interval", growth_interval)
   validation.positive_int("hysteresis", hysteresis)
   validation.boolean("consecutive_hysteresis", consecutive_hysteresis)
-  return _wrapper(inner, init_scale=init_scale, drop=True, dynamic=True,
-                  growth_factor=growth_factor, backoff_factor=backoff_factor,
-                  growth_interval=growth_interval, hysteresis=hysteresis,
-                  consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
-                  max_scale=max_scale, groups=groups, axis_name=axis_name)
+  return _loss_scaling(
+      inner, init_scale=init_scale, skip_nonfinite=True, dynamic=True,
+      growth_factor=growth_factor, backoff_factor=backoff_factor,
+      growth_interval=growth_interval, hysteresis=hysteresis,
+      consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+      max_scale=max_scale, groups=groups, axis_name=axis_name)
 
 
 def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
-                     drop_overflow_update: bool = True,
+                     skip_nonfinite: bool = True,
                      groups: norms_lib.Groups = None,
                      axis_name: Optional[str] = None
                     ) -> optax.GradientTransformationExtraArgs:
@@ -193,9 +193,9 @@ def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
   Args:
     inner: the optimizer to wrap.
     scale: the loss scale; positive and finite.
-    drop_overflow_update: skip non-finite steps (default). With ``False`` an overflowed
+    skip_nonfinite: skip non-finite steps (default). With ``False`` an overflowed
       step is still applied, as MindSpore's ``FixedLossScaleManager(...,
-      drop_overflow_update=False)``; it is reported in ``overflow`` but not counted as
+      skip_nonfinite=False)``; it is reported in ``overflow`` but not counted as
       skipped.
     groups: grouping of the recorded group norms.
     axis_name: replica axis over which the overflow decision is agreed.
@@ -204,9 +204,9 @@ def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
     An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
   """
   scale = validation.positive_float("scale", scale)
-  validation.boolean("drop_overflow_update", drop_overflow_update)
-  return _wrapper(inner, init_scale=scale, drop=drop_overflow_update, dynamic=False,
-                  groups=groups, axis_name=axis_name)
+  validation.boolean("skip_nonfinite", skip_nonfinite)
+  return _loss_scaling(inner, init_scale=scale, skip_nonfinite=skip_nonfinite,
+                       dynamic=False, groups=groups, axis_name=axis_name)
 
 
 def no_loss_scale(inner: optax.GradientTransformation, *,
@@ -226,6 +226,25 @@ def no_loss_scale(inner: optax.GradientTransformation, *,
   return fixed_loss_scale(inner, 1.0, groups=groups, axis_name=axis_name)
 
 
+def loss_scale_for(policy: Any, inner: optax.GradientTransformation, **kwargs: Any
+                  ) -> optax.GradientTransformationExtraArgs:
+  """``inner`` in the loss-scale wrapper a precision policy calls for.
+
+  Args:
+    policy: a `mpscale.Policy` (or anything with a ``needs_loss_scaling`` bool).
+    inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
+    **kwargs: passed to `dynamic_loss_scale` (e.g. ``growth_interval``) when the
+      policy needs loss scaling, else to `no_loss_scale` (e.g. ``groups``).
+
+  Returns:
+    `dynamic_loss_scale` ``(inner)`` when ``policy.needs_loss_scaling`` (a float16
+    dtype), else `no_loss_scale` ``(inner)``.
+  """
+  if policy.needs_loss_scaling:
+    return dynamic_loss_scale(inner, **kwargs)
+  return no_loss_scale(inner, **kwargs)
+
+
 def _is_scale_state(x: Any) -> bool:
   return isinstance(x, LossScaleState)
 
@@ -240,7 +259,7 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
   Returns:
     A float32 scalar (a plain array) to multiply the loss by before differentiation.
   """
-  states = finite.find_states(finite.plain_state(opt_state), LossScaleState)
+  states = opt_state_lib.find(opt_state_lib.plain(opt_state), LossScaleState)
   if not states:
     return jnp.ones((), jnp.float32)
   return states[0].loss_scale
@@ -281,7 +300,7 @@ def with_loss_scale(opt_state: Any, scale: Any) -> Any:
   Raises:
     ValueError: if ``opt_state`` holds no `LossScaleState`.
   """
-  nnx = finite.nnx_module()
+  nnx = opt_state_lib.nnx_module()
   if nnx is not None and isinstance(opt_state, nnx.Optimizer):
     opt_state.opt_state = with_loss_scale(opt_state.opt_state, scale)
     return opt_state

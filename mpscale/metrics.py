@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from mpscale import finite
 from mpscale import loss_scale as loss_scale_lib
+from mpscale import opt_state as opt_state_lib
+from mpscale import skip as skip_lib
 
 
-def _learning_rate(opt_state: Any):
-  """The learning rate recorded by ``optax.inject_hyperparams`` or by a state with a
-  ``learning_rate`` field (e.g. `mpscale.came`), outermost first."""
-  def has_lr(x):
-    hp = getattr(x, "hyperparams", None)
-    if isinstance(hp, dict) and "learning_rate" in hp:
-      return True
-    return isinstance(x, tuple) and "learning_rate" in getattr(x, "_fields", ())
-
-  for x in jax.tree_util.tree_leaves(opt_state, is_leaf=has_lr):
-    if has_lr(x):
-      hp = getattr(x, "hyperparams", None)
-      if isinstance(hp, dict) and "learning_rate" in hp:
-        return jnp.asarray(hp["learning_rate"], jnp.float32)
-      return jnp.asarray(x.learning_rate, jnp.float32)
-  return None
+def _learning_rate(opt_state: Any) -> Optional[jax.Array]:
+  """The outermost learning rate in ``opt_state``: an ``optax.inject_hyperparams``
+  hyperparameter or a state field named ``learning_rate`` (e.g. `mpscale.came`'s)."""
+  found = optax.tree_utils.tree_get_all_with_path(
+      opt_state, "learning_rate", lambda _, x: not isinstance(x, tuple))
+  if not found:
+    return None
+  _, lr = min(found, key=lambda path_value: len(path_value[0]))
+  return jnp.asarray(lr, jnp.float32)
 
 
 def step_metrics(opt_state: Any) -> dict[str, Any]:
@@ -48,23 +43,23 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
   Raises:
     ValueError: if ``opt_state`` holds no mpscale wrapper state.
   """
-  opt_state = finite.plain_state(opt_state)
-  guards = finite.find_states(opt_state, finite.SkipNonfiniteState)
-  if not guards:
+  opt_state = opt_state_lib.plain(opt_state)
+  skip_states = opt_state_lib.find(opt_state, skip_lib.SkipNonfiniteState)
+  if not skip_states:
     raise ValueError("opt_state holds no mpscale loss-scale or skip_nonfinite state")
-  guard = guards[0]
+  skip_state = skip_states[0]
   metrics = {
       "loss_scale": loss_scale_lib.loss_scale_of(opt_state),
-      "overflow": guard.overflow,
-      "nan": guard.nan,
-      "inf": guard.inf,
-      "skipped": guard.skipped,
-      "consecutive_skipped": guard.consecutive_skipped,
-      "global_norm": guard.global_norm,
-      "group_norms": guard.group_norms,
-      "group_sizes": guard.group_sizes,
+      "overflow": skip_state.overflow,
+      "nan": skip_state.nan,
+      "inf": skip_state.inf,
+      "skipped": skip_state.skipped,
+      "consecutive_skipped": skip_state.consecutive_skipped,
+      "global_norm": skip_state.global_norm,
+      "group_norms": skip_state.group_norms,
+      "group_sizes": skip_state.group_sizes,
   }
-  lr = _learning_rate(guard.inner_state)
+  lr = _learning_rate(skip_state.inner_state)
   if lr is not None:
     metrics["learning_rate"] = lr
   return metrics

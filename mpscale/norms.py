@@ -4,7 +4,7 @@ A full reduction over the gradients is a pass over memory that XLA cannot fuse i
 optimizer's elementwise update. mpscale makes that pass once: the finiteness check, the
 global norm, the per-group ("local") norms and the clip all read the same per-leaf sums
 of squares (`LeafSquares`). The loss-scale and skip wrappers hand them to the inner
-transformation as the extra argument ``grad_sum_squares``; `clip_by_global_norm` reuses
+transformation as the extra argument ``leaf_squares``; `clip_by_global_norm` reuses
 them when they describe exactly the updates it receives.
 """
 
@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from mpscale import validation
 
 KeyPath = tuple[Any, ...]
 Groups = Union[None, int, Callable[[KeyPath], Union[str, Sequence[str]]]]
@@ -35,43 +37,24 @@ Groups = Union[None, int, Callable[[KeyPath], Union[str, Sequence[str]]]]
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def key_name(key: Any) -> str:
-  """The plain name of one key-path entry (dict key, attribute, or index)."""
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def path_name(path: KeyPath) -> str:
-  """A key path as a ``/``-joined string, e.g. ``"encoder/layer_0/kernel"``."""
-  return "/".join(key_name(k) for k in path)
-
-
-def validate_groups(groups: Groups, argname: str = "groups") -> None:
-  """Raises ``TypeError``/``ValueError`` naming ``argname`` for a bad grouping."""
-  if groups is None or callable(groups):
-    return
-  if isinstance(groups, bool) or not isinstance(groups, int):
-    raise TypeError(
-        f"{argname} must be None, a positive int depth or a callable "
-        f"key_path -> str; got {type(groups).__name__}")
-  if groups < 1:
-    raise ValueError(f"{argname} depth must be >= 1; got {groups}")
+def path_str(path: KeyPath) -> str:
+  """A key path as a ``/``-joined string, e.g. ``"encoder/layer_0/kernel"``
+  (``jax.tree_util.keystr`` in its simple form)."""
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _group_fn(groups: Groups) -> Callable[[KeyPath], str]:
   if callable(groups):
     return groups
   depth = 1 if groups is None else groups
-  return lambda path: path_name(path[:depth]) if path else "params"
+  return lambda path: path_str(path[:depth]) if path else "params"
 
 
 class LeafSquares(NamedTuple):
   """Per-leaf float32 sums of squares of one gradient tree, made in a single pass.
 
   Not a state: it lives for one ``update`` call and travels to inner transformations as
-  the extra argument ``grad_sum_squares``.
+  the extra argument ``leaf_squares``.
   """
   leaves: tuple[Any, ...]
   """The very arrays (or tracers) that were measured, so a consumer can check by
@@ -96,7 +79,7 @@ def _names(groups: Groups, path: KeyPath) -> tuple[str, ...]:
       name, (tuple, list)) else None
   if not names or not all(isinstance(n, str) for n in names):
     raise TypeError("groups must map key paths to a str or a tuple of str; got "
-                    f"{name!r} for {path_name(path)!r}")
+                    f"{name!r} for {path_str(path)!r}")
   return names
 
 
@@ -116,7 +99,7 @@ def _sum_squares(x: Any, parts: int) -> jax.Array:
   return jnp.sum(jnp.square(x.reshape(parts, -1)), axis=1)
 
 
-def leaf_squares(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
+def measure(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
   """Measures the float32 sum of squares of every leaf of ``tree`` in one pass.
 
   A leaf holding a NaN gives a NaN sum; a leaf holding an Inf (and no NaN) gives +Inf.
@@ -136,15 +119,15 @@ def leaf_squares(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquar
   return LeafSquares(leaves, sums, paths)
 
 
-def squares_of(tree: Any, grad_sum_squares: Optional[LeafSquares],
+def reuse_or_measure(tree: Any, leaf_squares: Optional[LeafSquares],
                groups: Groups = None) -> LeafSquares:
-  """Reuses ``grad_sum_squares`` when it describes ``tree`` at least as finely as
+  """Reuses ``leaf_squares`` when it describes ``tree`` at least as finely as
   ``groups`` needs, else measures ``tree``."""
   splits = splits_for(tree, groups)
-  if grad_sum_squares is not None and grad_sum_squares.describes(tree) and all(
-      k == 1 or np.size(s) == k for k, s in zip(splits, grad_sum_squares.sums)):
-    return grad_sum_squares
-  return leaf_squares(tree, splits)
+  if leaf_squares is not None and leaf_squares.describes(tree) and all(
+      k == 1 or np.size(s) == k for k, s in zip(splits, leaf_squares.sums)):
+    return leaf_squares
+  return measure(tree, splits)
 
 
 def total(sums: Sequence[jax.Array]) -> jax.Array:
@@ -152,17 +135,17 @@ def total(sums: Sequence[jax.Array]) -> jax.Array:
   return sum((jnp.sum(s) for s in sums), jnp.zeros((), jnp.float32))
 
 
-def grouped(squares: LeafSquares, groups: Groups = None
+def grouped(leaf_squares: LeafSquares, groups: Groups = None
            ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """Group norms and sizes from per-leaf sums; groups keep first-appearance order."""
   sq: dict[str, list[jax.Array]] = {}
-  for path, s in zip(squares.paths, squares.sums):
+  for path, s in zip(leaf_squares.paths, leaf_squares.sums):
     names = _names(groups, path)
     parts = [jnp.sum(s)] if len(names) == 1 else [s[i] for i in range(len(names))]
     for name, part in zip(names, parts):
       sq.setdefault(name, []).append(part)
   norms = {k: jnp.sqrt(total(v)) for k, v in sq.items()}
-  return norms, _group_sizes(squares.paths, squares.leaves, groups)
+  return norms, _group_sizes(leaf_squares.paths, leaf_squares.leaves, groups)
 
 
 def _group_sizes(paths, leaves, groups: Groups) -> dict[str, jax.Array]:
@@ -186,7 +169,7 @@ def global_norm(tree: Any) -> jax.Array:
   Returns:
     A float32 scalar.
   """
-  return jnp.sqrt(total(leaf_squares(tree).sums))
+  return jnp.sqrt(total(measure(tree).sums))
 
 
 def group_norms(tree: Any, groups: Groups = None
@@ -201,8 +184,8 @@ def group_norms(tree: Any, groups: Groups = None
     ``(norms, sizes)``: dicts from group name to a float32 norm and to the number of
     elements in the group (int32, or float32 past the int32 range).
   """
-  validate_groups(groups)
-  return grouped(leaf_squares(tree, splits_for(tree, groups)), groups)
+  groups = validation.groups("groups", groups)
+  return grouped(measure(tree, splits_for(tree, groups)), groups)
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -231,7 +214,7 @@ def clip_by_global_norm(max_norm: float, *, groups: Groups = None
 
   The updates are multiplied by ``max_norm / max(norm, max_norm)``. Inside an mpscale
   loss-scale or skip wrapper, the norm comes from the wrapper's single pass over the
-  gradients (the extra argument ``grad_sum_squares``), so clipping costs no extra read;
+  gradients (the extra argument ``leaf_squares``), so clipping costs no extra read;
   elsewhere it is measured here.
 
   Args:
@@ -245,23 +228,20 @@ def clip_by_global_norm(max_norm: float, *, groups: Groups = None
   Example:
     >>> tx = optax.chain(mpscale.clip_by_global_norm(1.0), optax.adamw(1e-3))
   """
-  if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-    raise TypeError(f"max_norm must be a float; got {type(max_norm).__name__}")
-  if not (math.isfinite(max_norm) and max_norm > 0):
-    raise ValueError(f"max_norm must be positive and finite; got {max_norm}")
-  validate_groups(groups)
+  max_norm = validation.positive_float("max_norm", max_norm)
+  groups = validation.groups("groups", groups)
 
   def init_fn(params):
     norms, sizes = zero_group_stats(params, groups)
     return ClipByGlobalNormState(jnp.zeros((), jnp.float32), norms, sizes)
 
-  def update_fn(updates, state, params=None, *, grad_sum_squares=None, **extra_args):
+  def update_fn(updates, state, params=None, *, leaf_squares=None, **extra_args):
     del params, state, extra_args
-    squares = squares_of(updates, grad_sum_squares, groups)
-    norm = jnp.sqrt(total(squares.sums))
+    leaf_squares = reuse_or_measure(updates, leaf_squares, groups)
+    norm = jnp.sqrt(total(leaf_squares.sums))
     factor = max_norm / jnp.maximum(norm, max_norm)
     clipped = jax.tree_util.tree_map(lambda u: (u * factor).astype(u.dtype), updates)
-    norms, sizes = grouped(squares, groups)
+    norms, sizes = grouped(leaf_squares, groups)
     return clipped, ClipByGlobalNormState(norm, norms, sizes)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -69,6 +69,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mpscale import norms as norms_lib
+from mpscale import validation
 from mpscale.gradients import Gradients
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -90,8 +91,7 @@ def schedule_table(schedule: str, num_stages: int, num_microbatches: int,
   ``virtual_stages=v`` (GPipe only) a tick runs one of a device's ``v`` layer chunks:
   the forward takes ``v M + S - 1`` ticks, and the backward mirrors it.
   """
-  if schedule not in SCHEDULES:
-    raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
+  validation.one_of("schedule", schedule, SCHEDULES)
   S, M, v = num_stages, num_microbatches, virtual_stages
   if v > 1:
     if schedule != "gpipe":
@@ -175,7 +175,7 @@ def stage_groups(num_stages: int, stages_key: str = "stages") -> Callable:
   names = tuple(f"stage_{i}" for i in range(num_stages))
 
   def groups(path):
-    top = norms_lib.path_name(path[:1]) if path else "params"
+    top = norms_lib.path_str(path[:1]) if path else "params"
     return names if top == stages_key else top
 
   return groups
@@ -243,16 +243,11 @@ class Pipeline:
 
   def __post_init__(self):
     for name in ("embed_fn", "stage_fn", "head_fn"):
-      if not callable(getattr(self, name)):
-        raise TypeError(f"{name} must be callable")
-    for name in ("num_microbatches", "virtual_stages"):
-      n = getattr(self, name)
-      if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be an int >= 1; got {n!r}")
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"schedule must be one of {SCHEDULES}; got {self.schedule!r}")
-    if not isinstance(self.remat, bool):
-      raise TypeError(f"remat must be a bool; got {type(self.remat).__name__}")
+      validation.function(name, getattr(self, name))
+    validation.positive_int("num_microbatches", self.num_microbatches)
+    validation.positive_int("virtual_stages", self.virtual_stages)
+    validation.one_of("schedule", self.schedule, SCHEDULES)
+    validation.boolean("remat", self.remat)
     if self.virtual_stages > 1 and self.schedule != "gpipe":
       raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='gpipe' "
                        f"(interleaved 1F1B is not implemented); got {self.schedule!r}")

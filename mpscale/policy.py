@@ -12,7 +12,7 @@ layers and biases (any path component containing ``norm``, ``scale`` or ``bias``
 are small, so keeping them in float32 costs little.
 
 Presets, after MindSpore's ``amp_level`` (`get_policy`); the last column is
-``needs_loss_scaling``; ``policy.with_loss_scaling(optax.adamw(1e-3))`` wraps an
+``needs_loss_scaling``; ``mpscale.loss_scale_for(policy, optax.adamw(1e-3))`` wraps an
 optimizer in `mpscale.dynamic_loss_scale` when it is true, else in `no_loss_scale`::
 
           params   compute   output   keep_fp32           needs_loss_scaling
@@ -43,9 +43,7 @@ from typing import Any, Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib
 
 KeepFp32 = Callable[[norms_lib.KeyPath, Any], bool]
@@ -108,7 +106,7 @@ def keep_fp32_by_name(*substrings: str) -> KeepFp32:
 
   def keep(path: norms_lib.KeyPath, leaf: Any) -> bool:
     del leaf
-    names = [norms_lib.key_name(k).lower() for k in path]
+    names = [norms_lib.path_str((k,)).lower() for k in path]
     return any(s in name for name in names for s in wanted)
 
   return keep
@@ -158,24 +156,6 @@ class Policy:
     gradients to zero without loss scaling (bfloat16 and float32 do not need it)."""
     return any(d == jnp.float16 for d in
                (self.param_dtype, self.compute_dtype, self.output_dtype))
-
-  def with_loss_scaling(self, inner: optax.GradientTransformation, **kwargs: Any
-                       ) -> optax.GradientTransformationExtraArgs:
-    """``inner`` in the loss-scale wrapper this policy calls for.
-
-    Args:
-      inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
-      **kwargs: passed to `mpscale.dynamic_loss_scale` (e.g. ``growth_interval``) when
-        the policy needs loss scaling, else to `mpscale.no_loss_scale` (e.g.
-        ``groups``).
-
-    Returns:
-      `mpscale.dynamic_loss_scale` ``(inner)`` when `needs_loss_scaling`, else
-      `mpscale.no_loss_scale` ``(inner)``.
-    """
-    if self.needs_loss_scaling:
-      return loss_scale_lib.dynamic_loss_scale(inner, **kwargs)
-    return loss_scale_lib.no_loss_scale(inner, **kwargs)
 
   def cast_to_param(self, tree: Any) -> Any:
     """``tree`` with every floating leaf cast to ``param_dtype``."""

@@ -4,7 +4,7 @@ A skipped step must leave the optimizer state as it was. The plain way, and the
 reference for this module's results, is `select_at_end`::
 
   updates, new_state = inner.update(...)
-  state = where(keep, new_state, old_state)        # leaf by leaf
+  state = where(skip, old_state, new_state)        # leaf by leaf
 
 Under ``jit`` with the state donated this is slow: the parameter updates are computed
 from the *new* moments, XLA recomputes those from the *old* moments inside the update's
@@ -12,17 +12,17 @@ fusion, and the final select then overwrites the old moments in place while that
 fusion still reads them, so XLA copies every donated state leaf first (on XLA:CPU two
 extra state-sized passes and scratch per step; see benchmarks/README.md).
 
-`update_or_keep` instead traces ``inner.update`` to a jaxpr and evaluates it equation by
-equation, inserting ``where(keep, new, old)`` right where each state leaf is produced,
+`update_or_skip` instead traces ``inner.update`` to a jaxpr and evaluates it equation by
+equation, inserting ``where(skip, old, new)`` right where each state leaf is produced,
 so everything computed from it afterwards (the updates) reads the selected value, as
 the unwrapped optimizer reads its own outputs. The arithmetic is `select_at_end`'s: on
-a kept step the selected value *is* the new one, and on a skipped step the caller
+an applied step the selected value *is* the new one, and on a skipped step the caller
 discards the updates.
 
 What is guaranteed:
 
 * Results: those of `select_at_end`: on a skipped step bit for bit (the old state,
-  and updates of ``-0.0`` from the caller); on a kept step the same arithmetic, which
+  and updates of ``-0.0`` from the caller); on an applied step the same arithmetic, which
   XLA may fuse, and so round, differently from `select_at_end`'s program (a few units
   in the last place, as between any two differently fused programs).
 * Speed (no copies of a donated state): where a state leaf is the output of a
@@ -73,7 +73,7 @@ _warned: set[str] = set()
 
 @contextlib.contextmanager
 def select_at_end_only() -> Iterator[None]:
-  """Within this context (while tracing), `update_or_keep` always takes the
+  """Within this context (while tracing), `update_or_skip` always takes the
   `select_at_end` path: for tests, and to rule the evaluator out when debugging."""
   before = getattr(_local, "forced", False)
   _local.forced = True
@@ -88,48 +88,48 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def select_at_end(run_inner: Callable[[], tuple[Updates, State]], keep: jax.Array,
+def select_at_end(run_inner: Callable[[], tuple[Updates, State]], skip: jax.Array,
                   old_state: State) -> tuple[Updates, State, State]:
   """``run_inner()``, then the state selected leaf by leaf: the reference path.
 
   Returns:
     ``(updates, state, new_state)``: the inner updates, the state (``old_state``
-    where ``keep`` is false) and the inner update's own new state.
+    where ``skip`` is true) and the inner update's own new state.
   """
   updates, new_state = run_inner()
-  return updates, select_tree(keep, new_state, old_state), new_state
+  return updates, select_tree(skip, old_state, new_state), new_state
 
 
-def update_or_keep(run_inner: Callable[[], tuple[Updates, State]], keep: jax.Array,
+def update_or_skip(run_inner: Callable[[], tuple[Updates, State]], skip: jax.Array,
                    old_state: State) -> tuple[Updates, State, State]:
   """`select_at_end`'s results, with each state leaf selected where it is produced.
 
   Args:
     run_inner: ``() -> (updates, new_state)``, the inner optimizer's update.
-    keep: a bool scalar: keep the new state (true) or ``old_state`` (false).
+    skip: a bool scalar: keep ``old_state`` (true) or take the new state (false).
     old_state: the state before the update; the same tree structure as the new one.
 
   Returns:
     ``(updates, state, new_state)`` as `select_at_end`.
   """
-  reason = _decline_reason(keep)
+  reason = _decline_reason(skip)
   if reason is not None:
-    return select_at_end(run_inner, keep, old_state)
+    return select_at_end(run_inner, skip, old_state)
   closed, out_shape = jax.make_jaxpr(run_inner, return_shape=True)()
   if closed.effects or (jax.tree_util.tree_structure(out_shape[1])
                         != jax.tree_util.tree_structure(old_state)):
-    return select_at_end(run_inner, keep, old_state)  # the latter raises
+    return select_at_end(run_inner, skip, old_state)  # the latter raises
   try:
-    return _evaluate(closed, out_shape, keep, old_state)
+    return _evaluate(closed, out_shape, skip, old_state)
   except Exception as e:  # noqa: BLE001 - any failure of the evaluator falls back
     _warn_once(f"{type(e).__name__}: {e}")
-    return select_at_end(run_inner, keep, old_state)
+    return select_at_end(run_inner, skip, old_state)
 
 
-def _decline_reason(keep: Any) -> str | None:
+def _decline_reason(skip: Any) -> str | None:
   if getattr(_local, "forced", False):
     return "forced"
-  if not isinstance(keep, jax.core.Tracer):
+  if not isinstance(skip, jax.core.Tracer):
     # Eager (op by op): nothing is donated, so there is nothing to order; run the
     # inner update as written (re-evaluating its jaxpr eagerly can differ in the last
     # bit from running it).
@@ -172,7 +172,7 @@ def _bind(eqn: Any, values: list) -> list:
   return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _evaluate(closed: Any, out_shape: Any, keep: jax.Array, old_state: State
+def _evaluate(closed: Any, out_shape: Any, skip: jax.Array, old_state: State
              ) -> tuple[Updates, State, State]:
   jaxpr = closed.jaxpr
   n_updates = len(jax.tree_util.tree_leaves(out_shape[0]))
@@ -216,7 +216,7 @@ def _evaluate(closed: Any, out_shape: Any, keep: jax.Array, old_state: State
     for v, out in zip(eqn.outvars, outs):  # a dropped output is written, never read
       if v in fallback:
         unselected.setdefault(v, out)
-        out = jnp.where(keep, out, fallback[v])
+        out = jnp.where(skip, fallback[v], out)
       env[v] = out
 
   updates = jax.tree_util.tree_unflatten(
@@ -225,7 +225,7 @@ def _evaluate(closed: Any, out_shape: Any, keep: jax.Array, old_state: State
   state, new_state = [], []
   for v, old in zip(state_vars, old_leaves):
     selected = is_var(v) and fallback.get(v) is old
-    state.append(read(v) if selected else jnp.where(keep, read_unselected(v), old))
+    state.append(read(v) if selected else jnp.where(skip, old, read_unselected(v)))
     new_state.append(read_unselected(v))
   return (updates, jax.tree_util.tree_unflatten(new_def, state),
           jax.tree_util.tree_unflatten(new_def, new_state))

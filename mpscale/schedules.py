@@ -38,39 +38,16 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from mpscale import validation
+
 LR_STYLES = ("constant", "linear", "cosine", "inverse_sqrt")
 WEIGHT_DECAY_STYLES = ("constant", "linear", "cosine")
-
-
-def _check_float(name: str, value: Any, low: float = 0.0,
-                 high: float = math.inf) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(f"{name} must be a float; got {type(value).__name__}")
-  value = float(value)
-  if not (math.isfinite(value) and low <= value <= high):
-    raise ValueError(f"{name} must be finite and in [{low}, {high}]; got {value}")
-  return value
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-  if value < low:
-    raise ValueError(f"{name} must be >= {low}; got {value}")
-  return value
-
-
-def _check_style(name: str, style: Any, styles: tuple[str, ...]) -> str:
-  if style not in styles:
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, styles))}; "
-                     f"got {style!r}")
-  return style
 
 
 def lr_schedule(peak: float, *, warmup_steps: int = 0,
@@ -109,15 +86,13 @@ def lr_schedule(peak: float, *, warmup_steps: int = 0,
     ...                                min_lr=3e-5)
     >>> tx = optax.adamw(schedule, weight_decay=0.1)
   """
-  peak = _check_float("peak", peak)
-  if peak <= 0:
-    raise ValueError(f"peak must be positive; got {peak}")
-  min_lr = _check_float("min_lr", min_lr, 0.0, peak)
-  init_lr = _check_float("init_lr", init_lr, 0.0, peak)
-  style = _check_style("style", style, LR_STYLES)
-  warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+  peak = validation.positive_float("peak", peak)
+  min_lr = validation.float_in("min_lr", min_lr, 0.0, peak)
+  init_lr = validation.float_in("init_lr", init_lr, 0.0, peak)
+  style = validation.one_of("style", style, LR_STYLES)
+  warmup_steps = validation.integer("warmup_steps", warmup_steps, 0)
   if decay_steps is not None:
-    decay_steps = _check_int("decay_steps", decay_steps, 1)
+    decay_steps = validation.positive_int("decay_steps", decay_steps)
   elif style != "constant" or warmup_fraction is not None:
     raise ValueError(f"decay_steps is required with style={style!r}"
                      + (" and warmup_fraction" if warmup_fraction is not None else ""))
@@ -125,12 +100,11 @@ def lr_schedule(peak: float, *, warmup_steps: int = 0,
   if warmup_fraction is not None:
     if warmup_steps:
       raise ValueError("give warmup_steps or warmup_fraction, not both")
-    fraction = _check_float("warmup_fraction", warmup_fraction, 0.0, 1.0)
-    if fraction >= 1.0:
-      raise ValueError(f"warmup_fraction must be < 1; got {fraction}")
+    fraction = validation.float_in("warmup_fraction", warmup_fraction, 0.0, 1.0,
+                                   high_open=True)
     warmup = fraction * decay_steps
   if decay_steps is not None and not warmup < decay_steps:
-    raise ValueError(f"the warm-up ({warmup} steps) must end before decay_steps "
+    raise ValueError(f"warmup_steps ({warmup_steps}) must be < decay_steps "
                      f"({decay_steps})")
 
   if style == "constant":
@@ -177,10 +151,10 @@ def weight_decay_schedule(start: float, end: float, steps: int,
     >>> tx = mpscale.came(1e-4, weight_decay=mpscale.weight_decay_schedule(
     ...     0.01, 0.1, 10_000, style="cosine"))
   """
-  start = _check_float("start", start, 0.0, 1.0)
-  end = _check_float("end", end, 0.0, 1.0)
-  style = _check_style("style", style, WEIGHT_DECAY_STYLES)
-  steps = _check_int("steps", steps, 0 if style == "constant" else 1)
+  start = validation.float_in("start", start, 0.0, 1.0)
+  end = validation.float_in("end", end, 0.0, 1.0)
+  style = validation.one_of("style", style, WEIGHT_DECAY_STYLES)
+  steps = validation.integer("steps", steps, 0 if style == "constant" else 1)
   if style == "constant":
     if start != end:
       raise ValueError(f"style='constant' needs start == end; got {start} and {end}")

@@ -202,7 +202,7 @@ def resolve_specs(param_specs: SpecsLike, params: Any) -> Any:
       if spec is None:
         return PartitionSpec()
       if not _is_spec(spec):
-        raise TypeError(f"param_specs({norms_lib.path_name(path)!r}, leaf) must return "
+        raise TypeError(f"param_specs({norms_lib.path_str(path)!r}, leaf) must return "
                         f"a PartitionSpec; got {type(spec).__name__}")
       return spec
     return jax.tree_util.tree_map_with_path(call, params)
@@ -226,7 +226,7 @@ def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
   """
   for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
                                 jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)):
-    name = norms_lib.path_name(path) or "params"
+    name = norms_lib.path_str(path) or "params"
     shape = np.shape(leaf)
     if len(spec) > len(shape):
       raise ValueError(f"{what}: leaf {name!r} of shape {shape} has a spec {spec} with "
@@ -337,7 +337,7 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
   def lay_out(path, sub):
     if not like(sub):
       return PartitionSpec()
-    field = norms_lib.path_name(path)
+    field = norms_lib.path_str(path)
     leaves = jax.tree_util.tree_leaves(sub)
     return params_def.unflatten([
         _follow(spec, np.shape(p), np.shape(x), field)

@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -76,15 +76,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import optax
 
-from mpscale import finite
-from mpscale.gradients import Gradients
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import metrics as metrics_lib
 from mpscale import norms as norms_lib
+from mpscale import opt_state as opt_state_lib
 from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
 from mpscale import sharding as sharding_lib
+from mpscale import skip as skip_lib
 from mpscale import validation
+from mpscale.gradients import Gradients
 
 LossFn = Callable[[Any, Any], Any]
 DataAxis = Union[str, tuple[str, ...]]
@@ -126,7 +127,7 @@ def _shapes(tree: Any) -> Any:
 
 def _has_wrapper(optimizer: optax.GradientTransformation, params: Any) -> bool:
   state = jax.eval_shape(optimizer.init, _shapes(params))
-  return bool(finite.find_states(state, finite.SkipNonfiniteState))
+  return bool(opt_state_lib.find(state, skip_lib.SkipNonfiniteState))
 
 
 def _wrapped(optimizer: optax.GradientTransformation, params: Any
@@ -185,7 +186,7 @@ def _check_batch(batch: Any, divisor: int, what: str) -> int:
   sizes = set()
   for path, x in jax.tree_util.tree_leaves_with_path(batch):
     shape = np.shape(x)
-    name = norms_lib.path_name(path) or "batch"
+    name = norms_lib.path_str(path) or "batch"
     if not shape:
       if divisor > 1:
         raise ValueError(f"batch leaf {name!r} is a scalar; with data parallelism or "
@@ -484,7 +485,7 @@ def _adopt_opt_state(optimizer: optax.GradientTransformation, params: Any,
         jax.eval_shape(optimizer.init, _shapes(params)))
     if jax.tree_util.tree_structure(opt_state) == inner:
       fresh = wrapped.init(params)
-      return fresh._replace(guard=fresh.guard._replace(inner_state=opt_state))
+      return fresh._replace(skip_state=fresh.skip_state._replace(inner_state=opt_state))
   raise ValueError("the given opt_state does not match the optimizer passed to "
                    "make_train_step (its tree structure differs)")
 
@@ -532,14 +533,14 @@ def _check_finite_params(params: Any) -> None:
       else jnp.asarray(True), params)
   for path, ok in jax.tree_util.tree_leaves_with_path(jax.device_get(flags)):
     if not ok:
-      raise ValueError(f"initial parameter {norms_lib.path_name(path)!r} holds a NaN "
+      raise ValueError(f"initial parameter {norms_lib.path_str(path)!r} holds a NaN "
                        "or an Inf")
 
 
 def _warn_if_unscaled(policy: policy_lib.Policy, opt_state: Any) -> None:
   if not policy.needs_loss_scaling:
     return
-  states = finite.find_states(opt_state, loss_scale_lib.LossScaleState)
+  states = opt_state_lib.find(opt_state, loss_scale_lib.LossScaleState)
   scale = states[0].loss_scale if states else None
   unscaled = scale is None
   if scale is not None and not isinstance(scale, jax.core.Tracer):
@@ -548,7 +549,7 @@ def _warn_if_unscaled(policy: policy_lib.Policy, opt_state: Any) -> None:
     warnings.warn(
         f"policy {policy} computes in float16 but the optimizer has no loss scaling "
         "(scale 1): small float16 gradients will flush to zero. Wrap the optimizer in "
-        "mpscale.dynamic_loss_scale, e.g. with policy.with_loss_scaling(optimizer).",
+        "mpscale.dynamic_loss_scale, e.g. with mpscale.loss_scale_for(policy, optimizer).",
         stacklevel=3)
 
 

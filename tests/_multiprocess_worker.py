@@ -66,7 +66,7 @@ def flatten(result: dict) -> dict:
   """``result`` as a flat ``{"params/w": array, ...}`` dict (npz keys)."""
   from mpscale import norms
   import jax
-  return {norms.path_name(path): v
+  return {norms.path_str(path): v
           for path, v in jax.tree_util.tree_flatten_with_path(result)[0]}
 
 

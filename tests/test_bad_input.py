@@ -28,7 +28,7 @@ CATALOGUE = [
     (mpscale.dynamic_loss_scale, dict(inner=sgd, min_scale=8.0, max_scale=4.0, init_scale=4.0), ValueError, "min_scale"),
     (mpscale.dynamic_loss_scale, dict(inner="adam"), TypeError, "inner"),
     (mpscale.fixed_loss_scale, dict(inner=sgd, scale=0.0), ValueError, "scale"),
-    (mpscale.fixed_loss_scale, dict(inner=sgd, scale=2.0, drop_overflow_update=None), TypeError, "drop_overflow_update"),
+    (mpscale.fixed_loss_scale, dict(inner=sgd, scale=2.0, skip_nonfinite=None), TypeError, "skip_nonfinite"),
     (mpscale.no_loss_scale, dict(inner=None), TypeError, "inner"),
     (mpscale.skip_nonfinite, dict(inner=sgd, groups=0), ValueError, "groups"),
     (mpscale.clip_by_global_norm, dict(max_norm=0.0), ValueError, "max_norm"),

@@ -467,7 +467,7 @@ def test_inside_dynamic_loss_scale_and_step_metrics():
   metrics = mpscale.step_metrics(new_state)
   assert bool(metrics["overflow"]) and int(metrics["skipped"]) == 1
   chex.assert_trees_all_equal(optax.apply_updates(p, u), p)
-  chex.assert_trees_all_equal(new_state.guard.inner_state, state.guard.inner_state)
+  chex.assert_trees_all_equal(new_state.skip_state.inner_state, state.skip_state.inner_state)
   np.testing.assert_allclose(metrics["learning_rate"], schedule(len(grads) - 1))
 
 

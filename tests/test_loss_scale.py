@@ -107,7 +107,7 @@ def _run_scales(config, pattern):
     grads = _grads(scale, None if finite else kind, leaf)
     _, state = update(grads, state, params)
     scales.append(float(state.loss_scale))
-    assert bool(state.guard.overflow) == (not finite)
+    assert bool(state.skip_state.overflow) == (not finite)
   return scales
 
 
@@ -176,15 +176,15 @@ def test_skipped_step_is_bit_identical(kind, leaf):
 
   for i in range(3):  # move the inner state away from its initial values
     params, state = step(params, state, _grads(mpscale.loss_scale_of(state), seed=i))
-  before_params, before_inner = _bits(params), _bits(state.guard.inner_state)
+  before_params, before_inner = _bits(params), _bits(state.skip_state.inner_state)
   grads = _grads(mpscale.loss_scale_of(state), kind, leaf)
   new_params, new_state = step(params, state, grads)
   assert _bits(new_params) == before_params  # -0.0 in 'bias' survives too
-  assert _bits(new_state.guard.inner_state) == before_inner
-  assert int(new_state.guard.skipped) == 1
+  assert _bits(new_state.skip_state.inner_state) == before_inner
+  assert int(new_state.skip_state.skipped) == 1
   assert float(new_state.loss_scale) == float(state.loss_scale) / 2
-  assert bool(new_state.guard.nan) == bool(np.isnan(kind))
-  assert bool(new_state.guard.inf) == bool(np.isinf(kind))
+  assert bool(new_state.skip_state.nan) == bool(np.isnan(kind))
+  assert bool(new_state.skip_state.inf) == bool(np.isinf(kind))
 
 
 def test_scale_stays_within_bounds_over_10000_random_steps():
@@ -204,7 +204,7 @@ def test_scale_stays_within_bounds_over_10000_random_steps():
   state, scales = jax.jit(lambda s: jax.lax.scan(body, s, keys))(tx.init(params))
   scales = np.asarray(scales)
   assert np.all(np.isfinite(scales)) and scales.min() == lo and scales.max() == hi
-  assert int(state.guard.skipped) > 3000
+  assert int(state.skip_state.skipped) > 3000
 
 
 def test_growth_never_reaches_inf():
@@ -250,12 +250,12 @@ def test_fixed_scale_drops_or_applies_overflow():
   dropped = mpscale.fixed_loss_scale(optax.sgd(1.0), 8.0)
   upd, state = dropped.update(bad, dropped.init(params), params)
   assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(upd))
-  assert int(state.guard.skipped) == 1 and float(state.loss_scale) == 8.0
+  assert int(state.skip_state.skipped) == 1 and float(state.loss_scale) == 8.0
 
-  applied = mpscale.fixed_loss_scale(optax.sgd(1.0), 8.0, drop_overflow_update=False)
+  applied = mpscale.fixed_loss_scale(optax.sgd(1.0), 8.0, skip_nonfinite=False)
   upd, state = applied.update(bad, applied.init(params), params)
   assert np.isinf(np.asarray(upd["dense"]["bias"])).any()
-  assert bool(state.guard.overflow) and int(state.guard.skipped) == 0
+  assert bool(state.skip_state.overflow) and int(state.skip_state.skipped) == 0
   np.testing.assert_allclose(upd["head"], -np.asarray(bad["head"]) / 8.0)
 
 
@@ -281,7 +281,7 @@ def test_no_loss_scale_is_scale_one_and_still_skips():
   state = tx.init(params)
   assert float(mpscale.loss_scale_of(state)) == 1.0
   upd, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, state, params)
-  assert int(state.guard.skipped) == 1
+  assert int(state.skip_state.skipped) == 1
   np.testing.assert_array_equal(optax.apply_updates(params, upd)["w"], params["w"])
 
 
@@ -323,8 +323,8 @@ def test_validates_inner_and_fixed_scale():
     mpscale.dynamic_loss_scale(lambda g: g)
   with pytest.raises(ValueError, match="scale"):
     mpscale.fixed_loss_scale(optax.sgd(0.1), 0.0)
-  with pytest.raises(TypeError, match="drop_overflow_update"):
-    mpscale.fixed_loss_scale(optax.sgd(0.1), 2.0, drop_overflow_update="no")
+  with pytest.raises(TypeError, match="skip_nonfinite"):
+    mpscale.fixed_loss_scale(optax.sgd(0.1), 2.0, skip_nonfinite="no")
 
 
 def test_skipped_steps_do_not_advance_inner_schedules():
@@ -337,7 +337,7 @@ def test_skipped_steps_do_not_advance_inner_schedules():
   for g in [1.0, jnp.nan, jnp.nan, 1.0]:
     _, state = update({"w": jnp.full((2,), g) * state.loss_scale}, state, params)
   # Two applied steps: the inner count is 2, and the last lr used is sched(1).
-  inner = state.guard.inner_state
+  inner = state.skip_state.inner_state
   assert int(inner.count) == 2
   np.testing.assert_allclose(mpscale.step_metrics(state)["learning_rate"], sched(1))
 
@@ -394,7 +394,7 @@ def test_shard_map_one_poisoned_replica_makes_all_skip():
     updates, state = tx.update(grads, state, params)
     new_params = optax.apply_updates(params, updates)
     return (jax.tree.map(lambda x: x[None], new_params), state.loss_scale[None],
-            state.guard.skipped[None])
+            state.skip_state.skipped[None])
 
   def run(poison_replica):
     g = {"w": jnp.ones((8, 4)) * 8.0, "b": jnp.ones((8, 2)) * 8.0}

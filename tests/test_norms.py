@@ -61,7 +61,7 @@ def test_group_norms_by_depth_and_callable():
       gn["layer_0/mlp"], _np_norm(jax.tree.leaves(tree["layer_0"]["mlp"])), rtol=1e-6)
   assert int(sizes["layer_0/mlp"]) == 256 + 32
 
-  by_kind = lambda path: "bias" if norms.key_name(path[-1]) == "b" else "weights"
+  by_kind = lambda path: "bias" if norms.path_str(path[-1:]) == "b" else "weights"
   gn, sizes = mpscale.group_norms(tree, groups=by_kind)
   np.testing.assert_allclose(gn["bias"], _np_norm([tree["layer_0"]["mlp"]["b"]]),
                              rtol=1e-6)
@@ -176,6 +176,6 @@ def test_clip_after_another_transform_measures_its_own_input():
                       optax.sgd(1.0))
   tx = mpscale.no_loss_scale(inner)
   _, state = tx.update(grads, tx.init(params), params)
-  clip_state = state.guard.inner_state[1]
+  clip_state = state.skip_state.inner_state[1]
   np.testing.assert_allclose(clip_state.global_norm, 10 * mpscale.global_norm(grads),
                              rtol=1e-6)

@@ -331,7 +331,7 @@ def test_make_train_step_with_a_pipeline_matches_the_plain_step(schedule):
   state, ref_state = init(params), ref_init(params)
   assert state.params["stages"]["w"].sharding.spec == jax.sharding.PartitionSpec(
       "stage")
-  mu = state.opt_state.guard.inner_state[1][0].mu  # adam's first moment
+  mu = state.opt_state.skip_state.inner_state[1][0].mu  # adam's first moment
   assert mu["stages"]["w"].sharding.spec == jax.sharding.PartitionSpec("stage")
   for _ in range(5):
     state, metrics = step(state, batch)

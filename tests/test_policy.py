@@ -80,11 +80,12 @@ def test_needs_loss_scaling_follows_float16():
   assert not mpscale.Policy().needs_loss_scaling
 
 
-def test_with_loss_scaling_picks_the_wrapper():
+def test_loss_scale_for_picks_the_wrapper_the_policy_needs():
   params = {"w": jnp.ones(3)}
-  scaled = mpscale.get_policy("O2").with_loss_scaling(optax.sgd(0.1), init_scale=64.0)
+  scaled = mpscale.loss_scale_for(mpscale.get_policy("O2"), optax.sgd(0.1),
+                                  init_scale=64.0)
   assert float(mpscale.loss_scale_of(scaled.init(params))) == 64.0
-  plain = mpscale.get_policy("bf16").with_loss_scaling(optax.sgd(0.1))
+  plain = mpscale.loss_scale_for(mpscale.get_policy("bf16"), optax.sgd(0.1))
   assert float(mpscale.loss_scale_of(plain.init(params))) == 1.0
   assert isinstance(plain.init(params), mpscale.LossScaleState)
 

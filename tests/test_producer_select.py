@@ -13,7 +13,7 @@ import pytest
 import mpscale
 from mpscale import producer_select
 
-from tests.test_finite import _big_copies
+from tests.test_skip import _big_copies
 
 
 def _params():
@@ -78,8 +78,8 @@ def _jitted_step(tx, forced):
   return run
 
 
-def _guard(state):
-  return state.guard if hasattr(state, "guard") else state
+def _skip_state(state):
+  return state.skip_state if hasattr(state, "skip_state") else state
 
 
 def _assert_same(fast, slow, rtol, what):
@@ -113,8 +113,8 @@ def test_fast_path_equals_select_at_end(inner, wrapper):
     if poison is not None:  # skipped: nothing moved, in either path
       assert bool(got[2]["overflow"]) and bool(want[2]["overflow"])
       for out in (got, want):
-        _assert_same((out[0], _guard(out[1]).inner_state),
-                     (params, _guard(state).inner_state), 0, f"skipped step {seed}")
+        _assert_same((out[0], _skip_state(out[1]).inner_state),
+                     (params, _skip_state(state).inner_state), 0, f"skipped step {seed}")
     _assert_same(got, want, 1e-6, f"step {seed}")
     params, state = got[0], got[1]
 

@@ -104,7 +104,7 @@ def test_weight_decay_schedule_may_decrease():
     (dict(peak=1.0, decay_steps=10, min_lr=-1.0), ValueError, "min_lr"),
     (dict(peak=1.0, decay_steps=10, init_lr=2.0), ValueError, "init_lr"),
     (dict(peak=1.0, decay_steps=10, warmup_steps=-1), ValueError, "warmup_steps"),
-    (dict(peak=1.0, decay_steps=10, warmup_steps=10), ValueError, "warm-up"),
+    (dict(peak=1.0, decay_steps=10, warmup_steps=10), ValueError, "warmup_steps .10. must be < decay_steps"),
     (dict(peak=1.0, decay_steps=10, warmup_steps=2, warmup_fraction=0.1), ValueError,
      "warmup_fraction"),
     (dict(peak=1.0, decay_steps=10, warmup_fraction=1.0), ValueError,

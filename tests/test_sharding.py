@@ -143,7 +143,7 @@ def test_pipelines_with_tensor_parallel_stages_match_one_device(schedule, virtua
   got = train(make_mesh(data=2, stage=2, tensor=2), "came", virtual=virtual,
               schedule=schedule, sequence_parallel=True, zero1=zero1)
   assert_same_run(got, reference("came"))
-  mu = got[0].opt_state.guard.inner_state[1][0].mu["stages"]["fc"]["kernel"]
+  mu = got[0].opt_state.skip_state.inner_state[1][0].mu["stages"]["fc"]["kernel"]
   assert mu.sharding.spec == (P("stage", "data", "tensor") if zero1
                               else P("stage", None, "tensor"))
 
@@ -180,7 +180,7 @@ def test_an_overflow_in_one_shard_makes_every_device_skip():
                   jax.tree_util.tree_leaves(before.params)):
     for shard in x.addressable_shards:  # every device kept its shard as it was
       np.testing.assert_array_equal(shard.data, y[shard.index])
-  inner = jax.tree_util.tree_leaves(state.opt_state.guard.inner_state)
+  inner = jax.tree_util.tree_leaves(state.opt_state.skip_state.inner_state)
   assert all(np.isfinite(np.asarray(s.data)).all() for x in inner
              for s in x.addressable_shards)
   # A clean step after it moves every shard.
@@ -226,7 +226,7 @@ def test_tensor_parallelism_divides_the_matrices_it_splits():
     if name in split:
       assert x.addressable_shards[0].data.nbytes == x.nbytes // 8, name
   # Adam's moments follow their parameters.
-  mu = state.opt_state.guard.inner_state[1][0].mu
+  mu = state.opt_state.skip_state.inner_state[1][0].mu
   assert mu["stages"]["qkv"]["kernel"].sharding.spec == P(None, None, "tensor")
 
 

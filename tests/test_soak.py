@@ -69,7 +69,7 @@ def _run(step_ids, plan):
     # Each replica carries its own copy (the gradients differ where poisoned).
     init = _cast_varying(init, ("data",))
     (params, state, bad_param, lo, hi), _ = jax.lax.scan(body, init, xs)
-    return jax.tree.map(lambda x: x[None], (params, state.guard.skipped, bad_param,
+    return jax.tree.map(lambda x: x[None], (params, state.skip_state.skipped, bad_param,
                                             lo, hi))
 
   xs = (jnp.asarray(step_ids, jnp.int32), jnp.asarray(plan["poisoned"][step_ids]),
@@ -116,7 +116,7 @@ def test_long_fp16_run_recovers_its_working_scale_after_an_overflow_burst():
     scaled = jnp.where(poisoned, jnp.nan, scaled)
     updates, state = tx.update({"w": scaled}, state, params)
     return (optax.apply_updates(params, updates), state), (
-        state.loss_scale, state.guard.skipped, jnp.all(jnp.isfinite(params["w"])))
+        state.loss_scale, state.skip_state.skipped, jnp.all(jnp.isfinite(params["w"])))
 
   (params, state), (scales, skipped, finite) = jax.jit(
       lambda c: jax.lax.scan(body, c, jnp.arange(steps)))((params, tx.init(params)))
@@ -127,4 +127,4 @@ def test_long_fp16_run_recovers_its_working_scale_after_an_overflow_burst():
   recovered = scales[burst.stop + 12 * interval + 100:]
   assert recovered.min() >= working.min() and recovered.max() <= working.max()
   assert np.asarray(finite).all()
-  assert int(state.guard.skipped) >= len(burst)
+  assert int(state.skip_state.skipped) >= len(burst)

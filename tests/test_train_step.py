@@ -156,7 +156,7 @@ def test_sharded_optimizer_state_matches_and_is_sharded(single_device_run):
 
   state, metrics = step(state, make_batch(0))
   traced_once = len(traces)
-  mu = state.opt_state.guard.inner_state[1][0].mu["layer0"]["kernel"]  # [8, 16]
+  mu = state.opt_state.skip_state.inner_state[1][0].mu["layer0"]["kernel"]  # [8, 16]
   assert mu.addressable_shards[0].data.shape == (8, 2)
   assert state.params["layer0"]["kernel"].sharding.is_fully_replicated
 
@@ -255,8 +255,8 @@ def test_nan_on_one_replica_skips_everywhere(microbatches):
     assert len(shards) == 8
     for shard in shards:
       np.testing.assert_array_equal(shard, bits(old))
-  chex.assert_trees_all_equal(jax.device_get(state.opt_state.guard.inner_state),
-                              before.opt_state.guard.inner_state)
+  chex.assert_trees_all_equal(jax.device_get(state.opt_state.skip_state.inner_state),
+                              before.opt_state.skip_state.inner_state)
 
   state, metrics = step(state, make_batch(2))
   assert not bool(metrics["overflow"])
@@ -363,7 +363,7 @@ def test_linen_model_and_flax_train_state():
   init, step = mpscale.make_train_step(loss_fn, ts.tx, mesh=mesh_of(2))
   state = init(ts)
   assert int(state.step) == 1
-  assert_close(jax.device_get(state.opt_state.guard.inner_state),
+  assert_close(jax.device_get(state.opt_state.skip_state.inner_state),
                jax.device_get(ts.opt_state))
   for b in batches(3):
     state, _ = step(state, b)

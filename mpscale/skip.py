@@ -13,7 +13,6 @@ benchmarks/README.md for the figures).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -22,7 +21,9 @@ from jax import lax
 import optax
 
 from mpscale import norms as norms_lib
+from mpscale import opt_state as opt_state_lib
 from mpscale import producer_select
+from mpscale import validation
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -54,46 +55,18 @@ def _any_across(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
   return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
 
 
-def nnx_module():
-  """flax.nnx if the program has imported it, else None (then no NNX object exists)."""
-  return sys.modules.get("flax.nnx")
-
-
-def plain_state(opt_state: Any) -> Any:
-  """``opt_state`` as plain arrays: a Flax NNX ``nnx.Optimizer`` gives its state, and
-  NNX ``Variable`` wrappers (``nnx.OptArray``, ``nnx.OptState``) give their values;
-  anything else is returned as it is."""
-  nnx = nnx_module()
-  if nnx is None:
-    return opt_state
-  if isinstance(opt_state, nnx.Optimizer):
-    opt_state = opt_state.opt_state
-  is_var = lambda x: isinstance(x, nnx.Variable)
-
-  def unwrap(x):
-    if not is_var(x):
-      return x
-    return x.get_value() if hasattr(x, "get_value") else x.value
-  return jax.tree_util.tree_map(unwrap, opt_state, is_leaf=is_var)
-
-
-def find_states(tree: Any, kind: type) -> list:
-  """Every ``kind`` NamedTuple inside ``tree``, outermost first, not looking inside one."""
-  found = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
-  return [x for x in found if isinstance(x, kind)]
-
-
 def _reported_groups(inner_state: Any, own_groups):
   """Group norms to report: a clip's inside ``inner_state`` (its groups were chosen for
   clipping), else ``own_groups()``."""
-  clips = find_states(inner_state, norms_lib.ClipByGlobalNormState)
+  clips = opt_state_lib.find(inner_state, norms_lib.ClipByGlobalNormState)
   if clips:
     return clips[0].group_norms, clips[0].group_sizes
   return own_groups()
 
 
-def guard_init(inner: optax.GradientTransformation, params: Any,
+def init_state(inner: optax.GradientTransformation, params: Any,
                groups: norms_lib.Groups) -> SkipNonfiniteState:
+  """The state of a wrapper that skips non-finite steps of ``inner``."""
   inner_state = inner.init(params)
   norms, sizes = jax.tree_util.tree_map(jnp.array, _reported_groups(  # copies
       inner_state, lambda: norms_lib.zero_group_stats(params, groups)))
@@ -106,22 +79,23 @@ def guard_init(inner: optax.GradientTransformation, params: Any,
       global_norm=jnp.zeros((), jnp.float32), group_norms=norms, group_sizes=sizes)
 
 
-def guard_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
-                 state: SkipNonfiniteState, params: Any, *, drop: bool,
-                 groups: norms_lib.Groups, axis_name: Optional[str],
-                 extra_args: dict, squares: Optional[norms_lib.LeafSquares] = None
-                ) -> tuple[Any, SkipNonfiniteState]:
-  """Checks ``updates`` in one pass, runs ``inner``, and drops the step if non-finite.
+def apply_or_skip(inner: optax.GradientTransformationExtraArgs, updates: Any,
+                  state: SkipNonfiniteState, params: Any, *, skip_nonfinite: bool,
+                  groups: norms_lib.Groups, axis_name: Optional[str],
+                  extra_args: dict,
+                  leaf_squares: Optional[norms_lib.LeafSquares] = None
+                 ) -> tuple[Any, SkipNonfiniteState]:
+  """Checks ``updates`` in one pass, runs ``inner``, and skips the step if non-finite.
 
-  With ``drop=False`` the step is reported as an overflow but applied anyway.
-  ``squares``, when given, are the per-leaf sums of squares of ``updates`` measured by
-  the caller (the loss-scale wrappers measure the raw gradients).
+  With ``skip_nonfinite=False`` a non-finite step is reported as an overflow but
+  applied anyway. ``leaf_squares``, when it describes ``updates`` (the loss-scale
+  wrappers measure the raw gradients; an outer wrapper hands its own down), is used
+  instead of a new pass; it is passed on to ``inner`` either way.
   """
-  if squares is None:
-    squares = norms_lib.leaf_squares(updates, norms_lib.splits_for(updates, groups))
+  leaf_squares = norms_lib.reuse_or_measure(updates, leaf_squares, groups)
   nan = jnp.zeros((), jnp.bool_)
   inf = jnp.zeros((), jnp.bool_)
-  for s in squares.sums:
+  for s in leaf_squares.sums:
     nan = nan | jnp.any(jnp.isnan(s))
     inf = inf | jnp.any(jnp.isinf(s))
   nan = _any_across(nan, axis_name)
@@ -129,44 +103,31 @@ def guard_update(inner: optax.GradientTransformationExtraArgs, updates: Any,
   overflow = nan | inf
 
   run_inner = lambda: inner.update(
-      updates, state.inner_state, params, grad_sum_squares=squares, **extra_args)
-  if drop:
-    keep = ~overflow
-    new_updates, new_inner, raw_inner = producer_select.update_or_keep(
-        run_inner, keep, state.inner_state)
+      updates, state.inner_state, params, leaf_squares=leaf_squares, **extra_args)
+  if skip_nonfinite:
+    skip = overflow
+    new_updates, new_inner, raw_inner = producer_select.update_or_skip(
+        run_inner, skip, state.inner_state)
     # -0.0, not 0.0: p + (-0.0) == p bit for bit for every p, including p == -0.0.
     new_updates = jax.tree_util.tree_map(
-        lambda u: jnp.where(keep, u, jnp.asarray(-0.0, u.dtype)), new_updates)
-    skipped_now = overflow.astype(jnp.int32)
+        lambda u: jnp.where(skip, jnp.asarray(-0.0, u.dtype), u), new_updates)
+    skipped_now = skip.astype(jnp.int32)
   else:
     new_updates, new_inner = run_inner()
     raw_inner = new_inner
     skipped_now = jnp.zeros((), jnp.int32)
   # The unselected state, so a skipped step still reports its own norms.
   group_norms, group_sizes = _reported_groups(
-      raw_inner, lambda: norms_lib.grouped(squares, groups))
+      raw_inner, lambda: norms_lib.grouped(leaf_squares, groups))
 
   new_state = SkipNonfiniteState(
       inner_state=new_inner,
       skipped=state.skipped + skipped_now,
       consecutive_skipped=(state.consecutive_skipped + 1) * skipped_now,
       overflow=overflow, nan=nan, inf=inf,
-      global_norm=jnp.sqrt(norms_lib.total(squares.sums)),
+      global_norm=jnp.sqrt(norms_lib.total(leaf_squares.sums)),
       group_norms=group_norms, group_sizes=group_sizes)
   return new_updates, new_state
-
-
-def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError("inner must be an optax.GradientTransformation; got "
-                    f"{type(inner).__name__}")
-  return optax.with_extra_args_support(inner)
-
-
-def check_axis_name(axis_name: Any) -> None:
-  if axis_name is not None and not isinstance(axis_name, (str, tuple)):
-    raise TypeError(f"axis_name must be a str, a tuple of str or None; got "
-                    f"{type(axis_name).__name__}")
 
 
 def skip_nonfinite(inner: optax.GradientTransformation, *,
@@ -194,16 +155,17 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
   References:
     optax.apply_if_finite, which this replaces with a single shared pass.
   """
-  inner = check_inner(inner)
-  norms_lib.validate_groups(groups)
-  check_axis_name(axis_name)
+  inner = validation.transformation("inner", inner)
+  groups = validation.groups("groups", groups)
+  axis_name = validation.axis_name("axis_name", axis_name)
 
   def init_fn(params):
-    return guard_init(inner, params, groups)
+    return init_state(inner, params, groups)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    updates = jax.tree_util.tree_map(lambda g: jnp.asarray(g), updates)
-    return guard_update(inner, updates, state, params, drop=True, groups=groups,
-                        axis_name=axis_name, extra_args=extra_args)
+  def update_fn(updates, state, params=None, *, leaf_squares=None, **extra_args):
+    updates = jax.tree_util.tree_map(jnp.asarray, updates)
+    return apply_or_skip(inner, updates, state, params, skip_nonfinite=True,
+                         groups=groups, axis_name=axis_name, extra_args=extra_args,
+                         leaf_squares=leaf_squares)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

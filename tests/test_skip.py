@@ -1,4 +1,4 @@
-"""Tests for mpscale.finite: skip_nonfinite on its own."""
+"""Tests for mpscale.skip: skip_nonfinite on its own."""
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,7 @@ def test_extra_args_reach_the_inner_transformation():
   tx = mpscale.skip_nonfinite(inner)
   params = _params()
   tx.update(params, tx.init(params), params, value=jnp.ones(()))
-  assert "value" in seen and isinstance(seen["grad_sum_squares"], mpscale.LeafSquares)
+  assert "value" in seen and isinstance(seen["leaf_squares"], mpscale.LeafSquares)
 
 
 def test_skip_nonfinite_validates():

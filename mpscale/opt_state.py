@@ -1,0 +1,52 @@
+"""Reading an optimizer state: Flax NNX unwrapping and finding mpscale's states in it.
+
+The loss scale, the metrics and the train step read mpscale's wrapper states from
+wherever they sit in an ``optax.chain``/``inject_hyperparams`` state tree; these
+helpers find them (with ``optax.tree_utils``) and accept a Flax NNX optimizer too.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import optax
+
+
+def nnx_module():
+  """flax.nnx if the program has imported it, else None (then no NNX object exists)."""
+  return sys.modules.get("flax.nnx")
+
+
+def plain(opt_state: Any) -> Any:
+  """``opt_state`` as plain arrays: a Flax NNX ``nnx.Optimizer`` gives its state, and
+  NNX ``Variable`` wrappers (``nnx.OptArray``, ``nnx.OptState``) give their values;
+  anything else is returned as it is."""
+  nnx = nnx_module()
+  if nnx is None:
+    return opt_state
+  if isinstance(opt_state, nnx.Optimizer):
+    opt_state = opt_state.opt_state
+  is_var = lambda x: isinstance(x, nnx.Variable)
+
+  def unwrap(x):
+    if not is_var(x):
+      return x
+    return x.get_value() if hasattr(x, "get_value") else x.value
+  return jax.tree_util.tree_map(unwrap, opt_state, is_leaf=is_var)
+
+
+def find_all(opt_state: Any, kind: type) -> list[tuple[Any, Any]]:
+  """``(key_path, state)`` of every ``kind`` NamedTuple in ``opt_state`` (itself
+  included), outermost first."""
+  if isinstance(opt_state, kind):
+    return [((), opt_state)] + find_all(tuple(opt_state), kind)
+  found = optax.tree_utils.tree_get_all_with_path(
+      opt_state, kind.__name__, lambda _, x: isinstance(x, kind))
+  return sorted(found, key=lambda path_state: len(path_state[0]))
+
+
+def find(opt_state: Any, kind: type) -> list[Any]:
+  """Every ``kind`` NamedTuple in ``opt_state``, outermost first."""
+  return [state for _, state in find_all(opt_state, kind)]
