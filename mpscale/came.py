@@ -203,6 +203,7 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
     ACL 2023. https://arxiv.org/abs/2307.02047
 
   Example:
+    >>> import optax, mpscale
     >>> tx = optax.chain(mpscale.scale_by_came(beta2=0.999, decay_rate=None),
     ...                  optax.scale_by_learning_rate(1e-3))
   """
@@ -458,6 +459,8 @@ def came(learning_rate: Optional[ScalarOrSchedule] = None,
     ACL 2023. https://arxiv.org/abs/2307.02047
 
   Example:
+    >>> import jax.numpy as jnp, mpscale
+    >>> params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
     >>> tx = mpscale.dynamic_loss_scale(mpscale.came(
     ...     mpscale.lr_schedule(2e-4, warmup_steps=100, decay_steps=10_000,
     ...                         style="cosine"),

@@ -577,9 +577,10 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()
       impossible value, naming the file and the key.
 
   Example:
-    >>> cfg = load_config("configs/tiny_lm_fp16.yaml", ["train.steps=20"])
+    >>> from mpscale.config import load_config
+    >>> cfg = load_config("configs/tiny_lm_fp16.yaml", ["train.steps=50"])
     >>> cfg.train.steps
-    20
+    50
   """
   path = os.fspath(path)
   try:

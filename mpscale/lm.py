@@ -198,9 +198,16 @@ class TinyLM:
       takes its own ``remat``).
 
   Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from mpscale.config import ModelConfig
+    >>> from mpscale.lm import TinyLM
     >>> model = TinyLM(ModelConfig(d_model=64, num_layers=2))
     >>> params = model.init(jax.random.key(0))
+    >>> tokens = jnp.zeros((2, 64), jnp.int32)
+    >>> batch = {"inputs": tokens, "targets": tokens}
     >>> loss_sum, num_tokens = model.loss_fn(params, batch)
+    >>> float(num_tokens)
+    128.0
   """
   config: config_lib.ModelConfig = dataclasses.field(
       default_factory=config_lib.ModelConfig)

@@ -154,9 +154,14 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
     An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
 
   Example:
+    >>> import jax, jax.numpy as jnp, optax, mpscale
+    >>> params = {"w": jnp.ones(3)}
+    >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
     >>> tx = mpscale.dynamic_loss_scale(optax.adamw(1e-3), growth_interval=1000)
     >>> opt_state = tx.init(params)
     >>> scale = mpscale.loss_scale_of(opt_state)
+    >>> float(scale)
+    32768.0
     >>> grads = jax.grad(lambda p: scale * loss_fn(p))(params)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
   """
@@ -281,6 +286,11 @@ def scale_loss(loss: Any, opt_state: Any) -> Any:
     ``loss * scale``, leaf by leaf, in at least float32.
 
   Example:
+    >>> import jax, jax.numpy as jnp, optax, mpscale
+    >>> params = {"w": jnp.ones(3)}
+    >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+    >>> tx = mpscale.dynamic_loss_scale(optax.sgd(0.1))
+    >>> opt_state = tx.init(params)
     >>> grads = jax.grad(lambda p: mpscale.scale_loss(loss_fn(p), opt_state))(params)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
   """

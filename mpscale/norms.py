@@ -226,6 +226,7 @@ def clip_by_global_norm(max_norm: float, *, groups: Groups = None
     An ``optax.GradientTransformationExtraArgs`` whose state is `ClipByGlobalNormState`.
 
   Example:
+    >>> import optax, mpscale
     >>> tx = optax.chain(mpscale.clip_by_global_norm(1.0), optax.adamw(1e-3))
   """
   max_norm = validation.positive_float("max_norm", max_norm)

@@ -211,6 +211,7 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
     The `Policy`.
 
   Example:
+    >>> import mpscale
     >>> policy = mpscale.get_policy("params=float32,compute=float16,output=float32")
     >>> policy.needs_loss_scaling
     True

@@ -81,6 +81,7 @@ def lr_schedule(peak: float, *, warmup_steps: int = 0,
     and the like.
 
   Example:
+    >>> import optax, mpscale
     >>> schedule = mpscale.lr_schedule(3e-4, warmup_fraction=0.01,
     ...                                decay_steps=100_000, style="cosine",
     ...                                min_lr=3e-5)
@@ -148,6 +149,7 @@ def weight_decay_schedule(start: float, end: float, steps: int,
     ``optax.adamw``'s ``weight_decay``.
 
   Example:
+    >>> import mpscale
     >>> tx = mpscale.came(1e-4, weight_decay=mpscale.weight_decay_schedule(
     ...     0.01, 0.1, 10_000, style="cosine"))
   """

@@ -628,10 +628,18 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     TypeError: when ``step`` traces, for a ``loss_fn`` returning the wrong structure.
 
   Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, mpscale
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    >>> params = {"w": jnp.ones(3)}
+    >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.zeros(8)}
+    >>> def loss_fn(params, batch):
+    ...   return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
     >>> tx = mpscale.dynamic_loss_scale(optax.adamw(1e-3))
     >>> init, step = mpscale.make_train_step(loss_fn, tx, policy="O2", mesh=mesh)
     >>> state = init(params)
     >>> state, metrics = step(state, batch)
+    >>> float(metrics["loss"])
+    9.0
   """
   if not (isinstance(loss_fn, pipeline_lib.Pipeline) or callable(loss_fn)):
     raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
