@@ -10,7 +10,7 @@ doing ``tx.update`` (or the hand-written equivalent) plus ``optax.apply_updates`
 loss-scaled implementations get them multiplied by the initial loss scale, so the
 unscaled gradients are the same numbers).
 
-Implementations (letters as in the issue):
+Implementations (each has a letter; the ratios are named by them):
 
   a  ``optax.adamw(1e-3)``                                           baseline A
   b  ``optax.apply_if_finite(optax.adamw(1e-3), max_consecutive_errors=5)``

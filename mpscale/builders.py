@@ -236,20 +236,21 @@ def build_mesh(cfg: config_lib.RunConfig,
   Raises:
     ValueError: naming ``mesh`` when there are too few devices.
   """
-  m = cfg.mesh
-  sizes = dict(zip(MESH_AXES, (m.data, m.fsdp, m.stage, m.tensor)))
-  if m.num_devices == 1:
+  mesh = cfg.mesh
+  sizes = dict(zip(MESH_AXES, (mesh.data, mesh.fsdp, mesh.stage, mesh.tensor)))
+  if mesh.num_devices == 1:
     return None
-  axes = tuple(a for a in MESH_AXES if a == DATA_AXIS or sizes[a] > 1)
+  axes = tuple(axis for axis in MESH_AXES if axis == DATA_AXIS or sizes[axis] > 1)
   devices = list(jax.devices() if devices is None else devices)
-  needed = m.num_devices
+  needed = mesh.num_devices
   if len(devices) < needed:
     hint = (f"; on CPU, simulate them with --devices {needed}"
             if devices[0].platform == "cpu" else "")
-    shape = " x ".join(f"{a} {sizes[a]}" for a in axes)
+    shape = " x ".join(f"{axis} {sizes[axis]}" for axis in axes)
     raise ValueError(f"mesh: {shape} needs {needed} devices, but {len(devices)} are "
                      f"available{hint}")
-  return Mesh(np.asarray(devices[:needed]).reshape([sizes[a] for a in axes]), axes)
+  return Mesh(np.asarray(devices[:needed]).reshape([sizes[axis] for axis in axes]),
+              axes)
 
 
 def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
@@ -348,9 +349,9 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) 
 
 def describe(cfg: config_lib.RunConfig) -> dict[str, str]:
   """Short labels of a run for tables: policy, loss scaling, optimizer, mesh."""
-  ls = cfg.loss_scale
-  scaling = {"dynamic": f"dynamic (init {ls.init_scale:g})",
-             "fixed": f"fixed {ls.init_scale:g}", "none": "none"}[ls.kind]
+  init = cfg.loss_scale.init_scale
+  scaling = {"dynamic": f"dynamic (init {init:g})", "fixed": f"fixed {init:g}",
+             "none": "none"}[cfg.loss_scale.kind]
   return {"policy": cfg.precision.policy, "loss_scale": scaling,
           "optimizer": cfg.optimizer.name,
           "mesh": cfg.mesh.shape_text}

@@ -423,7 +423,10 @@ def came(learning_rate: Optional[ScalarOrSchedule] = None,
 
   Args:
     learning_rate: a float or an Optax schedule of the step count (e.g.
-      `mpscale.lr_schedule`). ``None`` only with ``relative_step=True``.
+      `mpscale.lr_schedule`). ``None`` only with ``relative_step=True``. A scalar
+      array is taken as it is, so ``optax.inject_hyperparams(came, static_args=(...))``
+      can inject ``learning_rate`` and ``weight_decay`` (name the other numeric
+      arguments in ``static_args``: they are checked when built).
     eps: ``(eps[0], eps[1], eps[2])``, all positive: added to ``g^2`` before
       averaging; the floor of the parameter RMS used by ``scale_parameter``; added to
       the instability ``(u - m)^2``.

@@ -508,12 +508,12 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     with open(os.path.join(out_dir, "config.yaml"), "w") as f:
       f.write(config_lib.dump_config(cfg))
 
-  steps, tc = cfg.train.steps, cfg.train
+  steps, train_cfg = cfg.train.steps, cfg.train
   log = _MetricsLog(out_dir, sorted(metric_shapes["group_norms"]), start, main_process)
   previous = _float(log.last.get("overflow_total")) if start else math.nan
   overflow_total = 0 if math.isnan(previous) else int(previous)
   manager = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
-      max_to_keep=tc.keep_checkpoints, create=True))
+      max_to_keep=train_cfg.keep_checkpoints, create=True))
   console = Console(stderr=True)
   show = console.is_terminal if progress is None else progress
   tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
@@ -566,8 +566,8 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
           # Compiled and run once: restart the clock so the time estimate leaves
           # compilation out, and say what the bar shows until the first log.
           jax.block_until_ready(metrics)
-          first_log = (min(steps, (done // tc.log_every + 1) * tc.log_every)
-                       if tc.log_every > 0 else steps)
+          first_log = (min(steps, (done // train_cfg.log_every + 1) * train_cfg.log_every)
+                       if train_cfg.log_every > 0 else steps)
           bar.reset(task, total=steps, completed=done,
                     info=f"training; the first metrics come at step {first_log}")
           t_mark = time.perf_counter()
@@ -576,9 +576,9 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
           # (keeping one in flight), so the counter never runs ahead of the metrics.
           jax.block_until_ready(pending[-2]["loss"])
           bar.update(task, completed=done - 1)
-        evaluating = due(done, tc.eval_every)
-        checkpointing = due(done, tc.checkpoint_every)
-        if not (due(done, tc.log_every) or evaluating or checkpointing):
+        evaluating = due(done, train_cfg.eval_every)
+        checkpointing = due(done, train_cfg.checkpoint_every)
+        if not (due(done, train_cfg.log_every) or evaluating or checkpointing):
           continue
         row = flush(done, evaluating)
         if evaluating and verbose and not show and main_process:
@@ -680,16 +680,17 @@ def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "co
     config_lib.ConfigError: for a bad config or two configs with the same name.
   """
   cfgs = [_load(p, overrides, data_path) for p in config_paths]
-  names = [c.name for c in cfgs]
+  names = [cfg.name for cfg in cfgs]
   if len(set(names)) != len(names):
     dup = next(n for n in names if names.count(n) > 1)
     raise config_lib.ConfigError(f"two configs are named {dup!r}; give each a distinct "
                                  "name (the name: key)")
-  for c in cfgs:
-    _check_out_dir(os.path.join(out_dir, c.name), resume, overwrite)
-  summaries = [train(c, os.path.join(out_dir, c.name), resume=resume,
-                     overwrite=overwrite, progress=progress, source=p, verbose=verbose)
-               for c, p in zip(cfgs, config_paths)]
+  for cfg in cfgs:
+    _check_out_dir(os.path.join(out_dir, cfg.name), resume, overwrite)
+  summaries = [train(cfg, os.path.join(out_dir, cfg.name), resume=resume,
+                     overwrite=overwrite, progress=progress, source=path,
+                     verbose=verbose)
+               for cfg, path in zip(cfgs, config_paths)]
   header, rows = comparison_table(summaries)
   with open(os.path.join(out_dir, "comparison.csv"), "w", newline="") as f:
     writer = csv.writer(f)
@@ -734,13 +735,13 @@ def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> 
 
 
 def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> None:
-  m = cfg.mesh
-  needed = m.num_devices
+  mesh = cfg.mesh
+  needed = mesh.num_devices
   if devices is not None and devices > needed:
     print(f"mpscale: warning: --devices {devices}, but the config's mesh is data "
-          f"{m.data} x fsdp {m.fsdp} x stage {m.stage} x tensor {m.tensor}, so the "
-          f"run uses {needed} device(s); e.g. --set mesh.data="
-          f"{devices // (needed // m.data)} for data parallelism", file=sys.stderr)
+          f"{mesh.data} x fsdp {mesh.fsdp} x stage {mesh.stage} x tensor "
+          f"{mesh.tensor}, so the run uses {needed} device(s); e.g. --set mesh.data="
+          f"{devices // (needed // mesh.data)} for data parallelism", file=sys.stderr)
 
 
 def _version_text() -> str:
@@ -760,44 +761,48 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--version", action="version", version=_version_text())
   sub = parser.add_subparsers(dest="command", required=True)
 
-  def common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
-                   help="override a config value (parsed as YAML); repeatable")
-    p.add_argument("--data", metavar="PATH",
-                   help="a text file or folder instead of the embedded corpus")
-    p.add_argument("--devices", type=int, metavar="N",
-                   help="simulate N devices on CPU (XLA host platform device count)")
-    group = p.add_mutually_exclusive_group()
+  def common(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
+                         help="override a config value (parsed as YAML); repeatable")
+    command.add_argument("--data", metavar="PATH",
+                         help="a text file or folder instead of the embedded corpus")
+    command.add_argument("--devices", type=int, metavar="N", help=(
+        "simulate N devices on CPU (XLA host platform device count)"))
+    group = command.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true",
                        help="continue the run(s) from the latest checkpoint")
     group.add_argument("--overwrite", action="store_true",
                        help="replace the files of an existing run")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="show a progress bar (default: on a terminal)")
-    p.add_argument("--quiet", action="store_true", help="print only errors")
+    command.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                         default=None, help="show a progress bar (default: on a terminal)")
+    command.add_argument("--quiet", action="store_true", help="print only errors")
 
-  t = sub.add_parser("train", help="train one config")
-  t.add_argument("--config", required=True, help="the run's YAML config")
-  t.add_argument("--out", help="the run's folder (default runs/<config name>, plus "
-                 "+<overrides> with --set)")
-  common(t)
-  c = sub.add_parser("compare", help="train several configs, plot and tabulate them")
-  c.add_argument("configs", nargs="+", help="YAML configs")
-  c.add_argument("--out", help="folder of the runs and the comparison (default "
-                 "runs/compare, plus +<overrides> with --set)")
-  c.add_argument("--plot", metavar="PNG", help="also copy the comparison plot here")
-  common(c)
-  e = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
-  e.add_argument("run", help="the run's folder")
-  g = sub.add_parser("sample", help="write text with a run's latest checkpoint")
-  g.add_argument("run", help="the run's folder")
-  g.add_argument("--prompt", default="", help="text to continue (default: none)")
-  g.add_argument("--tokens", type=int, default=200, help="bytes to write")
-  g.add_argument("--temperature", type=float, default=0.8,
-                 help="sampling temperature; 0 picks the likeliest byte")
-  g.add_argument("--seed", type=int, default=0)
-  for p in (e, g):
-    p.add_argument("--devices", type=int, metavar="N", help=argparse.SUPPRESS)
+  train_cmd = sub.add_parser("train", help="train one config")
+  train_cmd.add_argument("--config", required=True, help="the run's YAML config")
+  train_cmd.add_argument("--out", help="the run's folder (default runs/<config name>, "
+                         "plus +<overrides> with --set)")
+  common(train_cmd)
+  compare_cmd = sub.add_parser("compare",
+                               help="train several configs, plot and tabulate them")
+  compare_cmd.add_argument("configs", nargs="+", help="YAML configs")
+  compare_cmd.add_argument("--out", help="folder of the runs and the comparison "
+                           "(default runs/compare, plus +<overrides> with --set)")
+  compare_cmd.add_argument("--plot", metavar="PNG",
+                           help="also copy the comparison plot here")
+  common(compare_cmd)
+  evaluate_cmd = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
+  evaluate_cmd.add_argument("run", help="the run's folder")
+  sample_cmd = sub.add_parser("sample",
+                              help="write text with a run's latest checkpoint")
+  sample_cmd.add_argument("run", help="the run's folder")
+  sample_cmd.add_argument("--prompt", default="",
+                          help="text to continue (default: none)")
+  sample_cmd.add_argument("--tokens", type=int, default=200, help="bytes to write")
+  sample_cmd.add_argument("--temperature", type=float, default=0.8,
+                          help="sampling temperature; 0 picks the likeliest byte")
+  sample_cmd.add_argument("--seed", type=int, default=0)
+  for command in (evaluate_cmd, sample_cmd):
+    command.add_argument("--devices", type=int, metavar="N", help=argparse.SUPPRESS)
   return parser
 
 

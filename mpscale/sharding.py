@@ -147,11 +147,16 @@ def flax_specs(variables: Any, rules: Optional[Rules] = None) -> Any:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   if isinstance(variables, nnx.State):
-    variable_types = tuple(t for t in (getattr(nnx, "Variable", None),
-                                       getattr(nnx, "VariableState", None)) if t)
+    # flax 0.10 has VariableState besides Variable; later flax only Variable (and a
+    # deprecated VariableState alias of it, not read here).
+    variable_types = (nnx.Variable,) + tuple(
+        t for t in (nnx.__dict__.get("VariableState"),)
+        if isinstance(t, type) and t is not nnx.Variable)
 
     def of_variable(v):
-      names = getattr(v, "sharding_names", None)      # flax >= 0.11
+      names = getattr(v, "out_sharding", None)        # flax >= 0.12
+      if names is None:
+        names = getattr(v, "sharding_names", None)    # flax 0.11
       if names is None:
         names = getattr(v, "sharding", None)          # flax 0.10: the names
         names = names if isinstance(names, (tuple, list)) else None

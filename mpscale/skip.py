@@ -27,7 +27,7 @@ from mpscale import validation
 
 
 class SkipNonfiniteState(NamedTuple):
-  """State of `skip_nonfinite`; also the guard inside every loss-scale wrapper."""
+  """State of `skip_nonfinite`; also the ``skip_state`` of every loss-scale wrapper."""
   inner_state: Any
   """State of the wrapped transformation; untouched by a skipped step."""
   skipped: jax.Array
@@ -143,7 +143,7 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
   the global norm and the group norms of the gradients, for `mpscale.step_metrics`.
 
   Args:
-    inner: the transformation to guard, e.g. ``optax.adamw(1e-3)``.
+    inner: the transformation to wrap, e.g. ``optax.adamw(1e-3)``.
     groups: grouping for the recorded group norms (see `mpscale.norms.Groups`).
     axis_name: when the update runs per replica (inside ``shard_map``/``pmap``), the
       mapped axis over which the skip decision is agreed: if any replica sees a

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -101,8 +103,17 @@ def floats(name: str, value: Any, length: int,
 
 def scalar_or_schedule(name: str, value: Any,
                        check: Callable[[str, Any], float]) -> Any:
-  """A callable (an Optax schedule) as it is; anything else through ``check``."""
-  return value if callable(value) else check(name, value)
+  """A callable (an Optax schedule) as it is, a scalar JAX array too (what
+  ``optax.inject_hyperparams`` passes; its value may be traced, so it is not
+  checked); anything else through ``check``."""
+  if callable(value):
+    return value
+  if isinstance(value, jax.Array):
+    if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a float, a scalar float array or a schedule; "
+                      f"got an array of {value.dtype}{list(value.shape)}")
+    return value
+  return check(name, value)
 
 
 def groups(name: str, value: Any) -> Any:

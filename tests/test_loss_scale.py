@@ -38,7 +38,8 @@ def _bits(tree):
 
 
 class ReferenceScaler:
-  """The rules in the issue, in plain Python, one step at a time."""
+  """The rules of `mpscale.loss_scale`'s module docstring, in plain Python, one step at
+  a time."""
 
   def __init__(self, init, growth, backoff, interval, hysteresis, consecutive,
                lo, hi):

@@ -469,3 +469,158 @@ def test_the_all_axes_config_trains_like_one_device():
   np.testing.assert_allclose(m_sharded["global_norm"], m_one["global_norm"], rtol=1e-5)
   for x, y in zip(jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(one)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------
+# Every public transform, as optax's own sharding sweep runs its optimizers: built
+# abstractly, run eagerly and under jit, and on an explicit-sharding mesh, where the
+# state's types (shape, dtype and sharding) must not change from one step to the next.
+
+_CAME_STATIC = ("clip_threshold", "decay_rate", "beta1", "beta2", "beta3", "loss_scale",
+                "scale_parameter", "relative_step", "warmup_init", "compression")
+
+
+def _sweep_transforms():
+  adamw = lambda: optax.adamw(1e-2)
+  lr = mpscale.lr_schedule(1e-2, warmup_steps=1, decay_steps=10, style="cosine")
+  wd = mpscale.weight_decay_schedule(0.0, 0.1, 10)
+  matrices = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+  return {
+      "skip_nonfinite": lambda: mpscale.skip_nonfinite(adamw(), groups=1),
+      "dynamic(skip_nonfinite)": lambda: mpscale.dynamic_loss_scale(
+          mpscale.skip_nonfinite(adamw()), init_scale=4.0, growth_interval=1),
+      "skip_nonfinite(fixed)": lambda: mpscale.skip_nonfinite(
+          mpscale.fixed_loss_scale(optax.sgd(0.1), 8.0)),
+      "fixed(apply overflow)": lambda: mpscale.fixed_loss_scale(
+          optax.sgd(0.1), 8.0, skip_nonfinite=False),
+      "no_loss_scale(clip, adamw)": lambda: mpscale.no_loss_scale(
+          optax.chain(mpscale.clip_by_global_norm(1.0, groups=1), adamw())),
+      "clip_by_global_norm": lambda: mpscale.clip_by_global_norm(0.5),
+      "dynamic(clip, came)": lambda: mpscale.dynamic_loss_scale(
+          optax.chain(mpscale.clip_by_global_norm(1.0), mpscale.came(1e-2)),
+          init_scale=2.0 ** 8, hysteresis=2),
+      "came(beta2, weight decay, mask)": lambda: mpscale.came(
+          1e-2, beta2=0.999, weight_decay=0.1, mask=matrices),
+      "came(relative_step, warmup_init, scale_parameter)": lambda: mpscale.came(
+          relative_step=True, warmup_init=True, scale_parameter=True),
+      "came(compression float16, loss_scale)": lambda: mpscale.came(
+          1e-2, compression="float16", loss_scale=8.0),
+      "came(compression bfloat16)": lambda: mpscale.came(1e-2, compression="bfloat16"),
+      "scale_by_came": lambda: optax.chain(mpscale.scale_by_came(),
+                                           optax.scale_by_learning_rate(1e-2)),
+      "inject_hyperparams(adamw, schedules)": lambda: mpscale.dynamic_loss_scale(
+          optax.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=wd)),
+      "inject_hyperparams(came, schedules)": lambda: optax.inject_hyperparams(
+          mpscale.came, static_args=_CAME_STATIC)(learning_rate=lr, weight_decay=wd),
+  }
+
+
+SWEEP = _sweep_transforms()
+# Leaves of every rank, split over the mesh where they can be.
+_SWEEP_SPECS = {"w": P(None, "x", None), "m": P("x", None), "b": P("x"), "s": P()}
+
+
+def _sweep_params():
+  rng = np.random.default_rng(0)
+  return {"w": rng.normal(size=(2, 8, 4)), "m": rng.normal(size=(8, 6)),
+          "b": rng.normal(size=(8,)), "s": np.asarray(0.5)}
+
+
+# The transforms that skip a non-finite step get a NaN at step 1.
+_SKIPS = {"skip_nonfinite", "dynamic(skip_nonfinite)", "skip_nonfinite(fixed)",
+          "no_loss_scale(clip, adamw)", "dynamic(clip, came)",
+          "inject_hyperparams(adamw, schedules)"}
+
+
+def _sweep_grads(step, params, name):
+  """Gradients for step ``step``; at step 1 a NaN for the transforms that skip it."""
+  grads = jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)), params)
+  if step == 1 and name in _SKIPS:
+    b = grads["b"]  # a select keeps an explicit sharding (a scatter would need one)
+    grads["b"] = jnp.where(jnp.arange(b.shape[0]) == 3, jnp.nan, b)
+  return grads
+
+
+def _scaled(grads, tx_state):
+  scale = mpscale.loss_scale_of(tx_state)
+  return jax.tree.map(lambda g: g * scale, grads)
+
+
+def _types(tree):
+  """Shape, dtype and sharding spec of every leaf (the spec on an explicit mesh)."""
+  def kind(x):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return (tuple(x.shape), str(x.dtype), None if spec is None else tuple(spec))
+  return jax.tree.map(kind, tree)
+
+
+def _run(name, tx, params, steps, update):
+  state = tx.init(params)
+  out = []
+  for step in range(steps):
+    grads = _scaled(_sweep_grads(step, params, name), state)
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    out.append((params, state))
+  return out
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_sweep_abstract_init_matches_concrete(name):
+  tx = SWEEP[name]()
+  params = jax.tree.map(jnp.asarray, _sweep_params())
+  abstract = jax.eval_shape(tx.init, params)
+  concrete = tx.init(params)
+  assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
+  for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete)):
+    assert (a.shape, a.dtype) == (c.shape, c.dtype)
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_sweep_eager_equals_jit_and_keeps_state_types(name):
+  tx = SWEEP[name]()
+  params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), _sweep_params())
+  eager = _run(name, tx, params, 3, tx.update)
+  jitted = _run(name, tx, params, 3, jax.jit(tx.update))
+  first = _types(tx.init(params))
+  for (p_e, s_e), (p_j, s_j) in zip(eager, jitted):
+    assert _types(s_j) == first and _types(s_e) == first
+    for a, b in zip(jax.tree.leaves((p_e, s_e)), jax.tree.leaves((p_j, s_j))):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=2e-5, atol=1e-6)
+  for params_now, _ in jitted:  # nothing non-finite reaches the parameters
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params_now))
+
+
+def _explicit_mesh():
+  if not (hasattr(jax.sharding, "AxisType") and hasattr(jax, "set_mesh")
+          and hasattr(jax, "typeof")):
+    pytest.skip("explicit sharding needs jax.sharding.AxisType and jax.set_mesh")
+  return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the skip's fast path runs too
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_sweep_on_an_explicit_sharding_mesh_keeps_state_types(name):
+  mesh = _explicit_mesh()
+  tx = SWEEP[name]()
+  with jax.set_mesh(mesh):
+    params = {k: jax.device_put(jnp.asarray(v, jnp.float32),
+                                NamedSharding(mesh, _SWEEP_SPECS[k]))
+              for k, v in _sweep_params().items()}
+    state = tx.init(params)
+    first = _types(state)
+    abstract = jax.eval_shape(tx.init, params)
+    assert _types(abstract) == first
+    update = jax.jit(tx.update)
+    for step in range(3):
+      grads = _scaled(_sweep_grads(step, params, name), state)
+      updates, state = update(grads, state, params)
+      assert _types(state) == first, f"step {step}"
+      assert _types(updates) == _types(params), f"step {step}"
+      params = optax.apply_updates(params, updates)
+  # The parameters keep their layout and stay finite.
+  for k, spec in _SWEEP_SPECS.items():
+    assert tuple(jax.typeof(params[k]).sharding.spec) == tuple(spec)
+    assert np.isfinite(np.asarray(params[k])).all()
