@@ -369,10 +369,8 @@ class TinyLM:
     Returns:
       A 1-D ``uint8`` array: the prompt, then the written tokens.
     """
-    if num_tokens < 1:
-      raise ValueError(f"num_tokens must be >= 1; got {num_tokens}")
-    if temperature < 0:
-      raise ValueError(f"temperature must be >= 0; got {temperature}")
+    validation.positive_int("num_tokens", num_tokens)
+    validation.non_negative_float("temperature", temperature)
     window = self.config.seq_len
 
     @jax.jit

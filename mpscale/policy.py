@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpscale import norms as norms_lib
+from mpscale import validation
 
 KeepFp32 = Callable[[norms_lib.KeyPath, Any], bool]
 """Predicate ``(key_path, leaf) -> bool``: cast this leaf to float32, not to compute."""
@@ -146,9 +147,8 @@ class Policy:
   def __post_init__(self):
     for name in ("param_dtype", "compute_dtype", "output_dtype"):
       object.__setattr__(self, name, _dtype(getattr(self, name), name))
-    if self.keep_fp32 is not None and not callable(self.keep_fp32):
-      raise TypeError("keep_fp32 must be None or a callable (key_path, leaf) -> bool; "
-                      f"got {type(self.keep_fp32).__name__}")
+    if self.keep_fp32 is not None:
+      validation.function("keep_fp32", self.keep_fp32)
 
   @property
   def needs_loss_scaling(self) -> bool:

@@ -40,9 +40,13 @@ def float_in(name: str, value: Any, low: float = -math.inf, high: float = math.i
   above = value > low if low_open else value >= low
   below = value < high if high_open else value <= high
   if not (above and below) or (not allow_inf and math.isinf(value)):
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if math.isinf(high) and math.isfinite(low):
+      where = f"{'>' if low_open else '>='} {low:g}"
+    else:
+      where = (f"in {'(' if low_open else '['}{low:g}, {high:g}"
+               f"{')' if high_open else ']'}")
     finite = "" if allow_inf else "finite and "
-    raise ValueError(f"{name} must be {finite}in {interval}; got {value:g}")
+    raise ValueError(f"{name} must be {finite}{where}; got {value:g}")
   return value
 
 

@@ -145,3 +145,35 @@ def test_select_at_the_producer_keeps_skips_exact_for_many_optimizers():
         jax.tree.map(lambda x: np.asarray(x).tobytes(), (p, s.inner_state))
     p3, _ = step(p, s, grads)  # a kept step does move
     assert not np.array_equal(np.asarray(p3["w"]), np.asarray(p["w"]))
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_nested_wrappers_share_one_pass_and_agree_with_one_wrapper(use_jit):
+  # dynamic_loss_scale(skip_nonfinite(...)) once raised TypeError: the outer wrapper's
+  # sums of squares reached the inner one as an extra argument it passed on twice.
+  params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+  nested = mpscale.dynamic_loss_scale(mpscale.skip_nonfinite(optax.adamw(1e-2)),
+                                      init_scale=8.0, growth_interval=2)
+  single = mpscale.dynamic_loss_scale(optax.adamw(1e-2), init_scale=8.0,
+                                      growth_interval=2)
+  update_n = jax.jit(nested.update) if use_jit else nested.update
+  update_s = jax.jit(single.update) if use_jit else single.update
+  state_n, state_s = nested.init(params), single.init(params)
+  for step in range(4):
+    grads = jax.tree.map(lambda p: jnp.cos(p + step), params)
+    if step == 2:
+      grads["b"] = grads["b"].at[0].set(jnp.inf)
+    scale = mpscale.loss_scale_of(state_s)
+    assert float(mpscale.loss_scale_of(state_n)) == float(scale)
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    u_n, state_n = update_n(grads, state_n, params)
+    u_s, state_s = update_s(grads, state_s, params)
+    for a, b in zip(jax.tree.leaves(u_n), jax.tree.leaves(u_s)):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+    m_n, m_s = mpscale.step_metrics(state_n), mpscale.step_metrics(state_s)
+    for key in ("overflow", "skipped", "global_norm", "loss_scale"):
+      np.testing.assert_allclose(m_n[key], m_s[key], rtol=1e-6)
+    # The inner wrapper's state is part of what a skipped step keeps as it was, so it
+    # never records the overflow the outer one skipped.
+    inner = state_n.skip_state.inner_state
+    assert not bool(inner.overflow) and int(inner.skipped) == 0
