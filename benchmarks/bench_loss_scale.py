@@ -390,8 +390,8 @@ def main(argv=None) -> int:
   for impl in impls:
     p = copy_tree(params0)
     # Copied leaf by leaf: an eagerly built state may hold one array in several leaves
-    # (mpscale's init_state did before b0debc8), and donating such a state fails with
-    # "Attempt to donate the same buffer twice".
+    # (mpscale's skip-state init did before b0debc8), and donating such a state fails
+    # with "Attempt to donate the same buffer twice".
     s = copy_tree(impl.init(p))
     g = scaled_grads if impl.scaled_grads else grads
     jitted = jax.jit(impl.step, donate_argnums=(0, 1))
