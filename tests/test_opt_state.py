@@ -1,5 +1,6 @@
 """Tests for mpscale.opt_state: finding mpscale's states inside an optimizer state."""
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -31,4 +32,21 @@ def test_find_all_gives_the_key_paths_and_the_state_itself_first():
 
 def test_plain_leaves_non_nnx_states_alone():
   state = _nested().init({"w": jnp.ones(3)})
-  assert opt_state.plain(state) is state
+  plain = opt_state.plain(state)  # the same tree (a copy of it once nnx is imported)
+  assert jax.tree.structure(plain) == jax.tree.structure(state)
+  assert all(a is b for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(state)))
+
+
+def test_plain_unwraps_an_nnx_optimizer():
+  from flax import nnx
+  model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  tx = mpscale.dynamic_loss_scale(optax.adamw(1e-3), init_scale=16.0)
+  try:
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  except TypeError:  # flax < 0.11 has no wrt
+    optimizer = nnx.Optimizer(model, tx)
+  plain = opt_state.plain(optimizer)
+  assert isinstance(plain, mpscale.LossScaleState)
+  assert float(plain.loss_scale) == 16.0
+  assert not any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(
+      plain, is_leaf=lambda x: isinstance(x, nnx.Variable)))
