@@ -208,11 +208,19 @@ def _checkpoint_tree(state: Any) -> dict[str, Any]:
 
 def _from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
   """The state shaped like ``like`` with the leaves of ``saved`` (zero-size leaves
-  taken from ``like``)."""
+  taken from ``like``), every leaf committed to its ``like`` leaf's sharding. Orbax
+  gives committed arrays back; a state mixing them with uncommitted ones (the
+  zero-size leaves) would make the step compile once for it and again for its own
+  (committed) outputs."""
   import jax
+
+  def restored(path, leaf):
+    value = saved.get(_checkpoint_key(path), leaf)
+    sharding = getattr(leaf, "sharding", None)
+    return value if sharding is None else jax.device_put(value, sharding)
+
   flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-  leaves = [saved.get(_checkpoint_key(path), leaf) for path, leaf in flat]
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+  return jax.tree_util.tree_unflatten(treedef, [restored(p, x) for p, x in flat])
 
 
 def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int]:
