@@ -1,5 +1,8 @@
 """Test configuration: every test sees 8 fake CPU devices.
 
+Fixtures that several test modules use live here; plain helper functions they share
+(bit-for-bit comparison, tolerances, HLO copy counting) live in tests/helpers.py.
+
 The flag must be set before jax is imported anywhere, which is why it lives at the
 top of conftest.py (pytest imports it before any test module).
 

@@ -6,7 +6,6 @@ is built (or the config loaded), before any training step.
 
 import os
 
-import jax.numpy as jnp
 import optax
 import pytest
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
+from tests import helpers
 
 
 def _params():
@@ -31,10 +32,6 @@ def _grads(scale, poison=None, leaf=0, seed=1):
   if poison is not None:
     out[leaf] = out[leaf].reshape(-1).at[0].set(poison).reshape(out[leaf].shape)
   return jax.tree.unflatten(treedef, out)
-
-
-def _bits(tree):
-  return jax.tree.map(lambda x: np.asarray(x).tobytes(), tree)
 
 
 class ReferenceScaler:
@@ -177,11 +174,11 @@ def test_skipped_step_is_bit_identical(kind, leaf):
 
   for i in range(3):  # move the inner state away from its initial values
     params, state = step(params, state, _grads(mpscale.loss_scale_of(state), seed=i))
-  before_params, before_inner = _bits(params), _bits(state.skip_state.inner_state)
+  before_params, before_inner = helpers.bits(params), helpers.bits(state.skip_state.inner_state)
   grads = _grads(mpscale.loss_scale_of(state), kind, leaf)
   new_params, new_state = step(params, state, grads)
-  assert _bits(new_params) == before_params  # -0.0 in 'bias' survives too
-  assert _bits(new_state.skip_state.inner_state) == before_inner
+  assert helpers.bits(new_params) == before_params  # -0.0 in 'bias' survives too
+  assert helpers.bits(new_state.skip_state.inner_state) == before_inner
   assert int(new_state.skip_state.skipped) == 1
   assert float(new_state.loss_scale) == float(state.loss_scale) / 2
   assert bool(new_state.skip_state.nan) == bool(np.isnan(kind))
@@ -408,7 +405,7 @@ def test_shard_map_one_poisoned_replica_makes_all_skip():
   new_params, scales, skipped = run(poison_replica=5)
   for leaf, before in [(new_params["w"], params["w"]), (new_params["b"], params["b"])]:
     for r in range(8):
-      assert _bits(leaf[r]) == _bits(before)
+      assert helpers.bits(leaf[r]) == helpers.bits(before)
   np.testing.assert_array_equal(scales, np.full((8,), 4.0))
   np.testing.assert_array_equal(skipped, np.ones((8,)))
 

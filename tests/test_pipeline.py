@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
+from tests import helpers
 from mpscale import pipeline as pl
 
 LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
@@ -68,7 +69,7 @@ def reference(params, batch, per_token=True):
 
 
 def assert_close(a, b, tol=1e-5):
-  chex.assert_trees_all_close(a, b, rtol=tol, atol=tol)
+  helpers.assert_close(a, b, tol)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -11,9 +11,9 @@ import optax
 import pytest
 
 import mpscale
+from tests import helpers
 from mpscale import producer_select
 
-from tests.test_skip import _big_copies
 
 
 def _params():
@@ -51,10 +51,6 @@ WRAPPERS = {
     "dynamic": lambda inner: mpscale.dynamic_loss_scale(inner, init_scale=2.0**4,
                                                         growth_interval=2),
 }
-
-
-def _bits(tree):
-  return jax.tree.map(lambda x: np.asarray(x).tobytes(), tree)
 
 
 _SCHEDULE = [(0, None, 0), (1, np.nan, 0), (2, None, 0), (3, np.inf, 1),
@@ -132,7 +128,7 @@ def test_kept_step_under_jit_equals_the_inner_optimizer(inner):
     p, s = params, tx.init(params)
     for g in grads:
       p, s = step(p, s, g)
-    return _bits((p, unwrap(s)))
+    return helpers.bits((p, unwrap(s)))
 
   plain = run(INNERS[inner](), lambda s: s)
   wrapped = run(mpscale.skip_nonfinite(INNERS[inner]()), lambda s: s.inner_state)
@@ -151,13 +147,13 @@ def _donated_step_hlo(tx, params):
 def test_fast_path_is_taken_and_removes_the_copies():
   params = {"w": jnp.ones((64, 64)), "v": {"u": jnp.ones((128, 32))}}
   tx = mpscale.dynamic_loss_scale(optax.adamw(1e-3))
-  assert not _big_copies(_donated_step_hlo(tx, params))
+  assert not helpers.big_copies(_donated_step_hlo(tx, params))
   with producer_select.select_at_end_only():
     forced = _donated_step_hlo(tx, params)
   if jax.default_backend() == "cpu":
     # XLA:CPU copies the donated moments when they are selected at the end: the
     # check above would catch a fast path that silently stopped being taken.
-    assert _big_copies(forced)
+    assert helpers.big_copies(forced)
 
 
 def _scope_mentions(hlo: str, name: str) -> int:

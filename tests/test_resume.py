@@ -3,7 +3,6 @@ resumed from its last checkpoint ends bit-identical to an uninterrupted run."""
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys

@@ -19,7 +19,6 @@ import pytest
 import mpscale
 from mpscale import lm as lm_lib
 from mpscale import sharding
-from mpscale import train_step as train_step_lib
 from mpscale.config import ModelConfig
 
 AXES = ("data", "fsdp", "stage", "tensor")

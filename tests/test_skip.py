@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import mpscale
+from tests import helpers
 
 
 def _params():
@@ -93,17 +94,6 @@ def test_initial_state_can_be_donated():
     jax.block_until_ready(step(params, state))
 
 
-def _big_copies(hlo: str, min_size: int = 1024) -> list[str]:
-  """The copy instructions in compiled HLO text that copy an array of >= min_size."""
-  import re
-  found = []
-  for m in re.finditer(r"= \w+\[([\d,]*)\][^=\n]*? copy\(", hlo):
-    dims = [int(d) for d in m.group(1).split(",") if d]
-    if dims and np.prod(dims) >= min_size:
-      found.append(m.group(0))
-  return found
-
-
 @pytest.mark.parametrize("clip", [False, True])
 def test_donated_skip_step_copies_no_state(clip):
   # Selecting each state leaf where the inner update makes it lets XLA update the
@@ -121,7 +111,7 @@ def test_donated_skip_step_copies_no_state(clip):
   state = tx.init(params)
   hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile(
   ).as_text()
-  assert not _big_copies(hlo), _big_copies(hlo)[:3]
+  assert not helpers.big_copies(hlo), helpers.big_copies(hlo)[:3]
 
 
 def test_select_at_the_producer_keeps_skips_exact_for_many_optimizers():

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import mpscale
+from tests import helpers
 
 BATCH = 32
 
@@ -69,7 +70,7 @@ def batches(n=5):
 
 
 def assert_close(a, b, tol=1e-6):
-  chex.assert_trees_all_close(a, b, atol=tol, rtol=tol)
+  helpers.assert_close(a, b, tol)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,27 @@
+"""Plain helpers shared by several test modules (fixtures live in conftest.py)."""
+
+import re
+
+import chex
+import jax
+import numpy as np
+
+
+def bits(tree):
+  """Every leaf of ``tree`` as its bytes: equal trees of bits are equal bit for bit."""
+  return jax.tree.map(lambda x: np.asarray(x).tobytes(), tree)
+
+
+def assert_close(a, b, tol):
+  """``a`` and ``b`` agree leaf by leaf to ``tol`` (relative and absolute)."""
+  chex.assert_trees_all_close(a, b, rtol=tol, atol=tol)
+
+
+def big_copies(hlo: str, min_size: int = 1024) -> list[str]:
+  """The copy instructions in compiled HLO text that copy an array of >= min_size."""
+  found = []
+  for m in re.finditer(r"= \w+\[([\d,]*)\][^=\n]*? copy\(", hlo):
+    dims = [int(d) for d in m.group(1).split(",") if d]
+    if dims and np.prod(dims) >= min_size:
+      found.append(m.group(0))
+  return found
