@@ -109,8 +109,9 @@ def apply_or_skip(inner: optax.GradientTransformationExtraArgs, updates: Any,
     new_updates, new_inner, raw_inner = producer_select.update_or_skip(
         run_inner, skip, state.inner_state)
     # -0.0, not 0.0: p + (-0.0) == p bit for bit for every p, including p == -0.0.
+    applied = ~skip  # where(applied, new, old), as producer_select selects
     new_updates = jax.tree_util.tree_map(
-        lambda u: jnp.where(skip, jnp.asarray(-0.0, u.dtype), u), new_updates)
+        lambda u: jnp.where(applied, u, jnp.asarray(-0.0, u.dtype)), new_updates)
     skipped_now = skip.astype(jnp.int32)
   else:
     new_updates, new_inner = run_inner()
