@@ -2,7 +2,7 @@
 
 Each precision is the real main-job path: a config (``configs/tiny_lm_fp32.yaml``,
 ``tiny_lm_bf16.yaml``, ``tiny_lm_fp16.yaml``, i.e. O0, bf16 compute and O2 with dynamic
-loss scaling) resized by ``--set``-style overrides, built by `mpscale.builders.build`
+loss scaling) resized by ``--set``-style overrides, built by `mpscale.trainer.builders.build`
 into ``make_train_step`` with CAME or AdamW, clipping and the step's metrics, and fed a
 fixed random batch of tokens. Float32 is timed twice: with JAX's default matmul
 precision (TF32 tensor cores on NVIDIA Ampere and newer) and with
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpscale import builders, config as config_lib
+from mpscale.trainer import builders, config as config_lib
 
 _CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 

@@ -1,4 +1,10 @@
-"""mpscale: mixed-precision and parallel training pieces for JAX, as Optax transforms."""
+"""mpscale: mixed-precision and parallel training pieces for JAX, as Optax transforms.
+
+This package is the library: Optax transforms, the precision policy, norms, CAME, the
+pipeline and the train step. The trainer built on it (configs, data, the tiny LM,
+checkpoints, logs, the ``mpscale`` command) is the subpackage `mpscale.trainer`; no
+module of the library imports it.
+"""
 
 from mpscale import _versions
 
@@ -6,11 +12,8 @@ _versions.check()
 
 
 from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by_came
-from mpscale.config import ConfigError, RunConfig, load_config
-from mpscale.data import TextData, load_data
 from mpscale.skip import SkipNonfiniteState, skip_nonfinite
 from mpscale.gradients import Gradients
-from mpscale.lm import TinyLM
 from mpscale.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -40,17 +43,13 @@ __version__ = "0.1.0"
 __all__ = [
     "CameLearningRateState",
     "ClipByGlobalNormState",
-    "ConfigError",
     "Gradients",
     "LeafSquares",
     "LossScaleState",
     "Pipeline",
     "Policy",
-    "RunConfig",
     "ScaleByCameState",
     "SkipNonfiniteState",
-    "TextData",
-    "TinyLM",
     "TrainState",
     "accumulate_gradients",
     "bubble_fraction",
@@ -65,9 +64,7 @@ __all__ = [
     "global_norm",
     "group_norms",
     "keep_fp32_by_name",
-    "load_config",
     "logical_specs",
-    "load_data",
     "loss_scale_for",
     "loss_scale_of",
     "lr_schedule",

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpscale import cli
-from mpscale import config
+from mpscale.trainer import cli, metrics_log, plots, progress
+from mpscale.trainer import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP16 = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
@@ -62,7 +62,7 @@ def run(tmp_path_factory):
 def test_train_writes_every_output(run):
   table = rows(run)
   assert [int(r["step"]) for r in table] == [1, 2, 3, 4]
-  assert set(cli.CSV_FIELDS) <= set(table[0])
+  assert set(metrics_log.CSV_FIELDS) <= set(table[0])
   assert any(k.startswith("norm/") for k in table[0])
   assert all(np.isfinite(float(r["loss"])) for r in table)
   assert [bool(r["eval_loss"]) for r in table] == [False, True, False, True]
@@ -151,7 +151,7 @@ def test_devices_cannot_exceed_a_running_backend(capsys):
 
 
 def test_devices_flag_sets_the_host_device_count_before_jax_starts():
-  code = ("from mpscale import cli; cli.set_host_device_count(3); import jax; "
+  code = ("from mpscale.trainer import cli; cli.set_host_device_count(3); import jax; "
           "print(jax.device_count())")
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -211,7 +211,7 @@ def test_version_names_mpscale_jax_and_the_floors(capsys):
 @pytest.mark.slow  # three short runs
 def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, monkeypatch,
                                                                   capsys):
-  from mpscale import data as data_lib
+  from mpscale.trainer import data as data_lib
   out = tmp_path / "interrupted"
   overrides = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
                        "train.checkpoint_every=4"]
@@ -242,9 +242,9 @@ def test_progress_at_80_columns_shows_the_counter_the_time_and_the_loss():
   from rich.console import Console
   buffer = io.StringIO()
   console = Console(file=buffer, width=80, force_terminal=True, color_system=None)
-  bar = cli.make_progress(console)
+  bar = progress.make_progress(console)
   task = bar.add_task("tiny_lm_fp16_long_name", total=300, completed=0)
-  bar.update(task, completed=120, info=cli.progress_info(
+  bar.update(task, completed=120, info=progress.progress_info(
       {"loss": 3.1712, "loss_scale": 32768.0, "global_norm": 0.8123,
        "tokens_per_s": 31900.0, "interval": 10}, overflow_total=3, eval_loss=2.377))
   console.print(bar.get_renderable())
@@ -285,7 +285,7 @@ def test_overrides_get_their_own_default_run_folder_and_unused_devices_warn(caps
 
 def test_plot_shows_the_whole_loss_the_learning_rate_and_the_group_norms(run, tmp_path):
   table = rows(run)
-  fig = cli.plot_runs({"fp16": os.path.join(run, "metrics.csv")}, str(tmp_path / "p.png"))
+  fig = plots.plot_runs({"fp16": os.path.join(run, "metrics.csv")}, str(tmp_path / "p.png"))
   loss_ax, _, _, lr_ax, groups_ax, _ = fig.axes
   losses = [float(r["loss"]) for r in table]
   low, high = loss_ax.get_ylim()

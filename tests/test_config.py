@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mpscale import config
+from mpscale.trainer import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpscale import data
+from mpscale.trainer import data
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Every ``>>>`` example in the docstrings of ``mpscale/*.py`` runs, on its own.
+"""Every ``>>>`` example in the docstrings of ``mpscale/`` (the trainer included) runs, on its own.
 
 Each module's examples run with ``doctest`` in empty globals: an example imports what it
 uses and builds the ``params``, ``loss_fn`` or ``batch`` it needs, so it can be copied
@@ -18,13 +18,13 @@ import mpscale
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-MODULES = sorted(f"mpscale.{info.name}" for info in pkgutil.iter_modules(mpscale.__path__))
+MODULES = sorted(info.name for info in pkgutil.walk_packages(mpscale.__path__, "mpscale."))
 """Every module of the package; none has side effects on import (``mpscale.__main__``
 runs the command line only as ``__main__``), so none is skipped."""
 
-WITH_EXAMPLES = ("mpscale.came", "mpscale.config", "mpscale.lm", "mpscale.loss_scale",
-                 "mpscale.norms", "mpscale.policy", "mpscale.schedules",
-                 "mpscale.train_step")
+WITH_EXAMPLES = ("mpscale.came", "mpscale.loss_scale", "mpscale.norms", "mpscale.policy",
+                 "mpscale.schedules", "mpscale.train_step", "mpscale.trainer.config",
+                 "mpscale.trainer.lm")
 """Modules whose docstrings have examples today: deleting them all fails a test."""
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -17,9 +17,9 @@ import optax
 import pytest
 
 import mpscale
-from mpscale import lm as lm_lib
+from mpscale.trainer import lm as lm_lib
 from mpscale import sharding
-from mpscale.config import ModelConfig
+from mpscale.trainer.config import ModelConfig
 
 AXES = ("data", "fsdp", "stage", "tensor")
 CONFIG = ModelConfig(d_model=32, num_heads=8, num_layers=4, d_ff=64, seq_len=16)
@@ -314,18 +314,18 @@ def test_sequence_parallel_splits_the_residual_stream_over_the_sequence():
 @pytest.mark.slow  # about 30 s on 2 cores
 def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
   import orbax.checkpoint as ocp
-  from mpscale import cli
+  from mpscale.trainer import checkpoints
 
   mesh_a, mesh_b = make_mesh(data=2, fsdp=2, tensor=2), make_mesh(fsdp=4, tensor=2)
   model, (init_a, step_a) = make_step(mesh_a, "adamw", donate=False)
   state = init_a(model.init(jax.random.key(0)))
   state, _ = step_a(state, make_batch(0))
   with ocp.CheckpointManager(tmp_path) as manager:
-    manager.save(1, args=ocp.args.StandardSave(cli._checkpoint_tree(state)))
+    manager.save(1, args=ocp.args.StandardSave(checkpoints.checkpoint_tree(state)))
 
   _, (init_b, step_b) = make_step(mesh_b, "adamw")
   fresh = init_b(model.init(jax.random.key(1)))
-  restored, at = cli.restore_latest(str(tmp_path), fresh)
+  restored, at = checkpoints.restore_latest(str(tmp_path), fresh)
   assert at == 1
   for x, y in zip(jax.tree_util.tree_leaves(restored),
                   jax.tree_util.tree_leaves(fresh)):
@@ -440,7 +440,7 @@ def test_flax_partitioning_metadata():
 @pytest.mark.slow  # about 40 s on 2 cores
 def test_the_all_axes_config_trains_like_one_device():
   import dataclasses
-  from mpscale import builders, config as config_lib, data as data_lib
+  from mpscale.trainer import builders, config as config_lib, data as data_lib
 
   # float32 and no loss scale, so that one device and eight can agree to 1e-5.
   cfg = config_lib.load_config(

@@ -41,7 +41,7 @@ class ConfigTypeError(ConfigError, TypeError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The tiny decoder-only transformer (`mpscale.lm.TinyLM`)."""
+  """The tiny decoder-only transformer (`mpscale.trainer.lm.TinyLM`)."""
   vocab_size: int = 256
   """Byte-level: 256."""
   d_model: int = 64
@@ -60,7 +60,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where the text comes from and how it is batched (`mpscale.data`)."""
+  """Where the text comes from and how it is batched (`mpscale.trainer.data`)."""
   path: Optional[str] = None
   """A text file or a folder of them; ``null`` for the embedded corpus (docstrings of
   the Python standard library)."""
@@ -395,9 +395,9 @@ def _to_dataclass(cls: type, raw: Any, prefix: str) -> Any:
 
 def _check(cfg: RunConfig) -> None:
   """Value checks: the keys no constructor takes, then each section's constructor
-  (`mpscale.builders.check`), then the rules that span sections. Raises a
+  (`mpscale.trainer.builders.check`), then the rules that span sections. Raises a
   `ConfigError` naming the keys."""
-  from mpscale import builders  # builds the pieces; imports jax and optax
+  from mpscale.trainer import builders  # builds the pieces; imports jax and optax
   from mpscale import validation
 
   def keyed(fn, *args, **kwargs):
@@ -561,13 +561,14 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
   return cfg
 
 
-def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()
-               ) -> RunConfig:
+def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
+                data_path: Optional[str] = None) -> RunConfig:
   """The `RunConfig` in the YAML file ``path``, with ``--set`` overrides applied.
 
   Args:
     path: a YAML file.
     overrides: ``key.sub=value`` strings, values parsed as YAML scalars.
+    data_path: replaces ``data.path`` (the command's ``--data``).
 
   Returns:
     The frozen, validated `RunConfig`; its ``name`` defaults to the file's stem.
@@ -577,7 +578,7 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()
       impossible value, naming the file and the key.
 
   Example:
-    >>> from mpscale.config import load_config
+    >>> from mpscale.trainer.config import load_config
     >>> cfg = load_config("configs/tiny_lm_fp16.yaml", ["train.steps=50"])
     >>> cfg.train.steps
     50
@@ -589,8 +590,11 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = ()
   except OSError as e:
     raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
   stem = os.path.splitext(os.path.basename(path))[0]
-  return config_from_dict(parse_yaml(text, source=path), source=path,
-                          overrides=overrides, default_name=stem)
+  cfg = config_from_dict(parse_yaml(text, source=path), source=path,
+                         overrides=overrides, default_name=stem)
+  if data_path is not None:
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
+  return cfg
 
 
 def to_dict(cfg: Any) -> Any:

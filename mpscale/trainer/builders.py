@@ -1,6 +1,6 @@
 """From a `RunConfig` to the pieces of a run: model, policy, optimizer, mesh, step.
 
-Data flows one way: config -> these builders -> the training loop (`mpscale.cli`)::
+Data flows one way: config -> these builders -> the training loop (`mpscale.trainer.cli`)::
 
   policy    = get_policy(precision.policy)
   optimizer = <loss_scale.kind>_loss_scale(chain(clip_by_global_norm(clip.max_norm),
@@ -27,8 +27,8 @@ from jax.sharding import Mesh
 import numpy as np
 import optax
 
-from mpscale import config as config_lib
-from mpscale import lm as lm_lib
+from mpscale.trainer import config as config_lib
+from mpscale.trainer import lm as lm_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib
 from mpscale import pipeline as pipeline_lib

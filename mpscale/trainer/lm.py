@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from mpscale import config as config_lib
+from mpscale.trainer import config as config_lib
 from mpscale import norms as norms_lib
 from mpscale import sharding as sharding_lib
 from mpscale import validation
@@ -193,14 +193,14 @@ class TinyLM:
   """The tiny decoder-only LM: ``init`` and the pipeline-form functions.
 
   Attributes:
-    config: sizes (`mpscale.config.ModelConfig`).
+    config: sizes (`mpscale.trainer.config.ModelConfig`).
     remat: recompute each block in the backward pass (``loss_fn`` only; a pipeline
       takes its own ``remat``).
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from mpscale.config import ModelConfig
-    >>> from mpscale.lm import TinyLM
+    >>> from mpscale.trainer.config import ModelConfig
+    >>> from mpscale.trainer.lm import TinyLM
     >>> model = TinyLM(ModelConfig(d_model=64, num_layers=2))
     >>> params = model.init(jax.random.key(0))
     >>> tokens = jnp.zeros((2, 64), jnp.int32)

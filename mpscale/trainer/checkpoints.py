@@ -1,0 +1,70 @@
+"""Checkpoints of a run's whole state (orbax), and restoring the latest one."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+class CheckpointError(ValueError):
+  """A checkpoint to resume from is corrupt or belongs to another run."""
+
+
+def _checkpoint_key(path: Any) -> str:
+  import jax
+  return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
+
+
+def checkpoint_tree(state: Any) -> dict[str, Any]:
+  """``state`` as a flat dict ``"opt_state.skip_state...kernel" -> array`` without its
+  zero-size leaves (CAME keeps empty placeholders, which orbax refuses to save)."""
+  import jax
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  return {_checkpoint_key(path): leaf for path, leaf in flat
+          if getattr(leaf, "size", 1) > 0}
+
+
+def from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
+  """The state shaped like ``like`` with the leaves of ``saved`` (zero-size leaves
+  taken from ``like``), every leaf committed to its ``like`` leaf's sharding. Orbax
+  gives committed arrays back; a state mixing them with uncommitted ones (the
+  zero-size leaves) would make the step compile once for it and again for its own
+  (committed) outputs."""
+  import jax
+
+  def restored(path, leaf):
+    value = saved.get(_checkpoint_key(path), leaf)
+    sharding = getattr(leaf, "sharding", None)
+    return value if sharding is None else jax.device_put(value, sharding)
+
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+  return jax.tree_util.tree_unflatten(treedef, [restored(p, x) for p, x in flat])
+
+
+def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int]:
+  """``state`` restored from the latest checkpoint in ``ckpt_dir`` and its step, or
+  ``(state, 0)`` when there is none.
+
+  Raises:
+    CheckpointError: naming the checkpoint, when it cannot be restored into a state
+      shaped like ``state`` (corrupt, or written by another config).
+  """
+  import jax
+  import orbax.checkpoint as ocp
+  if not os.path.isdir(ckpt_dir):
+    return state, 0
+  with ocp.CheckpointManager(ckpt_dir) as reader:
+    latest = reader.latest_step()
+    if latest is None:
+      return state, 0
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
+                                      checkpoint_tree(state))
+    try:
+      saved = reader.restore(latest, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # orbax raises many kinds; all mean "not this run's"
+      raise CheckpointError(
+          f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "
+          f"from it (corrupt, or written by another config): "
+          f"{type(e).__name__}: {str(e)[:300]}") from None
+  state = from_checkpoint_tree(state, saved)
+  return state, int(jax.device_get(state.step))

@@ -1,0 +1,168 @@
+"""The ``mpscale`` command: train the tiny LM from a config, or compare several configs.
+
+::
+
+  mpscale train --config configs/tiny_lm_fp16.yaml [--set train.steps=50 ...]
+                [--out runs/NAME] [--resume | --overwrite] [--devices N] [--data PATH]
+  mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
+                  [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
+
+A run writes into its own folder (default ``runs/<config name>``)::
+
+  config.yaml     the resolved config (every default filled in)
+  metrics.csv     one row per logged step: loss, eval_loss, loss_scale, overflows, ...
+  tb/             TensorBoard event files (tensorboardX)
+  checkpoints/    orbax checkpoints of the whole TrainState
+  metrics.png     loss, loss scale and gradient norm
+  summary.json    final train/eval loss, skipped steps, optimizer-state bytes, time
+
+The data order is a pure function of ``(seed, step)``, so ``--resume`` continues from
+the latest checkpoint with the same batches, and the same losses, as an uninterrupted
+run. An existing run is never overwritten without ``--resume`` or ``--overwrite``, and
+a run whose config or setup fails writes nothing.
+
+Arguments are parsed before JAX touches a device, so ``--devices N`` can still make the
+CPU backend simulate ``N`` devices (``--xla_force_host_platform_device_count``). With
+``JAX_COORDINATOR_ADDRESS`` and ``JAX_NUM_PROCESSES`` (and ``JAX_PROCESS_ID``) set, the
+command calls ``jax.distributed.initialize`` first (multi-host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+from typing import Optional, Sequence
+
+from mpscale.trainer import config as config_lib
+from mpscale.trainer.checkpoints import CheckpointError
+from mpscale.trainer.compare import compare
+from mpscale.trainer.devices import init_distributed, set_host_device_count
+from mpscale.trainer.loop import RunDirError, evaluate_run, sample_run, train
+
+
+def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> str:
+  """``runs/<name>``, or with ``--set`` overrides ``runs/<name>+<overrides>``, so a
+  shortened or changed run never lands in the folder of the config's own run."""
+  if not overrides:
+    return os.path.join(root, name)
+  slug = "+".join(re.sub(r"[^A-Za-z0-9_.=\-]+", "_", o) for o in overrides)
+  if len(slug) > 60:
+    digest = hashlib.sha1("\0".join(overrides).encode()).hexdigest()[:8]
+    slug = f"{slug[:50]}-{digest}"
+  return os.path.join(root, f"{name}+{slug}")
+
+
+def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> None:
+  mesh = cfg.mesh
+  needed = mesh.num_devices
+  if devices is not None and devices > needed:
+    print(f"mpscale: warning: --devices {devices}, but the config's mesh is data "
+          f"{mesh.data} x fsdp {mesh.fsdp} x stage {mesh.stage} x tensor "
+          f"{mesh.tensor}, so the run uses {needed} device(s); e.g. --set mesh.data="
+          f"{devices // (needed // mesh.data)} for data parallelism", file=sys.stderr)
+
+
+def _version_text() -> str:
+  """``mpscale X (jax Y, optax Z, flax W)``, read without importing JAX."""
+  from mpscale import _versions  # noqa: PLC0415
+
+  def version(name):
+    return _versions.installed(name) or "not installed"
+  deps = ", ".join(f"{n} {version(n)}" for n in ("jax", "jaxlib", "optax", "flax"))
+  return f"mpscale {version('mpscale')} ({deps}; floors: " + ", ".join(
+      f"{n}>={v}" for n, v in _versions.FLOORS.items()) + ")"
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="mpscale", description="Train the tiny mixed-precision LM from a config.")
+  parser.add_argument("--version", action="version", version=_version_text())
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  def common(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
+                         help="override a config value (parsed as YAML); repeatable")
+    command.add_argument("--data", metavar="PATH",
+                         help="a text file or folder instead of the embedded corpus")
+    command.add_argument("--devices", type=int, metavar="N", help=(
+        "simulate N devices on CPU (XLA host platform device count)"))
+    group = command.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true",
+                       help="continue the run(s) from the latest checkpoint")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace the files of an existing run")
+    command.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                         default=None, help="show a progress bar (default: on a terminal)")
+    command.add_argument("--quiet", action="store_true", help="print only errors")
+
+  train_cmd = sub.add_parser("train", help="train one config")
+  train_cmd.add_argument("--config", required=True, help="the run's YAML config")
+  train_cmd.add_argument("--out", help="the run's folder (default runs/<config name>, "
+                         "plus +<overrides> with --set)")
+  common(train_cmd)
+  compare_cmd = sub.add_parser("compare",
+                               help="train several configs, plot and tabulate them")
+  compare_cmd.add_argument("configs", nargs="+", help="YAML configs")
+  compare_cmd.add_argument("--out", help="folder of the runs and the comparison "
+                           "(default runs/compare, plus +<overrides> with --set)")
+  compare_cmd.add_argument("--plot", metavar="PNG",
+                           help="also copy the comparison plot here")
+  common(compare_cmd)
+  evaluate_cmd = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
+  evaluate_cmd.add_argument("run", help="the run's folder")
+  sample_cmd = sub.add_parser("sample",
+                              help="write text with a run's latest checkpoint")
+  sample_cmd.add_argument("run", help="the run's folder")
+  sample_cmd.add_argument("--prompt", default="",
+                          help="text to continue (default: none)")
+  sample_cmd.add_argument("--tokens", type=int, default=200, help="bytes to write")
+  sample_cmd.add_argument("--temperature", type=float, default=0.8,
+                          help="sampling temperature; 0 picks the likeliest byte")
+  sample_cmd.add_argument("--seed", type=int, default=0)
+  for command in (evaluate_cmd, sample_cmd):
+    command.add_argument("--devices", type=int, metavar="N", help=argparse.SUPPRESS)
+  return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the command; returns the exit status (2 for a config or run-folder error)."""
+  args = _parser().parse_args(argv)
+  try:
+    set_host_device_count(args.devices)
+  except ValueError as e:
+    print(f"mpscale: error: {e}", file=sys.stderr)
+    return 2
+  init_distributed()
+  try:
+    if args.command == "train":
+      cfg = config_lib.load_config(args.config, args.set, args.data)
+      _warn_unused_devices(cfg, args.devices)
+      out = args.out or default_out_dir(cfg.name, args.set)
+      train(cfg, out, resume=args.resume, overwrite=args.overwrite,
+            progress=args.progress, source=args.config, verbose=not args.quiet)
+    elif args.command == "eval":
+      loss, step = evaluate_run(args.run)
+      print(f"{args.run}: eval loss {loss:.4f} nats/byte at step {step}")
+    elif args.command == "sample":
+      if args.tokens < 1 or args.temperature < 0:
+        raise config_lib.ConfigError("--tokens must be >= 1 and --temperature >= 0")
+      print(sample_run(args.run, args.prompt, args.tokens,
+                       temperature=args.temperature, seed=args.seed))
+    else:
+      for path in args.configs:
+        _warn_unused_devices(config_lib.load_config(path, args.set, args.data),
+                             args.devices)
+      compare(args.configs, args.out or default_out_dir("compare", args.set),
+              overrides=args.set, data_path=args.data,
+              resume=args.resume, overwrite=args.overwrite, progress=args.progress,
+              plot_path=args.plot, verbose=not args.quiet)
+  except (config_lib.ConfigError, RunDirError, CheckpointError) as e:
+    print(f"mpscale: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("mpscale: interrupted; continue with --resume", file=sys.stderr)
+    return 130
+  return 0

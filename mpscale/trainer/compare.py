@@ -1,0 +1,78 @@
+"""``mpscale compare``: train several configs and put them side by side."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import shutil
+from typing import Any, Optional, Sequence
+
+from mpscale.trainer import config as config_lib
+from mpscale.trainer.loop import check_out_dir, train
+from mpscale.trainer.plots import plot_runs
+
+
+def comparison_table(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], list[list]]:
+  """Header and rows of the comparison table (the first run is the reference)."""
+  header = ["run", "policy", "loss scale", "optimizer", "steps", "final train loss",
+            "final eval loss", "eval vs first", "skipped steps", "optimizer state (KiB)",
+            "train time (s)"]
+  ref = summaries[0]["final_eval_loss"] if summaries else math.nan
+  rows = []
+  for s in summaries:
+    rel = (s["final_eval_loss"] / ref - 1) * 100 if ref else math.nan
+    rows.append([s["name"], s["policy"], s["loss_scale"], s["optimizer"], s["steps"],
+                 round(s["final_train_loss"], 4), round(s["final_eval_loss"], 4),
+                 f"{rel:+.2f}%", s["skipped"],
+                 round(s["optimizer_state_bytes"] / 1024, 1),
+                 round(s["train_seconds"], 1)])
+  return header, rows
+
+
+def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "compare"),
+            *, overrides: Sequence[str] = (), data_path: Optional[str] = None,
+            resume: bool = False, overwrite: bool = False,
+            progress: Optional[bool] = None, plot_path: Optional[str] = None,
+            verbose: bool = True) -> list[dict[str, Any]]:
+  """Train every config into ``out_dir/<name>`` and compare them.
+
+  Writes ``comparison.csv``, ``comparison.md`` and ``comparison.png`` (and ``plot_path``
+  if given) into ``out_dir``. Every config is loaded and checked before any run starts.
+
+  Returns:
+    The runs' summaries, in order.
+
+  Raises:
+    config_lib.ConfigError: for a bad config or two configs with the same name.
+  """
+  cfgs = [config_lib.load_config(p, overrides, data_path) for p in config_paths]
+  names = [cfg.name for cfg in cfgs]
+  if len(set(names)) != len(names):
+    dup = next(n for n in names if names.count(n) > 1)
+    raise config_lib.ConfigError(f"two configs are named {dup!r}; give each a distinct "
+                                 "name (the name: key)")
+  for cfg in cfgs:
+    check_out_dir(os.path.join(out_dir, cfg.name), resume, overwrite)
+  summaries = [train(cfg, os.path.join(out_dir, cfg.name), resume=resume,
+                     overwrite=overwrite, progress=progress, source=path,
+                     verbose=verbose)
+               for cfg, path in zip(cfgs, config_paths)]
+  header, rows = comparison_table(summaries)
+  with open(os.path.join(out_dir, "comparison.csv"), "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(header)
+    writer.writerows(rows)
+  md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  md += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
+  with open(os.path.join(out_dir, "comparison.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+  runs = {s["name"]: os.path.join(s["out_dir"], "metrics.csv") for s in summaries}
+  png = os.path.join(out_dir, "comparison.png")
+  plot_runs(runs, png, title="mpscale compare")
+  if plot_path:
+    os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
+    shutil.copyfile(png, plot_path)
+  if verbose:
+    print("\n".join(md))
+  return summaries

@@ -1,0 +1,61 @@
+"""Devices before JAX starts: simulated CPU devices and the distributed runtime."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Optional
+
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _backends_are_initialized() -> bool:
+  """Whether JAX has started its backends (then XLA_FLAGS no longer apply). JAX has
+  no public API for this; where its private one moved, assume they have not: the
+  flag is then set, and a mesh that needs more devices than exist fails by name."""
+  try:
+    from jax._src import xla_bridge  # noqa: PLC0415
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # pragma: no cover - a JAX that moved it
+    return False
+
+
+def set_host_device_count(n: Optional[int]) -> None:
+  """Make the CPU backend simulate ``n`` devices (before JAX initializes a backend).
+
+  Raises:
+    ValueError: if ``n`` < 1, or JAX is already running with fewer than ``n`` devices.
+  """
+  if n is None:
+    return
+  if n < 1:
+    raise ValueError(f"--devices must be >= 1; got {n}")
+  if "jax" in sys.modules and _backends_are_initialized():
+    import jax
+    if jax.device_count() < n:
+      raise ValueError(f"--devices {n}: JAX is already running with "
+                       f"{jax.device_count()} devices; set XLA_FLAGS={_DEVICE_FLAG}="
+                       f"{n} before starting Python")
+    return
+  flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
+  os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
+
+
+def init_distributed() -> bool:
+  """``jax.distributed.initialize`` from ``JAX_COORDINATOR_ADDRESS``,
+  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, when the first two are set.
+
+  Returns:
+    Whether it initialized.
+  """
+  address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  num_processes = os.environ.get("JAX_NUM_PROCESSES")
+  if not address or not num_processes:
+    return False
+  import jax
+  jax.distributed.initialize(
+      coordinator_address=address, num_processes=int(num_processes),
+      process_id=int(os.environ.get("JAX_PROCESS_ID", "0")))
+  return True

@@ -1,0 +1,400 @@
+"""Training a run: prepare, restore, the loop (log, evaluate, checkpoint), finish."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from typing import Any, Optional
+
+from mpscale.trainer import config as config_lib
+from mpscale.trainer.checkpoints import checkpoint_tree, restore_latest
+from mpscale.trainer.metrics_log import MetricsLog, read_rows, to_float
+from mpscale.trainer.plots import plot_runs
+from mpscale.trainer.progress import fmt, make_progress, progress_info, scale_text
+
+
+RUN_FILES = ("config.yaml", "metrics.csv", "summary.json", "metrics.png", "tb",
+             "checkpoints")
+"""What a run writes into its folder (and what ``--overwrite`` removes)."""
+
+
+class RunDirError(ValueError):
+  """The output folder holds a run that this command would overwrite."""
+
+
+def existing_run_files(out_dir: str) -> list[str]:
+  """The `RUN_FILES` already present in ``out_dir``."""
+  return [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+
+
+def check_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
+  if resume and overwrite:
+    raise RunDirError("--resume and --overwrite are exclusive")
+  found = existing_run_files(out_dir)
+  if found and not (resume or overwrite):
+    raise RunDirError(f"{out_dir} already holds a run ({', '.join(found)}); pass "
+                      "--resume to continue it or --overwrite to replace it")
+
+
+def _global_batch(batch: dict[str, Any], mesh: Any) -> Any:
+  """The host batch, or across processes a global array built from every process's
+  identical copy (the batch is a pure function of seed and step)."""
+  import jax
+  if mesh is None or jax.process_count() == 1:
+    return batch
+  from jax.sharding import NamedSharding, PartitionSpec
+  from mpscale.trainer import builders
+  sharding = NamedSharding(mesh, PartitionSpec(builders.data_axes(mesh)))
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+          for k, v in batch.items()}
+
+
+def evaluate(setup: Any, params: Any, data: Any, cfg: config_lib.RunConfig) -> float:
+  """Mean per-token loss on the held-out split (``data.eval_batches`` batches)."""
+  import jax
+  total, tokens = 0.0, 0.0
+  for batch in data.eval_batches(cfg.data.batch_size, cfg.model.seq_len,
+                                 cfg.data.eval_batches):
+    loss_sum, count = jax.device_get(setup.evaluate(params, batch))
+    total, tokens = total + float(loss_sum), tokens + float(count)
+  return total / max(tokens, 1.0)
+
+
+@dataclasses.dataclass
+
+
+class _Run:
+  """One run being trained: what `_prepare` built, and where its files go."""
+  cfg: config_lib.RunConfig
+  out_dir: str
+  setup: Any
+  """`mpscale.trainer.builders.Setup`: model, policy, optimizer, mesh, step, evaluate."""
+  data: Any
+  """`mpscale.trainer.data.TextData`."""
+  state: Any
+  """The `mpscale.TrainState`, initial or restored."""
+  metric_shapes: Any
+  """What the step returns as metrics (shapes only)."""
+  num_params: int
+  opt_bytes: int
+  main_process: bool
+
+  @property
+  def ckpt_dir(self) -> str:
+    return os.path.abspath(os.path.join(self.out_dir, "checkpoints"))
+
+  @property
+  def summary_path(self) -> str:
+    return os.path.join(self.out_dir, "summary.json")
+
+
+def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str) -> _Run:
+  """Loads the data and builds the model, step and initial state. Everything that can
+  fail on the config happens here, before the first write.
+
+  Raises:
+    config_lib.ConfigError: naming ``source`` and the key.
+  """
+  import jax
+  from mpscale.trainer import builders
+  from mpscale.trainer import data as data_lib
+  from mpscale.trainer import lm as lm_lib
+
+  try:
+    data = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
+  except (OSError, ValueError) as e:
+    raise config_lib.ConfigError(f"{source}: data.path: {e}") from None
+  try:
+    setup = builders.build(cfg)
+    params = builders.init_params(cfg, setup.model)
+    state = setup.init(params)
+    first_batch = data.train_batch(cfg.seed, 0, cfg.data.batch_size, cfg.model.seq_len)
+    metric_shapes = jax.eval_shape(setup.step, state, first_batch)[1]
+  except (ValueError, TypeError) as e:
+    if isinstance(e, config_lib.ConfigError):
+      raise
+    raise config_lib.ConfigError(f"{source}: {e}") from None
+  return _Run(cfg, out_dir, setup, data, state, metric_shapes,
+              num_params=lm_lib.num_params(params),
+              opt_bytes=builders.tree_bytes(state.opt_state),
+              main_process=jax.process_index() == 0)
+
+
+def _start_files(run: _Run, overwrite: bool) -> None:
+  """Clears an overwritten run's files and writes ``config.yaml`` (main process)."""
+  if not run.main_process:
+    return
+  if overwrite:
+    for name in existing_run_files(run.out_dir):
+      path = os.path.join(run.out_dir, name)
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+  os.makedirs(run.out_dir, exist_ok=True)
+  with open(os.path.join(run.out_dir, "config.yaml"), "w") as f:
+    f.write(config_lib.dump_config(run.cfg))
+
+
+class _Logger:
+  """Collects the step metrics between log points and writes them: one
+  ``metrics.csv``/TensorBoard row per log point, the evaluation, the progress bar."""
+
+  def __init__(self, run: _Run, start: int, progress: Optional[bool], verbose: bool):
+    from rich.console import Console
+    cfg = run.cfg
+    self.run, self.verbose = run, verbose
+    self.log = MetricsLog(run.out_dir, sorted(run.metric_shapes["group_norms"]),
+                           start, run.main_process)
+    previous = to_float(self.log.last.get("overflow_total")) if start else math.nan
+    self.overflow_total = 0 if math.isnan(previous) else int(previous)
+    self.console = Console(stderr=True)
+    self.show = self.console.is_terminal if progress is None else progress
+    self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    self.t_run = self.t_mark = time.perf_counter()
+    self.pending: list = []
+    self.eval_loss = math.nan
+    self.bar = make_progress(self.console, disable=not (self.show and run.main_process))
+    self.task = None
+
+  def started(self, done: int) -> None:
+    """The first step ran (compiled): restart the clock, say when metrics come."""
+    every, steps = self.run.cfg.train.log_every, self.run.cfg.train.steps
+    first_log = min(steps, (done // every + 1) * every) if every > 0 else steps
+    self.bar.reset(self.task, total=steps, completed=done,
+                   info=f"training; the first metrics come at step {first_log}")
+    self.t_mark = time.perf_counter()
+
+  def flush(self, state: Any, done: int, evaluating: bool) -> dict:
+    """Logs one row for the steps in ``pending`` (ending at ``done``)."""
+    import jax
+    host = jax.device_get(self.pending)
+    now = time.perf_counter()
+    overflows = sum(int(m["overflow"]) for m in host)
+    self.overflow_total += overflows
+    last = host[-1]
+    if evaluating:
+      self.eval_loss = evaluate(self.run.setup, state.params, self.run.data, self.run.cfg)
+    row = {
+        "step": done,
+        "loss": sum(float(m["loss"]) for m in host) / len(host),
+        "eval_loss": self.eval_loss if evaluating else None,
+        "loss_scale": float(last["loss_scale"]),
+        "overflows": overflows, "overflow_total": self.overflow_total,
+        "skipped": int(last["skipped"]),
+        "global_norm": float(last["global_norm"]),
+        "learning_rate": float(last.get("learning_rate", math.nan)),
+        "tokens_per_s": len(host) * self.tokens_per_step / max(now - self.t_mark, 1e-9),
+        "wall_s": now - self.t_run,
+    }
+    row.update({f"norm/{k}": float(v) for k, v in last["group_norms"].items()})
+    self.log.write(row)
+    row["interval"] = len(host)
+    self.pending, self.t_mark = [], time.perf_counter()
+    self.bar.update(self.task, completed=done,
+                    info=progress_info(row, self.overflow_total, self.eval_loss))
+    if evaluating and self.verbose and not self.show and self.run.main_process:
+      cfg = self.run.cfg
+      self.console.print(
+          f"{cfg.name} step {done}/{cfg.train.steps}: loss {fmt(row['loss'])}, "
+          f"eval {fmt(self.eval_loss)}, scale {scale_text(row['loss_scale'])}, "
+          f"overflows {self.overflow_total}", soft_wrap=True)
+    return row
+
+
+def _loop(run: _Run, start: int, logger: _Logger) -> Any:
+  """Trains from step ``start`` to ``train.steps``, logging, evaluating and saving
+  checkpoints when due; returns the final state. Interrupted (Ctrl-C), it logs and
+  saves what was done so ``--resume`` continues from there, then re-raises."""
+  import jax
+  import orbax.checkpoint as ocp
+  cfg, train_cfg, state = run.cfg, run.cfg.train, run.state
+  steps = train_cfg.steps
+  manager = ocp.CheckpointManager(run.ckpt_dir, options=ocp.CheckpointManagerOptions(
+      max_to_keep=train_cfg.keep_checkpoints, create=True))
+  save = lambda done: manager.save(done, args=ocp.args.StandardSave(
+      checkpoint_tree(state)))
+  due = lambda done, every: done == steps or (every > 0 and done % every == 0)
+  try:
+    with logger.bar:
+      logger.task = logger.bar.add_task(
+          cfg.name, total=steps, completed=start,
+          info="compiling the step (the first step waits for it)")
+      for step in range(start, steps):
+        batch = run.data.train_batch(cfg.seed, step, cfg.data.batch_size,
+                                     cfg.model.seq_len)
+        state, metrics = run.setup.step(state, _global_batch(batch, run.setup.mesh))
+        logger.pending.append(metrics)
+        done = step + 1
+        if step == start:
+          # Compiled and run once: the time estimate leaves compilation out.
+          jax.block_until_ready(metrics)
+          logger.started(done)
+        elif logger.show and len(logger.pending) >= 2:
+          # Steps are dispatched ahead of the device: count the ones it has finished
+          # (keeping one in flight), so the counter never runs ahead of the metrics.
+          jax.block_until_ready(logger.pending[-2]["loss"])
+          logger.bar.update(logger.task, completed=done - 1)
+        evaluating = due(done, train_cfg.eval_every)
+        checkpointing = due(done, train_cfg.checkpoint_every)
+        if not (due(done, train_cfg.log_every) or evaluating or checkpointing):
+          continue
+        logger.flush(state, done, evaluating)
+        if checkpointing:
+          save(done)
+  except KeyboardInterrupt:
+    # Preempted: the steps since the last row get their row, the state a checkpoint.
+    done = int(jax.device_get(state.step))
+    if logger.pending:
+      logger.flush(state, done, evaluating=False)
+    if done > (manager.latest_step() or 0):
+      save(done)
+    manager.wait_until_finished()
+    manager.close()
+    logger.log.close()
+    raise
+  manager.wait_until_finished()
+  manager.close()
+  return state
+
+
+def _finish(run: _Run, state: Any, start: int, logger: _Logger) -> dict[str, Any]:
+  """Evaluates a resumed finished run, writes ``summary.json`` and ``metrics.png``,
+  and returns the summary."""
+  import jax
+  from mpscale.trainer import builders
+  cfg, out_dir = run.cfg, run.out_dir
+  final_step = int(jax.device_get(state.step))
+  if math.isnan(logger.eval_loss):  # a finished run resumed: evaluate its final state
+    logger.eval_loss = evaluate(run.setup, state.params, run.data, cfg)
+  logger.log.close()
+  rows = read_rows(logger.log.path)
+  train_loss = to_float(rows[-1]["loss"]) if rows else math.nan
+  summary = {
+      "name": cfg.name, **builders.describe(cfg), "steps": final_step,
+      "final_train_loss": train_loss, "final_eval_loss": logger.eval_loss,
+      "skipped": int(to_float(rows[-1]["skipped"])) if rows else 0,
+      "overflow_total": logger.overflow_total, "params": run.num_params,
+      "optimizer_state_bytes": run.opt_bytes,
+      "train_seconds": _previous_seconds(out_dir, start) + (
+          time.perf_counter() - logger.t_run if final_step > start else 0.0),
+      "resumed_from": start, "data": run.data.source, "out_dir": out_dir,
+  }
+  if run.main_process:
+    with open(run.summary_path, "w") as f:
+      json.dump(summary, f, indent=2)
+    plot_runs({cfg.name: logger.log.path}, os.path.join(out_dir, "metrics.png"),
+              title=f"{cfg.name} ({summary['policy']}, loss scale "
+                    f"{summary['loss_scale']}, {summary['optimizer']})")
+    if logger.verbose:
+      logger.console.print(
+          f"{cfg.name}: {final_step} steps, train loss {fmt(train_loss)}, eval loss "
+          f"{fmt(logger.eval_loss)}, skipped {summary['skipped']} -> {out_dir}",
+          soft_wrap=True)
+  return summary
+
+
+def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
+          resume: bool = False, overwrite: bool = False,
+          progress: Optional[bool] = None, source: str = "<config>",
+          verbose: bool = True) -> dict[str, Any]:
+  """Train ``cfg``'s tiny LM, writing the run's files into ``out_dir``.
+
+  The parts, in order: `_prepare` (data, model, step, initial state; every config
+  error is raised here, before any write), restore (`restore_latest`), `_start_files`,
+  `_loop` (steps, logs, evaluations, checkpoints, via a `_Logger`), `_finish` (summary
+  and plot).
+
+  Args:
+    cfg: the run.
+    out_dir: the run's folder; default ``runs/<cfg.name>``.
+    resume: continue from the latest checkpoint in ``out_dir`` (from scratch if it
+      has none); a finished run only re-evaluates.
+    overwrite: replace the files of a run already in ``out_dir``.
+    progress: show a progress bar; default: when the console is a terminal.
+    source: names the config in error messages (its path).
+    verbose: print a line per evaluation and a final summary.
+
+  Returns:
+    The summary also written to ``summary.json``.
+
+  Raises:
+    RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``.
+    config_lib.ConfigError: for a setup the config makes impossible (naming ``source``
+      and the key), before anything is written.
+  """
+  out_dir = out_dir or os.path.join("runs", cfg.name)
+  check_out_dir(out_dir, resume, overwrite)
+  run = _prepare(cfg, out_dir, source)
+  start = 0
+  if resume:
+    run.state, start = restore_latest(run.ckpt_dir, run.state)
+  if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
+    # Nothing to train: say so, and leave the finished run's files as they are.
+    with open(run.summary_path) as f:
+      finished = json.load(f)
+    if verbose and run.main_process:
+      from rich.console import Console
+      Console(stderr=True).print(
+          f"{cfg.name}: already finished at step {start} of {cfg.train.steps} in "
+          f"{out_dir}; nothing to resume (raise train.steps to train on)",
+          soft_wrap=True)
+    return finished
+  _start_files(run, overwrite)
+  logger = _Logger(run, start, progress, verbose)
+  state = _loop(run, start, logger)
+  return _finish(run, state, start, logger)
+
+
+def _previous_seconds(out_dir: str, start: int) -> float:
+  """Training seconds already spent by the run resumed at ``start`` (0 if none)."""
+  path = os.path.join(out_dir, "summary.json")
+  if not start or not os.path.exists(path):
+    return 0.0
+  with open(path) as f:
+    previous = json.load(f)
+  # Only the part up to the checkpoint counts; the rest is trained again.
+  fraction = min(1.0, start / max(previous.get("steps", start), 1))
+  return float(previous.get("train_seconds", 0.0)) * fraction
+
+
+def load_run(out_dir: str) -> tuple[config_lib.RunConfig, Any, Any, int]:
+  """A finished or interrupted run: ``(cfg, setup, state, step)`` from its
+  ``config.yaml`` and latest checkpoint.
+
+  Raises:
+    RunDirError: if ``out_dir`` holds no run or no checkpoint.
+  """
+  from mpscale.trainer import builders
+  path = os.path.join(out_dir, "config.yaml")
+  if not os.path.exists(path):
+    raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
+  cfg = config_lib.load_config(path)
+  setup = builders.build(cfg)
+  state = setup.init(builders.init_params(cfg, setup.model))
+  state, step = restore_latest(os.path.abspath(os.path.join(out_dir, "checkpoints")),
+                               state)
+  if step == 0:
+    raise RunDirError(f"{out_dir} holds no checkpoint yet")
+  return cfg, setup, state, step
+
+
+def evaluate_run(out_dir: str) -> tuple[float, int]:
+  """``(eval loss, step)`` of a run's latest checkpoint on its held-out split."""
+  from mpscale.trainer import data as data_lib
+  cfg, setup, state, step = load_run(out_dir)
+  data = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
+  return evaluate(setup, state.params, data, cfg), step
+
+
+def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,
+               seed: int = 0) -> str:
+  """Text the run's latest checkpoint writes after ``prompt`` (byte level)."""
+  import jax
+  from mpscale.trainer import data as data_lib
+  _, setup, state, _ = load_run(out_dir)
+  tokens = setup.model.generate(setup.policy.cast_to_compute(state.params),
+                                data_lib.tokenize(prompt), num_tokens,
+                                rng=jax.random.key(seed), temperature=temperature)
+  return data_lib.detokenize(tokens)

@@ -1,0 +1,74 @@
+"""The plot of a run's (or several runs') logged series."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mpscale.trainer.metrics_log import read_rows, to_float
+
+
+def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:
+  steps, values = [], []
+  for r in rows:
+    v = to_float(r.get(key))
+    if not math.isnan(v):
+      steps.append(int(r["step"]))
+      values.append(v)
+  return steps, values
+
+
+def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
+  """One PNG of every logged series: loss (train solid, eval dashed), loss scale,
+  global norm, learning rate, group ("local") norms and overflows.
+
+  The train loss is the mean over each logging interval and is drawn on a log axis
+  whole, the first steps included; norms are the logged step's own values.
+
+  Args:
+    runs: run label -> its ``metrics.csv``.
+    path: the PNG to write.
+    title: the figure's title.
+
+  Returns:
+    The matplotlib ``Figure``.
+  """
+  from matplotlib.figure import Figure  # no pyplot: leaves the global backend alone
+
+  fig = Figure(figsize=(13, 7), layout="constrained")
+  axes = fig.subplots(2, 3).ravel()
+  styles = ("-", "--", ":", "-.")
+  for i, (label, csv_path) in enumerate(runs.items()):
+    rows = read_rows(csv_path)
+    color = f"C{i % 10}"
+    axes[0].plot(*_series(rows, "loss"), color=color, label=label)
+    steps, values = _series(rows, "eval_loss")
+    if values:
+      axes[0].plot(steps, values, "o--", color=color, ms=3)
+    axes[1].plot(*_series(rows, "loss_scale"), color=color, label=label)
+    axes[2].plot(*_series(rows, "global_norm"), color=color, label=label)
+    axes[3].plot(*_series(rows, "learning_rate"), color=color, label=label)
+    groups = [k for k in (rows[0] if rows else {}) if k.startswith("norm/")]
+    for j, key in enumerate(groups):
+      axes[4].plot(*_series(rows, key), color=color, ls=styles[j % len(styles)],
+                   label=f"{label}: {key[5:]}" if len(runs) > 1 else key[5:])
+    axes[5].plot(*_series(rows, "overflow_total"), color=color, label=label)
+  titles = ("loss, nats/byte (train: interval mean; dashed: eval)", "loss scale",
+            "gradient global norm (logged step)", "learning rate",
+            "group norms (logged step)", "overflows (skipped steps), total")
+  for ax, name in zip(axes, titles):
+    ax.set_xlabel("step")
+    ax.set_title(name, fontsize=10)
+    ax.grid(alpha=0.3)
+  axes[0].set_yscale("log")
+  axes[1].set_yscale("log", base=2)
+  for ax in (axes[2], axes[4]):
+    if any(line.get_ydata().size for line in ax.get_lines()):
+      ax.set_yscale("log")
+  axes[0].legend(fontsize=7)
+  if axes[4].get_lines():
+    axes[4].legend(fontsize=6)
+  if title:
+    fig.suptitle(title)
+  fig.savefig(path, dpi=100)
+  return fig
