@@ -1,6 +1,9 @@
 """Exact resume: a real training process killed with SIGKILL at a random moment and
-resumed from its last checkpoint ends bit-identical to an uninterrupted run."""
+resumed from its last checkpoint ends bit-identical to an uninterrupted run, data
+position included: for the tiny LM on its corpus, and for a user's NNX transformer
+and data source named by a config (examples/nnx_transformer)."""
 
+import csv
 import os
 import random
 import signal
@@ -26,11 +29,19 @@ SETTINGS = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
             f"schedule.decay_steps={STEPS}"]
 
 
-def _command(out, *extra):
-  sets = [arg for s in SETTINGS for arg in ("--set", s)]
-  return [sys.executable, "-m", "mpscale", "train", "--config",
-          os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml"), "--out", str(out),
-          *sets, *extra]
+EXAMPLE_SETTINGS = [s for s in SETTINGS if not s.startswith("model.")] + [
+    "model.args.d_model=32", "model.args.num_layers=1", "data.args.train_size=500"]
+"""The same schedule for the example's model (sized by ``model.args``)."""
+RUNS = {"tiny_lm": (os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml"), SETTINGS),
+        "user_nnx_model": (os.path.join(ROOT, "examples", "nnx_transformer",
+                                        "config.yaml"), EXAMPLE_SETTINGS)}
+
+
+def _command(out, *extra, run="tiny_lm"):
+  config, settings = RUNS[run]
+  sets = [arg for s in settings for arg in ("--set", s)]
+  return [sys.executable, "-m", "mpscale", "train", "--config", config, "--out",
+          str(out), *sets, *extra]
 
 
 def _env(compilation_cache=True):
@@ -44,10 +55,13 @@ def _env(compilation_cache=True):
 
 
 def _restore(run_dir, step):
+  """The checkpoint's state (a flat dict of arrays) and data iterator state."""
   import orbax.checkpoint as ocp
   with ocp.CheckpointManager(os.path.join(os.path.abspath(run_dir),
                                           "checkpoints")) as manager:
-    return manager.restore(step, args=ocp.args.StandardRestore())
+    saved = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
+  return saved.state, saved.data
 
 
 def _steps_saved(run_dir):
@@ -56,7 +70,8 @@ def _steps_saved(run_dir):
       ckpt) else []
 
 
-def test_sigkill_then_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("run", list(RUNS))
+def test_sigkill_then_resume_is_bit_identical(tmp_path, run):
   whole, killed = tmp_path / "whole", tmp_path / "killed"
   # The two runs are independent processes, so they run side by side (one core each
   # on a 2-core machine). The one to be killed compiles for itself, without the
@@ -65,13 +80,15 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
   # after checkpoint STEPS - EVERY still lands before the run ends.
   whole_log = tmp_path / "whole.log"
   with open(whole_log, "wb") as log:
-    whole_proc = subprocess.Popen(_command(whole), env=_env(), cwd=ROOT, stdout=log,
+    whole_proc = subprocess.Popen(_command(whole, run=run), env=_env(), cwd=ROOT,
+                                  stdout=log,
                                   stderr=subprocess.STDOUT)
   proc = None
   try:
     # Kill at a random moment after a random checkpoint has landed.
     target = random.Random().choice(range(EVERY, STEPS - EVERY + 1, EVERY))
-    proc = subprocess.Popen(_command(killed), env=_env(compilation_cache=False),
+    proc = subprocess.Popen(_command(killed, run=run),
+                            env=_env(compilation_cache=False),
                             cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -98,17 +115,27 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
   junk.mkdir()
   (junk / "half_written").write_bytes(b"\0" * 10)
 
-  result = subprocess.run(_command(killed, "--resume"), env=_env(), cwd=ROOT,
+  result = subprocess.run(_command(killed, "--resume", run=run), env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
 
-  want, got = _restore(whole, STEPS), _restore(killed, STEPS)
+  (want, want_data), (got, got_data) = _restore(whole, STEPS), _restore(killed, STEPS)
+  assert got_data == want_data == {"next_index": STEPS}  # the grain loader's position
   assert set(want) == set(got)
   for key in want:  # params, optimizer state, loss scale, skip counters, step
     np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]),
                                   err_msg=key)
   assert any("loss_scale" in k for k in want) and "step" in want
-  assert int(got["step"]) == STEPS  # the data position: batches follow the step
+  assert int(got["step"]) == STEPS
+  # The logged losses of the resumed run (the rows after the kill included) are the
+  # uninterrupted run's.
+  assert _losses(killed) == _losses(whole)
+
+
+def _losses(run_dir):
+  with open(os.path.join(run_dir, "metrics.csv")) as f:
+    rows = list(csv.DictReader(f))
+  return [(r["step"], r["loss"], r["eval_loss"], r["loss_scale"]) for r in rows]
 
 
 def test_corrupt_checkpoint_is_refused_by_name(tmp_path):

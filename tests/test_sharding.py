@@ -321,12 +321,12 @@ def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
   state = init_a(model.init(jax.random.key(0)))
   state, _ = step_a(state, make_batch(0))
   with ocp.CheckpointManager(tmp_path) as manager:
-    manager.save(1, args=ocp.args.StandardSave(checkpoints.checkpoint_tree(state)))
+    checkpoints.save(manager, 1, state, {"next_index": 1})
 
   _, (init_b, step_b) = make_step(mesh_b, "adamw")
   fresh = init_b(model.init(jax.random.key(1)))
-  restored, at = checkpoints.restore_latest(str(tmp_path), fresh)
-  assert at == 1
+  restored, at, data_state = checkpoints.restore_latest(str(tmp_path), fresh)
+  assert at == 1 and data_state == {"next_index": 1}
   for x, y in zip(jax.tree_util.tree_leaves(restored),
                   jax.tree_util.tree_leaves(fresh)):
     assert x.sharding == y.sharding  # laid out for mesh B

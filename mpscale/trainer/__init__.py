@@ -19,11 +19,13 @@ from mpscale.trainer.checkpoints import CheckpointError
 from mpscale.trainer.config import ConfigError, RunConfig, load_config
 from mpscale.trainer.data import TextData, load_data
 from mpscale.trainer.lm import TinyLM
-from mpscale.trainer.loop import RunDirError, train
+from mpscale.trainer.loop import RunDirError, run, train
+from mpscale.trainer.models import Model
 from mpscale.trainer.compare import compare
 
 __all__ = [
     "CheckpointError",
+    "Model",
     "ConfigError",
     "RunConfig",
     "RunDirError",
@@ -32,5 +34,6 @@ __all__ = [
     "compare",
     "load_config",
     "load_data",
+    "run",
     "train",
 ]

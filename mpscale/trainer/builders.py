@@ -18,6 +18,7 @@ key at fault, e.g. ``precision.policy: unknown policy 'O7'``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -29,11 +30,13 @@ import optax
 
 from mpscale.trainer import config as config_lib
 from mpscale.trainer import lm as lm_lib
+from mpscale.trainer import models as models_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib
 from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
 from mpscale import schedules as schedules_lib
+from mpscale import sharding as sharding_lib
 from mpscale import train_step as train_step_lib
 from mpscale import validation
 from mpscale.came import came
@@ -282,13 +285,20 @@ def check(cfg: config_lib.RunConfig) -> None:
     ValueError, TypeError: naming the config keys at fault.
   """
   build_policy(cfg)
-  build_loss(cfg, build_model(cfg))
+  if cfg.model.provider is None:
+    build_loss(cfg, build_model(cfg))
+  else:  # imported now, called when the run is prepared
+    models_lib.load_object(cfg.model.provider, "model.provider")
+    if cfg.model.loss is not None:
+      models_lib.load_object(cfg.model.loss, "model.loss")
+  if cfg.data.provider is not None:
+    models_lib.load_object(cfg.data.provider, "data.provider")
   build_optimizer(cfg)
 
 
 class Setup(NamedTuple):
   """Everything a training loop needs, built from one config."""
-  model: lm_lib.TinyLM
+  model: Union[lm_lib.TinyLM, models_lib.Model]
   policy: policy_lib.Policy
   optimizer: optax.GradientTransformation
   mesh: Optional[Mesh]
@@ -299,14 +309,54 @@ class Setup(NamedTuple):
   evaluate: Callable[[Any, Any], tuple[jax.Array, jax.Array]]
   """Jitted ``evaluate(params, batch) -> (loss_sum, num_tokens)`` in the compute
   dtype."""
+  init_params: Callable[[], Any]
+  """``init_params()``: the model's float32 initial parameters, from ``seed``."""
 
 
-def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None
-         ) -> Setup:
+def user_param_specs(cfg: config_lib.RunConfig, model: models_lib.Model,
+                     mesh: Optional[Mesh]) -> Any:
+  """A user's model's layout: its ``param_specs`` (a function of the mesh, or specs),
+  plus FSDP over ``fsdp`` when ``mesh.fsdp`` > 1.
+
+  Raises:
+    ValueError: naming ``mesh.tensor`` or ``mesh.stage`` when the model gives no
+      layout for them, or ``mesh.stage`` when its loss is not a `mpscale.Pipeline`.
+  """
+  pipelined = isinstance(model.loss_fn, pipeline_lib.Pipeline)
+  if cfg.mesh.stage > 1 and not pipelined:
+    raise ValueError(f"mesh.stage ({cfg.mesh.stage}) > 1 needs model.provider to "
+                     "return an mpscale.trainer.Model whose loss_fn is an "
+                     "mpscale.Pipeline")
+  if pipelined and cfg.mesh.stage == 1:
+    raise ValueError("mesh.stage: the model's loss_fn is an mpscale.Pipeline, which "
+                     "needs mesh.stage > 1")
+  specs = model.param_specs
+  if callable(specs) and mesh is not None:
+    specs = _keyed("mesh", lambda: specs(mesh))
+  if cfg.mesh.tensor > 1 and specs is None:
+    raise ValueError(f"mesh.tensor ({cfg.mesh.tensor}) > 1 needs the model's layout: "
+                     "return an mpscale.trainer.Model with param_specs from "
+                     "model.provider")
+  if mesh is not None and cfg.mesh.fsdp > 1:
+    shapes = jax.eval_shape(model.init, jax.random.key(cfg.seed))
+    specs = _keyed("mesh.fsdp", lambda: sharding_lib.fsdp_specs(
+        shapes, mesh, FSDP_AXIS, specs))
+  return specs
+
+
+def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
+          model: Optional[models_lib.Model] = None) -> Setup:
   """Model, policy, optimizer, mesh, train step and evaluation for ``cfg``.
 
   With ``mesh.stage > 1`` the loss is a `mpscale.Pipeline` and the micro-batches are
   the pipeline's (``make_train_step`` gets ``num_microbatches=1``).
+
+  Args:
+    cfg: the run.
+    devices: the devices of the mesh; default ``jax.devices()``.
+    model: a user's model (`mpscale.trainer.models.as_model`); default: the tiny LM
+      ``model`` describes. A user's loss is per token (``(loss_sum, num_tokens)``;
+      a mean counts as one token), whatever ``train.per_token_loss`` says.
 
   Raises:
     ValueError, TypeError: with the config key at fault first in the message.
@@ -314,21 +364,29 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None
   policy = build_policy(cfg)
   optimizer = build_optimizer(cfg)
   mesh = build_mesh(cfg, devices)
-  model = build_model(cfg, mesh)
-  loss = build_loss(cfg, model)
+  if model is None:
+    model = build_model(cfg, mesh)
+    loss, evaluate_fn = build_loss(cfg, model), model.loss_fn
+    per_token = cfg.train.per_token_loss
+    specs = build_param_specs(cfg, model, mesh)
+    init_params_fn = functools.partial(init_params, cfg, model)
+  else:
+    loss, evaluate_fn, per_token = model.loss_fn, model.evaluate, True
+    specs = user_param_specs(cfg, model, mesh)
+    init_params_fn = functools.partial(model.init, jax.random.key(cfg.seed))
   pipelined = cfg.mesh.stage > 1
   init, step = _keyed("train", lambda: train_step_lib.make_train_step(
       loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
       num_microbatches=1 if pipelined else cfg.train.num_microbatches,
-      per_token_loss=cfg.train.per_token_loss,
+      per_token_loss=per_token,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
-      param_specs=build_param_specs(cfg, model, mesh)))
+      param_specs=specs))
 
   @jax.jit
   def evaluate(params, batch):
-    return model.loss_fn(policy.cast_to_compute(params), batch)
+    return evaluate_fn(policy.cast_to_compute(params), batch)
 
-  return Setup(model, policy, optimizer, mesh, init, step, evaluate)
+  return Setup(model, policy, optimizer, mesh, init, step, evaluate, init_params_fn)
 
 
 def init_params(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:

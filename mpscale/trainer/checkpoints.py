@@ -1,4 +1,9 @@
-"""Checkpoints of a run's whole state (orbax), and restoring the latest one."""
+"""Checkpoints of a run (orbax): its whole train state and its data position.
+
+Each checkpoint holds two items: ``state``, the `mpscale.TrainState` as a flat dict of
+arrays (`checkpoint_tree`), and ``data``, the grain iterator's state (JSON), so a
+resumed run reads the very batches an uninterrupted one would.
+"""
 
 from __future__ import annotations
 
@@ -41,9 +46,18 @@ def from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
   return jax.tree_util.tree_unflatten(treedef, [restored(p, x) for p, x in flat])
 
 
-def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int]:
-  """``state`` restored from the latest checkpoint in ``ckpt_dir`` and its step, or
-  ``(state, 0)`` when there is none.
+def save(manager: Any, step: int, state: Any, data_state: Any) -> None:
+  """Saves ``state`` and the data iterator's ``data_state`` as checkpoint ``step`` of
+  the orbax ``manager`` (asynchronously: ``manager.wait_until_finished()``)."""
+  import orbax.checkpoint as ocp
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(checkpoint_tree(state)),
+      data=ocp.args.JsonSave(data_state)))
+
+
+def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int, Any]:
+  """``state`` restored from the latest checkpoint in ``ckpt_dir``, its step and the
+  data iterator's state saved with it, or ``(state, 0, None)`` when there is none.
 
   Raises:
     CheckpointError: naming the checkpoint, when it cannot be restored into a state
@@ -52,19 +66,20 @@ def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int]:
   import jax
   import orbax.checkpoint as ocp
   if not os.path.isdir(ckpt_dir):
-    return state, 0
+    return state, 0, None
   with ocp.CheckpointManager(ckpt_dir) as reader:
     latest = reader.latest_step()
     if latest is None:
-      return state, 0
+      return state, 0, None
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
                                       checkpoint_tree(state))
     try:
-      saved = reader.restore(latest, args=ocp.args.StandardRestore(abstract))
+      saved = reader.restore(latest, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many kinds; all mean "not this run's"
       raise CheckpointError(
           f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "
           f"from it (corrupt, or written by another config): "
           f"{type(e).__name__}: {str(e)[:300]}") from None
-  state = from_checkpoint_tree(state, saved)
-  return state, int(jax.device_get(state.step))
+  state = from_checkpoint_tree(state, saved.state)
+  return state, int(jax.device_get(state.step)), saved.data

@@ -41,7 +41,19 @@ class ConfigTypeError(ConfigError, TypeError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The tiny decoder-only transformer (`mpscale.trainer.lm.TinyLM`)."""
+  """The model: the tiny decoder-only transformer (`mpscale.trainer.lm.TinyLM`) these
+  sizes describe, or a user's model (``provider``; the sizes are then unused, but
+  ``seq_len`` still cuts the built-in corpus)."""
+  provider: Optional[str] = None
+  """A user's model: ``"package.module:function"`` or ``"file.py:function"`` (a path
+  relative to the config file), called with the `RunConfig`; it returns a Flax NNX
+  module, a Flax linen module or an `mpscale.trainer.Model`
+  (`mpscale.trainer.models`)."""
+  loss: Optional[str] = None
+  """With a Flax module from ``provider``: its loss, ``loss(model, batch) ->
+  (loss_sum, num_tokens)`` or a mean, named like ``provider``."""
+  args: dict = dataclasses.field(default_factory=dict)
+  """Free-form settings for ``provider`` (it reads ``config.model.args``)."""
   vocab_size: int = 256
   """Byte-level: 256."""
   d_model: int = 64
@@ -60,12 +72,20 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where the text comes from and how it is batched (`mpscale.trainer.data`)."""
+  """Where the data comes from and how it is batched (`mpscale.trainer.loader`)."""
+  provider: Optional[str] = None
+  """A user's data: ``"package.module:function"`` or ``"file.py:function"``, called
+  with the `RunConfig`; it returns a random-access source of examples (dicts of
+  arrays) or ``{"train": source, "eval": source}``."""
+  args: dict = dataclasses.field(default_factory=dict)
+  """Free-form settings for ``provider`` (it reads ``config.data.args``)."""
+  shuffle: bool = True
+  """Shuffle a ``provider``'s training examples with ``seed`` (anew each epoch)."""
   path: Optional[str] = None
   """A text file or a folder of them; ``null`` for the embedded corpus (docstrings of
   the Python standard library)."""
   eval_fraction: float = 0.1
-  """Share of the corpus held out for evaluation, in (0, 1)."""
+  """Share of the corpus held out for evaluation, in (0, 1) (the built-in data)."""
   batch_size: int = 16
   """Sequences per step (global, over all data-parallel replicas)."""
   eval_batches: int = 8
@@ -306,7 +326,7 @@ def _describe(tp: Any) -> str:
     return f"a list of {len(args)} {_describe(args[0])}s"
   if tp is type(None):
     return "null"
-  if dataclasses.is_dataclass(tp):
+  if dataclasses.is_dataclass(tp) or tp is dict:
     return "a mapping"
   return {int: "an int", float: "a float", bool: "a bool", str: "a string"}.get(
       tp, str(tp))
@@ -348,6 +368,13 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
       raise ConfigError(f"{key}: expected {_describe(tp)}, got {len(value)} items")
     return tuple(_convert(a, v, f"{key}[{i}]")
                  for i, (a, v) in enumerate(zip(args, value)))
+  if tp is dict:
+    if value is None:
+      return {}
+    if not isinstance(value, Mapping):
+      raise ConfigTypeError(f"{key}: expected a mapping, got {value!r} "
+                            f"({_type_name(value)})")
+    return _deep_copy(dict(value))
   if tp is bool:
     if not isinstance(value, bool):
       raise ConfigTypeError(f"{key}: expected a bool (true/false), got {value!r} "
@@ -409,6 +436,11 @@ def _check(cfg: RunConfig) -> None:
       raise ConfigError(str(e)) from None
 
   model, data, mesh, train = cfg.model, cfg.data, cfg.mesh, cfg.train
+  if model.loss is not None and model.provider is None:
+    raise ConfigError("model.loss needs model.provider (the built-in model has its "
+                      "own loss)")
+  if data.provider is not None and data.path is not None:
+    raise ConfigError("data.path and data.provider are exclusive (one source of data)")
   # Keys no constructor takes.
   keyed(validation.integer, "seed", cfg.seed, 0)
   keyed(validation.float_in, "data.eval_fraction", data.eval_fraction, 0.0, 1.0,
@@ -440,6 +472,13 @@ def _check(cfg: RunConfig) -> None:
                       f"{max(0, train.steps // 10)})")
   # Each section's own rules, checked by the constructors it feeds.
   keyed(builders.check, cfg)
+  if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
+    raise ConfigError(
+        f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
+        f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
+        f"({train.num_microbatches})")
+  if model.provider is not None:
+    return  # the sizes below are the built-in model's
   # Rules that span sections.
   if model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
@@ -461,11 +500,6 @@ def _check(cfg: RunConfig) -> None:
     raise ConfigError(f"train.num_microbatches ({train.num_microbatches}) must be "
                       f"divisible by mesh.stage ({mesh.stage}) with "
                       "mesh.virtual_stages > 1")
-  if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
-    raise ConfigError(
-        f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
-        f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
-        f"({train.num_microbatches})")
   if mesh.stage > 1 and not train.per_token_loss:
     raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
                       "pipeline's head returns a loss sum and a token count)")
@@ -519,9 +553,30 @@ def _deep_copy(x: Any) -> Any:
   return x
 
 
+def _absolute_file(spec: Optional[str], base_dir: Optional[str]) -> Optional[str]:
+  """A ``"file.py:attribute"`` provider with the file's path made absolute (relative
+  to ``base_dir``); a ``"package.module:attribute"`` one as it is."""
+  if spec is None or ":" not in spec:
+    return spec
+  module, _, attribute = spec.rpartition(":")
+  if not (module.endswith(".py") or "/" in module or os.sep in module):
+    return spec
+  path = os.path.join(base_dir or os.getcwd(), os.path.expanduser(module))
+  return f"{os.path.abspath(path)}:{attribute}"
+
+
+def _absolute_providers(cfg: RunConfig, base_dir: Optional[str]) -> RunConfig:
+  model = dataclasses.replace(
+      cfg.model, provider=_absolute_file(cfg.model.provider, base_dir),
+      loss=_absolute_file(cfg.model.loss, base_dir))
+  data = dataclasses.replace(cfg.data,
+                             provider=_absolute_file(cfg.data.provider, base_dir))
+  return dataclasses.replace(cfg, model=model, data=data)
+
+
 def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
-                     overrides: Sequence[str] = (), default_name: str = "run"
-                    ) -> RunConfig:
+                     overrides: Sequence[str] = (), default_name: str = "run",
+                     base_dir: Optional[str] = None) -> RunConfig:
   """A validated `RunConfig` from a parsed mapping plus ``--set`` overrides.
 
   Args:
@@ -529,6 +584,8 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
     source: names the origin in error messages, e.g. the file path.
     overrides: ``key.sub=value`` strings applied on top of ``raw``.
     default_name: the run's name when ``raw`` has none.
+    base_dir: the folder a provider's ``"file.py:function"`` is relative to (the
+      config file's); default: the working directory. Such paths are made absolute.
 
   Returns:
     The frozen `RunConfig`.
@@ -549,6 +606,7 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
     cfg = _to_dataclass(RunConfig, raw, "")
     if not cfg.name:
       cfg = dataclasses.replace(cfg, name=default_name)
+    cfg = _absolute_providers(cfg, base_dir)
     _check(cfg)
   except ConfigError as e:
     message = str(e)
@@ -591,7 +649,8 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
     raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
   stem = os.path.splitext(os.path.basename(path))[0]
   cfg = config_from_dict(parse_yaml(text, source=path), source=path,
-                         overrides=overrides, default_name=stem)
+                         overrides=overrides, default_name=stem,
+                         base_dir=os.path.dirname(os.path.abspath(path)))
   if data_path is not None:
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
   return cfg

@@ -11,7 +11,7 @@ import time
 from typing import Any, Optional
 
 from mpscale.trainer import config as config_lib
-from mpscale.trainer.checkpoints import checkpoint_tree, restore_latest
+from mpscale.trainer import checkpoints
 from mpscale.trainer.metrics_log import MetricsLog, read_rows, to_float
 from mpscale.trainer.plots import plot_runs
 from mpscale.trainer.progress import fmt, make_progress, progress_info, scale_text
@@ -53,20 +53,18 @@ def _global_batch(batch: dict[str, Any], mesh: Any) -> Any:
           for k, v in batch.items()}
 
 
-def evaluate(setup: Any, params: Any, data: Any, cfg: config_lib.RunConfig) -> float:
-  """Mean per-token loss on the held-out split (``data.eval_batches`` batches)."""
+def evaluate(setup: Any, params: Any, data: Any) -> float:
+  """Mean per-token loss over the evaluation batches of ``data`` (a
+  `mpscale.trainer.loader.Data`); NaN when it has none."""
   import jax
   total, tokens = 0.0, 0.0
-  for batch in data.eval_batches(cfg.data.batch_size, cfg.model.seq_len,
-                                 cfg.data.eval_batches):
+  for batch in data.eval_batches():
     loss_sum, count = jax.device_get(setup.evaluate(params, batch))
     total, tokens = total + float(loss_sum), tokens + float(count)
-  return total / max(tokens, 1.0)
+  return total / tokens if tokens else math.nan
 
 
 @dataclasses.dataclass
-
-
 class _Run:
   """One run being trained: what `_prepare` built, and where its files go."""
   cfg: config_lib.RunConfig
@@ -74,9 +72,11 @@ class _Run:
   setup: Any
   """`mpscale.trainer.builders.Setup`: model, policy, optimizer, mesh, step, evaluate."""
   data: Any
-  """`mpscale.trainer.data.TextData`."""
+  """`mpscale.trainer.loader.Data`: training batches by step, evaluation batches."""
   state: Any
   """The `mpscale.TrainState`, initial or restored."""
+  data_state: Any
+  """The data iterator's state to start from (``None``: the first batch)."""
   metric_shapes: Any
   """What the step returns as metrics (shapes only)."""
   num_params: int
@@ -92,33 +92,112 @@ class _Run:
     return os.path.join(self.out_dir, "summary.json")
 
 
-def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str) -> _Run:
+def _provided(given: Any, spec: Optional[str], key: str, cfg: Any) -> tuple[Any, str]:
+  """A user's piece: ``given`` (a Python argument; a function is called with
+  ``cfg``), else what the config's ``spec`` names (called with ``cfg``), else
+  ``None``; and the key that names it in errors."""
+  from mpscale.trainer import models
+  name = key.split(".")[0]
+  if given is not None:
+    if callable(given) and not _is_model_object(given):
+      return models.call_provider(given, cfg, f"{name} (argument)"), f"{name} (argument)"
+    return given, f"{name} (argument)"
+  if spec is None:
+    return None, key
+  return models.call_provider(models.load_object(spec, key), cfg, key), key
+
+
+def _is_model_object(obj: Any) -> bool:
+  """Whether ``obj`` is a model itself rather than a function returning one (Flax
+  modules and grain datasets are callable or have methods, too)."""
+  import sys
+  from mpscale.trainer import models
+  if isinstance(obj, models.Model):
+    return True
+  for module, name in (("flax.nnx", "Module"), ("flax.linen", "Module")):
+    cls = getattr(sys.modules.get(module), name, None)
+    if cls is not None and isinstance(obj, cls):
+      return True
+  return False
+
+
+def _load_data(cfg: config_lib.RunConfig, given: Any) -> Any:
+  """The run's `mpscale.trainer.loader.Data`: a user's source, or the text."""
+  from mpscale.trainer import data as data_lib
+  from mpscale.trainer import loader
+  source, key = _provided(given, cfg.data.provider, "data.provider", cfg)
+  if source is not None:
+    data = loader.user_data(source, cfg, key)
+    if given is None:
+      data.source = cfg.data.provider
+    return data
+  try:
+    text = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"data.path: {e}") from None
+  return loader.text_data(text, cfg)
+
+
+def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: Any
+               ) -> tuple[Any, str]:
+  """A user's `mpscale.trainer.models.Model` (``None`` for the tiny LM) and its key."""
+  from mpscale.trainer import models
+  obj, key = _provided(given, cfg.model.provider, "model.provider", cfg)
+  if obj is None:
+    if loss is not None:
+      raise ValueError("loss (argument): the built-in model has its own loss; pass "
+                       "model= too")
+    return None, key
+  if loss is None and cfg.model.loss is not None and given is None:
+    loss = models.load_object(cfg.model.loss, "model.loss")
+  return models.as_model(obj, loss, first_batch, key), key
+
+
+def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
+             model: Any = None, data: Any = None, loss: Any = None) -> _Run:
   """Loads the data and builds the model, step and initial state. Everything that can
-  fail on the config happens here, before the first write.
+  fail on the config or on the user's pieces happens here, before the first write:
+  a provider that cannot be imported or returns the wrong type, and batches the model
+  cannot take (the step is traced on the first batch with ``jax.eval_shape``).
 
   Raises:
     config_lib.ConfigError: naming ``source`` and the key.
   """
   import jax
   from mpscale.trainer import builders
-  from mpscale.trainer import data as data_lib
   from mpscale.trainer import lm as lm_lib
 
-  try:
-    data = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
-  except (OSError, ValueError) as e:
-    raise config_lib.ConfigError(f"{source}: data.path: {e}") from None
-  try:
-    setup = builders.build(cfg)
-    params = builders.init_params(cfg, setup.model)
-    state = setup.init(params)
-    first_batch = data.train_batch(cfg.seed, 0, cfg.data.batch_size, cfg.model.seq_len)
-    metric_shapes = jax.eval_shape(setup.step, state, first_batch)[1]
-  except (ValueError, TypeError) as e:
+  def fail(e: Exception) -> None:
     if isinstance(e, config_lib.ConfigError):
+      raise e
+    cls = config_lib.ConfigTypeError if isinstance(e, TypeError) else (
+        config_lib.ConfigError)
+    raise cls(f"{source}: {e}") from None
+
+  try:
+    run_data = _load_data(cfg, data)
+    first_batch = run_data.train[0]
+    user_model, model_key = _load_model(cfg, model, loss, first_batch)
+    setup = builders.build(cfg, model=user_model)
+    params = setup.init_params()
+    state = setup.init(params)
+  except (ValueError, TypeError) as e:
+    fail(e)
+  try:
+    metric_shapes = jax.eval_shape(setup.step, state, first_batch)[1]
+  except Exception as e:  # the user's loss on the user's batch may raise anything
+    if user_model is None and cfg.data.provider is None and data is None:
+      if isinstance(e, (ValueError, TypeError)):
+        fail(e)
       raise
-    raise config_lib.ConfigError(f"{source}: {e}") from None
-  return _Run(cfg, out_dir, setup, data, state, metric_shapes,
+    data_key = "data (argument)" if data is not None else (
+        "data.provider" if cfg.data.provider else "the built-in data")
+    shapes = {k: (getattr(v, "shape", None), str(getattr(v, "dtype", type(v).__name__)))
+              for k, v in first_batch.items()}
+    fail(ValueError(f"{data_key}: its batches do not fit {model_key}: training on "
+                    f"the first batch {shapes} raised {type(e).__name__}: "
+                    f"{str(e)[:500]}"))
+  return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes,
               num_params=lm_lib.num_params(params),
               opt_bytes=builders.tree_bytes(state.opt_state),
               main_process=jax.process_index() == 0)
@@ -143,15 +222,14 @@ class _Logger:
 
   def __init__(self, run: _Run, start: int, progress: Optional[bool], verbose: bool):
     from rich.console import Console
-    cfg = run.cfg
     self.run, self.verbose = run, verbose
     self.log = MetricsLog(run.out_dir, sorted(run.metric_shapes["group_norms"]),
-                           start, run.main_process)
+                          start, run.main_process)
     previous = to_float(self.log.last.get("overflow_total")) if start else math.nan
     self.overflow_total = 0 if math.isnan(previous) else int(previous)
     self.console = Console(stderr=True)
     self.show = self.console.is_terminal if progress is None else progress
-    self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+    self.tokens_per_step = run.data.tokens_per_step
     self.t_run = self.t_mark = time.perf_counter()
     self.pending: list = []
     self.eval_loss = math.nan
@@ -175,7 +253,7 @@ class _Logger:
     self.overflow_total += overflows
     last = host[-1]
     if evaluating:
-      self.eval_loss = evaluate(self.run.setup, state.params, self.run.data, self.run.cfg)
+      self.eval_loss = evaluate(self.run.setup, state.params, self.run.data)
     row = {
         "step": done,
         "loss": sum(float(m["loss"]) for m in host) / len(host),
@@ -213,8 +291,8 @@ def _loop(run: _Run, start: int, logger: _Logger) -> Any:
   steps = train_cfg.steps
   manager = ocp.CheckpointManager(run.ckpt_dir, options=ocp.CheckpointManagerOptions(
       max_to_keep=train_cfg.keep_checkpoints, create=True))
-  save = lambda done: manager.save(done, args=ocp.args.StandardSave(
-      checkpoint_tree(state)))
+  batches = run.data.iterator(run.data_state)
+  save = lambda done: checkpoints.save(manager, done, state, batches.get_state())
   due = lambda done, every: done == steps or (every > 0 and done % every == 0)
   try:
     with logger.bar:
@@ -222,8 +300,7 @@ def _loop(run: _Run, start: int, logger: _Logger) -> Any:
           cfg.name, total=steps, completed=start,
           info="compiling the step (the first step waits for it)")
       for step in range(start, steps):
-        batch = run.data.train_batch(cfg.seed, step, cfg.data.batch_size,
-                                     cfg.model.seq_len)
+        batch = next(batches)
         state, metrics = run.setup.step(state, _global_batch(batch, run.setup.mesh))
         logger.pending.append(metrics)
         done = step + 1
@@ -267,7 +344,7 @@ def _finish(run: _Run, state: Any, start: int, logger: _Logger) -> dict[str, Any
   cfg, out_dir = run.cfg, run.out_dir
   final_step = int(jax.device_get(state.step))
   if math.isnan(logger.eval_loss):  # a finished run resumed: evaluate its final state
-    logger.eval_loss = evaluate(run.setup, state.params, run.data, cfg)
+    logger.eval_loss = evaluate(run.setup, state.params, run.data)
   logger.log.close()
   rows = read_rows(logger.log.path)
   train_loss = to_float(rows[-1]["loss"]) if rows else math.nan
@@ -298,13 +375,18 @@ def _finish(run: _Run, state: Any, start: int, logger: _Logger) -> dict[str, Any
 def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
           resume: bool = False, overwrite: bool = False,
           progress: Optional[bool] = None, source: str = "<config>",
-          verbose: bool = True) -> dict[str, Any]:
-  """Train ``cfg``'s tiny LM, writing the run's files into ``out_dir``.
+          verbose: bool = True, model: Any = None, data: Any = None,
+          loss: Any = None) -> dict[str, Any]:
+  """Train ``cfg``'s model on its data, writing the run's files into ``out_dir``.
+
+  The model and data are the tiny LM and its corpus, or what ``model.provider`` and
+  ``data.provider`` name, or the ``model``, ``data`` and ``loss`` given here (see
+  `run`).
 
   The parts, in order: `_prepare` (data, model, step, initial state; every config
-  error is raised here, before any write), restore (`restore_latest`), `_start_files`,
-  `_loop` (steps, logs, evaluations, checkpoints, via a `_Logger`), `_finish` (summary
-  and plot).
+  error is raised here, before any write), restore (`checkpoints.restore_latest`),
+  `_start_files`, `_loop` (steps, logs, evaluations, checkpoints, via a `_Logger`),
+  `_finish` (summary and plot).
 
   Args:
     cfg: the run.
@@ -315,6 +397,9 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     progress: show a progress bar; default: when the console is a terminal.
     source: names the config in error messages (its path).
     verbose: print a line per evaluation and a final summary.
+    model: a user's model, or a function ``(cfg) ->`` one (`run`).
+    data: a user's data source, or a function ``(cfg) ->`` one (`run`).
+    loss: the loss of a Flax ``model`` (`run`).
 
   Returns:
     The summary also written to ``summary.json``.
@@ -326,10 +411,11 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   """
   out_dir = out_dir or os.path.join("runs", cfg.name)
   check_out_dir(out_dir, resume, overwrite)
-  run = _prepare(cfg, out_dir, source)
+  run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss)
   start = 0
   if resume:
-    run.state, start = restore_latest(run.ckpt_dir, run.state)
+    run.state, start, run.data_state = checkpoints.restore_latest(run.ckpt_dir,
+                                                                  run.state)
   if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
     # Nothing to train: say so, and leave the finished run's files as they are.
     with open(run.summary_path) as f:
@@ -359,42 +445,102 @@ def _previous_seconds(out_dir: str, start: int) -> float:
   return float(previous.get("train_seconds", 0.0)) * fraction
 
 
-def load_run(out_dir: str) -> tuple[config_lib.RunConfig, Any, Any, int]:
-  """A finished or interrupted run: ``(cfg, setup, state, step)`` from its
-  ``config.yaml`` and latest checkpoint.
+def run(config: Any, *, model: Any = None, data: Any = None, loss: Any = None,
+        out_dir: Optional[str] = None, overrides: Any = (), resume: bool = False,
+        overwrite: bool = False, progress: Optional[bool] = None,
+        verbose: bool = True) -> dict[str, Any]:
+  """Train a user's model on a user's data with everything ``mpscale train`` does:
+  mixed precision, loss scaling, the mesh, checkpoints and exact resume, metrics
+  (CSV, TensorBoard, plot), evaluation and a summary, in the run folder.
+
+  Args:
+    config: a `RunConfig`, a YAML file's path, or a mapping of the YAML's keys.
+    model: a Flax NNX module (built), a Flax linen module, an
+      `mpscale.trainer.models.Model`, or a function ``(config) ->`` one; default:
+      what ``model.provider`` names, else the tiny LM.
+    data: a random-access source of examples (dicts of arrays), ``{"train": source,
+      "eval": source}``, or a function ``(config) ->`` one; default: what
+      ``data.provider`` names, else the corpus (`mpscale.trainer.loader`).
+    loss: for a Flax module, ``loss(model, batch) -> (loss_sum, num_tokens)`` or a
+      mean; default: what ``model.loss`` names.
+    out_dir: the run's folder; default ``runs/<name>``.
+    overrides: ``key.sub=value`` strings applied to a path or mapping ``config``.
+    resume: continue from the latest checkpoint in ``out_dir``.
+    overwrite: replace the files of a run already in ``out_dir``.
+    progress: show a progress bar; default: when the console is a terminal.
+    verbose: print a line per evaluation and a final summary.
+
+  Returns:
+    The run's summary (``summary.json``).
+
+  Raises:
+    config_lib.ConfigError: for a bad config, or pieces that do not fit (naming the
+      key or argument), before anything is written.
+    RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``.
+
+  Example::
+
+    import mpscale.trainer
+    summary = mpscale.trainer.run({"train": {"steps": 100}}, model=MyModule(rngs),
+                                  loss=my_loss, data={"train": train, "eval": test})
+  """
+  if isinstance(config, config_lib.RunConfig):
+    if overrides:
+      raise TypeError("overrides: apply them to a path or mapping config, or use "
+                      "dataclasses.replace on a RunConfig")
+    cfg, source = config, "<config>"
+  elif isinstance(config, (str, os.PathLike)):
+    cfg, source = config_lib.load_config(config, overrides), os.fspath(config)
+  elif isinstance(config, dict):
+    cfg = config_lib.config_from_dict(config, "<config>", overrides,
+                                      default_name="run")
+    source = "<config>"
+  else:
+    raise TypeError(f"config: expected a RunConfig, a path or a mapping; got "
+                    f"{type(config).__name__}")
+  return train(cfg, out_dir, resume=resume, overwrite=overwrite, progress=progress,
+               source=source, verbose=verbose, model=model, data=data, loss=loss)
+
+
+def load_run(out_dir: str) -> tuple[_Run, int]:
+  """A finished or interrupted run, rebuilt from its ``config.yaml`` (providers
+  included) with the state of its latest checkpoint, and that checkpoint's step.
 
   Raises:
     RunDirError: if ``out_dir`` holds no run or no checkpoint.
   """
-  from mpscale.trainer import builders
   path = os.path.join(out_dir, "config.yaml")
   if not os.path.exists(path):
     raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
-  cfg = config_lib.load_config(path)
-  setup = builders.build(cfg)
-  state = setup.init(builders.init_params(cfg, setup.model))
-  state, step = restore_latest(os.path.abspath(os.path.join(out_dir, "checkpoints")),
-                               state)
+  run = _prepare(config_lib.load_config(path), out_dir, path)
+  run.state, step, run.data_state = checkpoints.restore_latest(run.ckpt_dir, run.state)
   if step == 0:
     raise RunDirError(f"{out_dir} holds no checkpoint yet")
-  return cfg, setup, state, step
+  return run, step
 
 
 def evaluate_run(out_dir: str) -> tuple[float, int]:
-  """``(eval loss, step)`` of a run's latest checkpoint on its held-out split."""
-  from mpscale.trainer import data as data_lib
-  cfg, setup, state, step = load_run(out_dir)
-  data = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
-  return evaluate(setup, state.params, data, cfg), step
+  """``(eval loss, step)`` of a run's latest checkpoint on its evaluation data."""
+  run, step = load_run(out_dir)
+  return evaluate(run.setup, run.state.params, run.data), step
 
 
 def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,
                seed: int = 0) -> str:
-  """Text the run's latest checkpoint writes after ``prompt`` (byte level)."""
+  """Text the run's latest checkpoint writes after ``prompt`` (byte level; the tiny
+  LM only).
+
+  Raises:
+    RunDirError: for a run of a user's model.
+  """
   import jax
   from mpscale.trainer import data as data_lib
-  _, setup, state, _ = load_run(out_dir)
-  tokens = setup.model.generate(setup.policy.cast_to_compute(state.params),
-                                data_lib.tokenize(prompt), num_tokens,
-                                rng=jax.random.key(seed), temperature=temperature)
+  from mpscale.trainer import lm as lm_lib
+  run, _ = load_run(out_dir)
+  if not isinstance(run.setup.model, lm_lib.TinyLM):
+    raise RunDirError(f"{out_dir}: sample writes text with the built-in tiny LM; this "
+                      "run trained a user's model (model.provider)")
+  tokens = run.setup.model.generate(run.setup.policy.cast_to_compute(run.state.params),
+                                    data_lib.tokenize(prompt), num_tokens,
+                                    rng=jax.random.key(seed), temperature=temperature)
   return data_lib.detokenize(tokens)
