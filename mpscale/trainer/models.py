@@ -79,7 +79,7 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any]) -> Model:
   (a nested dict); ``loss(module, batch)`` runs on the module with them merged in."""
   from flax import nnx  # noqa: PLC0415
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-  values = params.to_pure_dict()
+  values = nnx.to_pure_dict(params)
 
   def loss_fn(p, batch):
     state = jax.tree_util.tree_map(lambda x: x, params)  # a fresh State to fill

@@ -1,0 +1,279 @@
+"""The trainer with a user's model and data: providers named by a config, objects
+passed to `mpscale.trainer.run`, the grain loader, and the errors that name the key.
+
+The user's pieces are the NNX transformer and data source of examples/nnx_transformer,
+a Flax linen module, and a plain `mpscale.trainer.Model`.
+"""
+
+import csv
+import json
+import os
+import runpy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpscale.trainer
+from mpscale.trainer import cli, config as config_lib, loader
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "nnx_transformer")
+EXAMPLE_CONFIG = os.path.join(EXAMPLE, "config.yaml")
+SMALL = ["model.args.d_model=32", "model.args.num_layers=1", "data.batch_size=8",
+         "data.eval_batches=2", "train.steps=16", "train.log_every=2",
+         "train.eval_every=8", "train.checkpoint_every=8", "schedule.warmup_steps=2",
+         "data.args.train_size=2000"]
+RUN_FILES = ("config.yaml", "metrics.csv", "summary.json", "metrics.png", "tb",
+             "checkpoints")
+
+
+def sets(overrides):
+  return [arg for o in overrides for arg in ("--set", o)]
+
+
+def rows(out):
+  with open(os.path.join(out, "metrics.csv"), newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def trained(out, keys=("step", "loss", "eval_loss", "loss_scale", "global_norm")):
+  return [tuple(r[k] for k in keys) for r in rows(out)]
+
+
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("runs") / "nnx"
+  assert cli.main(["train", "--config", EXAMPLE_CONFIG, "--out", str(out), "--quiet",
+                   "--no-progress", *sets(SMALL)]) == 0
+  return str(out)
+
+
+# ------------------------------------------------------------------ the example
+
+
+def test_the_command_trains_a_user_nnx_model_from_its_config(example_run):
+  for name in RUN_FILES:
+    assert os.path.exists(os.path.join(example_run, name)), name
+  with open(os.path.join(example_run, "summary.json")) as f:
+    summary = json.load(f)
+  # The user's model was trained: its parameter count, not the tiny LM's.
+  cfg = config_lib.load_config(os.path.join(example_run, "config.yaml"))
+  example = runpy.run_path(os.path.join(EXAMPLE, "model.py"))
+  from flax import nnx
+  module = example["build"](cfg)
+  want = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(module, nnx.Param)))
+  assert summary["params"] == want
+  assert summary["data"].endswith("model.py:source")
+  assert summary["steps"] == 16 and np.isfinite(summary["final_eval_loss"])
+  losses = [float(r["loss"]) for r in rows(example_run)]
+  assert losses[-1] < losses[0]  # it learns
+  # The saved config names the providers by absolute path: the run folder stands alone.
+  assert os.path.isabs(cfg.model.provider.rpartition(":")[0])
+  # A checkpoint holds the data loader's position beside the state.
+  from mpscale.trainer import checkpoints
+  run, step = mpscale.trainer.loop.load_run(example_run)
+  assert step == 16 and run.data_state == {"next_index": 16}
+  del checkpoints
+
+
+def test_python_run_with_objects_equals_the_command(example_run, tmp_path):
+  train_py = runpy.run_path(os.path.join(EXAMPLE, "train.py"))
+  others = [s for s in SMALL if not s.startswith("train.steps=")]
+  summary = train_py["main"](["--steps", "16", "--out", str(tmp_path / "py"),
+                              *sets(others)])
+  assert summary["steps"] == 16
+  assert trained(tmp_path / "py") == trained(example_run)
+
+
+def test_eval_of_a_user_model_run_and_sample_refuses_it(example_run, capsys):
+  assert cli.main(["eval", example_run]) == 0
+  with open(os.path.join(example_run, "summary.json")) as f:
+    final_eval = json.load(f)["final_eval_loss"]
+  assert f"{final_eval:.4f}" in capsys.readouterr().out
+  assert cli.main(["sample", example_run]) == 2
+  assert "user's model" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ other kinds
+
+
+def _regression(n=256, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, 4)).astype(np.float32)
+  y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32))[:, None]
+  return [{"x": x[i], "y": y[i]} for i in range(n)]
+
+
+CONFIG = {"optimizer": {"name": "adamw", "learning_rate": 0.05},
+          "schedule": {"warmup_steps": 0},
+          "data": {"batch_size": 16, "eval_batches": 2},
+          "train": {"steps": 30, "log_every": 5, "eval_every": 30,
+                    "checkpoint_every": 30}}
+
+
+def test_a_linen_module_is_initialized_through_its_loss(tmp_path):
+  from flax import linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(nn.tanh(nn.Dense(16)(x)))
+
+  def mse(model, batch):  # a mean: counted as one token per batch
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+  summary = mpscale.trainer.run(CONFIG, model=MLP(), loss=mse,
+                                data={"train": _regression(), "eval": _regression(64, 1)},
+                                out_dir=str(tmp_path / "linen"), verbose=False,
+                                progress=False)
+  assert summary["params"] == 4 * 16 + 16 + 16 + 1
+  losses = [float(r["loss"]) for r in rows(tmp_path / "linen")]
+  assert losses[-1] < 0.5 * losses[0]
+  assert np.isfinite(summary["final_eval_loss"])
+
+
+def _linear_model():
+  def init(key):
+    return {"w": 0.1 * jax.random.normal(key, (4, 1)), "b": jnp.zeros((1,))}
+
+  def loss_fn(params, batch):  # a per-token pair
+    err = batch["x"] @ params["w"] + params["b"] - batch["y"]
+    return jnp.sum(err**2), jnp.asarray(err.size, jnp.float32)
+
+  return mpscale.trainer.Model(init=init, loss_fn=loss_fn)
+
+
+def test_a_plain_model_trains_on_a_data_x_fsdp_mesh_as_on_one_device(tmp_path):
+  # A function (config) -> model works as well as the model itself.
+  provider = lambda cfg: _linear_model()  # noqa: E731
+  data = {"train": _regression()}
+  one = mpscale.trainer.run(CONFIG, model=provider, data=data,
+                            out_dir=str(tmp_path / "one"), verbose=False,
+                            progress=False)
+  meshed = mpscale.trainer.run({**CONFIG, "mesh": {"data": 2, "fsdp": 2}},
+                               model=provider, data=data, out_dir=str(tmp_path / "mesh"),
+                               verbose=False, progress=False)
+  assert np.isnan(one["final_eval_loss"])  # no eval split: no evaluation
+  a = [float(r["loss"]) for r in rows(tmp_path / "one")]
+  b = [float(r["loss"]) for r in rows(tmp_path / "mesh")]
+  np.testing.assert_allclose(b, a, rtol=1e-4)
+  assert a[-1] < 0.7 * a[0]  # it learns
+  del meshed
+
+
+def test_user_data_is_shuffled_each_epoch_and_batched(tmp_path):
+  cfg = config_lib.config_from_dict({"data": {"batch_size": 4}}, "<test>")
+  examples = [{"i": np.asarray(i)} for i in range(8)]
+  data = loader.user_data(examples, cfg)
+  it = data.iterator()
+  epoch1 = np.concatenate([next(it)["i"] for _ in range(2)])
+  epoch2 = np.concatenate([next(it)["i"] for _ in range(2)])
+  assert sorted(epoch1) == sorted(epoch2) == list(range(8))
+  assert list(epoch1) != list(epoch2)
+  # The iterator's state is where it stands: a restored iterator goes on the same.
+  state = it.get_state()
+  again = data.iterator(state)
+  np.testing.assert_array_equal(next(again)["i"], next(it)["i"])
+  unshuffled = loader.user_data(
+      examples, config_lib.config_from_dict({"data": {"batch_size": 4,
+                                                      "shuffle": False}}, "<test>"))
+  np.testing.assert_array_equal(unshuffled.train[1]["i"], [4, 5, 6, 7])
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _write(folder, name, text):
+  path = os.path.join(folder, name)
+  with open(path, "w") as f:
+    f.write(text)
+  return path
+
+
+PROVIDERS = '''
+import numpy as np
+def number(config):
+  return 42
+def wrong_keys(config):
+  rng = np.random.default_rng(0)
+  return [{"tokens": rng.integers(0, 16, 8).astype(np.int32)} for _ in range(64)]
+def wrong_length(config):  # targets shorter than inputs
+  t = np.arange(12, dtype=np.int32)
+  return [{"inputs": t[:8], "targets": t[:5], "mask": np.ones(5, np.float32)}] * 64
+def broken(config):
+  raise RuntimeError("the user's bug")
+'''
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.provider=no_such_module_xyz:build"],
+     "model.provider: cannot import 'no_such_module_xyz'"),
+    (["model.provider=model.py:nothing_here"],
+     "model.py' has no attribute 'nothing_here'"),
+    (["model.provider=model.py"], "model.provider: expected 'package.module:attribute'"),
+    (["model.provider=providers.py:number"],
+     "model.provider: expected a flax.nnx.Module, a flax.linen.Module or an "
+     "mpscale.trainer.Model; got builtins.int"),
+    (["model.provider=providers.py:broken"],
+     "model.provider: broken raised RuntimeError: the user's bug"),
+    (["data.provider=providers.py:number"],
+     "data.provider: expected a random-access source of examples"),
+    (["data.provider=providers.py:wrong_keys"],
+     "data.provider: its batches do not fit model.provider"),
+    (["data.provider=providers.py:wrong_length"],
+     "data.provider: its batches do not fit model.provider"),
+    (["model.loss=providers.py:number", "model.provider=null"],
+     "model.loss needs model.provider"),
+    (["data.path=x.txt"], "data.path and data.provider are exclusive"),
+    (["mesh.stage=2"], "mesh.stage (2) > 1 needs model.provider to return an "
+     "mpscale.trainer.Model whose loss_fn is an mpscale.Pipeline"),
+    (["mesh.tensor=2"], "mesh.tensor (2) > 1 needs the model's layout"),
+    (["model.args=3"], "model.args: expected a mapping"),
+])
+def test_bad_user_pieces_are_refused_by_key_before_any_write(tmp_path, capsys, overrides,
+                                                            message):
+  # The example's files, beside providers that go wrong in each way.
+  folder = tmp_path / "cfg"
+  folder.mkdir()
+  for name in ("model.py", "config.yaml"):
+    with open(os.path.join(EXAMPLE, name)) as f:
+      _write(folder, name, f.read())
+  _write(folder, "providers.py", PROVIDERS)
+  out = tmp_path / "out"
+  code = cli.main(["train", "--config", str(folder / "config.yaml"), "--out", str(out),
+                   "--no-progress", "--devices", "8", *sets(SMALL + overrides)])
+  err = capsys.readouterr().err
+  assert code == 2, err
+  assert message in err, err
+  assert not out.exists()  # nothing written
+
+
+def test_python_arguments_are_checked_by_name(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match=r"model \(argument\): gave a Model"):
+    mpscale.trainer.run(CONFIG, model=_linear_model(), loss=lambda m, b: 0.0,
+                        data=_regression(), out_dir=str(tmp_path / "a"))
+  with pytest.raises(config_lib.ConfigError, match=r"model \(argument\): expected a "
+                     r"flax.nnx.Module"):
+    mpscale.trainer.run(CONFIG, model=object(), data=_regression(),
+                        out_dir=str(tmp_path / "b"))
+  with pytest.raises(config_lib.ConfigError, match=r"data \(argument\): the train "
+                     r"split has 3 examples, fewer than data.batch_size \(16\)"):
+    mpscale.trainer.run(CONFIG, model=_linear_model(), data=_regression(3),
+                        out_dir=str(tmp_path / "c"))
+  with pytest.raises(TypeError, match="config: expected a RunConfig"):
+    mpscale.trainer.run(3)
+  assert not any(os.listdir(tmp_path))
+
+
+def test_provider_settings_parse_and_take_set_overrides():
+  cfg = config_lib.load_config(EXAMPLE_CONFIG, ["model.args.d_model=48",
+                                                "data.args.digits=2"])
+  assert cfg.model.args == {"d_model": 48, "num_heads": 4, "num_layers": 2,
+                            "max_len": 16}
+  assert cfg.data.args["digits"] == 2
+  # Dumped and read back, the config is the same (the run folder's config.yaml).
+  again = config_lib.config_from_dict(
+      config_lib.parse_yaml(config_lib.dump_config(cfg)), "<dump>")
+  assert again == cfg
