@@ -13,6 +13,7 @@ import sys
 import pytest
 
 import mpscale
+import mpscale.trainer
 
 pytest.importorskip("sphinx")
 
@@ -54,3 +55,9 @@ def test_every_public_name_is_documented(built_docs):
                   if not re.search(rf'id="mpscale\.(\w+\.)?{re.escape(name)}"', api)]
   assert not undocumented, (
       f"exported by mpscale/__init__.py but missing from docs/api.rst: {undocumented}")
+  undocumented = [name for name in mpscale.trainer.__all__
+                  if not re.search(rf'id="mpscale\.trainer\.(\w+\.)?{re.escape(name)}"',
+                                   api)]
+  assert not undocumented, (
+      f"exported by mpscale/trainer/__init__.py but missing from docs/api.rst: "
+      f"{undocumented}")

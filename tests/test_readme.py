@@ -17,7 +17,8 @@ def _blocks():
     return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
 
 
-def test_readme_python_blocks_run_and_their_stated_results_hold():
+def test_readme_python_blocks_run_and_their_stated_results_hold(monkeypatch):
+  monkeypatch.chdir(ROOT)  # the blocks name examples/... as a reader in a clone would
   blocks = _blocks()
   assert len(blocks) >= 2
   namespace: dict = {}
@@ -37,6 +38,10 @@ def test_readme_python_blocks_run_and_their_stated_results_hold():
   from jax.sharding import PartitionSpec
   assert namespace["state"].params["w1"].sharding.spec == PartitionSpec("fsdp", "tensor")
   assert not bool(namespace["sharded_metrics"]["overflow"])
+  stated = re.search(r'print\(summary\["steps"\], summary\["params"\]\) +# (\d+) (\d+)',
+                     "".join(blocks))
+  summary = namespace["summary"]
+  assert (summary["steps"], summary["params"]) == tuple(map(int, stated.groups()))
   if not old_nnx:  # NNX metrics come back as plain arrays, not nnx Variables
     import jax
     assert all(isinstance(namespace["nnx_metrics"][k], jax.Array)

@@ -72,10 +72,8 @@ def test_the_command_trains_a_user_nnx_model_from_its_config(example_run):
   # The saved config names the providers by absolute path: the run folder stands alone.
   assert os.path.isabs(cfg.model.provider.rpartition(":")[0])
   # A checkpoint holds the data loader's position beside the state.
-  from mpscale.trainer import checkpoints
   run, step = mpscale.trainer.loop.load_run(example_run)
   assert step == 16 and run.data_state == {"next_index": 16}
-  del checkpoints
 
 
 def test_python_run_with_objects_equals_the_command(example_run, tmp_path):
@@ -152,15 +150,14 @@ def test_a_plain_model_trains_on_a_data_x_fsdp_mesh_as_on_one_device(tmp_path):
   one = mpscale.trainer.run(CONFIG, model=provider, data=data,
                             out_dir=str(tmp_path / "one"), verbose=False,
                             progress=False)
-  meshed = mpscale.trainer.run({**CONFIG, "mesh": {"data": 2, "fsdp": 2}},
-                               model=provider, data=data, out_dir=str(tmp_path / "mesh"),
-                               verbose=False, progress=False)
+  mpscale.trainer.run({**CONFIG, "mesh": {"data": 2, "fsdp": 2}}, model=provider,
+                      data=data, out_dir=str(tmp_path / "mesh"), verbose=False,
+                      progress=False)
   assert np.isnan(one["final_eval_loss"])  # no eval split: no evaluation
   a = [float(r["loss"]) for r in rows(tmp_path / "one")]
   b = [float(r["loss"]) for r in rows(tmp_path / "mesh")]
   np.testing.assert_allclose(b, a, rtol=1e-4)
   assert a[-1] < 0.7 * a[0]  # it learns
-  del meshed
 
 
 def test_user_data_is_shuffled_each_epoch_and_batched(tmp_path):
