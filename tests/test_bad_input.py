@@ -74,7 +74,9 @@ def _leaf_keys(tree, prefix=()):
 
 
 BASE = config_lib.to_dict(config_lib.load_config(CONFIG))
-CONFIG_KEYS = sorted(_leaf_keys(BASE))
+FREE_FORM = ("model.args", "data.args")
+"""Settings for a user's providers: any mapping is right, anything else is not."""
+CONFIG_KEYS = sorted(k for k in _leaf_keys(BASE) if k not in FREE_FORM)
 SECTIONS = sorted({k.split(".")[0] for k in CONFIG_KEYS if "." in k})
 
 
@@ -83,6 +85,15 @@ def test_every_config_key_rejects_a_wrong_type_naming_key_and_file(key):
   with pytest.raises(config_lib.ConfigError) as err:
     config_lib.load_config(CONFIG, [f"{key}={{bogus: 1}}"])
   assert key in str(err.value) and "tiny_lm_fp16.yaml" in str(err.value)
+
+
+@pytest.mark.parametrize("key", FREE_FORM)
+def test_free_form_config_keys_take_a_mapping_only(key):
+  assert key in _leaf_keys(BASE)
+  cfg = config_lib.load_config(CONFIG, [f"{key}={{width: 1}}"])
+  assert config_lib.to_dict(cfg)[key.split(".")[0]]["args"] == {"width": 1}
+  with pytest.raises(config_lib.ConfigTypeError, match=f"{key}: expected a mapping"):
+    config_lib.load_config(CONFIG, [f"{key}=3"])
 
 
 @pytest.mark.parametrize("section", SECTIONS)

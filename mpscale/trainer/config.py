@@ -472,13 +472,16 @@ def _check(cfg: RunConfig) -> None:
                       f"{max(0, train.steps // 10)})")
   # Each section's own rules, checked by the constructors it feeds.
   keyed(builders.check, cfg)
-  if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
-    raise ConfigError(
-        f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
-        f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
-        f"({train.num_microbatches})")
+  def check_batch_size():
+    if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
+      raise ConfigError(
+          f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
+          f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
+          f"({train.num_microbatches})")
+
   if model.provider is not None:
-    return  # the sizes below are the built-in model's
+    check_batch_size()
+    return  # the rules below are about the built-in model's sizes
   # Rules that span sections.
   if model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
@@ -500,6 +503,7 @@ def _check(cfg: RunConfig) -> None:
     raise ConfigError(f"train.num_microbatches ({train.num_microbatches}) must be "
                       f"divisible by mesh.stage ({mesh.stage}) with "
                       "mesh.virtual_stages > 1")
+  check_batch_size()
   if mesh.stage > 1 and not train.per_token_loss:
     raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
                       "pipeline's head returns a loss sum and a token count)")
