@@ -150,7 +150,7 @@ def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: A
     return None, key
   if loss is None and cfg.model.loss is not None and given is None:
     loss = models.load_object(cfg.model.loss, "model.loss")
-  return models.as_model(obj, loss, first_batch, key), key
+  return models.as_model(obj, loss, first_batch, key, seed=cfg.seed), key
 
 
 def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,

@@ -40,7 +40,8 @@ class Model(NamedTuple):
   """A model the trainer can train.
 
   Attributes:
-    init: ``init(key) -> params``, float32 parameters.
+    init: ``init(key) -> params``, float32 parameters (an adapted Flax module's
+      ignores the key: the module is initialized already).
     loss_fn: ``loss_fn(params, batch) -> (loss_sum, num_tokens)`` or a scalar mean, or
       a `mpscale.Pipeline` (needs ``mesh.stage`` > 1).
     param_specs: the parameters' layout for ``mesh.tensor`` or ``mesh.stage``: what
@@ -89,31 +90,26 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any]) -> Model:
   return Model(init=lambda key: values, loss_fn=loss_fn)
 
 
-def from_linen(module: Any, loss: Callable[[Any, Any], Any], example_batch: Any
-              ) -> Model:
-  """A `Model` of a Flax linen module: ``init`` runs ``loss(module, example_batch)``
-  on the unbound module to create its ``params``; other collections are held fixed."""
+def from_linen(module: Any, loss: Callable[[Any, Any], Any], example_batch: Any,
+               seed: int = 0) -> Model:
+  """A `Model` of a Flax linen module, initialized here from ``seed`` by running
+  ``loss(module, example_batch)`` on it (so any call signature works): its ``params``
+  are the parameters; other collections are held fixed."""
   method = lambda m, batch: loss(m, batch)  # noqa: E731
-  variables = {}
+  variables = dict(module.init(jax.random.key(seed), example_batch, method=method))
+  params = variables.pop("params", {})
 
-  def init(key):
-    out = dict(module.init(key, example_batch, method=method))
-    params = out.pop("params", {})
-    variables.clear()
-    variables.update(out)
-    return params
+  def loss_fn(p, batch):
+    return per_token(module.apply({"params": p, **variables}, batch, method=method))
 
-  def loss_fn(params, batch):
-    return per_token(module.apply({"params": params, **variables}, batch,
-                                  method=method))
-
-  return Model(init=init, loss_fn=loss_fn)
+  return Model(init=lambda key: params, loss_fn=loss_fn)
 
 
 def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
-             key: str = "model") -> Model:
-  """``obj`` as a `Model`: an NNX module or a linen module (with ``loss``), or a
-  `Model` (``loss`` must then be ``None``).
+             key: str = "model", seed: int = 0) -> Model:
+  """``obj`` as a `Model`: an NNX module or a linen module (with ``loss``; a linen
+  module is initialized on ``example_batch`` from ``seed``), or a `Model` (``loss``
+  must then be ``None``).
 
   Raises:
     TypeError: naming ``key``, for anything else, or a module without a loss.
@@ -140,7 +136,7 @@ def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
   linen = sys.modules.get("flax.linen")
   if linen is not None and isinstance(obj, linen.Module):
     model = from_linen(obj, _loss_of(loss, key.replace("provider", "loss")),
-                       example_batch)
+                       example_batch, seed)
     return model._replace(evaluate=model.loss_fn)
   raise TypeError(f"{key}: expected a flax.nnx.Module, a flax.linen.Module or an "
                   f"mpscale.trainer.Model; got {type(obj).__module__}."
