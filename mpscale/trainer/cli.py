@@ -22,9 +22,16 @@ run. An existing run is never overwritten without ``--resume`` or ``--overwrite`
 a run whose config or setup fails writes nothing.
 
 Arguments are parsed before JAX touches a device, so ``--devices N`` can still make the
-CPU backend simulate ``N`` devices (``--xla_force_host_platform_device_count``). With
-``JAX_COORDINATOR_ADDRESS`` and ``JAX_NUM_PROCESSES`` (and ``JAX_PROCESS_ID``) set, the
-command calls ``jax.distributed.initialize`` first (multi-host).
+CPU backend simulate ``N`` devices (``--xla_force_host_platform_device_count``).
+
+Across hosts, one process per host runs the same command with ``--distributed``
+(JAX finds its peers under SLURM, Open MPI, Cloud TPU or Kubernetes), or with
+``--coordinator HOST:PORT --num-processes N --process-id I`` (or the environment
+variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``);
+see `mpscale.trainer.distributed`::
+
+  mpscale train --config c.yaml --coordinator 10.0.0.1:1234 --num-processes 2 \
+                --process-id 0      # and --process-id 1 on the other host
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from typing import Optional, Sequence
 from mpscale.trainer import config as config_lib
 from mpscale.trainer.checkpoints import CheckpointError
 from mpscale.trainer.compare import compare
-from mpscale.trainer.devices import init_distributed, set_host_device_count
+from mpscale.trainer import distributed
+from mpscale.trainer.devices import set_host_device_count
 from mpscale.trainer.loop import RunDirError, evaluate_run, sample_run, train
 
 
@@ -58,8 +66,15 @@ def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> 
 def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> None:
   mesh = cfg.mesh
   needed = mesh.num_devices
-  if devices is not None and devices > needed:
-    print(f"mpscale: warning: --devices {devices}, but the config's mesh is data "
+  if devices is None:
+    return
+  text = f"--devices {devices}"
+  if distributed.is_multiprocess():
+    import jax
+    text += f" x {jax.process_count()} processes"  # --devices is per process
+    devices *= jax.process_count()
+  if devices > needed:
+    print(f"mpscale: warning: {text}, but the config's mesh is data "
           f"{mesh.data} x fsdp {mesh.fsdp} x stage {mesh.stage} x tensor "
           f"{mesh.tensor}, so the run uses {needed} device(s); e.g. --set mesh.data="
           f"{devices // (needed // mesh.data)} for data parallelism", file=sys.stderr)
@@ -97,6 +112,23 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--progress", action=argparse.BooleanOptionalAction,
                          default=None, help="show a progress bar (default: on a terminal)")
     command.add_argument("--quiet", action="store_true", help="print only errors")
+    hosts = command.add_argument_group(
+        "several processes (hosts)",
+        "start the same command on every host; see mpscale.trainer.distributed")
+    hosts.add_argument("--distributed", action="store_true", help=(
+        "join a multi-process run, finding the peers from the cluster (SLURM, Open "
+        "MPI, Cloud TPU, Kubernetes) or the flags and JAX_* variables below"))
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", help=(
+        "process 0's address (default: $JAX_COORDINATOR_ADDRESS or detected)"))
+    hosts.add_argument("--num-processes", type=int, metavar="N",
+                       help="processes in the run (default: $JAX_NUM_PROCESSES)")
+    hosts.add_argument("--process-id", type=int, metavar="I",
+                       help="this process's id, 0..N-1 (default: $JAX_PROCESS_ID)")
+    hosts.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS", help=(
+        "a process that stops answering for this long counts as dead and every other "
+        "process stops (default: JAX's, 100)"))
+    hosts.add_argument("--initialization-timeout", type=int, metavar="SECONDS",
+                       help="how long to wait for every process to join (default 300)")
 
   train_cmd = sub.add_parser("train", help="train one config")
   train_cmd.add_argument("--config", required=True, help="the run's YAML config")
@@ -127,15 +159,24 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _initialize(args: argparse.Namespace) -> None:
+  """``jax.distributed.initialize`` when the flags or environment ask for it."""
+  get = lambda name: getattr(args, name, None)
+  distributed.initialize(
+      get("coordinator"), get("num_processes"), get("process_id"),
+      auto=bool(get("distributed")), heartbeat_timeout=get("heartbeat_timeout"),
+      initialization_timeout=get("initialization_timeout"))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command; returns the exit status (2 for a config or run-folder error)."""
   args = _parser().parse_args(argv)
   try:
     set_host_device_count(args.devices)
+    _initialize(args)
   except ValueError as e:
     print(f"mpscale: error: {e}", file=sys.stderr)
     return 2
-  init_distributed()
   try:
     if args.command == "train":
       cfg = config_lib.load_config(args.config, args.set, args.data)

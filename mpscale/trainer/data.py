@@ -172,10 +172,12 @@ class TextData:
   source: str
   """Where the text came from (``"stdlib docstrings"`` or a path)."""
 
-  def train_batch(self, seed: int, step: int, batch_size: int, seq_len: int) -> Batch:
+  def train_batch(self, seed: int, step: int, batch_size: int, seq_len: int,
+                  rows: slice = slice(None)) -> Batch:
     """The training batch of step ``step``: a pure function of ``(seed, step)``.
 
     Each row is a window of ``seq_len + 1`` tokens at a uniformly random offset.
+    ``rows`` reads only those rows of it (one process's part of a global batch).
 
     Raises:
       ValueError: if the training split is shorter than one window.
@@ -185,10 +187,10 @@ class TextData:
       raise ValueError(f"training text ({len(self.train)} tokens) is shorter than "
                        f"one sequence of seq_len={seq_len} + 1")
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, limit + 1, size=batch_size)
+    starts = rng.integers(0, limit + 1, size=batch_size)[rows]
     windows = self.train[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:],
-            "mask": np.ones((batch_size, seq_len), np.float32)}
+            "mask": np.ones((len(starts), seq_len), np.float32)}
 
   def eval_batches(self, batch_size: int, seq_len: int,
                    max_batches: int = 0) -> Iterator[Batch]:

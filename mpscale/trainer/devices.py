@@ -1,4 +1,5 @@
-"""Devices before JAX starts: simulated CPU devices and the distributed runtime."""
+"""Devices before JAX starts: simulated CPU devices (the distributed runtime is in
+`mpscale.trainer.distributed`)."""
 
 from __future__ import annotations
 
@@ -41,21 +42,3 @@ def set_host_device_count(n: Optional[int]) -> None:
     return
   flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
   os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
-
-
-def init_distributed() -> bool:
-  """``jax.distributed.initialize`` from ``JAX_COORDINATOR_ADDRESS``,
-  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, when the first two are set.
-
-  Returns:
-    Whether it initialized.
-  """
-  address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  num_processes = os.environ.get("JAX_NUM_PROCESSES")
-  if not address or not num_processes:
-    return False
-  import jax
-  jax.distributed.initialize(
-      coordinator_address=address, num_processes=int(num_processes),
-      process_id=int(os.environ.get("JAX_PROCESS_ID", "0")))
-  return True

@@ -14,6 +14,13 @@ beside the model, so ``--resume`` continues at the very next batch.
   "eval": source}``. Training shuffles it with ``seed`` (anew each epoch; ``data.shuffle:
   false`` keeps its order), repeats it, and batches it; evaluation reads the first
   ``data.eval_batches`` full batches of ``eval`` in order.
+
+Across processes (`mpscale.trainer.distributed`) each process reads only its rows
+``[start, stop)`` of each global batch (``rows``), the ones its devices hold: the
+text's windows for those rows, or a user source's examples ``i * batch_size + start``
+to ``i * batch_size + stop``, batched as blocks of ``stop - start`` and strided
+(``ds.batch(stop - start)[start // size :: batch_size // size]``), so the processes
+together read exactly the batches one process would.
 """
 
 from __future__ import annotations
@@ -35,32 +42,40 @@ class TrainBatches:
   ``step`` is ``text.train_batch(seed, step, batch_size, seq_len)``."""
 
   def __init__(self, text: data_lib.TextData, seed: int, batch_size: int,
-               seq_len: int):
+               seq_len: int, rows: Optional[tuple[int, int]] = None):
     self.text, self.seed = text, seed
     self.batch_size, self.seq_len = batch_size, seq_len
+    self.rows = slice(*rows) if rows is not None else slice(None)
 
   def __len__(self) -> int:
     return 2**62  # endless: steps, not epochs
 
   def __getitem__(self, step: int) -> data_lib.Batch:
-    return self.text.train_batch(self.seed, int(step), self.batch_size, self.seq_len)
+    return self.text.train_batch(self.seed, int(step), self.batch_size, self.seq_len,
+                                 self.rows)
 
   def __repr__(self) -> str:
     return (f"TrainBatches({self.text.source!r}, seed={self.seed}, "
-            f"batch_size={self.batch_size}, seq_len={self.seq_len})")
+            f"batch_size={self.batch_size}, seq_len={self.seq_len}, "
+            f"rows={self.rows.start, self.rows.stop})")
 
 
 @dataclasses.dataclass
 class Data:
   """A run's data: training batches by step, evaluation batches, and a label."""
   train: Any
-  """``grain.MapDataset``: item ``i`` is the global batch of step ``i``."""
+  """``grain.MapDataset``: item ``i`` is this process's rows (`rows`) of the global
+  batch of step ``i`` (all of it with one process)."""
   eval_batches: Callable[[], Iterable[data_lib.Batch]]
   """The evaluation batches, in order (none: no evaluation)."""
   source: str
   """Where the data comes from, for the summary."""
   tokens_per_step: int
-  """Tokens (or rows) in one training batch, for the tokens/s figure."""
+  """Tokens (or rows) in one global training batch, for the tokens/s figure."""
+  batch_size: int
+  """Rows of a global batch."""
+  rows: tuple[int, int]
+  """The rows ``[start, stop)`` of each global batch that this process reads."""
 
   def iterator(self, state: Optional[Mapping[str, Any]] = None) -> Iterator:
     """A grain iterator over `train` from its start, or from ``state`` (a saved
@@ -80,13 +95,32 @@ def _tokens(batch: Mapping[str, Any]) -> int:
   return int(len(next(iter(batch.values()))))
 
 
-def text_data(text: data_lib.TextData, cfg: Any) -> Data:
-  """`Data` of the tiny LM's corpus, batched as ``cfg`` says."""
+def _check_rows(rows: Optional[tuple[int, int]], batch_size: int) -> tuple[int, int]:
+  if rows is None:
+    return 0, batch_size
+  start, stop = rows
+  size = stop - start
+  if not (0 <= start < stop <= batch_size) or batch_size % size or start % size:
+    raise ValueError(f"rows: expected a block [start, stop) of a batch of "
+                     f"{batch_size} rows, aligned to its size; got {rows}")
+  return start, stop
+
+
+def text_data(text: data_lib.TextData, cfg: Any,
+              rows: Optional[tuple[int, int]] = None) -> Data:
+  """`Data` of the tiny LM's corpus, batched as ``cfg`` says; ``rows`` of each
+  batch (default: all)."""
   bs, seq_len = cfg.data.batch_size, cfg.model.seq_len
-  train = grain.MapDataset.source(TrainBatches(text, cfg.seed, bs, seq_len))
-  return Data(train=train,
-              eval_batches=lambda: text.eval_batches(bs, seq_len, cfg.data.eval_batches),
-              source=text.source, tokens_per_step=bs * seq_len)
+  start, stop = _check_rows(rows, bs)
+  train = grain.MapDataset.source(TrainBatches(text, cfg.seed, bs, seq_len,
+                                               (start, stop)))
+
+  def eval_batches():
+    for batch in text.eval_batches(bs, seq_len, cfg.data.eval_batches):
+      yield {k: v[start:stop] for k, v in batch.items()}
+
+  return Data(train=train, eval_batches=eval_batches, source=text.source,
+              tokens_per_step=bs * seq_len, batch_size=bs, rows=(start, stop))
 
 
 def _source(obj: Any, key: str) -> Any:
@@ -116,14 +150,26 @@ def _check_examples(ds: Any, name: str, batch_size: int, key: str) -> None:
                     f"{type(example).__module__}.{type(example).__qualname__}")
 
 
-def user_data(obj: Any, cfg: Any, key: str = "data.provider") -> Data:
-  """`Data` of a user's source (see the module docstring).
+def _process_batches(ds: Any, batch_size: int, rows: tuple[int, int]) -> Any:
+  """``ds`` in batches of ``batch_size``, of which only ``rows`` are read."""
+  start, stop = rows
+  size = stop - start
+  if size == batch_size:
+    return ds.batch(batch_size, drop_remainder=True)
+  return ds.batch(size, drop_remainder=True)[start // size::batch_size // size]
+
+
+def user_data(obj: Any, cfg: Any, key: str = "data.provider",
+              rows: Optional[tuple[int, int]] = None) -> Data:
+  """`Data` of a user's source (see the module docstring); ``rows`` of each batch
+  (default: all).
 
   Raises:
     TypeError, ValueError: naming ``key``, for something that is not a source, a
       split smaller than one batch, or examples that are not dicts.
   """
   bs = cfg.data.batch_size
+  rows = _check_rows(rows, bs)
   if isinstance(obj, Mapping):
     unknown = set(obj) - {"train", "eval"}
     if "train" not in obj or unknown:
@@ -138,15 +184,18 @@ def user_data(obj: Any, cfg: Any, key: str = "data.provider") -> Data:
     _check_examples(held_out, "eval", bs, key)
   if cfg.data.shuffle:
     train = train.shuffle(seed=cfg.seed)
-  train = train.repeat().batch(bs, drop_remainder=True)
+  train = _process_batches(train.repeat(), bs, rows)
 
   def eval_batches():
     if held_out is None:
       return iter(())
-    batches = held_out.batch(bs, drop_remainder=True)
-    count = len(batches) if not cfg.data.eval_batches else min(
-        len(batches), cfg.data.eval_batches)
+    count = len(held_out) // bs  # full global batches
+    if cfg.data.eval_batches:
+      count = min(count, cfg.data.eval_batches)
+    batches = _process_batches(held_out, bs, rows)
     return (batches[i] for i in range(count))
 
+  local_tokens = _tokens(train[0])
   return Data(train=train, eval_batches=eval_batches, source=repr(obj)[:200],
-              tokens_per_step=_tokens(train[0]))
+              tokens_per_step=local_tokens * bs // (rows[1] - rows[0]),
+              batch_size=bs, rows=rows)

@@ -40,26 +40,24 @@ def check_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
                       "--resume to continue it or --overwrite to replace it")
 
 
-def _global_batch(batch: dict[str, Any], mesh: Any) -> Any:
-  """The host batch, or across processes a global array built from every process's
-  identical copy (the batch is a pure function of seed and step)."""
-  import jax
-  if mesh is None or jax.process_count() == 1:
-    return batch
-  from jax.sharding import NamedSharding, PartitionSpec
+def _global_batch(batch: dict[str, Any], setup: Any, data: Any) -> Any:
+  """The host batch, or across processes one global array from every process's rows
+  of it (`mpscale.trainer.distributed.global_batch`)."""
   from mpscale.trainer import builders
-  sharding = NamedSharding(mesh, PartitionSpec(builders.data_axes(mesh)))
-  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-          for k, v in batch.items()}
+  from mpscale.trainer import distributed
+  return distributed.global_batch(batch, setup.mesh, data.batch_size,
+                                  builders.data_axes(setup.mesh), data.rows)
 
 
 def evaluate(setup: Any, params: Any, data: Any) -> float:
   """Mean per-token loss over the evaluation batches of ``data`` (a
-  `mpscale.trainer.loader.Data`); NaN when it has none."""
+  `mpscale.trainer.loader.Data`); NaN when it has none. Across processes each reads
+  its rows of each batch and every process gets the same mean."""
   import jax
   total, tokens = 0.0, 0.0
   for batch in data.eval_batches():
-    loss_sum, count = jax.device_get(setup.evaluate(params, batch))
+    loss_sum, count = jax.device_get(
+        setup.evaluate(params, _global_batch(batch, setup, data)))
     total, tokens = total + float(loss_sum), tokens + float(count)
   return total / tokens if tokens else math.nan
 
@@ -122,12 +120,17 @@ def _is_model_object(obj: Any) -> bool:
 
 
 def _load_data(cfg: config_lib.RunConfig, given: Any) -> Any:
-  """The run's `mpscale.trainer.loader.Data`: a user's source, or the text."""
+  """The run's `mpscale.trainer.loader.Data`: a user's source, or the text; across
+  processes, this process's rows of each batch."""
+  from mpscale.trainer import builders
   from mpscale.trainer import data as data_lib
+  from mpscale.trainer import distributed
   from mpscale.trainer import loader
+  mesh = builders.build_mesh(cfg)
+  rows = distributed.process_rows(mesh, cfg.data.batch_size, builders.data_axes(mesh))
   source, key = _provided(given, cfg.data.provider, "data.provider", cfg)
   if source is not None:
-    data = loader.user_data(source, cfg, key)
+    data = loader.user_data(source, cfg, key, rows)
     if given is None:
       data.source = cfg.data.provider
     return data
@@ -135,7 +138,7 @@ def _load_data(cfg: config_lib.RunConfig, given: Any) -> Any:
     text = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
   except (OSError, ValueError) as e:
     raise ValueError(f"data.path: {e}") from None
-  return loader.text_data(text, cfg)
+  return loader.text_data(text, cfg, rows)
 
 
 def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: Any
@@ -164,6 +167,7 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     config_lib.ConfigError: naming ``source`` and the key.
   """
   import jax
+  import numpy as np
   from mpscale.trainer import builders
   from mpscale.trainer import lm as lm_lib
 
@@ -183,8 +187,12 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     state = setup.init(params)
   except (ValueError, TypeError) as e:
     fail(e)
+  # The global batch's shapes (a process reads only its rows of it).
+  batch_shapes = {k: jax.ShapeDtypeStruct((run_data.batch_size,) + np.shape(v)[1:],
+                                          np.asarray(v).dtype)
+                  for k, v in first_batch.items()}
   try:
-    metric_shapes = jax.eval_shape(setup.step, state, first_batch)[1]
+    metric_shapes = jax.eval_shape(setup.step, state, batch_shapes)[1]
   except Exception as e:  # the user's loss on the user's batch may raise anything
     if user_model is None and cfg.data.provider is None and data is None:
       if isinstance(e, (ValueError, TypeError)):
@@ -192,8 +200,7 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
       raise
     data_key = "data (argument)" if data is not None else (
         "data.provider" if cfg.data.provider else "the built-in data")
-    shapes = {k: (getattr(v, "shape", None), str(getattr(v, "dtype", type(v).__name__)))
-              for k, v in first_batch.items()}
+    shapes = {k: (v.shape, str(v.dtype)) for k, v in batch_shapes.items()}
     fail(ValueError(f"{data_key}: its batches do not fit {model_key}: training on "
                     f"the first batch {shapes} raised {type(e).__name__}: "
                     f"{str(e)[:500]}"))
@@ -301,7 +308,7 @@ def _loop(run: _Run, start: int, logger: _Logger) -> Any:
           info="compiling the step (the first step waits for it)")
       for step in range(start, steps):
         batch = next(batches)
-        state, metrics = run.setup.step(state, _global_batch(batch, run.setup.mesh))
+        state, metrics = run.setup.step(state, _global_batch(batch, run.setup, run.data))
         logger.pending.append(metrics)
         done = step + 1
         if step == start:
@@ -322,10 +329,12 @@ def _loop(run: _Run, start: int, logger: _Logger) -> Any:
           save(done)
   except KeyboardInterrupt:
     # Preempted: the steps since the last row get their row, the state a checkpoint.
+    # Across processes the others may be at another step (saving is collective), so
+    # the run resumes from its last regular checkpoint instead.
     done = int(jax.device_get(state.step))
     if logger.pending:
       logger.flush(state, done, evaluating=False)
-    if done > (manager.latest_step() or 0):
+    if done > (manager.latest_step() or 0) and jax.process_count() == 1:
       save(done)
     manager.wait_until_finished()
     manager.close()
@@ -409,7 +418,12 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     config_lib.ConfigError: for a setup the config makes impossible (naming ``source``
       and the key), before anything is written.
   """
+  from mpscale.trainer import distributed
   out_dir = out_dir or os.path.join("runs", cfg.name)
+  # Across processes: the same config, options and code everywhere, or nothing runs.
+  distributed.check_same_run(
+      cfg, source, out_dir=os.path.abspath(out_dir), resume=resume, overwrite=overwrite,
+      model=_kind(model), data=_kind(data), loss=_kind(loss))
   check_out_dir(out_dir, resume, overwrite)
   run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss)
   start = 0
@@ -431,6 +445,11 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   logger = _Logger(run, start, progress, verbose)
   state = _loop(run, start, logger)
   return _finish(run, state, start, logger)
+
+
+def _kind(obj: Any) -> Optional[str]:
+  """The type of a Python-given piece, for comparing processes."""
+  return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _previous_seconds(out_dir: str, start: int) -> float:

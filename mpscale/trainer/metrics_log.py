@@ -35,9 +35,10 @@ class MetricsLog:
     self.enabled = enabled
     self.path = os.path.join(out_dir, "metrics.csv")
     self.fields = list(CSV_FIELDS) + [f"norm/{g}" for g in group_names]
+    kept = [r for r in read_rows(self.path) if int(r["step"]) <= start_step]
+    self.last = kept[-1] if kept else {}
     if not enabled:
       return
-    kept = [r for r in read_rows(self.path) if int(r["step"]) <= start_step]
     self.file = open(self.path, "w", newline="")
     self.writer = csv.DictWriter(self.file, self.fields, extrasaction="ignore")
     self.writer.writeheader()
@@ -47,7 +48,6 @@ class MetricsLog:
     # purge_step drops the events of steps a resumed run will log again.
     self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
                             purge_step=start_step + 1 if start_step else None)
-    self.last = kept[-1] if kept else {}
 
   def write(self, row: dict[str, Any]) -> None:
     if not self.enabled:
