@@ -371,3 +371,36 @@ def test_a_process_with_another_config_is_refused_before_any_step(tmp_path):
     assert ("optimizer.learning_rate: 0.003 on process 0, 0.01 on process 1"
             in log), log[-2000:]
   assert not out.exists()  # nothing written
+
+
+def test_distributed_without_a_cluster_says_what_to_pass(tmp_path):
+  env = {k: v for k, v in _env().items() if k not in (
+      "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+      "KUBERNETES_SERVICE_HOST", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID")}
+  result = subprocess.run(
+      [sys.executable, "-m", "mpscale", "train", "--config", TINY_LM, "--out",
+       str(tmp_path / "run"), "--distributed"], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "mpscale: error: --distributed: " in result.stderr
+  assert "no cluster was detected" in result.stderr
+  assert "--coordinator, --num-processes and --process-id" in result.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_readme_recipe_for_two_processes_is_what_the_tests_run():
+  import re
+  import shlex
+  from mpscale.trainer import cli
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  section = readme[readme.index("## Several hosts"):]
+  block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+  command = re.search(r"(mpscale train .*?)&\n", block.replace("\\\n", " "),
+                      flags=re.S).group(1)
+  args = shlex.split(command.replace("$i", "1"))[1:]
+  parsed = cli._parser().parse_args(args)
+  assert (parsed.num_processes, parsed.process_id, parsed.devices) == (2, 1, 4)
+  assert parsed.coordinator.startswith("localhost:")
+  cfg = config_lib.load_config(os.path.join(ROOT, parsed.config), parsed.set)
+  assert cfg.mesh.num_devices == parsed.num_processes * parsed.devices
