@@ -497,6 +497,8 @@ def _init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Poli
     return TrainState(params, _wrapped(optimizer, params).init(params),
                       jnp.zeros((), jnp.int32))
 
+  if _is_abstract(params_or_state):
+    return _abstract_state(optimizer, policy, layout, params_or_state, fresh_state)
   if isinstance(params_or_state, TrainState) or _is_flax_state(params_or_state):
     given = (params_or_state if isinstance(params_or_state, TrainState)
              else TrainState.from_flax(params_or_state))
@@ -520,6 +522,27 @@ def _init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Poli
   _check_finite_params(state.params)
   _warn_if_unscaled(policy, state.opt_state)
   return state
+
+
+def _is_abstract(tree: Any) -> bool:
+  """Whether ``tree`` is shapes only (``jax.ShapeDtypeStruct`` leaves, at least one)."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _abstract_state(optimizer: optax.GradientTransformation, policy: policy_lib.Policy,
+                    layout: _Layout, params: Any, fresh_state: Callable) -> TrainState:
+  """The `TrainState` ``init`` would build from ``params``, as ``ShapeDtypeStruct``s
+  with the shardings it would place it in: what ``step.lower`` needs to compile ahead
+  of time, with nothing allocated."""
+  params = jax.eval_shape(policy.cast_to_param, params)
+  state = jax.eval_shape(fresh_state, params)
+  shardings = layout.state(state)
+  if shardings is None:
+    return state
+  return jax.tree_util.tree_map(
+      lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      state, shardings)
 
 
 def _check_finite_params(params: Any) -> None:
@@ -613,7 +636,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
   Returns:
     ``(init, step)``: ``init(params | flax TrainState | TrainState) -> TrainState`` and
-    ``step(state, batch) -> (state, metrics)``. ``metrics`` is a dict of device arrays:
+    ``step(state, batch) -> (state, metrics)``. Given shapes only (params of
+    ``jax.ShapeDtypeStruct``, e.g. ``jax.eval_shape(model.init, key)``), ``init``
+    returns the state as ``ShapeDtypeStruct``s with the shardings it would place it
+    in, allocating nothing: ``step.lower(state, batch).compile()`` then compiles the
+    step ahead of time (`mpscale.trainer.planning` plans a run that way). ``metrics`` is a dict of device arrays:
     ``loss`` (unscaled; per token with ``per_token_loss``), ``num_tokens`` (batch rows
     without ``per_token_loss``), ``loss_scale`` (the scale this step's loss was
     multiplied by; the next one is ``mpscale.loss_scale_of(state.opt_state)``),

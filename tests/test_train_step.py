@@ -192,6 +192,29 @@ def reference_token_grads(params, batch):
   return jax.value_and_grad(mean_loss)(params)
 
 
+@pytest.mark.parametrize("mesh", [None, "zero1"])
+def test_init_of_shapes_is_the_state_it_would_place_allocating_nothing(mesh):
+  m = mesh_of(8) if mesh else None
+  init, step = mpscale.make_train_step(mse_loss, mpscale.dynamic_loss_scale(
+      adamw_chain()), mesh=m, shard_optimizer_state=mesh is not None)
+  shapes = jax.eval_shape(mlp_init)
+  abstract = init(shapes)
+  real = init(mlp_init())
+  assert jax.tree_util.tree_structure(abstract) == jax.tree_util.tree_structure(real)
+  for a, r in zip(jax.tree_util.tree_leaves(abstract), jax.tree_util.tree_leaves(real)):
+    assert isinstance(a, jax.ShapeDtypeStruct)
+    assert (a.shape, a.dtype) == (r.shape, r.dtype)
+    if m is None:
+      assert a.sharding is None
+    else:
+      assert a.sharding.is_equivalent_to(r.sharding, r.ndim), (a.sharding, r.sharding)
+  # Enough to compile the step ahead of time: the same program as the real state's.
+  batch = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make_batch(0))
+  compiled = step.lower(abstract, batch).compile()
+  assert compiled.as_text() == step.lower(real, make_batch(0)).compile().as_text()
+
+
 @pytest.mark.parametrize("devices, microbatches", [(1, 1), (1, 4), (4, 1), (2, 4)])
 def test_per_token_gradient_is_the_full_batch_gradient(devices, microbatches):
   params, batch = mlp_init(), token_batch()

@@ -10,6 +10,8 @@ and data (`run`), or a config can name (``model.provider``, ``data.provider``):
   through a `grain` loader whose position is checkpointed);
 - `loop`: prepare, restore, train (log, evaluate, checkpoint), finish;
 - `checkpoints`, `metrics_log`, `plots`, `progress`: what a run writes and shows;
+- `distributed`: one run across processes (hosts) on JAX's distributed runtime;
+- `planning`: a step's per-device memory, FLOPs and collectives, compiled from shapes;
 - `compare` and `cli`: the command.
 
 The library (`mpscale`) never imports this package.
@@ -22,11 +24,13 @@ from mpscale.trainer.lm import TinyLM
 from mpscale.trainer.loop import RunDirError, run, train
 from mpscale.trainer.models import Model
 from mpscale.trainer.compare import compare
+from mpscale.trainer.planning import Plan, plan
 
 __all__ = [
     "CheckpointError",
     "Model",
     "ConfigError",
+    "Plan",
     "RunConfig",
     "RunDirError",
     "TextData",
@@ -34,6 +38,7 @@ __all__ = [
     "compare",
     "load_config",
     "load_data",
+    "plan",
     "run",
     "train",
 ]

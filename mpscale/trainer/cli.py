@@ -4,6 +4,7 @@
 
   mpscale train --config configs/tiny_lm_fp16.yaml [--set train.steps=50 ...]
                 [--out runs/NAME] [--resume | --overwrite] [--devices N] [--data PATH]
+  mpscale plan --config configs/x.yaml [--devices N] [--device-memory 80GB] [--json]
   mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
                   [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
 
@@ -143,6 +144,17 @@ def _parser() -> argparse.ArgumentParser:
   compare_cmd.add_argument("--plot", metavar="PNG",
                            help="also copy the comparison plot here")
   common(compare_cmd)
+  plan_cmd = sub.add_parser("plan", help=(
+      "compile one config's step for its mesh from shapes only and print per-device "
+      "memory, FLOPs, collectives and the pipeline bubble"))
+  plan_cmd.add_argument("--config", required=True, help="the run's YAML config")
+  plan_cmd.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
+                        help="override a config value (parsed as YAML); repeatable")
+  plan_cmd.add_argument("--devices", type=int, metavar="N", help=(
+      "simulate N devices on CPU (default: the devices JAX has)"))
+  plan_cmd.add_argument("--device-memory", metavar="SIZE",
+                        help="one device's memory, e.g. 80GB: say whether it fits")
+  plan_cmd.add_argument("--json", action="store_true", help="print JSON")
   evaluate_cmd = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
   evaluate_cmd.add_argument("run", help="the run's folder")
   sample_cmd = sub.add_parser("sample",
@@ -184,6 +196,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       out = args.out or default_out_dir(cfg.name, args.set)
       train(cfg, out, resume=args.resume, overwrite=args.overwrite,
             progress=args.progress, source=args.config, verbose=not args.quiet)
+    elif args.command == "plan":
+      from mpscale.trainer import planning as plan_lib  # noqa: PLC0415
+      cfg = config_lib.load_config(args.config, args.set)
+      try:
+        planned = plan_lib.plan(cfg, device_memory=args.device_memory)
+      except (ValueError, TypeError) as e:
+        raise config_lib.ConfigError(f"{args.config}: {e}") from None
+      print(planned.to_json() if args.json else planned.text())
     elif args.command == "eval":
       loss, step = evaluate_run(args.run)
       print(f"{args.run}: eval loss {loss:.4f} nats/byte at step {step}")

@@ -1,0 +1,300 @@
+"""Plan a run at scale without the hardware: XLA's own numbers for the real step.
+
+`plan` builds the train step of a config for its mesh on the devices JAX has (``mpscale
+plan --devices N`` simulates ``N`` CPU devices), from abstract shapes only: the
+parameters are ``jax.eval_shape(model.init, key)``, the state is what
+``make_train_step``'s ``init`` returns for shapes (``jax.ShapeDtypeStruct``s with the
+shardings it would place the real state in), and the batch is shapes with its
+data-parallel sharding. Nothing the size of the model is allocated. It compiles the
+step ahead of time (``step.lower(state, batch).compile()``) and reads, per device:
+
+- parameter and optimizer-state bytes, exactly, from each leaf's shard shape;
+- gradient bytes (parameter-shaped, in the parameter dtype, sharded like them);
+- XLA's buffer assignment (``compiled.memory_analysis()``): arguments, outputs,
+  aliased (donated) bytes and temporaries, and from them the peak,
+  ``arguments + outputs - aliased + temporaries``;
+- FLOPs (``compiled.cost_analysis()``, of the partitioned per-device program);
+- each collective in the compiled HLO (all-reduce, all-gather, reduce-scatter,
+  collective-permute, all-to-all) with its count and bytes per step, loops counted
+  by their trip counts;
+
+plus the pipeline bubble of the config's schedule and the tokens per step.
+
+The numbers are those of the CPU backend's compile: parameter and state bytes and the
+collectives are properties of the layout, and hold on any backend; temporaries and
+FLOPs follow the CPU compiler's fusion decisions and are estimates for a GPU or TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+from typing import Any, Optional
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+               "all-to-all")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: Any, name: str = "--device-memory") -> int:
+  """``"80GB"``, ``"80 GiB"``, ``"512MB"`` or a number of bytes, as bytes.
+
+  Raises:
+    ValueError: naming ``name``, for anything else.
+  """
+  if isinstance(text, (int, float)) and not isinstance(text, bool) and text > 0:
+    return int(text)
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+  if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+    raise ValueError(f"{name}: expected a size such as 80GB, 40GiB or 512MB; got "
+                     f"{text!r}")
+  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _fmt_bytes(n: float) -> str:
+  for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+# ------------------------------------------------------------------ the HLO
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+"
+                          r"([a-z][a-z0-9\-]*)\((.*)$")
+
+
+def _shape_bytes(text: str) -> int:
+  """Bytes of every array shape written in ``text`` (``f32[8,16]{1,0}``, tuples)."""
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    if dtype in _DTYPE_BYTES:
+      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """Each collective kind in the compiled HLO text ``hlo``: how many run per step
+  and how many bytes they move per device (the larger of operands and result: an
+  all-gather's gathered result, a reduce-scatter's full operand). An op in a
+  ``while`` body counts its loop's trip count times (XLA's ``known_trip_count``),
+  nested loops multiplied; an asynchronous pair (``-start``/``-done``) counts once.
+  """
+  computations: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo.splitlines():
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m:
+        current = m.group(1)
+        computations[current] = []
+        if line.startswith("ENTRY"):
+          entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    computations[current].append(line)
+  if entry is None:
+    return {}
+  # How many times each computation runs per step: the entry once, a while body its
+  # trip count times its caller's, anything else called as often as its caller.
+  runs = {entry: 1}
+  order = [entry]
+  while order:
+    name = order.pop()
+    for line in computations.get(name, ()):
+      callees = re.findall(r"\b(body|condition|to_apply|calls|true_computation|"
+                           r"false_computation)=%?([\w.\-]+)", line)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        callees += [("branch", c) for c in re.findall(r"%?([\w.\-]+)", group)]
+      if not callees:
+        continue
+      m = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+      trips = int(m.group(1)) if m else 1
+      for role, callee in callees:
+        count = runs[name] * (trips if role == "body" else 1)
+        if callee in computations and runs.get(callee, 0) < count:
+          runs[callee] = count
+          order.append(callee)
+  out: dict[str, dict[str, int]] = {}
+  for name, lines in computations.items():
+    times = runs.get(name, 0)
+    for line in lines:
+      m = _INSTRUCTION.match(line)
+      if not m:
+        continue
+      result, op, rest = m.groups()
+      if op.endswith("-done"):
+        continue
+      kind = op[:-len("-start")] if op.endswith("-start") else op
+      if kind not in COLLECTIVES:
+        continue
+      operands = rest.split("),", 1)[0]
+      size = max(_shape_bytes(result), _shape_bytes(operands))
+      entry_ = out.setdefault(kind, {"count": 0, "bytes": 0})
+      entry_["count"] += times
+      entry_["bytes"] += times * size
+  return out
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclasses.dataclass
+class Plan:
+  """What one step of a config costs per device, from the compiled program."""
+  name: str
+  devices: int
+  mesh: dict[str, int]
+  params: int
+  """Parameters (a count, not bytes)."""
+  tokens_per_step: int
+  bytes: dict[str, int]
+  """Per device: ``params``, ``optimizer_state``, ``gradients``, ``batch``,
+  ``arguments``, ``outputs``, ``aliased``, ``temporaries``, ``peak``."""
+  flops_per_device: float
+  model_flops: float
+  """``6 * params * tokens`` plus attention's ``12 * layers * tokens * seq_len *
+  d_model`` (forward and backward), for the built-in LM."""
+  collectives: dict[str, dict[str, int]]
+  bubble: float
+  compile_seconds: float
+  device_memory: Optional[int] = None
+
+  @property
+  def flops_per_step(self) -> float:
+    return self.flops_per_device * self.devices
+
+  @property
+  def fits(self) -> Optional[bool]:
+    return None if self.device_memory is None else (
+        self.bytes["peak"] <= self.device_memory)
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out.update(flops_per_step=self.flops_per_step, fits=self.fits)
+    return out
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2)
+
+  def text(self) -> str:
+    b = self.bytes
+    mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
+    lines = [
+        f"{self.name}: {self.params / 1e6:.1f}M params, {self.tokens_per_step} tokens "
+        f"per step, {self.devices} devices ({mesh}); compiled in "
+        f"{self.compile_seconds:.1f} s",
+        "per device:",
+        f"  parameters        {_fmt_bytes(b['params']):>12}",
+        f"  optimizer state   {_fmt_bytes(b['optimizer_state']):>12}",
+        f"  gradients         {_fmt_bytes(b['gradients']):>12}",
+        f"  batch             {_fmt_bytes(b['batch']):>12}",
+        f"  temporaries       {_fmt_bytes(b['temporaries']):>12}",
+        f"  peak              {_fmt_bytes(b['peak']):>12}"
+        + ("" if self.device_memory is None else
+           f"  of {_fmt_bytes(self.device_memory)}: "
+           + ("fits" if self.fits else "DOES NOT FIT")),
+        f"  FLOPs per step    {self.flops_per_device:12.3e}  (all devices "
+        f"{self.flops_per_step:.3e}; 6*N*T + attention {self.model_flops:.3e})",
+        f"pipeline bubble     {self.bubble:12.1%}",
+        "collectives per step (per device):",
+    ]
+    if not self.collectives:
+      lines.append("  none")
+    for kind, c in sorted(self.collectives.items()):
+      lines.append(f"  {kind:<18} {c['count']:>6} x  {_fmt_bytes(c['bytes']):>12}")
+    return "\n".join(lines)
+
+
+def _shard_bytes(tree: Any) -> int:
+  """Bytes one device holds of ``tree`` (``ShapeDtypeStruct``s or arrays with
+  shardings; without a sharding, all of it)."""
+  import jax
+  import numpy as np
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _model_flops(cfg: Any, num_params: int, tokens: int) -> float:
+  m = cfg.model
+  return 6.0 * num_params * tokens + 12.0 * m.num_layers * tokens * m.seq_len * m.d_model
+
+
+def plan(cfg: Any, device_memory: Any = None) -> Plan:
+  """The `Plan` of one train step of ``cfg`` on its mesh (see the module docstring).
+
+  Args:
+    cfg: a `mpscale.trainer.RunConfig` of the built-in LM.
+    device_memory: a device's memory (bytes, or text such as ``"80GB"``), to say
+      whether the peak fits.
+
+  Raises:
+    ValueError, TypeError: naming the config key, for what training would refuse too
+      (a mesh that needs more devices than exist, indivisible dimensions, ...).
+  """
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+  from mpscale.trainer import builders
+  from mpscale.trainer import lm as lm_lib
+  if cfg.model.provider is not None:
+    raise ValueError("model.provider: plan builds the built-in LM from its sizes; a "
+                     "user's model is built by running its provider")
+  memory = None if device_memory is None else parse_bytes(device_memory)
+  setup = builders.build(cfg)
+  params = jax.eval_shape(setup.init_params)
+  state = setup.init(params)
+  mesh = setup.mesh
+  bs, seq = cfg.data.batch_size, cfg.model.seq_len
+  batch_sharding = None if mesh is None else NamedSharding(
+      mesh, PartitionSpec(builders.data_axes(mesh)))
+  batch = {k: jax.ShapeDtypeStruct((bs, seq), dtype, sharding=batch_sharding)
+           for k, dtype in (("inputs", "int32"), ("targets", "int32"),
+                            ("mask", "float32"))}
+  start = time.perf_counter()
+  try:
+    compiled = setup.step.lower(state, batch).compile()
+  except (ValueError, TypeError) as e:
+    raise type(e)(f"mesh: {e}") from None
+  seconds = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  arguments, outputs = mem.argument_size_in_bytes, mem.output_size_in_bytes
+  aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+  peak = arguments + outputs - aliased + temporaries
+  num_params = lm_lib.num_params(params)
+  param_bytes = _shard_bytes(state.params)
+  devices = 1 if mesh is None else mesh.devices.size
+  loss = builders.build_loss(cfg, setup.model)
+  bubble = loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0
+  return Plan(
+      name=cfg.name, devices=devices,
+      mesh={} if mesh is None else dict(mesh.shape),
+      params=num_params, tokens_per_step=bs * seq,
+      bytes={"params": param_bytes,
+             "optimizer_state": _shard_bytes(state.opt_state),
+             "gradients": param_bytes, "batch": _shard_bytes(batch),
+             "arguments": arguments, "outputs": outputs, "aliased": aliased,
+             "temporaries": temporaries, "peak": int(peak)},
+      flops_per_device=float(cost.get("flops", math.nan)),
+      model_flops=_model_flops(cfg, num_params, bs * seq),
+      collectives=collectives(compiled.as_text()), bubble=bubble,
+      compile_seconds=seconds, device_memory=memory)

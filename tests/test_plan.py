@@ -1,0 +1,165 @@
+"""Planning a step from shapes only (mpscale.trainer.planning), checked against the real
+arrays and the model's arithmetic."""
+
+import jax
+import numpy as np
+import pytest
+
+from mpscale.trainer import builders
+from mpscale.trainer import config as config_lib
+from mpscale.trainer import planning as plan_lib
+
+SMALL = ["model.d_model=32", "model.d_ff=64", "model.num_layers=2", "model.seq_len=32",
+         "data.batch_size=16", "train.steps=10", "schedule.warmup_steps=1"]
+
+
+def _cfg(*sets, config="configs/tiny_lm_fp16.yaml"):
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return config_lib.load_config(os.path.join(root, config), SMALL + list(sets))
+
+
+def _device_bytes(tree, device):
+  """Bytes of ``tree``'s real arrays on ``device``."""
+  return sum(s.data.nbytes for x in jax.tree_util.tree_leaves(tree)
+             for s in x.addressable_shards if s.device == device)
+
+
+@pytest.mark.parametrize("sets", [
+    ["mesh.data=8"],
+    ["mesh.data=8", "mesh.shard_optimizer_state=true"],
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+])
+def test_planned_state_bytes_are_the_real_arrays(sets):
+  cfg = _cfg(*sets)
+  planned = plan_lib.plan(cfg, device_memory="1GB")
+  setup = builders.build(cfg)
+  state = setup.init(setup.init_params())
+  device = setup.mesh.devices.flat[0]
+  assert planned.bytes["params"] == _device_bytes(state.params, device)
+  assert planned.bytes["optimizer_state"] == _device_bytes(state.opt_state, device)
+  assert planned.devices == 8 and planned.fits is True
+  assert planned.bytes["peak"] >= planned.bytes["params"] + planned.bytes[
+      "optimizer_state"]
+  assert planned.params == sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+
+
+def test_planned_flops_are_six_n_t_plus_attention():
+  planned = plan_lib.plan(_cfg("mesh.data=8"))
+  assert planned.flops_per_step == pytest.approx(planned.model_flops, rel=0.10)
+
+
+def test_collectives_of_data_parallel_and_pipeline_steps():
+  dp = plan_lib.plan(_cfg("mesh.data=8"))
+  # The gradients' all-reduce (float16 compute: half the float32 params' bytes) and
+  # the loss's; nothing else.
+  assert set(dp.collectives) == {"all-reduce"}
+  assert dp.collectives["all-reduce"]["bytes"] >= dp.bytes["params"] // 2
+  pp = plan_lib.plan(_cfg("mesh.data=2", "mesh.stage=4", "model.num_layers=4",
+                          "train.num_microbatches=4", "train.per_token_loss=true"))
+  assert pp.bubble == pytest.approx(3 / 7)  # (S - 1) / (M + S - 1), GPipe
+  permutes = pp.collectives["collective-permute"]
+  # Each tick of the loop (M + S - 1 forward, as many backward) sends one
+  # micro-batch of activations to the next stage: counted by the loop's trip count.
+  ticks = 2 * (4 + 4 - 1)
+  activation = (16 // 2 // 4) * 32 * 32 * 2  # rows x seq x d_model, float16
+  assert permutes["count"] >= ticks
+  # ... plus a few scalars (the loss's pieces) moved once.
+  assert ticks * activation <= permutes["bytes"] < ticks * activation + 1024
+
+
+def test_collectives_count_loops_by_their_trip_count():
+  hlo = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %cp = f32[8]{0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1}}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %cp)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8], /*index=1*/b: f32[4,4]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %ar = (f32[8]{0}, f32[4,4]{1,0}) all-reduce(%a, %b), channel_id=2, to_apply=%add
+  %ag-start = f32[32]{0} all-gather-start(%a), channel_id=3, dimensions={0}
+  %ag-done = f32[32]{0} all-gather-done(%ag-start)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+  assert plan_lib.collectives(hlo) == {
+      "all-reduce": {"count": 1, "bytes": 8 * 4 + 16 * 4},
+      "all-gather": {"count": 1, "bytes": 32 * 4},
+      "collective-permute": {"count": 5, "bytes": 5 * 8 * 4},
+  }
+
+
+def test_a_layout_that_cannot_work_gets_the_training_error():
+  cfg = _cfg("mesh.data=16")
+  with pytest.raises(ValueError, match="mesh: data 16 needs 16 devices, but 8 are"):
+    plan_lib.plan(cfg)
+  with pytest.raises(ValueError, match="--device-memory: expected a size"):
+    plan_lib.plan(_cfg(), device_memory="lots")
+  assert plan_lib.parse_bytes("80GB") == 80 * 10**9
+  assert plan_lib.parse_bytes("40 GiB") == 40 * 2**30
+
+
+def _peak_rss_reset() -> bool:
+  """Resets this process's peak resident set size (Linux: ``/proc/self/clear_refs``)."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def _peak_rss() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  raise AssertionError("no VmHWM")
+
+
+def test_planning_allocates_nothing():
+  """Plans 1.2B parameters replicated on 8 devices, with their optimizer state more
+  than this machine's memory, while the process's peak memory (VmHWM, reset before)
+  stays far below one replica."""
+  import os
+  if not _peak_rss_reset():
+    pytest.skip("cannot reset the peak RSS here (/proc/self/clear_refs)")
+  cfg = _cfg("mesh.data=8", "model.d_model=2048", "model.d_ff=8192",
+             "model.num_layers=24", "model.num_heads=16")
+  planned = plan_lib.plan(cfg)
+  peak = _peak_rss()
+  replica = planned.bytes["params"] + planned.bytes["optimizer_state"]
+  assert planned.params > 1_200_000_000
+  memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  assert 8 * replica > memory, (replica, memory)
+  assert peak < replica / 2, (peak, replica)
+  assert np.isfinite(planned.flops_per_device)
+
+
+def test_the_command_prints_the_plan_as_text_or_json(capsys):
+  import json
+  import os
+  from mpscale.trainer import cli
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = os.path.join(root, "configs", "tiny_lm_fp16.yaml")
+  sets = [a for s in SMALL + ["mesh.data=8"] for a in ("--set", s)]
+  assert cli.main(["plan", "--config", config, *sets, "--json",
+                   "--device-memory", "80GB"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["devices"] == 8 and out["fits"] is True and out["device_memory"] == 8e10
+  assert set(out["bytes"]) >= {"params", "optimizer_state", "gradients", "temporaries",
+                               "peak"}
+  assert cli.main(["plan", "--config", config, *sets]) == 0
+  text = capsys.readouterr().out
+  assert "per device:" in text and "all-reduce" in text
+  assert cli.main(["plan", "--config", config, *sets, "--set", "mesh.data=16"]) == 2
+  assert "mesh: data 16 needs 16 devices" in capsys.readouterr().err
