@@ -44,8 +44,17 @@ def test_planned_state_bytes_are_the_real_arrays(sets):
   assert planned.params == sum(x.size for x in jax.tree_util.tree_leaves(state.params))
 
 
-def test_planned_flops_are_six_n_t_plus_attention():
-  planned = plan_lib.plan(_cfg("mesh.data=8"))
+@pytest.mark.parametrize("remat", [False, True])
+def test_planned_flops_are_six_n_t_plus_attention(remat):
+  # A model with real matrices (the embeddings are not the bulk of it).
+  planned = plan_lib.plan(_cfg("mesh.data=8", "model.d_model=128", "model.d_ff=512",
+                               "model.num_layers=4", f"train.remat={remat}"))
+  cfg = _cfg("model.d_model=128", "model.d_ff=512", "model.num_layers=4")
+  layers = cfg.model.num_layers * (4 * 128 * 128 + 2 * 128 * 512)  # + small vectors
+  tokens, attention = 16 * 32, 12 * 4 * 16 * 32 * 32 * 128
+  want = (8 if remat else 6) * (layers + 128 * 256) * tokens + (
+      attention * (16 / 12 if remat else 1))
+  assert planned.model_flops == pytest.approx(want, rel=0.01)
   assert planned.flops_per_step == pytest.approx(planned.model_flops, rel=0.10)
 
 
@@ -82,20 +91,30 @@ def test_collectives_count_loops_by_their_trip_count():
   ROOT %c = pred[] constant(true)
 }
 
+%mm (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16,4]{1,0} parameter(1)
+  ROOT %d = f32[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
 ENTRY %main (a: f32[8], /*index=1*/b: f32[4,4]) -> f32[8] {
   %a = f32[8]{0} parameter(0)
   %ar = (f32[8]{0}, f32[4,4]{1,0}) all-reduce(%a, %b), channel_id=2, to_apply=%add
+  %rs = f32[2]{0} reduce-scatter(%a), channel_id=4, dimensions={0}
   %ag-start = f32[32]{0} all-gather-start(%a), channel_id=3, dimensions={0}
   %ag-done = f32[32]{0} all-gather-done(%ag-start)
   %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %f = f32[8,4]{1,0} fusion(%x, %y), kind=kOutput, calls=%mm
   ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
 }
 """
   assert plan_lib.collectives(hlo) == {
       "all-reduce": {"count": 1, "bytes": 8 * 4 + 16 * 4},
+      "reduce-scatter": {"count": 1, "bytes": 8 * 4},  # its operand, not its result
       "all-gather": {"count": 1, "bytes": 32 * 4},
       "collective-permute": {"count": 5, "bytes": 5 * 8 * 4},
   }
+  assert plan_lib.matmul_flops(hlo) == 2 * 8 * 4 * 16
 
 
 def test_a_layout_that_cannot_work_gets_the_training_error():

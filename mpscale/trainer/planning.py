@@ -13,7 +13,9 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
 - XLA's buffer assignment (``compiled.memory_analysis()``): arguments, outputs,
   aliased (donated) bytes and temporaries, and from them the peak,
   ``arguments + outputs - aliased + temporaries``;
-- FLOPs (``compiled.cost_analysis()``, of the partitioned per-device program);
+- FLOPs of the matrix products of the partitioned per-device program, loops counted
+  by their trip counts (`matmul_flops`; XLA's ``cost_analysis()`` counts a loop's
+  body once, and is reported beside it);
 - each collective in the compiled HLO (all-reduce, all-gather, reduce-scatter,
   collective-permute, all-to-all) with its count and bytes per step, loops counted
   by their trip counts;
@@ -32,7 +34,7 @@ import json
 import math
 import re
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                "all-to-all")
@@ -84,14 +86,27 @@ def _shape_bytes(text: str) -> int:
   return total
 
 
-def collectives(hlo: str) -> dict[str, dict[str, int]]:
-  """Each collective kind in the compiled HLO text ``hlo``: how many run per step
-  and how many bytes they move per device (the larger of operands and result: an
-  all-gather's gathered result, a reduce-scatter's full operand). An op in a
-  ``while`` body counts its loop's trip count times (XLA's ``known_trip_count``),
-  nested loops multiplied; an asynchronous pair (``-start``/``-done``) counts once.
-  """
-  computations: dict[str, list[str]] = {}
+_PARAM = re.compile(r"([\w.\-]+):\s*(\(?[a-z][a-z0-9]*\[[0-9,]*\])")
+
+
+class _Instruction(NamedTuple):
+  name: str
+  result: str
+  op: str
+  rest: str
+
+
+class _Module(NamedTuple):
+  """A compiled HLO module's computations, the result type of every name in each,
+  and how many times each computation runs per step."""
+  computations: dict[str, list[_Instruction]]
+  types: dict[str, dict[str, str]]
+  runs: dict[str, int]
+
+
+def _parse(hlo: str) -> _Module:
+  computations: dict[str, list[_Instruction]] = {}
+  types: dict[str, dict[str, str]] = {}
   entry, current = None, None
   for line in hlo.splitlines():
     if current is None:
@@ -99,54 +114,95 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
       if m:
         current = m.group(1)
         computations[current] = []
+        header = line.split("->")[0]
+        types[current] = dict(_PARAM.findall(header))
         if line.startswith("ENTRY"):
           entry = current
       continue
     if line.strip() == "}":
       current = None
       continue
-    computations[current].append(line)
-  if entry is None:
-    return {}
+    m = _INSTRUCTION.match(line)
+    if m:
+      name = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)", line).group(1)
+      computations[current].append(_Instruction(name, *m.groups()))
+      types[current][name] = m.group(1)
   # How many times each computation runs per step: the entry once, a while body its
-  # trip count times its caller's, anything else called as often as its caller.
-  runs = {entry: 1}
-  order = [entry]
+  # trip count times its caller's, anything else as often as its caller.
+  runs = {} if entry is None else {entry: 1}
+  order = list(runs)
   while order:
     name = order.pop()
-    for line in computations.get(name, ()):
+    for ins in computations.get(name, ()):
       callees = re.findall(r"\b(body|condition|to_apply|calls|true_computation|"
-                           r"false_computation)=%?([\w.\-]+)", line)
-      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                           r"false_computation)=%?([\w.\-]+)", ins.rest)
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.rest):
         callees += [("branch", c) for c in re.findall(r"%?([\w.\-]+)", group)]
-      if not callees:
-        continue
-      m = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+      m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
       trips = int(m.group(1)) if m else 1
       for role, callee in callees:
         count = runs[name] * (trips if role == "body" else 1)
         if callee in computations and runs.get(callee, 0) < count:
           runs[callee] = count
           order.append(callee)
+  return _Module(computations, types, runs)
+
+
+def _operands(ins: _Instruction) -> list[str]:
+  """The operand names of an instruction (``%a, %b`` before the closing paren)."""
+  return re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
+
+
+def _dims(type_text: str) -> list[int]:
+  m = _SHAPE.search(type_text or "")
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def collectives(hlo: str) -> dict[str, dict[str, int]]:
+  """Each collective kind in the compiled HLO text ``hlo``: how many run per step
+  and how many bytes they move per device (the larger of operands and result: an
+  all-gather's gathered result, a reduce-scatter's full operand). An op in a
+  ``while`` body counts its loop's trip count times (XLA's ``known_trip_count``),
+  nested loops multiplied; an asynchronous pair (``-start``/``-done``) counts once.
+  """
+  module = _parse(hlo)
   out: dict[str, dict[str, int]] = {}
-  for name, lines in computations.items():
-    times = runs.get(name, 0)
-    for line in lines:
-      m = _INSTRUCTION.match(line)
-      if not m:
+  for name, instructions in module.computations.items():
+    times = module.runs.get(name, 0)
+    for ins in instructions:
+      if ins.op.endswith("-done"):
         continue
-      result, op, rest = m.groups()
-      if op.endswith("-done"):
-        continue
-      kind = op[:-len("-start")] if op.endswith("-start") else op
+      kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
       if kind not in COLLECTIVES:
         continue
-      operands = rest.split("),", 1)[0]
-      size = max(_shape_bytes(result), _shape_bytes(operands))
-      entry_ = out.setdefault(kind, {"count": 0, "bytes": 0})
-      entry_["count"] += times
-      entry_["bytes"] += times * size
+      operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
+          _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
+      size = max(_shape_bytes(ins.result), operand_bytes)
+      counted = out.setdefault(kind, {"count": 0, "bytes": 0})
+      counted["count"] += times
+      counted["bytes"] += times * size
   return out
+
+
+def matmul_flops(hlo: str) -> float:
+  """FLOPs of the matrix products (``dot``) in the compiled HLO text ``hlo`` per
+  step: ``2 * prod(result) * prod(contracted dims)`` each, times the runs of its
+  computation (loop trip counts included, which XLA's own cost analysis counts once).
+  Elementwise work is left out: a small share of a transformer's."""
+  module = _parse(hlo)
+  total = 0.0
+  for name, instructions in module.computations.items():
+    times = module.runs.get(name, 0)
+    for ins in instructions:
+      if ins.op != "dot" or not times:
+        continue
+      operands = _operands(ins)
+      lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
+      m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
+      contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (
+          m and lhs) else 1
+      total += times * 2.0 * math.prod(_dims(ins.result)) * contracted
+  return total
 
 
 # ------------------------------------------------------------------ the plan
@@ -165,9 +221,15 @@ class Plan:
   """Per device: ``params``, ``optimizer_state``, ``gradients``, ``batch``,
   ``arguments``, ``outputs``, ``aliased``, ``temporaries``, ``peak``."""
   flops_per_device: float
+  """The matrix products' FLOPs of one device's program per step (`matmul_flops`),
+  bubble ticks and recomputation included."""
+  xla_flops_per_device: float
+  """XLA's own count (``compiled.cost_analysis()``), which counts a loop's body
+  once."""
   model_flops: float
-  """``6 * params * tokens`` plus attention's ``12 * layers * tokens * seq_len *
-  d_model`` (forward and backward), for the built-in LM."""
+  """The model's arithmetic per step: ``6 * N * tokens`` (``N`` the parameters
+  outside the embeddings) plus attention's ``12 * layers * tokens * seq_len *
+  d_model``; with ``train.remat`` the forward pass runs twice (8 and 16)."""
   collectives: dict[str, dict[str, int]]
   bubble: float
   compile_seconds: float
@@ -208,7 +270,7 @@ class Plan:
            f"  of {_fmt_bytes(self.device_memory)}: "
            + ("fits" if self.fits else "DOES NOT FIT")),
         f"  FLOPs per step    {self.flops_per_device:12.3e}  (all devices "
-        f"{self.flops_per_step:.3e}; 6*N*T + attention {self.model_flops:.3e})",
+        f"{self.flops_per_step:.3e}; the model's {self.model_flops:.3e})",
         f"pipeline bubble     {self.bubble:12.1%}",
         "collectives per step (per device):",
     ]
@@ -232,9 +294,16 @@ def _shard_bytes(tree: Any) -> int:
   return total
 
 
-def _model_flops(cfg: Any, num_params: int, tokens: int) -> float:
+def _model_flops(cfg: Any, params: Any, tokens: int) -> float:
+  """`Plan.model_flops`."""
+  import jax
+  from mpscale.trainer import lm as lm_lib
   m = cfg.model
-  return 6.0 * num_params * tokens + 12.0 * m.num_layers * tokens * m.seq_len * m.d_model
+  embeddings = sum(x.size for x in jax.tree_util.tree_leaves(params.get("embed", {})))
+  dense = lm_lib.num_params(params) - embeddings
+  remat = 1 if cfg.train.remat else 0
+  return ((6.0 + 2 * remat) * dense * tokens
+          + (12.0 + 4 * remat) * m.num_layers * tokens * m.seq_len * m.d_model)
 
 
 def plan(cfg: Any, device_memory: Any = None) -> Plan:
@@ -281,6 +350,7 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
   aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
   peak = arguments + outputs - aliased + temporaries
   num_params = lm_lib.num_params(params)
+  hlo = compiled.as_text()
   param_bytes = _shard_bytes(state.params)
   devices = 1 if mesh is None else mesh.devices.size
   loss = builders.build_loss(cfg, setup.model)
@@ -294,7 +364,8 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
              "gradients": param_bytes, "batch": _shard_bytes(batch),
              "arguments": arguments, "outputs": outputs, "aliased": aliased,
              "temporaries": temporaries, "peak": int(peak)},
-      flops_per_device=float(cost.get("flops", math.nan)),
-      model_flops=_model_flops(cfg, num_params, bs * seq),
-      collectives=collectives(compiled.as_text()), bubble=bubble,
+      flops_per_device=matmul_flops(hlo),
+      xla_flops_per_device=float(cost.get("flops", math.nan)),
+      model_flops=_model_flops(cfg, params, bs * seq),
+      collectives=collectives(hlo), bubble=bubble,
       compile_seconds=seconds, device_memory=memory)
