@@ -9,8 +9,11 @@ from mpscale.trainer import builders
 from mpscale.trainer import config as config_lib
 from mpscale.trainer import planning as plan_lib
 
-SMALL = ["model.d_model=32", "model.d_ff=64", "model.num_layers=2", "model.seq_len=32",
+SMALL = ["model.d_model=128", "model.d_ff=512", "model.num_layers=4", "model.seq_len=32",
          "data.batch_size=16", "train.steps=10", "schedule.warmup_steps=1"]
+"""A small LM with real matrices (the embeddings are not the bulk of it). The tests
+plan its data-parallel step several times: the persistent compilation cache
+(conftest.py) compiles it once."""
 
 
 def _cfg(*sets, config="configs/tiny_lm_fp16.yaml"):
@@ -46,10 +49,8 @@ def test_planned_state_bytes_are_the_real_arrays(sets):
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_planned_flops_are_six_n_t_plus_attention(remat):
-  # A model with real matrices (the embeddings are not the bulk of it).
-  planned = plan_lib.plan(_cfg("mesh.data=8", "model.d_model=128", "model.d_ff=512",
-                               "model.num_layers=4", f"train.remat={remat}"))
-  cfg = _cfg("model.d_model=128", "model.d_ff=512", "model.num_layers=4")
+  planned = plan_lib.plan(_cfg("mesh.data=8", *(["train.remat=true"] if remat else [])))
+  cfg = _cfg()
   layers = cfg.model.num_layers * (4 * 128 * 128 + 2 * 128 * 512)  # + small vectors
   tokens, attention = 16 * 32, 12 * 4 * 16 * 32 * 32 * 128
   want = (8 if remat else 6) * (layers + 128 * 256) * tokens + (
@@ -71,7 +72,7 @@ def test_collectives_of_data_parallel_and_pipeline_steps():
   # Each tick of the loop (M + S - 1 forward, as many backward) sends one
   # micro-batch of activations to the next stage: counted by the loop's trip count.
   ticks = 2 * (4 + 4 - 1)
-  activation = (16 // 2 // 4) * 32 * 32 * 2  # rows x seq x d_model, float16
+  activation = (16 // 2 // 4) * 32 * 128 * 2  # rows x seq x d_model, float16
   assert permutes["count"] >= ticks
   # ... plus a few scalars (the loss's pieces) moved once.
   assert ticks * activation <= permutes["bytes"] < ticks * activation + 1024
@@ -145,6 +146,7 @@ def _peak_rss() -> int:
   raise AssertionError("no VmHWM")
 
 
+@pytest.mark.slow
 def test_planning_allocates_nothing():
   """Plans 1.2B parameters replicated on 8 devices, with their optimizer state more
   than this machine's memory, while the process's peak memory (VmHWM, reset before)
@@ -182,3 +184,82 @@ def test_the_command_prints_the_plan_as_text_or_json(capsys):
   assert "per device:" in text and "all-reduce" in text
   assert cli.main(["plan", "--config", config, *sets, "--set", "mesh.data=16"]) == 2
   assert "mesh: data 16 needs 16 devices" in capsys.readouterr().err
+
+
+_MEASURE = r'''
+import gc, json, os, sys
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from mpscale.trainer import builders, config as config_lib
+
+def status(field):
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+
+cfg = config_lib.load_config(sys.argv[1], sys.argv[2:])
+setup = builders.build(cfg)
+state = setup.init(setup.init_params())
+bs, seq = cfg.data.batch_size, cfg.model.seq_len
+sharding = NamedSharding(setup.mesh, PartitionSpec(builders.data_axes(setup.mesh)))
+rng = np.random.default_rng(0)
+batch = {k: jax.device_put(v, sharding) for k, v in {
+    "inputs": rng.integers(0, 256, (bs, seq)).astype(np.int32),
+    "targets": rng.integers(0, 256, (bs, seq)).astype(np.int32),
+    "mask": np.ones((bs, seq), np.float32)}.items()}
+compiled = setup.step.lower(state, batch).compile()
+device = setup.mesh.devices.flat[0]
+live = sum(s.data.nbytes for x in jax.tree_util.tree_leaves((state, batch))
+           for s in x.addressable_shards if s.device == device)
+gc.collect()
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+  f.write("5")
+state, metrics = compiled(state, batch)
+jax.block_until_ready((state, metrics))
+peak = status("VmHWM")
+print(json.dumps({"live": live, "transient": peak - before,
+                  "devices": int(setup.mesh.devices.size)}))
+'''
+
+
+@pytest.mark.slow
+def test_planned_peak_is_within_15_percent_of_a_real_step(tmp_path):
+  """The peak one device needs, planned from shapes, against a real step on 8 CPU
+  devices in a fresh process: the bytes of its live state and batch (its arrays'
+  shards on device 0) plus an eighth of what the step adds to the process's memory
+  at its highest (the peak resident set size, VmHWM, reset just before the step,
+  minus the resident size before it). Large buffers are made to come straight from
+  the OS (``MALLOC_MMAP_THRESHOLD_``) so that a freed one is not reused unseen."""
+  import json
+  import os
+  import subprocess
+  import sys
+  if not _peak_rss_reset():
+    pytest.skip("cannot reset the peak RSS here (/proc/self/clear_refs)")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = os.path.join(root, "configs", "tiny_lm_fp32_adamw.yaml")
+  sets = ["mesh.data=8", "model.d_model=256", "model.d_ff=1024", "model.num_layers=4",
+          "model.seq_len=128", "data.batch_size=64", "train.steps=10",
+          "schedule.warmup_steps=1"]
+  script = tmp_path / "measure.py"
+  script.write_text(_MEASURE)
+  env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
+             PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  result = subprocess.run([sys.executable, str(script), config, *sets], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=root)
+  assert result.returncode == 0, result.stderr[-3000:]
+  measured = json.loads(result.stdout.strip().splitlines()[-1])
+  planned = plan_lib.plan(config_lib.load_config(config, sets))
+  real_peak = measured["live"] + measured["transient"] / measured["devices"]
+  # (XLA's argument bytes add a few bytes of scalar padding to the arrays' shards.)
+  assert measured["live"] == pytest.approx(planned.bytes["arguments"], abs=256)
+  print(f"planned peak {planned.bytes['peak']} B, measured {real_peak:.0f} B "
+        f"(live {measured['live']}, step adds {measured['transient']} on "
+        f"{measured['devices']} devices)")
+  assert planned.bytes["peak"] == pytest.approx(real_peak, rel=0.15), (
+      planned.bytes, measured)
