@@ -263,3 +263,29 @@ def test_planned_peak_is_within_15_percent_of_a_real_step(tmp_path):
         f"{measured['devices']} devices)")
   assert planned.bytes["peak"] == pytest.approx(real_peak, rel=0.15), (
       planned.bytes, measured)
+
+
+def test_a_conditional_counts_its_costliest_branch():
+  hlo = """HloModule m
+
+%small (p: f32[8,16]) -> f32[8,4] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,4]{1,0} constant({...})
+  ROOT %d = f32[8,4]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%big (q: f32[8,64]) -> f32[8,4] {
+  %q = f32[8,64]{1,0} parameter(0)
+  %v = f32[64,4]{1,0} constant({...})
+  ROOT %e = f32[8,4]{1,0} dot(%q, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %s = f32[8,4]{1,0} collective-permute(%e), channel_id=1, source_target_pairs={{0,1}}
+}
+
+ENTRY %main (i: s32[], a: f32[8,16]) -> f32[8,4] {
+  %i = s32[] parameter(0)
+  ROOT %c = f32[8,4]{1,0} conditional(%i, %a, %a), branch_computations={%small, %big}
+}
+"""
+  assert plan_lib.matmul_flops(hlo) == 2 * 8 * 4 * 64
+  assert plan_lib.collectives(hlo) == {"collective-permute": {"count": 1,
+                                                              "bytes": 8 * 4 * 4}}

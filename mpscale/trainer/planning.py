@@ -97,11 +97,11 @@ class _Instruction(NamedTuple):
 
 
 class _Module(NamedTuple):
-  """A compiled HLO module's computations, the result type of every name in each,
-  and how many times each computation runs per step."""
+  """A compiled HLO module: its computations, the result type of every name in each,
+  and the entry computation's name."""
   computations: dict[str, list[_Instruction]]
   types: dict[str, dict[str, str]]
-  runs: dict[str, int]
+  entry: Optional[str]
 
 
 def _parse(hlo: str) -> _Module:
@@ -114,8 +114,7 @@ def _parse(hlo: str) -> _Module:
       if m:
         current = m.group(1)
         computations[current] = []
-        header = line.split("->")[0]
-        types[current] = dict(_PARAM.findall(header))
+        types[current] = dict(_PARAM.findall(line.split("->")[0]))
         if line.startswith("ENTRY"):
           entry = current
       continue
@@ -127,25 +126,56 @@ def _parse(hlo: str) -> _Module:
       name = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)", line).group(1)
       computations[current].append(_Instruction(name, *m.groups()))
       types[current][name] = m.group(1)
-  # How many times each computation runs per step: the entry once, a while body its
-  # trip count times its caller's, anything else as often as its caller.
-  runs = {} if entry is None else {entry: 1}
-  order = list(runs)
-  while order:
-    name = order.pop()
-    for ins in computations.get(name, ()):
-      callees = re.findall(r"\b(body|condition|to_apply|calls|true_computation|"
-                           r"false_computation)=%?([\w.\-]+)", ins.rest)
-      for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.rest):
-        callees += [("branch", c) for c in re.findall(r"%?([\w.\-]+)", group)]
+  return _Module(computations, types, entry)
+
+
+def _callees(ins: _Instruction) -> list[tuple[str, str]]:
+  """``(role, computation)`` for each computation ``ins`` calls: ``body`` and
+  ``condition`` of a while, ``branch`` of a conditional, ``call`` otherwise."""
+  out = [(role if role in ("body", "condition") else
+          "branch" if role.endswith("_computation") else "call", name)
+         for role, name in re.findall(
+             r"\b(body|condition|to_apply|calls|true_computation|false_computation)"
+             r"=%?([\w.\-]+)", ins.rest)]
+  for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.rest):
+    out += [("branch", c) for c in re.findall(r"%?([\w.\-]+)", group)]
+  return out
+
+
+def _per_step(module: _Module, cost: Any) -> dict[str, float]:
+  """The sum of ``cost(computation, instruction) -> {key: value}`` over everything
+  one step runs: a while body its trip count times (XLA's ``known_trip_count``), a
+  conditional its costliest branch (one runs; which one, the program decides), any
+  other called computation (fusions, calls) once per call."""
+  memo: dict[str, dict[str, float]] = {}
+
+  def total(name: str) -> dict[str, float]:
+    if name in memo:
+      return memo[name]
+    memo[name] = {}  # no recursion in HLO; a guard all the same
+    acc: dict[str, float] = {}
+
+    def add(d: dict[str, float], times: float = 1.0) -> None:
+      for k, v in d.items():
+        acc[k] = acc.get(k, 0.0) + times * v
+
+    for ins in module.computations[name]:
+      add(cost(name, ins))
+      callees = [(r, c) for r, c in _callees(ins) if c in module.computations]
+      branches = [total(c) for r, c in callees if r == "branch"]
+      if branches:
+        add(max(branches, key=lambda d: sum(d.values())))
       m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
       trips = int(m.group(1)) if m else 1
       for role, callee in callees:
-        count = runs[name] * (trips if role == "body" else 1)
-        if callee in computations and runs.get(callee, 0) < count:
-          runs[callee] = count
-          order.append(callee)
-  return _Module(computations, types, runs)
+        if role == "body":
+          add(total(callee), trips)
+        elif role == "call":
+          add(total(callee))
+    memo[name] = acc
+    return acc
+
+  return total(module.entry) if module.entry in module.computations else {}
 
 
 def _operands(ins: _Instruction) -> list[str]:
@@ -163,46 +193,46 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   and how many bytes they move per device (the larger of operands and result: an
   all-gather's gathered result, a reduce-scatter's full operand). An op in a
   ``while`` body counts its loop's trip count times (XLA's ``known_trip_count``),
-  nested loops multiplied; an asynchronous pair (``-start``/``-done``) counts once.
+  nested loops multiplied; in a conditional, the costliest branch counts; an
+  asynchronous pair (``-start``/``-done``) counts once.
   """
   module = _parse(hlo)
+
+  def cost(name: str, ins: _Instruction) -> dict[str, float]:
+    kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
+    if kind not in COLLECTIVES:
+      return {}
+    operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
+        _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
+    return {f"{kind}/count": 1, f"{kind}/bytes":
+            max(_shape_bytes(ins.result), operand_bytes)}
+
   out: dict[str, dict[str, int]] = {}
-  for name, instructions in module.computations.items():
-    times = module.runs.get(name, 0)
-    for ins in instructions:
-      if ins.op.endswith("-done"):
-        continue
-      kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
-      if kind not in COLLECTIVES:
-        continue
-      operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
-          _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
-      size = max(_shape_bytes(ins.result), operand_bytes)
-      counted = out.setdefault(kind, {"count": 0, "bytes": 0})
-      counted["count"] += times
-      counted["bytes"] += times * size
+  for key, value in sorted(_per_step(module, cost).items()):
+    kind, field = key.split("/")
+    out.setdefault(kind, {})[field] = int(value)
   return out
 
 
 def matmul_flops(hlo: str) -> float:
   """FLOPs of the matrix products (``dot``) in the compiled HLO text ``hlo`` per
-  step: ``2 * prod(result) * prod(contracted dims)`` each, times the runs of its
-  computation (loop trip counts included, which XLA's own cost analysis counts once).
-  Elementwise work is left out: a small share of a transformer's."""
+  step: ``2 * prod(result) * prod(contracted dims)`` each, counted as in
+  `collectives` (loop trip counts, which XLA's own cost analysis counts once; a
+  conditional's costliest branch). Elementwise work is left out: a small share of a
+  transformer's."""
   module = _parse(hlo)
-  total = 0.0
-  for name, instructions in module.computations.items():
-    times = module.runs.get(name, 0)
-    for ins in instructions:
-      if ins.op != "dot" or not times:
-        continue
-      operands = _operands(ins)
-      lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
-      m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
-      contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (
-          m and lhs) else 1
-      total += times * 2.0 * math.prod(_dims(ins.result)) * contracted
-  return total
+
+  def cost(name: str, ins: _Instruction) -> dict[str, float]:
+    if ins.op != "dot":
+      return {}
+    operands = _operands(ins)
+    lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
+    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
+    contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (
+        m and lhs) else 1
+    return {"flops": 2.0 * math.prod(_dims(ins.result)) * contracted}
+
+  return _per_step(module, cost).get("flops", 0.0)
 
 
 # ------------------------------------------------------------------ the plan
