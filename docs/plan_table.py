@@ -68,16 +68,26 @@ def main() -> None:
   parser.add_argument("--models", nargs="+", default=list(MODELS))
   parser.add_argument("--devices", nargs="+", type=int, default=[8, 64, 256])
   parser.add_argument("--out", default=os.path.join(ROOT, "docs", "plans.md"))
+  parser.add_argument("--cache", help="a JSON file of finished plans to reuse and add to")
   args = parser.parse_args()
   import yaml
+  cache = {}
+  if args.cache and os.path.exists(args.cache):
+    with open(args.cache) as f:
+      cache = json.load(f)
   rows = []
   for model in args.models:
     with open(os.path.join(ROOT, "configs", f"{model}.yaml")) as f:
       heads = yaml.safe_load(f)["model"]["num_heads"]
     for n in args.devices:
       for name, sets in layouts(n, heads).items():
-        p = plan(model, n, sets)
+        key = f"{model}|{n}|{name}"
+        p = cache.get(key) or plan(model, n, sets)
         rows.append((model, n, name, p))
+        if args.cache and "error" not in p:
+          cache[key] = p
+          with open(args.cache, "w") as f:
+            json.dump(cache, f)
         status = p.get("error") or (
             f"peak {p['bytes']['peak'] / 1e9:.1f} GB, "
             f"{'fits' if p['fits'] else 'does not fit'}")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
@@ -45,20 +45,26 @@ class ReferenceScaler:
     self.hysteresis, self.consecutive, self.lo, self.hi = hysteresis, consecutive, lo, hi
 
   def step(self, finite):
+    # The scale is a float32 array: each product is rounded to float32, as there.
+    # (Exactly: a float32 times these factors is exact in float64 before rounding.)
     if finite:
       self.count += 1
       if self.consecutive:
         self.hyst = self.hysteresis
       if self.count == self.interval:
-        self.scale = min(self.scale * self.growth, self.hi)
+        self.scale = min(_f32(self.scale * self.growth), self.hi)
         self.count = 0
         self.hyst = self.hysteresis
     else:
       self.count = 0
       self.hyst -= 1
       if self.hyst <= 0:
-        self.scale = max(self.scale * self.backoff, self.lo)
+        self.scale = max(_f32(self.scale * self.backoff), self.lo)
     return self.scale
+
+
+def _f32(x):
+  return float(np.float32(x))
 
 
 def grad_scaler_trajectory(steps, init, growth, backoff, interval, lo, hi):
@@ -66,11 +72,11 @@ def grad_scaler_trajectory(steps, init, growth, backoff, interval, lo, hi):
   scale, tracker, out = init, 0, []
   for finite in steps:
     if not finite:
-      scale, tracker = max(scale * backoff, lo), 0
+      scale, tracker = max(_f32(scale * backoff), lo), 0
     else:
       tracker += 1
       if tracker == interval:
-        scale, tracker = min(scale * growth, hi), 0
+        scale, tracker = min(_f32(scale * growth), hi), 0
     out.append(scale)
   return out
 
@@ -118,6 +124,9 @@ steps_strategy = st.lists(
 @pytest.mark.parametrize("config", CONFIGS)
 @settings(max_examples=25, deadline=None)
 @given(pattern=steps_strategy)
+@example(pattern=[(False, np.nan, 0)] * 4 + [(True, np.nan, 0)] * 3
+         + [(False, np.nan, 0)] * 4 + [(True, np.nan, 0)] * 3 + [(False, np.nan, 0)] * 2
+         + [(True, np.nan, 0)] * 7)  # growth 3.0: float32 rounding of the scale
 def test_scale_trajectory_matches_reference(config, pattern):
   ref = ReferenceScaler(*config)
   want = [ref.step(finite) for finite, _, _ in pattern]
