@@ -1,6 +1,8 @@
 """Plain helpers shared by several test modules (fixtures live in conftest.py)."""
 
+import os
 import re
+import socket
 
 import chex
 import jax
@@ -25,3 +27,17 @@ def big_copies(hlo: str, min_size: int = 1024) -> list[str]:
     if dims and np.prod(dims) >= min_size:
       found.append(m.group(0))
   return found
+
+
+def free_port() -> int:
+  """A TCP port on localhost that nothing listens on now (for a coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def steps_saved(run_dir) -> list[int]:
+  """The steps of the finished checkpoints in a run folder (orbax's step folders)."""
+  ckpt = os.path.join(run_dir, "checkpoints")
+  return sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) if os.path.isdir(
+      ckpt) else []

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from mpscale.trainer import config as config_lib
 from mpscale.trainer import data as data_lib
 from mpscale.trainer import distributed
 from mpscale.trainer import loader
+from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "nnx_transformer", "config.yaml")
@@ -116,10 +116,13 @@ def test_rows_must_be_an_aligned_block_of_the_batch():
 def test_one_process_reads_every_row_and_builds_no_global_array():
   import jax
   from jax.sharding import Mesh
+  from mpscale.trainer import builders
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "stage"))
-  assert distributed.process_rows(mesh, 16, ("data",)) == (0, 16)
+  sharding = builders.batch_sharding(mesh)
+  assert sharding.spec == jax.sharding.PartitionSpec(("data",))
+  assert distributed.process_rows(sharding, 16) == (0, 16)
   batch = {"x": np.arange(16)}
-  assert distributed.global_batch(batch, mesh, 16, ("data",), (0, 16)) is batch
+  assert distributed.global_batch(batch, sharding, 16, (0, 16)) is batch
   distributed.check_same_run(_cfg())  # one process: nothing to compare
 
 
@@ -156,12 +159,6 @@ def test_initialize_only_when_asked_and_checks_its_flags(monkeypatch):
 # ------------------------------------------------------------------ several processes
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _env():
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -175,7 +172,7 @@ def _env():
 def _launch(kind, out, logs, *extra, sets=()):
   """Starts the two processes of ``mpscale train`` for run ``kind``."""
   config, settings = RUNS[kind]
-  port = _free_port()
+  port = helpers.free_port()
   procs = []
   for i in range(2):
     args = [sys.executable, "-m", "mpscale", "train", "--config", config, "--out",
@@ -308,7 +305,7 @@ def test_sigkill_of_one_process_stops_the_other_and_resume_is_bit_identical(
   survivor = procs[1 - victim]
   try:
     deadline = time.time() + 400
-    while not [s for s in _saved(killed) if s >= target]:
+    while not [s for s in helpers.steps_saved(killed) if s >= target]:
       assert all(p.poll() is None for p in procs), (
           "a process ended before the kill\n" + _tails(logs))
       assert time.time() < deadline, "no checkpoint appeared\n" + _tails(logs)
@@ -327,7 +324,7 @@ def test_sigkill_of_one_process_stops_the_other_and_resume_is_bit_identical(
       if p.poll() is None:
         p.kill()
       p.wait()
-  saved = _saved(killed)
+  saved = helpers.steps_saved(killed)
   assert saved and saved[-1] < STEPS, "killed too late to test resume"
   # The survivor stopped with an error, within the heartbeat timeout plus slack,
   # and said why (JAX's coordination service).
@@ -352,12 +349,6 @@ def test_sigkill_of_one_process_stops_the_other_and_resume_is_bit_identical(
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
   strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
   assert strip(_rows(killed)) == strip(_rows(whole))
-
-
-def _saved(out):
-  ckpt = os.path.join(out, "checkpoints")
-  return sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) if os.path.isdir(
-      ckpt) else []
 
 
 @pytest.mark.slow

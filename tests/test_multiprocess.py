@@ -2,7 +2,6 @@
 train exactly like one process with 8 devices."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -10,19 +9,14 @@ import numpy as np
 import pytest
 
 from tests import _multiprocess_worker as worker
+from tests import helpers
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("kind", ["data", "pipeline"])
 def test_two_processes_match_one_process(kind, tmp_path):
-  port, out = _free_port(), tmp_path / "result.npz"
+  port, out = helpers.free_port(), tmp_path / "result.npz"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -190,7 +190,6 @@ _MEASURE = r'''
 import gc, json, os, sys
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 from mpscale.trainer import builders, config as config_lib
 
 def status(field):
@@ -203,7 +202,7 @@ cfg = config_lib.load_config(sys.argv[1], sys.argv[2:])
 setup = builders.build(cfg)
 state = setup.init(setup.init_params())
 bs, seq = cfg.data.batch_size, cfg.model.seq_len
-sharding = NamedSharding(setup.mesh, PartitionSpec(builders.data_axes(setup.mesh)))
+sharding = builders.batch_sharding(setup.mesh)
 rng = np.random.default_rng(0)
 batch = {k: jax.device_put(v, sharding) for k, v in {
     "inputs": rng.integers(0, 256, (bs, seq)).astype(np.int32),

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from tests import helpers
+
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,12 +66,6 @@ def _restore(run_dir, step):
   return saved.state, saved.data
 
 
-def _steps_saved(run_dir):
-  ckpt = os.path.join(run_dir, "checkpoints")
-  return sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) if os.path.isdir(
-      ckpt) else []
-
-
 @pytest.mark.parametrize("run", list(RUNS))
 def test_sigkill_then_resume_is_bit_identical(tmp_path, run):
   whole, killed = tmp_path / "whole", tmp_path / "killed"
@@ -92,7 +88,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, run):
                             cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not [s for s in _steps_saved(killed) if s >= target]:
+    while not [s for s in helpers.steps_saved(killed) if s >= target]:
       assert proc.poll() is None, "the run ended before it could be killed"
       assert time.time() < deadline, "no checkpoint appeared"
       time.sleep(0.05)
@@ -106,7 +102,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, run):
         p.kill()
         p.wait()
   assert whole_proc.returncode == 0, whole_log.read_text()[-3000:]
-  saved_at_kill = _steps_saved(killed)
+  saved_at_kill = helpers.steps_saved(killed)
   assert saved_at_kill and saved_at_kill[-1] < STEPS, "killed too late to test resume"
 
   # A checkpoint cut off half-written (orbax writes into a temporary folder and

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import optax
 
@@ -98,6 +98,12 @@ def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
   if mesh is None:
     return (DATA_AXIS,)
   return tuple(a for a in (DATA_AXIS, FSDP_AXIS) if a in mesh.axis_names)
+
+
+def batch_sharding(mesh: Optional[Mesh]) -> Optional[NamedSharding]:
+  """How a global batch lies on ``mesh``: its rows split over `data_axes`; ``None``
+  without a mesh."""
+  return None if mesh is None else NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
 
 
 def build_param_specs(cfg: config_lib.RunConfig, model: lm_lib.TinyLM,

@@ -228,25 +228,24 @@ def check_same_run(cfg: Any, source: str = "<config>", **run: Any) -> None:
 # ------------------------------------------------------------------ batches by process
 
 
-def process_rows(mesh: Any, batch_size: int, batch_axes: tuple[str, ...]
-                 ) -> tuple[int, int]:
+def process_rows(sharding: Any, batch_size: int) -> tuple[int, int]:
   """The rows ``[start, stop)`` of each global batch that this process's devices
-  hold on ``mesh`` (the batch split over ``batch_axes``); all rows with one process.
+  hold, the batch laid out by ``sharding`` (split on its first dimension, e.g.
+  `mpscale.trainer.builders.batch_sharding`); all rows with one process or without a
+  sharding.
 
   Raises:
     ValueError: naming ``mesh`` when this process's rows are not one contiguous range
       aligned to its size (the devices of a process are not adjacent on the data axes).
   """
   import jax
-  if mesh is None or jax.process_count() == 1:
+  if sharding is None or jax.process_count() == 1:
     return 0, batch_size
-  from jax.sharding import NamedSharding, PartitionSpec
-  sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
   spans = sorted({index[0].indices(batch_size)[:2] for index in
                   sharding.addressable_devices_indices_map((batch_size,)).values()})
   if not spans:
     raise ValueError(
-        f"mesh: its {mesh.devices.size} devices include none of process "
+        f"mesh: its {sharding.mesh.devices.size} devices include none of process "
         f"{jax.process_index()}'s; every process must take part: use all "
         f"{jax.device_count()} devices of the {jax.process_count()} processes")
   start, stop = spans[0][0], max(s for _, s in spans)
@@ -260,15 +259,14 @@ def process_rows(mesh: Any, batch_size: int, batch_axes: tuple[str, ...]
   return start, stop
 
 
-def global_batch(local: Mapping[str, Any], mesh: Any, batch_size: int,
-                 batch_axes: tuple[str, ...], rows: tuple[int, int]) -> Any:
-  """One global batch from each process's rows ``rows`` (`process_rows`) of it; the
-  host batch itself with one process (the step places it)."""
+def global_batch(local: Mapping[str, Any], sharding: Any, batch_size: int,
+                 rows: tuple[int, int]) -> Any:
+  """One global batch laid out by ``sharding`` from each process's rows ``rows``
+  (`process_rows`) of it; the host batch itself with one process or without a
+  sharding (the step places it)."""
   import jax
-  if mesh is None or jax.process_count() == 1:
+  if sharding is None or jax.process_count() == 1:
     return local
-  from jax.sharding import NamedSharding, PartitionSpec
-  sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
   start = rows[0]
 
   def shard(v):

@@ -45,8 +45,8 @@ def _global_batch(batch: dict[str, Any], setup: Any, data: Any) -> Any:
   of it (`mpscale.trainer.distributed.global_batch`)."""
   from mpscale.trainer import builders
   from mpscale.trainer import distributed
-  return distributed.global_batch(batch, setup.mesh, data.batch_size,
-                                  builders.data_axes(setup.mesh), data.rows)
+  return distributed.global_batch(batch, builders.batch_sharding(setup.mesh),
+                                  data.batch_size, data.rows)
 
 
 def evaluate(setup: Any, params: Any, data: Any) -> float:
@@ -126,8 +126,8 @@ def _load_data(cfg: config_lib.RunConfig, given: Any) -> Any:
   from mpscale.trainer import data as data_lib
   from mpscale.trainer import distributed
   from mpscale.trainer import loader
-  mesh = builders.build_mesh(cfg)
-  rows = distributed.process_rows(mesh, cfg.data.batch_size, builders.data_axes(mesh))
+  rows = distributed.process_rows(builders.batch_sharding(builders.build_mesh(cfg)),
+                                  cfg.data.batch_size)
   source, key = _provided(given, cfg.data.provider, "data.provider", cfg)
   if source is not None:
     data = loader.user_data(source, cfg, key, rows)

@@ -196,8 +196,10 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   nested loops multiplied; in a conditional, the costliest branch counts; an
   asynchronous pair (``-start``/``-done``) counts once.
   """
-  module = _parse(hlo)
+  return _collectives(_parse(hlo))
 
+
+def _collectives(module: _Module) -> dict[str, dict[str, int]]:
   def cost(name: str, ins: _Instruction) -> dict[str, float]:
     kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
     if kind not in COLLECTIVES:
@@ -220,8 +222,10 @@ def matmul_flops(hlo: str) -> float:
   `collectives` (loop trip counts, which XLA's own cost analysis counts once; a
   conditional's costliest branch). Elementwise work is left out: a small share of a
   transformer's."""
-  module = _parse(hlo)
+  return _matmul_flops(_parse(hlo))
 
+
+def _matmul_flops(module: _Module) -> float:
   def cost(name: str, ins: _Instruction) -> dict[str, float]:
     if ins.op != "dot":
       return {}
@@ -349,7 +353,6 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
       (a mesh that needs more devices than exist, indivisible dimensions, ...).
   """
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec
   from mpscale.trainer import builders
   from mpscale.trainer import lm as lm_lib
   if cfg.model.provider is not None:
@@ -361,9 +364,8 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
   state = setup.init(params)
   mesh = setup.mesh
   bs, seq = cfg.data.batch_size, cfg.model.seq_len
-  batch_sharding = None if mesh is None else NamedSharding(
-      mesh, PartitionSpec(builders.data_axes(mesh)))
-  batch = {k: jax.ShapeDtypeStruct((bs, seq), dtype, sharding=batch_sharding)
+  batch = {k: jax.ShapeDtypeStruct((bs, seq), dtype,
+                                   sharding=builders.batch_sharding(mesh))
            for k, dtype in (("inputs", "int32"), ("targets", "int32"),
                             ("mask", "float32"))}
   start = time.perf_counter()
@@ -380,7 +382,7 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
   aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
   peak = arguments + outputs - aliased + temporaries
   num_params = lm_lib.num_params(params)
-  hlo = compiled.as_text()
+  hlo = _parse(compiled.as_text())  # once, for the FLOPs and the collectives
   param_bytes = _shard_bytes(state.params)
   devices = 1 if mesh is None else mesh.devices.size
   loss = builders.build_loss(cfg, setup.model)
@@ -394,8 +396,8 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
              "gradients": param_bytes, "batch": _shard_bytes(batch),
              "arguments": arguments, "outputs": outputs, "aliased": aliased,
              "temporaries": temporaries, "peak": int(peak)},
-      flops_per_device=matmul_flops(hlo),
+      flops_per_device=_matmul_flops(hlo),
       xla_flops_per_device=float(cost.get("flops", math.nan)),
       model_flops=_model_flops(cfg, params, bs * seq),
-      collectives=collectives(hlo), bubble=bubble,
+      collectives=_collectives(hlo), bubble=bubble,
       compile_seconds=seconds, device_memory=memory)
