@@ -25,8 +25,8 @@ MODELS = ("gpt2_124m", "gpt2_350m", "gpt2_1.5b", "gpt_6.7b")
 MEMORY = 80 * 10**9
 
 
-def layouts(n: int, heads: int) -> dict[str, list[str]]:
-  """Layout name -> ``--set`` overrides for ``n`` devices."""
+def layouts(n: int, heads: int, batch: int) -> dict[str, list[str]]:
+  """Layout name -> ``--set`` overrides for ``n`` devices (``batch`` sequences a step)."""
   tensor = next((t for t in (8, 4, 2) if heads % t == 0 and n % t == 0), 1)
   out = {
       "data parallel": [f"mesh.data={n}"],
@@ -36,6 +36,10 @@ def layouts(n: int, heads: int) -> dict[str, list[str]]:
       "data x pipeline 4": [f"mesh.data={n // 4}", "mesh.stage=4",
                             "train.num_microbatches=8"],
   }
+  if batch // n > 1:  # FSDP with gradient accumulation: activations of one micro-batch
+    micro = min(8, batch // n)
+    out[f"FSDP, {micro} micro-batches"] = ["mesh.data=1", f"mesh.fsdp={n}",
+                                           f"train.num_microbatches={micro}"]
   mixed_tensor = min(tensor, 4)
   fsdp = n // (4 * mixed_tensor)
   if fsdp >= 1 and mixed_tensor > 1:
@@ -78,9 +82,10 @@ def main() -> None:
   rows = []
   for model in args.models:
     with open(os.path.join(ROOT, "configs", f"{model}.yaml")) as f:
-      heads = yaml.safe_load(f)["model"]["num_heads"]
+      raw = yaml.safe_load(f)
+    heads, batch = raw["model"]["num_heads"], raw["data"]["batch_size"]
     for n in args.devices:
-      for name, sets in layouts(n, heads).items():
+      for name, sets in layouts(n, heads, batch).items():
         key = f"{model}|{n}|{name}"
         p = cache.get(key) or plan(model, n, sets)
         rows.append((model, n, name, p))
@@ -101,7 +106,10 @@ def main() -> None:
       "peak (arguments + outputs - donated + XLA's temporaries of the CPU compile: an "
       "estimate for a GPU), the matrix products' TFLOPs per step, the bytes moved by "
       "collectives, and the seconds the plan took (compile included). Global batch "
-      "512 x 1024 tokens; `train.remat: true`.",
+      "512 x 1024 tokens; `train.remat: true`. A pipelined step's TFLOPs count every "
+      "tick as its costliest kind, bubble ticks included (an upper bound). FSDP splits "
+      "each leaf along a dimension the axis divides and leaves a leaf it cannot split "
+      "replicated: the params column shows it.",
       "",
       "| model | devices | layout | params | optimizer | peak | fits 80 GB | TFLOPs | "
       "collectives | bubble | plan s |",

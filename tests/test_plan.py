@@ -288,3 +288,27 @@ ENTRY %main (i: s32[], a: f32[8,16]) -> f32[8,4] {
   assert plan_lib.matmul_flops(hlo) == 2 * 8 * 4 * 64
   assert plan_lib.collectives(hlo) == {"collective-permute": {"count": 1,
                                                               "bytes": 8 * 4 * 4}}
+
+
+def test_the_docs_table_is_what_plan_says():
+  """docs/plans.md's exact columns (parameter and optimizer-state bytes per device)
+  for GPT-2 124M on 8 devices under FSDP, planned afresh from the same overrides
+  docs/plan_table.py uses: a stale table fails here."""
+  import importlib.util
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "plan_table", os.path.join(root, "docs", "plan_table.py"))
+  table = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(table)
+  with open(os.path.join(root, "docs", "plans.md")) as f:
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in f
+            if line.startswith("| gpt2_124m | 8 | FSDP |")]
+  assert len(rows) == 1, rows
+  _, _, _, params, optimizer, _, fits, *_ = rows[0]
+  sets = table.layouts(8, 12, 512)["FSDP"]
+  cfg = config_lib.load_config(os.path.join(root, "configs", "gpt2_124m.yaml"), sets)
+  planned = plan_lib.plan(cfg, device_memory=table.MEMORY)
+  assert params == f"{planned.bytes['params'] / 1e9:.2f} GB"
+  assert optimizer == f"{planned.bytes['optimizer_state'] / 1e9:.2f} GB"
+  assert fits == ("yes" if planned.fits else "no")
