@@ -8,7 +8,7 @@ import pytest
 from mpscale.trainer import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
 
 
 def write(tmp_path, text, name="run.yaml"):

@@ -162,7 +162,9 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
   The weight decay is decoupled and multiplied by the learning rate for all three
   (``p -= lr * (update + wd * p)``); Adafactor's own ``weight_decay_rate`` is not, so
   it gets ``lr * wd``. AdamW and Adafactor are wrapped in ``optax.inject_hyperparams``
-  so the metrics report their learning rate (CAME records its own).
+  so the metrics report their learning rate (CAME records its own), with float32
+  hyperparameters whatever the parameters' dtype (inferred from float16 parameters,
+  AdamW's ``eps`` of 1e-8 would round to 0 and divide 0 by 0).
   """
   opt = cfg.optimizer
   lr = build_lr_schedule(cfg)
@@ -182,7 +184,7 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
   if opt.name == "adamw":
     adamw = opt.adamw
     return _keyed("optimizer.adamw", lambda: optax.inject_hyperparams(
-        optax.adamw, static_args=("mask",))(
+        optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
             learning_rate=lr, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
             weight_decay=wd, mask=mask))
   if opt.name == "adafactor":
@@ -191,7 +193,8 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
     return _keyed("optimizer.adafactor", lambda: optax.inject_hyperparams(
         optax.adafactor, static_args=(
             "min_dim_size_to_factor", "multiply_by_parameter_scale", "momentum",
-            "dtype_momentum", "factored", "weight_decay_mask"))(
+            "dtype_momentum", "factored", "weight_decay_mask"),
+        hyperparam_dtype=jnp.float32)(
                 learning_rate=lr,
                 min_dim_size_to_factor=adafactor.min_dim_size_to_factor,
                 decay_rate=adafactor.decay_rate,

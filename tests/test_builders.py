@@ -1,0 +1,41 @@
+"""The trainer's builders (mpscale.trainer.builders): config to optimizer and step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mpscale.trainer import builders
+from mpscale.trainer import config as config_lib
+
+SMALL = {"model": {"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64,
+                   "seq_len": 16},
+         "data": {"batch_size": 4}, "train": {"steps": 10},
+         "schedule": {"warmup_steps": 1}}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_float16_parameters_keep_float32_hyperparameters(name):
+  """With float16 parameters (policy O3), optax.inject_hyperparams would store eps in
+  float16, where AdamW's 1e-8 is 0: a parameter with a zero gradient (an unused
+  embedding row) then became 0/0 = NaN after the first step."""
+  cfg = config_lib.config_from_dict({**SMALL, "precision": {"policy": "O3"},
+                                     "loss_scale": {"kind": "dynamic", "init_scale": 16.0},
+                                     "optimizer": {"name": name}})
+  setup = builders.build(cfg)
+  state = setup.init(setup.init_params())
+  hyper = [x for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state)
+           if "hyperparams" in jax.tree_util.keystr(path)
+           and jnp.issubdtype(x.dtype, jnp.floating)]
+  assert hyper and all(x.dtype == jnp.float32 for x in hyper)
+  if name != "adamw":
+    return  # Adafactor's own float16 arithmetic is not this test's subject
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 8, (4, 17)).astype(np.int32)  # 248 of 256 rows unused
+  batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+           "mask": jnp.ones((4, 16), jnp.float32)}
+  for _ in range(2):
+    state, metrics = setup.step(state, batch)
+    assert not bool(metrics["overflow"])
+  assert state.params["embed"]["token"].dtype == jnp.float16
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state.params))
