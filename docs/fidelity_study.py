@@ -73,6 +73,7 @@ def collect(out: str, seeds, runs) -> dict[str, list[dict]]:
         rows = [r for r in csv.DictReader(f) if r["loss"]]
       summary["seed"] = seed
       summary["curve"] = [(int(r["step"]), float(r["loss"])) for r in rows]
+      summary["scales"] = [(int(r["step"]), float(r["loss_scale"])) for r in rows]
       summary["final_scale"] = float(rows[-1]["loss_scale"])
       records.setdefault(run, []).append(summary)
   return records
@@ -113,22 +114,39 @@ def plot(records: dict[str, list[dict]], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
-  groups = [g for g in dict.fromkeys(GROUPS[r] for r in records) if g != "reference"]
-  fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), sharey=True,
-                           squeeze=False)
-  for ax, group in zip(axes[0], groups):
+  groups = sorted({GROUPS[r] for r in records} - {"reference"})
+  rows = (len(groups) + 3) // 3  # one more panel: the loss scales
+  fig, axes = plt.subplots(rows, 3, figsize=(13, 3.6 * rows), squeeze=False)
+  axes = axes.ravel()
+  for ax, group in zip(axes, groups):
     for run in [r for r in records if GROUPS[r] in (group, "reference")]:
       steps = [s for s, _ in records[run][0]["curve"]]
       losses = np.array([[l for _, l in s["curve"]] for s in records[run]])
       style = {"color": "k", "ls": "--"} if run == "fp32" else {}
-      line, = ax.plot(steps, losses.mean(0), label=run, **style)
+      finite = np.isfinite(losses).all(0)
+      label = run if finite.all() else (
+          f"{run}: NaN from step {steps[int(np.argmin(finite))]}")
+      line, = ax.plot(steps, np.where(finite, losses.mean(0), np.nan), label=label,
+                      **style)
       ax.fill_between(steps, losses.min(0), losses.max(0), alpha=0.2,
                       color=line.get_color())
     ax.set_title(group)
     ax.set_xlabel("step")
+    ax.set_ylabel("train loss (nats per byte)")
     ax.set_ylim(2.3, 6.0)
     ax.legend(fontsize=7)
-  axes[0][0].set_ylabel("train loss (nats per byte)")
+  ax = axes[len(groups)]
+  for run in records:
+    steps = [s for s, _ in records[run][0]["scales"]]
+    scales = np.array([[v for _, v in s["scales"]] for s in records[run]])
+    if run != "fp32" and np.ptp(scales) > 0 or "fixed" in run:
+      ax.plot(steps, np.median(scales, 0) * REFERENCE_TOKENS / TOKENS, label=run)
+  ax.set_yscale("log", base=2)
+  ax.set_title("loss scale (median over seeds), at 0.5M tokens")
+  ax.set_xlabel("step")
+  ax.legend(fontsize=7)
+  for ax in axes[len(groups) + 1:]:
+    ax.axis("off")
   fig.suptitle(f"{len(next(iter(records.values())))} seeds: mean and min-max; "
                "fp16 scales stand for a 0.5M-token mean", fontsize=9)
   fig.tight_layout()
@@ -150,6 +168,8 @@ def write_markdown(rows: list[dict], path: str, seeds, seconds: float) -> None:
   ]
   for r in rows:
     vs = "" if r["vs_fp32"] is None or r["run"] == "fp32" else f"{r['vs_fp32']:+.1%}"
+    if r["mean"] != r["mean"]:
+      vs = "diverged (NaN)"
     lines.append(
         f"| {r['run']} | {r['group']} | {r['policy']} | {r['optimizer']} | "
         f"{r['loss_scale']} | {r['mean']:.4f} | {r['spread']:.4f} | "
