@@ -9,8 +9,10 @@ set, 8 fake host devices for the pipeline notebook), and is written back with nb
 No per-cell timing metadata is recorded, so a re-execution's diff is in the outputs
 only (notebook 02's table of train times, in seconds, changes every run). A failing cell stops the script with the
 error (and leaves that notebook as it was). The first code cell of each notebook prints
-the jax version it was executed with. About 4.5 minutes in all on 2 shared, busy CPU
-cores (01: 100 s, 02: 155 s, 03: 25 s); less on an idle machine.
+the jax version it was executed with. About 5.5 minutes in all on 2 shared, busy CPU
+cores (01: 100 s, 02: 155 s, 03: 25 s, 04: 50 s); less on an idle machine. Notebook 04
+plots the study's loss curves from ``docs/fidelity_curves.csv`` (written by
+``python docs/fidelity_study.py``) when that file exists.
 """
 import glob
 import os
