@@ -85,14 +85,15 @@ def test_the_table_reports_mean_spread_and_the_gap_to_fp32():
 
 @pytest.mark.slow
 def test_without_scaling_fp16_trains_worse_by_more_than_the_seed_spread(tmp_path):
-  """A shortened experiment (b): 40 steps, seeds 0-2, with and without the dynamic
-  scale, where the per-token gradients are those of a 0.5M-token mean."""
+  """A shortened experiment (b): 20 steps, seeds 0-2, with and without the dynamic
+  scale, where the per-token gradients are those of a 0.5M-token mean (at 20 steps
+  no-scaling is already about 0.45 nats behind, against a spread of about 0.13)."""
   from mpscale.trainer.compare import compare
   study = _study()
   runs, seeds = ["fp16_noscale", "fp16_dynamic"], [0, 1, 2]
   for seed in seeds:  # what study.run_seed runs, in this process (its compile cache)
     compare([os.path.join(study.CONFIGS, f"{r}.yaml") for r in runs],
-            str(tmp_path / f"seed{seed}"), overrides=[f"seed={seed}", "train.steps=40"],
+            str(tmp_path / f"seed{seed}"), overrides=[f"seed={seed}", "train.steps=20"],
             progress=False, verbose=False)
   rows = {r["run"]: r for r in study.table(study.collect(str(tmp_path), seeds, runs))}
   gap = rows["fp16_noscale"]["mean"] - rows["fp16_dynamic"]["mean"]

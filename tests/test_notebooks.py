@@ -54,13 +54,14 @@ def test_notebook_is_committed_executed(name):
 
 def _check_01(s):
   # Section 2: "about 60%" flush at scale 1, none at 2^15; weight gradients 2-9% off
-  # (0.5% for the output projection) against about 0.1% at 2^15.
+  # (0.5% for the output projection) against 0.06-0.4% at 2^15 (the biases' float16 sums
+  # are ordered differently on different CPUs: 0.2% at most on one, 0.4% on another).
   assert 0.5 <= s["flushed_trained_scale1"] <= 0.7
   assert s["flushed_trained_scale2^15"] < 0.001
   lo1, hi1 = s["weight_grad_error_scale1"]
   lo15, hi15 = s["weight_grad_error_scale2^15"]
   assert 0.003 <= lo1 <= 0.01 and 0.06 <= hi1 <= 0.12, (lo1, hi1)
-  assert 0.0003 <= lo15 and hi15 <= 0.003, (lo15, hi15)
+  assert 0.0003 <= lo15 and hi15 <= 0.005, (lo15, hi15)
   # Section 4: a sawtooth between 2^13 and 2^15 (one doubling of slack either way),
   # natural overflows at the top of it, recovery in log2(drop) x growth_interval steps.
   lo, hi = s["working_range_log2"]
@@ -100,12 +101,12 @@ def _check_04(s):
   assert sub["0.5M, scale 1"]["embedding"] >= 0.85
   lo, median, hi = err["0.5M, scale 1"]
   assert 0.3 <= lo and 0.5 <= median <= 0.9 and 0.9 <= hi <= 1.5, err
-  # Scale 2^15 there: nothing flushes, blocks normal to within 2%, 0.05-0.2% off.
+  # Scale 2^15 there: nothing flushes, blocks normal to within 2%, 0.05-0.4% off.
   assert all(v == 0 for v in flushed["0.5M, scale 2^15"].values()), flushed
   assert all(sub["0.5M, scale 2^15"][b] <= 0.03 for b in blocks), sub
   assert 0.6 <= sub["0.5M, scale 2^15"]["logits"] <= 0.95
   lo, median, hi = err["0.5M, scale 2^15"]
-  assert 0.0002 <= lo and hi <= 0.003, err
+  assert 0.0002 <= lo and hi <= 0.005, err
   assert 2 <= s["largest_log2"]["0.5M, scale 2^15"] <= 4  # 12-14 doublings of headroom
   # 2048 tokens at scale 1: only the logits flush (61%, as notebook 01); 0.5-11% off.
   assert 0.5 <= flushed["2048, scale 1"]["logits"] <= 0.7
