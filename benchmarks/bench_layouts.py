@@ -22,9 +22,7 @@ layout measured in the same run.
 """
 
 import argparse
-import collections
 import os
-import re
 import sys
 import time
 
@@ -40,6 +38,7 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpscale  # noqa: E402
 from mpscale.trainer import lm as lm_lib  # noqa: E402
+from mpscale.trainer import planning  # noqa: E402
 from mpscale import sharding  # noqa: E402
 from mpscale.trainer.config import ModelConfig  # noqa: E402
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
@@ -69,21 +68,9 @@ def make_mesh(shape, names=AXES):
 
 
 def collectives(hlo: str) -> dict:
-  """kind -> [count, bytes] over the compiled HLO's collectives (operands' shapes)."""
-  found = collections.defaultdict(lambda: [0, 0])
-  pattern = re.compile(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
-                       r"collective-permute)(?:-start)?\(")
-  sizes = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1,
-           "u8": 1, "f64": 8, "s64": 8}
-  for line in hlo.splitlines():
-    m = pattern.search(line)
-    if not m:
-      continue
-    found[m.group(2)][0] += 1
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-      n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-      found[m.group(2)][1] += n * sizes.get(dtype, 4)
-  return dict(found)
+  """kind -> [count, bytes] per step: `mpscale plan`'s reading of the compiled HLO
+  (loops by their trip counts, a bfloat16 sum at bfloat16's bytes)."""
+  return {k: [v["count"], v["bytes"]] for k, v in planning.collectives(hlo).items()}
 
 
 def per_device_bytes(tree) -> int:

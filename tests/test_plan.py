@@ -290,6 +290,41 @@ ENTRY %main (i: s32[], a: f32[8,16]) -> f32[8,4] {
                                                               "bytes": 8 * 4 * 4}}
 
 
+@pytest.mark.parametrize("dtype, width", [("bfloat16", 2), ("float16", 2),
+                                          ("float32", 4)])
+def test_a_sum_counts_at_the_width_the_program_gave_it(dtype, width):
+  """XLA's CPU backend sums bfloat16 in float32 (it widens the all-reduce and names
+  its reducer ``*_promoted``); a GPU or TPU moves bfloat16, and so does the plan."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+  f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"),
+                            out_specs=P()))
+  hlo = f.lower(jax.ShapeDtypeStruct((8 * 64, 128), dtype)).compile().as_text()
+  assert plan_lib.collectives(hlo) == {"all-reduce": {"count": 1,
+                                                      "bytes": 64 * 128 * width}}
+
+
+def test_a_promoted_sum_in_hlo_text_counts_half():
+  hlo = """HloModule m
+
+%add.clone_promoted (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[64,128]) -> f32[64,128] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %r = f32[64,128]{1,0} all-reduce(%a), channel_id=1, to_apply=%add.clone_promoted
+  %rs = f32[8,128]{1,0} reduce-scatter(%a), channel_id=2, dimensions={0}, to_apply=%add.clone_promoted
+  ROOT %t = f32[64,128]{1,0} all-reduce(%r), channel_id=3, to_apply=%add
+}
+"""
+  assert plan_lib.collectives(hlo) == {
+      "all-reduce": {"count": 2, "bytes": 64 * 128 * 2 + 64 * 128 * 4},
+      "reduce-scatter": {"count": 1, "bytes": 64 * 128 * 2}}
+
+
 def test_the_docs_table_is_what_plan_says():
   """docs/plans.md's exact columns (parameter and optimizer-state bytes per device)
   for GPT-2 124M on 8 devices under FSDP, planned afresh from the same overrides

@@ -18,7 +18,8 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
   body once, and is reported beside it);
 - each collective in the compiled HLO (all-reduce, all-gather, reduce-scatter,
   collective-permute, all-to-all) with its count and bytes per step, loops counted
-  by their trip counts;
+  by their trip counts, a bfloat16 sum at bfloat16's bytes (the CPU compile widens
+  it to float32; a GPU or TPU does not);
 
 plus the pipeline bubble of the config's schedule and the tokens per step.
 
@@ -194,9 +195,23 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   all-gather's gathered result, a reduce-scatter's full operand). An op in a
   ``while`` body counts its loop's trip count times (XLA's ``known_trip_count``),
   nested loops multiplied; in a conditional, the costliest branch counts; an
-  asynchronous pair (``-start``/``-done``) counts once.
+  asynchronous pair (``-start``/``-done``) counts once. A bfloat16 sum that XLA's CPU
+  backend widened to float32 (a reducer named ``*_promoted``) counts at bfloat16's
+  bytes, as a GPU or TPU moves it.
   """
   return _collectives(_parse(hlo))
+
+
+_PROMOTED = re.compile(r"to_apply=%?[\w.\-]*_promoted(?:\.\d+)?\b")
+
+
+def _promoted(ins: _Instruction) -> bool:
+  """Whether the backend widened this all-reduce or reduce-scatter from a 16-bit float
+  the program gave it: XLA's CPU backend sums bfloat16 in float32 (its
+  ``AllReducePromotion`` pass, which names the new reducer ``<name>_promoted``); GPUs
+  (NCCL) and TPUs reduce bfloat16 as it is, and so would the planned run."""
+  return bool(_PROMOTED.search(ins.rest)) and _SHAPE.search(ins.result) is not None and (
+      _SHAPE.search(ins.result).group(1) == "f32")
 
 
 def _collectives(module: _Module) -> dict[str, dict[str, int]]:
@@ -206,8 +221,9 @@ def _collectives(module: _Module) -> dict[str, dict[str, int]]:
       return {}
     operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
         _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
-    return {f"{kind}/count": 1, f"{kind}/bytes":
-            max(_shape_bytes(ins.result), operand_bytes)}
+    moved = max(_shape_bytes(ins.result), operand_bytes)
+    # Counted at the program's 16-bit width, not the CPU compile's 32-bit one.
+    return {f"{kind}/count": 1, f"{kind}/bytes": moved // 2 if _promoted(ins) else moved}
 
   out: dict[str, dict[str, int]] = {}
   for key, value in sorted(_per_step(module, cost).items()):
