@@ -67,12 +67,6 @@ def make_mesh(shape, names=AXES):
   return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
 
 
-def collectives(hlo: str) -> dict:
-  """kind -> [count, bytes] per step: `mpscale plan`'s reading of the compiled HLO
-  (loops by their trip counts, a bfloat16 sum at bfloat16's bytes)."""
-  return {k: [v["count"], v["bytes"]] for k, v in planning.collectives(hlo).items()}
-
-
 def per_device_bytes(tree) -> int:
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
 
@@ -90,8 +84,12 @@ def fmt_bytes(n: float) -> str:
   return str(n)
 
 
-def fmt_ops(ops: dict) -> str:
-  return ", ".join(f"{k} {c} ({fmt_bytes(b)})" for k, (c, b) in sorted(ops.items())) or "-"
+def fmt_ops(hlo: str) -> str:
+  """Each collective kind's count and bytes per step, as `mpscale plan` reads the
+  compiled HLO (loops by their trip counts, a bfloat16 sum at bfloat16's bytes)."""
+  ops = planning.collectives(hlo)
+  return ", ".join(f"{k} {v['count']} ({fmt_bytes(v['bytes'])})"
+                   for k, v in sorted(ops.items())) or "-"
 
 
 def median_time(fn, *args, rounds=5):
@@ -146,7 +144,7 @@ def bench_lm(quick: bool, timed: bool) -> None:
       state, _ = step(state, batch)
       line += f"  {1e3 * median_time(lambda s: step(s, batch)[0], state):.1f} ms"
     print(line)
-    print(f"{'':28} {fmt_ops(collectives(compiled.as_text()))}")
+    print(f"{'':28} {fmt_ops(compiled.as_text())}")
 
 
 def tree_specs(path, leaf, tensor: bool):
@@ -191,7 +189,7 @@ def bench_tree(quick: bool, timed: bool) -> None:
       base = base or (p + o)
       line = (f"{name:20} params {fmt_bytes(p):>9}  opt {fmt_bytes(o):>9}  "
               f"vs dp {(p + o) / base:.3f}  collectives: "
-              f"{fmt_ops(collectives(compiled.as_text()))}")
+              f"{fmt_ops(compiled.as_text())}")
       if timed:
         seconds = median_time(compiled, state.params, state.opt_state, state.params)
         line += f"  {1e3 * seconds:.1f} ms"

@@ -202,7 +202,7 @@ def collectives(hlo: str) -> dict[str, dict[str, int]]:
   return _collectives(_parse(hlo))
 
 
-_PROMOTED = re.compile(r"to_apply=%?[\w.\-]*_promoted(?:\.\d+)?\b")
+_PROMOTED = re.compile(r"_promoted(?:\.\d+)?$")
 
 
 def _promoted(ins: _Instruction) -> bool:
@@ -210,8 +210,9 @@ def _promoted(ins: _Instruction) -> bool:
   the program gave it: XLA's CPU backend sums bfloat16 in float32 (its
   ``AllReducePromotion`` pass, which names the new reducer ``<name>_promoted``); GPUs
   (NCCL) and TPUs reduce bfloat16 as it is, and so would the planned run."""
-  return bool(_PROMOTED.search(ins.rest)) and _SHAPE.search(ins.result) is not None and (
-      _SHAPE.search(ins.result).group(1) == "f32")
+  shape = _SHAPE.search(ins.result)
+  return shape is not None and shape.group(1) == "f32" and any(
+      _PROMOTED.search(reducer) for _, reducer in _callees(ins))
 
 
 def _collectives(module: _Module) -> dict[str, dict[str, int]]:
