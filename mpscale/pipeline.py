@@ -253,16 +253,48 @@ class Pipeline:
                        f"(interleaved 1F1B is not implemented); got {self.schedule!r}")
 
   # ---- the unpipelined model (reference, and the single-stage path)
-  def _layers(self, layer_params: Any, x: jax.Array) -> jax.Array:
-    body = jax.checkpoint(self.stage_fn) if self.remat else self.stage_fn
-    x, _ = lax.scan(lambda h, p: (body(p, h), None), x, layer_params)
+  def _layers(self, layer_params: Any, x: jax.Array,
+              keys: Optional[jax.Array] = None) -> jax.Array:
+    """The stacked layers in order; ``keys``: one raw key per layer, or ``None``."""
+    if keys is None:
+      body = jax.checkpoint(self.stage_fn) if self.remat else self.stage_fn
+      x, _ = lax.scan(lambda h, p: (body(p, h), None), x, layer_params)
+      return x
+    layer = lambda p, h, k: self.stage_fn(  # noqa: E731
+        p, h, rng=jax.random.wrap_key_data(k))
+    body = jax.checkpoint(layer) if self.remat else layer
+    x, _ = lax.scan(lambda h, pk: (body(pk[0], h, pk[1]), None), x,
+                    (layer_params, keys))
     return x
 
-  def apply(self, params: Any, batch: Any) -> Any:
-    """The whole model on one device: ``head_fn(embed_fn -> all layers)``."""
-    x = self.embed_fn(params, batch)
-    x = self._layers(params[self.stages_key], x)
-    return self.head_fn(params, x, batch)
+  def apply(self, params: Any, batch: Any, rng: Optional[jax.Array] = None) -> Any:
+    """The whole model on one device: ``head_fn(embed_fn -> all layers)``.
+
+    With ``rng`` (a key) each function is called with ``rng=`` as well: ``embed_fn``
+    with ``fold_in(rng, 0)``, layer ``l`` with ``fold_in(rng, 1 + l)`` and ``head_fn``
+    with ``fold_in(rng, 1 + num_layers)`` (`Pipeline.keys`), so a layer draws the same
+    masks on whichever stage it runs.
+    """
+    if rng is None:
+      x = self.embed_fn(params, batch)
+      x = self._layers(params[self.stages_key], x)
+      return self.head_fn(params, x, batch)
+    num_layers = jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
+    embed_key, layer_keys, head_key = self.keys(rng, jnp.arange(num_layers),
+                                                num_layers)
+    x = self.embed_fn(params, batch, rng=embed_key)
+    x = self._layers(params[self.stages_key], x, jax.random.key_data(layer_keys))
+    return self.head_fn(params, x, batch, rng=head_key)
+
+  @staticmethod
+  def keys(rng: jax.Array, layers: jax.Array, num_layers: int
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(embed key, keys of layers, head key)`` of one micro-batch's key ``rng``."""
+    if not jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+      rng = jax.random.wrap_key_data(rng)
+    layer_keys = jax.vmap(lambda l: jax.random.fold_in(rng, 1 + l))(layers)
+    return (jax.random.fold_in(rng, 0), layer_keys,
+            jax.random.fold_in(rng, 1 + num_layers))
 
   # ---- layout
   def check(self, params: Any, mesh: Mesh, data_axis: Any = None, batch: Any = None
@@ -331,7 +363,8 @@ class Pipeline:
                      data_axis: Any = "data", loss_scale: Any = 1.0,
                      per_token_loss: bool = False,
                      cast: Callable[[Any], Any] = lambda p: p,
-                     param_specs: Any = None) -> Gradients:
+                     param_specs: Any = None,
+                     rng: Optional[jax.Array] = None) -> Gradients:
     """Loss and gradients of ``loss_scale * loss``, pipelined over ``mesh``.
 
     ``shard_map`` is manual over the stage axis and the data axes that split no
@@ -351,6 +384,12 @@ class Pipeline:
         compute dtype); gradients come back in the masters' dtype.
       param_specs: the params' PartitionSpecs (a pytree like ``params``), or ``None``:
         stacked layers over the stage axis, the rest replicated.
+      rng: a step's key, for stochastic layers (dropout), or ``None``. Micro-batch
+        ``m`` of data replica ``r`` draws from ``fold_in(fold_in(rng, m), r)`` (without
+        data replicas ``fold_in(rng, m)``), as `mpscale.accumulate_gradients` gives
+        each replica's micro-batch, and inside it as `Pipeline.apply` does: every
+        function is called with ``rng=`` and layer ``l`` draws from
+        ``fold_in(key, 1 + l)`` on whichever stage it runs.
 
     Returns:
       `mpscale.gradients.Gradients` ``(grads, loss, num_tokens)``: the gradients of
@@ -363,14 +402,14 @@ class Pipeline:
     axes = data_axes + (self.stage_axis,)
     D = _size(mesh, data_axes)
     M = self.num_microbatches
-    run = _PipelineRun(self, mesh.shape[self.stage_axis], M, per_token_loss, cast, axes)
-    interleave = _interleave_order(
-        jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0],
-        run.S, self.virtual_stages)
+    num_layers = jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
+    run = _PipelineRun(self, mesh.shape[self.stage_axis], M, per_token_loss, cast, axes,
+                       num_layers)
+    interleave = _interleave_order(num_layers, run.S, self.virtual_stages)
     manual = lambda spec: P(*[_manual(entry, axes) for entry in spec])  # noqa: E731
     in_param_specs = jax.tree_util.tree_map(manual, specs, is_leaf=_is_spec)
 
-    def per_device(params, batch, scale):
+    def per_device(params, batch, scale, keys):
       # Everything in the loop varies over every manual axis, so autodiff puts no
       # psum in it.
       varying = _gather(_cast_varying(params, axes), in_param_specs, data_axes)
@@ -378,8 +417,10 @@ class Pipeline:
           lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), batch)
       micro = _cast_varying(micro, axes)
       scale = _cast_varying(scale, axes)
+      if keys is not None:
+        keys = _cast_varying(_replica_keys(keys, data_axes, D), axes)
       executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b
-      loss, count, grads = executor(run, varying, micro, scale)
+      loss, count, grads = executor(run, varying, micro, scale, keys)
       grads = _scatter(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
@@ -391,16 +432,27 @@ class Pipeline:
       grads = jax.tree_util.tree_map(lambda g: g / denom.astype(g.dtype), grads)
       return grads, loss / denom, count
 
+    keys = None
+    if rng is not None:
+      # Micro-batch keys (raw data) and each layer's index, laid out like the layers.
+      if not jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+      layer_ids = jnp.arange(num_layers)
+      if interleave is not None:
+        layer_ids = layer_ids[interleave]
+      keys = (jax.random.key_data(jax.vmap(lambda m: jax.random.fold_in(rng, m))(
+          jnp.arange(M))), layer_ids)
     fn = jax.shard_map(
         per_device, mesh=mesh,
         in_specs=(in_param_specs, jax.tree_util.tree_map(
-            lambda _: P(data_axes or None), batch), P()),
+            lambda _: P(data_axes or None), batch), P(),
+                  None if keys is None else (P(), P(self.stage_axis))),
         out_specs=(in_param_specs, P(), P()), axis_names=set(axes))
     if interleave is not None:
       # Device s must hold its chunks s, s + S, ...: one all-to-all of the layers.
       params = {**params, self.stages_key: jax.tree_util.tree_map(
           lambda x: x[interleave], params[self.stages_key])}
-    grads, loss, count = fn(params, batch, jnp.asarray(loss_scale, jnp.float32))
+    grads, loss, count = fn(params, batch, jnp.asarray(loss_scale, jnp.float32), keys)
     if interleave is not None:
       back = np.argsort(interleave)
       grads = {**grads, self.stages_key: jax.tree_util.tree_map(
@@ -465,6 +517,21 @@ def _size(mesh: Mesh, axes: Sequence[str]) -> int:
   return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
 
 
+def _replica_keys(keys: tuple[jax.Array, jax.Array], data_axes: Sequence[str],
+                  num_replicas: int) -> tuple[jax.Array, jax.Array]:
+  """Inside ``shard_map``: each micro-batch key folded with this device's data
+  replica index (when there are several replicas)."""
+  micro_keys, layer_ids = keys
+  if num_replicas > 1:
+    replica = jnp.zeros((), jnp.int32)
+    for axis in data_axes:
+      replica = replica * lax.axis_size(axis) + lax.axis_index(axis)
+    micro_keys = jax.random.key_data(jax.vmap(
+        lambda k: jax.random.fold_in(jax.random.wrap_key_data(k), replica))(
+            micro_keys))
+  return micro_keys, layer_ids
+
+
 def _interleave_order(num_layers: int, S: int, v: int) -> Optional[np.ndarray]:
   """Layer order that puts virtual stage ``c S + s`` (chunk ``c`` of device ``s``) in
   device ``s``'s contiguous block; ``None`` without virtual stages."""
@@ -485,19 +552,33 @@ class _PipelineRun:
   cast: Callable[[Any], Any]
   axes: tuple[str, ...]
   """The manual axes (data, stage) every loop value varies over."""
+  num_layers: int = 0
+
+  def micro_keys(self, keys: Any, m: jax.Array, layer_ids: jax.Array
+                ) -> tuple[Any, Any, Any]:
+    """``(embed kwargs, raw layer keys, head kwargs)`` of micro-batch ``m`` on this
+    device (its ``layer_ids``); ``({}, None, {})`` without keys."""
+    if keys is None:
+      return {}, None, {}
+    embed, layers, head = Pipeline.keys(keys[0][m], layer_ids, self.num_layers)
+    return {"rng": embed}, jax.random.key_data(layers), {"rng": head}
 
   def zero(self) -> jax.Array:
     return _cast_varying(jnp.zeros((), jnp.float32), self.axes)
 
-  def embed_shape(self, params: Any, micro: Any) -> jax.ShapeDtypeStruct:
-    return jax.eval_shape(lambda p, b: self.pipeline.embed_fn(self.cast(p), b),
-                          params, jax.tree_util.tree_map(lambda x: x[0], micro))
+  def embed_shape(self, params: Any, micro: Any, keys: Any = None
+                 ) -> jax.ShapeDtypeStruct:
+    def embed(p, b, k):
+      extras = {} if k is None else {"rng": jax.random.wrap_key_data(k)}
+      return self.pipeline.embed_fn(self.cast(p), b, **extras)
+    return jax.eval_shape(embed, params, jax.tree_util.tree_map(lambda x: x[0], micro),
+                          None if keys is None else keys[0][0])
 
-  def head_terms(self, params: Any, x: jax.Array, batch: Any
+  def head_terms(self, params: Any, x: jax.Array, batch: Any, **extras: Any
                 ) -> tuple[jax.Array, jax.Array]:
     """``(loss, count)`` from ``head_fn``, both float32 and varying over the manual
     axes (a head may return a constant count, which would otherwise be invariant)."""
-    out = self.pipeline.head_fn(params, x, batch)
+    out = self.pipeline.head_fn(params, x, batch, **extras)
     if self.per_token_loss:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError("with per_token_loss, head_fn must return (loss_sum, "
@@ -512,22 +593,23 @@ class _PipelineRun:
     return _cast_varying((jnp.asarray(loss, jnp.float32), count), self.axes)
 
 
-def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
-          ) -> tuple[jax.Array, jax.Array, Any]:
+def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array,
+          keys: Any = None) -> tuple[jax.Array, jax.Array, Any]:
   """GPipe, interleaved over ``virtual_stages`` chunks: the forward loop, run
   backward by autodiff. Returns ``(loss sum, count sum, grads)`` of this device."""
   pipe, S, M = run.pipeline, run.S, run.M
   v = pipe.virtual_stages
   stage = lax.axis_index(pipe.stage_axis)
-  x_shape = run.embed_shape(params, micro)
+  x_shape = run.embed_shape(params, micro, keys)
   ring = [(i, (i + 1) % S) for i in range(S if v > 1 else S - 1)]
 
   def objective(params):
     p = run.cast(params)
     layers = p[pipe.stages_key]
+    layer_ids = None if keys is None else keys[1]
     if v > 1:
-      layers = jax.tree_util.tree_map(
-          lambda x: x.reshape((v, x.shape[0] // v) + x.shape[1:]), layers)
+      layers, layer_ids = jax.tree_util.tree_map(
+          lambda x: x.reshape((v, x.shape[0] // v) + x.shape[1:]), (layers, layer_ids))
 
     def tick(carry, t):
       received, loss, count = carry
@@ -538,16 +620,20 @@ def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
       chunk = within // S
       m = item // (S * v) * S + within % S
       mb = jax.tree_util.tree_map(lambda x: x[m], micro)
+      chunk_layers, chunk_ids = (layers, layer_ids) if v == 1 else (
+          jax.tree_util.tree_map(
+              lambda x: lax.dynamic_index_in_dim(x, chunk, keepdims=False),
+              (layers, layer_ids)))
+      embed_kw, layer_keys, head_kw = run.micro_keys(keys, m, chunk_ids)
       starts = (stage == 0) & (chunk == 0)
-      x = lax.cond(starts, lambda: pipe.embed_fn(p, mb).astype(x_shape.dtype),
+      x = lax.cond(starts,
+                   lambda: pipe.embed_fn(p, mb, **embed_kw).astype(x_shape.dtype),
                    lambda: received)
       # A bubble's input is garbage: replace it before any arithmetic touches it.
       x = jnp.where(valid, x, jnp.zeros_like(x))
-      chunk_layers = layers if v == 1 else jax.tree_util.tree_map(
-          lambda x: lax.dynamic_index_in_dim(x, chunk, keepdims=False), layers)
-      y = pipe._layers(chunk_layers, x)  # pylint: disable=protected-access
+      y = pipe._layers(chunk_layers, x, layer_keys)  # pylint: disable=protected-access
       ends = valid & (stage == S - 1) & (chunk == v - 1)
-      l, c = lax.cond(ends, lambda: run.head_terms(p, y, mb),
+      l, c = lax.cond(ends, lambda: run.head_terms(p, y, mb, **head_kw),
                       lambda: (run.zero(), run.zero()))
       received = lax.ppermute(y, pipe.stage_axis, ring) if S > 1 else y
       return (received, loss + l, count + c), None
@@ -562,8 +648,8 @@ def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
   return loss, count, grads
 
 
-def _one_f_one_b(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
-                ) -> tuple[jax.Array, jax.Array, Any]:
+def _one_f_one_b(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array,
+                 keys: Any = None) -> tuple[jax.Array, jax.Array, Any]:
   """1F1B from `schedule_table`: each tick one forward, one backward or nothing.
   Returns ``(loss sum, count sum, grads)`` of this device."""
   pipe, S, M = run.pipeline, run.S, run.M
@@ -571,7 +657,7 @@ def _one_f_one_b(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
   stage = lax.axis_index(pipe.stage_axis)
   vary = lambda tree: _cast_varying(tree, run.axes)  # noqa: E731
   K = _live_slots(table)
-  x_shape = run.embed_shape(params, micro)
+  x_shape = run.embed_shape(params, micro, keys)
   up = [(i, i + 1) for i in range(S - 1)]
   down = [(i + 1, i) for i in range(S - 1)]
   ops = jnp.asarray(table)
@@ -579,22 +665,28 @@ def _one_f_one_b(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
       lambda x: jnp.zeros(x.shape, jnp.float32), params))
   layers_of = lambda p: p[pipe.stages_key]  # noqa: E731
 
+  layer_ids = None if keys is None else keys[1]
+
   def embed(p, m):
     mb = jax.tree_util.tree_map(lambda x: x[m], micro)
-    return pipe.embed_fn(run.cast(p), mb).astype(x_shape.dtype)
+    embed_kw, _, _ = run.micro_keys(keys, m, layer_ids)
+    return pipe.embed_fn(run.cast(p), mb, **embed_kw).astype(x_shape.dtype)
 
-  def stage_only(p, x):
-    return pipe._layers(layers_of(run.cast(p)), x)  # pylint: disable=protected-access
+  def stage_only(p, x, m):
+    _, layer_keys, _ = run.micro_keys(keys, m, layer_ids)
+    return pipe._layers(  # pylint: disable=protected-access
+        layers_of(run.cast(p)), x, layer_keys)
 
   def stage_and_head(p, x, m):
     mb = jax.tree_util.tree_map(lambda x: x[m], micro)
-    y = stage_only(p, x)
-    loss, count = run.head_terms(run.cast(p), y, mb)
+    y = stage_only(p, x, m)
+    _, _, head_kw = run.micro_keys(keys, m, layer_ids)
+    loss, count = run.head_terms(run.cast(p), y, mb, **head_kw)
     return scale * loss, (loss, count)
 
   def forward(p, x_in, m):
     x = lax.cond(stage == 0, lambda: embed(p, m), lambda: x_in)
-    y = lax.cond(stage == S - 1, lambda: x, lambda: stage_only(p, x))
+    y = lax.cond(stage == S - 1, lambda: x, lambda: stage_only(p, x, m))
     return x, y
 
   def backward(p, x, ct, m):
@@ -605,7 +697,7 @@ def _one_f_one_b(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array
       return dp, dx, loss, count
 
     def through_stage():
-      _, vjp = jax.vjp(stage_only, p, x)
+      _, vjp = jax.vjp(lambda p, x: stage_only(p, x, m), p, x)
       dp, dx = vjp(ct)
       return dp, dx, run.zero(), run.zero()
 

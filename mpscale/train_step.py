@@ -65,6 +65,7 @@ A Flax ``TrainState`` user takes the short path::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -100,6 +101,15 @@ class TrainState(NamedTuple):
   counters and the latest step's norms)."""
   step: jax.Array
   """int32 number of steps taken, skipped ones included."""
+  model_state: Any = None
+  """The model's non-parameter state (BatchNorm statistics, any collection or NNX
+  variable its forward pass updates), float32 unless ``model_state_dtype`` says
+  otherwise; ``None`` for a model without one. Updated by an applied step, untouched
+  by a skipped one."""
+  rng: Optional[jax.Array] = None
+  """Raw ``uint32`` key data every random draw of the run derives from (`step_key`);
+  ``None`` for a deterministic model. It never changes: step ``n`` draws from
+  ``fold_in(rng, n)``."""
 
   @classmethod
   def from_flax(cls, flax_state: Any) -> "TrainState":
@@ -207,16 +217,28 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
                          policy: Union[None, str, policy_lib.Policy] = None,
                          num_microbatches: int = 1, per_token_loss: bool = False,
                          mesh: Optional[Mesh] = None, data_axis: DataAxis = "data",
-                         param_specs: Any = None) -> Gradients:
+                         param_specs: Any = None, rng: Optional[jax.Array] = None,
+                         model_state: Any = None) -> Gradients:
   """float32 gradients of ``loss_scale * loss``, accumulated over micro-batches.
 
   ``loss_fn`` sees the parameters cast by ``policy.cast_to_compute``; the gradients
   flow back through that cast (so through the compute dtype) and are returned as
   float32, shaped like ``params``.
 
+  A stochastic model gets a key (``rng``), a stateful one its state (``model_state``):
+  ``loss_fn(params, batch, rng=key, model_state=state)``, each keyword passed only
+  when given here, and with ``model_state`` the loss returns ``(out, new_state)``.
+  Micro-batch ``k`` draws from `microbatch_key` ``(rng, k)`` (and, when each data
+  replica accumulates its own gradient, replica ``r`` from ``fold_in(that, r)``). The
+  state runs through the micro-batches in order; each call sees the whole micro-batch
+  of every data replica, so statistics a model computes over its batch (BatchNorm's)
+  are those of the global micro-batch, the same on every device, as synchronized
+  BatchNorm computes them.
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (a mean), or with ``per_token_loss``
-      ``-> (loss_sum, num_tokens)``.
+      ``-> (loss_sum, num_tokens)``; with ``rng``/``model_state`` it takes them as
+      keywords, and with ``model_state`` it returns ``(that, new_model_state)``.
     params: the master parameters.
     batch: a pytree of arrays with a common leading batch dimension.
     loss_scale: multiplies the loss before differentiation.
@@ -229,15 +251,22 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     mesh: with micro-batches, the mesh whose ``data_axis`` shards the batch: each data
       replica then accumulates its own gradient (``jax.vmap`` over replicas) and the
       replicas' gradients are added once, after the loop, so the gradient all-reduce
-      happens once per step. With ``param_specs``, each micro-batch's gradient is
-      instead reduced into the parameters' layout (a reduce-scatter for FSDP, as
-      ZeRO-3 does) and accumulated there. Without micro-batches GSPMD needs no help.
+      happens once per step. With ``param_specs`` or a ``model_state``, each
+      micro-batch's gradient is instead reduced into the parameters' layout (a
+      reduce-scatter for FSDP, as ZeRO-3 does) and accumulated there. Without
+      micro-batches GSPMD needs no help.
     data_axis: the mesh axis (or axes) of the data-parallel replicas.
     param_specs: the params' ``PartitionSpec``s (a pytree like ``params``; see
       `mpscale.sharding`), or ``None`` for replicated params.
+    rng: a PRNG key (typed or raw) the step's random draws derive from; ``None``: the
+      loss takes no key.
+    model_state: the model's non-parameter state (a pytree of arrays); ``None``: the
+      loss keeps none. Its new value comes back in the leaves' own dtypes.
 
   Returns:
-    `Gradients` ``(grads, loss, num_tokens)``.
+    `Gradients` ``(grads, loss, num_tokens)``; with a ``model_state``, the pair
+    ``(Gradients, new_model_state)`` (the state after the last micro-batch, in the
+    leaves' own dtypes).
   """
   policy = policy_lib.Policy() if policy is None else policy_lib.get_policy(policy)
   validation.positive_int("num_microbatches", num_microbatches)
@@ -247,17 +276,23 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
                       "the data-parallel size x num_microbatches")
   specs = (sharding_lib.resolve_specs(param_specs, params)
            if mesh is not None and param_specs is not None else None)
+  rng = None if rng is None else _typed_key(rng)
+  stateful = model_state is not None
   # Replicated parameters: one accumulator per data replica (vmapped), summed once.
-  # Laid-out parameters: each micro-batch's gradient is reduced into their layout
-  # (FSDP's reduce-scatter), and the model's activation layout sees the whole batch.
-  vmap_axes = data_axes if specs is None else ()
-  inner_axes = () if specs is None else data_axes
+  # Laid-out parameters, or a model state that must see the whole micro-batch: each
+  # micro-batch's gradient is reduced into their layout (FSDP's reduce-scatter), and
+  # the model's activation layout sees the whole batch.
+  vmap_axes = data_axes if specs is None and not stateful else ()
+  inner_axes = () if specs is None and not stateful else data_axes
 
-  def scaled_loss(p, micro_batch):
-    out = loss_fn(policy.cast_to_compute(p), micro_batch)
+  def scaled_loss(p, micro_batch, key, state):
+    out = loss_fn(policy.cast_to_compute(p), micro_batch,
+                  **_loss_extras(key, state))
+    if stateful:
+      out, state = _split_state_output(out, state)
     loss, tokens = out if per_token_loss else (out, 0)
     loss = jnp.asarray(loss).astype(jnp.float32)
-    return scale * loss, (loss, jnp.asarray(tokens))
+    return scale * loss, (loss, jnp.asarray(tokens), state)
 
   grad_fn = jax.grad(scaled_loss, has_aux=True)
 
@@ -272,7 +307,8 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
 
   if num_microbatches == 1:
     # One gradient: under a mesh, GSPMD all-reduces (or reduce-scatters) it once.
-    grads, (loss, tokens) = grad_fn(params, batch)
+    key = None if rng is None else microbatch_key(rng, 0)
+    grads, (loss, tokens, model_state) = grad_fn(params, batch, key, model_state)
     grads = like_params(jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads))
     pieces = 1
   else:
@@ -280,14 +316,23 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     inner = _data_size(mesh, inner_axes) if inner_axes else 1
     pieces = num_microbatches * replicas
     micro_batches = _split_microbatches(batch, num_microbatches, replicas, inner)
-    piece_grad = grad_fn if replicas == 1 else jax.vmap(grad_fn, in_axes=(None, 0))
+    piece_grad = (grad_fn if replicas == 1
+                  else jax.vmap(grad_fn, in_axes=(None, 0, 0, None)))
     lead = (vmap_axes,) if replicas > 1 else ()
     if mesh is not None:
       rows_spec = PartitionSpec(None, *lead, inner_axes or None)
       micro_batches = jax.tree_util.tree_map(
           lambda x: sharding_lib.constrain(x, rows_spec, mesh), micro_batches)
+    keys = None
+    if rng is not None:
+      keys = jax.vmap(lambda k: microbatch_key(rng, k))(jnp.arange(num_microbatches))
+      if replicas > 1:
+        keys = jax.vmap(lambda k: jax.vmap(lambda r: jax.random.fold_in(k, r))(
+            jnp.arange(replicas)))(keys)
     first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
-    grad_shapes, (loss_shape, tokens_shape) = jax.eval_shape(piece_grad, params, first)
+    first_key = None if keys is None else keys[0]
+    grad_shapes, (loss_shape, tokens_shape, _) = jax.eval_shape(
+        piece_grad, params, first, first_key, model_state)
 
     def on_replicas(carry):
       grads, (loss, tokens) = carry
@@ -304,12 +349,16 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
              (jnp.zeros(loss_shape.shape, jnp.float32),
               jnp.zeros(tokens_shape.shape, _token_dtype(tokens_shape.dtype))))
 
-    def body(carry, micro_batch):
-      new = piece_grad(params, micro_batch)
+    def body(carry, xs):
+      carry, state = carry
+      micro_batch, key = xs
+      grads, (loss, tokens, state) = piece_grad(params, micro_batch, key, state)
+      new = (grads, (loss, tokens))
       carry = jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry, new)
-      return on_replicas(carry), None
+      return (on_replicas(carry), state), None
 
-    (grads, (loss, tokens)), _ = lax.scan(body, on_replicas(zeros), micro_batches)
+    ((grads, (loss, tokens)), model_state), _ = lax.scan(
+        body, (on_replicas(zeros), model_state), (micro_batches, keys))
     if replicas > 1:
       grads, loss, tokens = jax.tree_util.tree_map(
           lambda x: jnp.sum(x, axis=0), (grads, loss, tokens))
@@ -324,7 +373,78 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   if per_token_loss or pieces > 1:
     grads = jax.tree_util.tree_map(lambda g: g * inv, grads)
     loss = loss * inv
-  return Gradients(grads, loss, tokens)
+  gradients = Gradients(grads, loss, tokens)
+  return gradients if not stateful else (gradients, model_state)
+
+
+def microbatch_key(rng: jax.Array, microbatch: Any) -> jax.Array:
+  """The key micro-batch ``microbatch`` of a step draws from: ``fold_in(rng, k)``.
+
+  With ``rng`` a step's key (`step_key`), every draw of a run is a function of (seed,
+  step, micro-batch) and, where it splits the work, of the data replica and the
+  pipeline stage: the same in a resumed run as in an uninterrupted one.
+  """
+  return jax.random.fold_in(_typed_key(rng), microbatch)
+
+
+def step_key(rng: jax.Array, step: Any) -> jax.Array:
+  """The key of step ``step`` of a run whose `TrainState` holds ``rng``:
+  ``fold_in(rng, step)`` (a typed key)."""
+  return jax.random.fold_in(_typed_key(rng), step)
+
+
+def _typed_key(rng: jax.Array) -> jax.Array:
+  """``rng`` as a typed key (raw ``uint32`` key data is wrapped)."""
+  if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+    return rng
+  return jax.random.wrap_key_data(rng)
+
+
+def _key_data(rng: Any) -> jax.Array:
+  """A seed or key as raw key data (``uint32``), what a `TrainState` stores: plain
+  arrays checkpoint with any library."""
+  if isinstance(rng, (int, np.integer)):
+    return jax.random.key_data(jax.random.key(int(rng)))
+  if isinstance(rng, jax.ShapeDtypeStruct):
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+      return jax.eval_shape(jax.random.key_data, rng)
+    return rng
+  if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+    return jax.random.key_data(rng)
+  if jnp.result_type(rng) != jnp.uint32:
+    raise TypeError(f"rng must be an int seed or a PRNG key; got {rng!r}")
+  return jnp.asarray(rng)
+
+
+def _loss_extras(key: Any, state: Any) -> dict[str, Any]:
+  """The keywords a loss is called with: ``rng`` and ``model_state`` when it has them."""
+  extras = {}
+  if key is not None:
+    extras["rng"] = key
+  if state is not None:
+    extras["model_state"] = state
+  return extras
+
+
+def _split_state_output(out: Any, state: Any) -> tuple[Any, Any]:
+  """A stateful loss's ``(out, new_state)``, the state in its old dtypes.
+
+  Raises:
+    TypeError: if ``out`` is no pair, or the new state's structure differs.
+  """
+  if not isinstance(out, (tuple, list)) or len(out) != 2:
+    raise TypeError("with a model_state, loss_fn(params, batch, model_state=...) must "
+                    "return (loss, new_model_state), where loss is what it returns "
+                    f"without one; got {type(out).__name__}")
+  out, new_state = out
+  if (jax.tree_util.tree_structure(new_state)
+      != jax.tree_util.tree_structure(state)):
+    raise TypeError("loss_fn returned a new model_state whose structure differs from "
+                    f"the one it was given: {jax.tree_util.tree_structure(new_state)} "
+                    f"vs {jax.tree_util.tree_structure(state)}")
+  new_state = jax.tree_util.tree_map(
+      lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)), new_state, state)
+  return out, new_state
 
 
 def _token_dtype(dtype: Any) -> Any:
@@ -409,8 +529,11 @@ class _Layout:
                                                    if a in used)
     if over:
       opt = sharding_lib.zero1_specs(state.opt_state, opt, self.mesh, over)
+    # The model state and the key are replicated: every device holds them whole.
+    model_state = jax.tree_util.tree_map(lambda _: PartitionSpec(), state.model_state)
+    rng = None if state.rng is None else PartitionSpec()
     return TrainState(*sharding_lib.shardings(
-        self.mesh, (params, opt, PartitionSpec())))
+        self.mesh, (params, opt, PartitionSpec(), model_state, rng)))
 
   def batch(self) -> Optional[NamedSharding]:
     if self.mesh is None:
@@ -429,27 +552,39 @@ class _Layout:
 
 def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
                      num_microbatches: int, per_token_loss: bool
-                    ) -> Callable[[Any, Any, jax.Array], Gradients]:
-  """The step's one gradient source: ``(params, batch, loss_scale) -> Gradients``."""
+                    ) -> Callable[..., tuple[Gradients, Any]]:
+  """The step's one gradient source: ``(params, batch, loss_scale, rng, model_state)
+  -> (Gradients, new model_state)``."""
   if isinstance(loss_fn, pipeline_lib.Pipeline):
-    def pipelined(params, batch, scale):
+    def pipelined(params, batch, scale, rng, model_state):
+      if model_state is not None:
+        raise ValueError("a Pipeline carries no model_state (its stages are pure "
+                         "functions of the layers and activations); init the state "
+                         "without one")
       grads = loss_fn.value_and_grad(
           params, batch, mesh=layout.mesh, data_axis=layout.data_axes,
           loss_scale=scale, per_token_loss=per_token_loss, cast=policy.cast_to_compute,
-          param_specs=layout.specs(params))
-      if per_token_loss:
-        return grads
-      return grads._replace(num_tokens=jnp.asarray(_check_batch(batch, 1, ""),
-                                                   jnp.int32))
+          param_specs=layout.specs(params), rng=rng)
+      if not per_token_loss:
+        grads = grads._replace(num_tokens=jnp.asarray(_check_batch(batch, 1, ""),
+                                                      jnp.int32))
+      return grads, None
     return pipelined
 
-  def accumulated(params, batch, scale):
-    return accumulate_gradients(
+  def accumulated(params, batch, scale, rng, model_state):
+    out = accumulate_gradients(
         loss_fn, params, batch, loss_scale=scale, policy=policy,
         num_microbatches=num_microbatches, per_token_loss=per_token_loss,
         mesh=layout.mesh, data_axis=layout.data_axes or "data",
-        param_specs=None if layout.param_specs is None else layout.specs(params))
+        param_specs=None if layout.param_specs is None else layout.specs(params),
+        rng=rng, model_state=model_state)
+    return out if model_state is not None else (out, None)
   return accumulated
+
+
+def _skipped_total(opt_state: Any) -> jax.Array:
+  """The wrapper's count of skipped steps."""
+  return opt_state_lib.find(opt_state, skip_lib.SkipNonfiniteState)[0].skipped
 
 
 def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
@@ -467,9 +602,39 @@ def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
       lambda x: jax.ShapeDtypeStruct(
           (x.shape[0] // num_microbatches,) + x.shape[1:] if x.shape else (),
           x.dtype), batch)
+  key = None if state.rng is None else jax.eval_shape(_typed_key, state.rng)
+
+  _check_takes(model, sorted(_loss_extras(key, state.model_state)))
+
+  def call(p, b, k, model_state):
+    out = model(policy.cast_to_compute(p), b, **_loss_extras(k, model_state))
+    if model_state is not None:
+      out, _ = _split_state_output(out, model_state)
+    return out
+
   _check_loss_structure(
-      jax.eval_shape(lambda p, b: model(policy.cast_to_compute(p), b),
-                     _shapes(state.params), micro_batch), per_token_loss)
+      jax.eval_shape(call, _shapes(state.params), micro_batch, key,
+                     _shapes(state.model_state)), per_token_loss)
+
+
+def _check_takes(fn: Callable, keywords: list[str]) -> None:
+  """Raises ``TypeError`` if ``fn``'s signature cannot take ``keywords``."""
+  if not keywords:
+    return
+  try:
+    parameters = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):  # no signature to read: the call will tell
+    return
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    return
+  names = {p.name for p in parameters if p.kind in (
+      inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+  missing = [k for k in keywords if k not in names]
+  if missing:
+    raise TypeError(
+        f"the state holds {' and '.join(keywords)}, so the step calls "
+        f"loss_fn(params, batch, {', '.join(f'{k}=...' for k in keywords)}); "
+        f"{getattr(fn, '__name__', 'loss_fn')} takes no {missing[0]!r}")
 
 
 def _adopt_opt_state(optimizer: optax.GradientTransformation, params: Any,
@@ -491,20 +656,33 @@ def _adopt_opt_state(optimizer: optax.GradientTransformation, params: Any,
 
 
 def _init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Policy,
-                layout: _Layout, params_or_state: Any) -> TrainState:
+                layout: _Layout, params_or_state: Any, model_state: Any = None,
+                rng: Any = None, model_state_dtype: Any = jnp.float32) -> TrainState:
   """`make_train_step`'s ``init``: a placed `TrainState` in fresh buffers."""
-  def fresh_state(params):
-    return TrainState(params, _wrapped(optimizer, params).init(params),
-                      jnp.zeros((), jnp.int32))
-
-  if _is_abstract(params_or_state):
-    return _abstract_state(optimizer, policy, layout, params_or_state, fresh_state)
+  given = None
   if isinstance(params_or_state, TrainState) or _is_flax_state(params_or_state):
     given = (params_or_state if isinstance(params_or_state, TrainState)
              else TrainState.from_flax(params_or_state))
+    for name, value in (("model_state", model_state), ("rng", rng)):
+      if value is not None and getattr(given, name) is not None:
+        raise ValueError(f"init got {name}= and a state that holds one; pass one")
+    model_state = given.model_state if model_state is None else model_state
+    rng = given.rng if rng is None else rng
+  model_state = _cast_model_state(model_state, model_state_dtype)
+  rng = None if rng is None else _key_data(rng)
+
+  def fresh_state(params, model_state, rng):
+    return TrainState(params, _wrapped(optimizer, params).init(params),
+                      jnp.zeros((), jnp.int32), model_state, rng)
+
+  if given is None and _is_abstract(params_or_state):
+    return _abstract_state(layout, jax.eval_shape(
+        lambda p, m, r: fresh_state(policy.cast_to_param(p), m, r),
+        params_or_state, model_state, rng))
+  if given is not None:
     params = policy.cast_to_param(given.params)
     state = TrainState(params, _adopt_opt_state(optimizer, params, given.opt_state),
-                       jnp.asarray(given.step, jnp.int32))
+                       jnp.asarray(given.step, jnp.int32), model_state, rng)
     shardings = layout.state(_shapes(state))
     if shardings is not None:
       state = jax.device_put(state, shardings)
@@ -514,14 +692,31 @@ def _init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Poli
     state = jax.jit(lambda s: s, out_shardings=shardings)(state)
   else:
     params = policy.cast_to_param(params_or_state)
-    shardings = layout.state(jax.eval_shape(fresh_state, _shapes(params)))
+    shardings = layout.state(jax.eval_shape(fresh_state, _shapes(params),
+                                            _shapes(model_state), _shapes(rng)))
     if shardings is not None:
-      params = jax.device_put(params, shardings.params)
+      params, model_state, rng = jax.device_put(
+          (params, model_state, rng),
+          (shardings.params, shardings.model_state, shardings.rng))
     # jit returns new buffers, so donating the state never frees ``params``.
-    state = jax.jit(fresh_state, out_shardings=shardings)(params)
+    state = jax.jit(fresh_state, out_shardings=shardings)(params, model_state, rng)
   _check_finite_params(state.params)
   _warn_if_unscaled(policy, state.opt_state)
   return state
+
+
+def _cast_model_state(model_state: Any, dtype: Any) -> Any:
+  """The model state with its floating leaves in ``dtype`` (``None``: as they are)."""
+  if model_state is None or dtype is None:
+    return model_state
+
+  def cast(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return (jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+              if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    x = jnp.asarray(x)
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree_util.tree_map(cast, model_state)
 
 
 def _is_abstract(tree: Any) -> bool:
@@ -530,13 +725,10 @@ def _is_abstract(tree: Any) -> bool:
   return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
-def _abstract_state(optimizer: optax.GradientTransformation, policy: policy_lib.Policy,
-                    layout: _Layout, params: Any, fresh_state: Callable) -> TrainState:
-  """The `TrainState` ``init`` would build from ``params``, as ``ShapeDtypeStruct``s
-  with the shardings it would place it in: what ``step.lower`` needs to compile ahead
-  of time, with nothing allocated."""
-  params = jax.eval_shape(policy.cast_to_param, params)
-  state = jax.eval_shape(fresh_state, params)
+def _abstract_state(layout: _Layout, state: TrainState) -> TrainState:
+  """The `TrainState` ``init`` would build, as ``ShapeDtypeStruct``s with the
+  shardings it would place it in: what ``step.lower`` needs to compile ahead of time,
+  with nothing allocated."""
   shardings = layout.state(state)
   if shardings is None:
     return state
@@ -581,8 +773,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     mesh: Optional[Mesh] = None, data_axis: DataAxis = "data",
                     num_microbatches: int = 1, per_token_loss: bool = False,
                     shard_optimizer_state: bool = False,
-                    param_specs: sharding_lib.SpecsLike = None, donate: bool = True
-                   ) -> tuple[Callable[[Any], TrainState],
+                    param_specs: sharding_lib.SpecsLike = None, donate: bool = True,
+                    model_state_dtype: Any = jnp.float32
+                   ) -> tuple[Callable[..., TrainState],
                               Callable[[TrainState, Any], tuple[TrainState, dict]]]:
   """A jitted mixed-precision, data-parallel train step and its ``init``.
 
@@ -694,18 +887,35 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   divisor_text = (f"data-parallel size {data_size} x num_microbatches "
                   f"{num_microbatches}")
 
-  def init(params_or_state: Any) -> TrainState:
-    return _init_state(optimizer, policy, layout, params_or_state)
+  if model_state_dtype is not None:
+    model_state_dtype = jnp.dtype(model_state_dtype)
+
+  def init(params_or_state: Any, *, model_state: Any = None,
+           rng: Any = None) -> TrainState:
+    if pipeline is not None and (model_state is not None or getattr(
+        params_or_state, "model_state", None) is not None):
+      raise ValueError("model_state: a Pipeline carries no model state (its stages "
+                       "are pure functions of the layers and activations)")
+    return _init_state(optimizer, policy, layout, params_or_state, model_state, rng,
+                       model_state_dtype)
 
   def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
     tx = _wrapped(optimizer, state.params)
     _check_step_inputs(model, policy, tx, state, batch, data_size * num_microbatches,
                        divisor_text, num_microbatches, per_token_loss)
     scale = loss_scale_lib.loss_scale_of(state.opt_state)
-    grads, loss, num_tokens = gradients(state.params, batch, scale)
+    key = None if state.rng is None else step_key(state.rng, state.step)
+    (grads, loss, num_tokens), model_state = gradients(
+        state.params, batch, scale, key, state.model_state)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new_state = TrainState(params, opt_state, state.step + 1)
+    if model_state is not None:
+      # A skipped step's statistics may hold the overflow's Inf/NaN: keep the old.
+      applied = _skipped_total(opt_state) == _skipped_total(state.opt_state)
+      model_state = jax.tree_util.tree_map(
+          lambda new, old: jnp.where(applied, new, old), model_state,
+          state.model_state)
+    new_state = TrainState(params, opt_state, state.step + 1, model_state, state.rng)
     new_state = layout.constrain(new_state, layout.state(new_state))
     metrics = metrics_lib.step_metrics(opt_state)
     metrics.update(loss=loss, num_tokens=num_tokens, loss_scale=scale)
