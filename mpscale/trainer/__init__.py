@@ -21,7 +21,7 @@ from mpscale.trainer.checkpoints import CheckpointError
 from mpscale.trainer.config import ConfigError, RunConfig, load_config
 from mpscale.trainer.data import TextData, load_data
 from mpscale.trainer.lm import TinyLM
-from mpscale.trainer.loop import RunDirError, run, train
+from mpscale.trainer.loop import RunDirError, load, run, train
 from mpscale.trainer.models import Model
 from mpscale.trainer.compare import compare
 from mpscale.trainer.planning import Plan, plan
@@ -37,6 +37,7 @@ __all__ = [
     "TinyLM",
     "compare",
     "load_config",
+    "load",
     "load_data",
     "plan",
     "run",

@@ -298,8 +298,9 @@ def check(cfg: config_lib.RunConfig) -> None:
     build_loss(cfg, build_model(cfg))
   else:  # imported now, called when the run is prepared
     models_lib.load_object(cfg.model.provider, "model.provider")
-    if cfg.model.loss is not None:
-      models_lib.load_object(cfg.model.loss, "model.loss")
+    for key in ("loss", "metrics"):
+      if getattr(cfg.model, key) is not None:
+        models_lib.load_object(getattr(cfg.model, key), f"model.{key}")
   if cfg.data.provider is not None:
     models_lib.load_object(cfg.data.provider, "data.provider")
   build_optimizer(cfg)
@@ -312,12 +313,14 @@ class Setup(NamedTuple):
   optimizer: optax.GradientTransformation
   mesh: Optional[Mesh]
   init: Callable[[Any], train_step_lib.TrainState]
-  """``init(params) -> TrainState``."""
+  """``init(params) -> TrainState``, with the model's initial state and the run's key
+  when it has them (`run_key`)."""
   step: Callable[[train_step_lib.TrainState, Any], tuple[Any, dict]]
   """The jitted ``step(state, batch) -> (state, metrics)``."""
-  evaluate: Callable[[Any, Any], tuple[jax.Array, jax.Array]]
-  """Jitted ``evaluate(params, batch) -> (loss_sum, num_tokens)`` in the compute
-  dtype."""
+  evaluate: Callable[[Any, Any], dict[str, tuple[jax.Array, jax.Array]]]
+  """Jitted ``evaluate(state, batch) -> {"loss": (loss_sum, num_tokens), name: (sum,
+  count)}`` of a `TrainState` in inference mode, in the compute dtype: the loss and
+  the model's metrics."""
   init_params: Callable[[], Any]
   """``init_params()``: the model's float32 initial parameters, from ``seed``."""
 
@@ -384,18 +387,37 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
     specs = user_param_specs(cfg, model, mesh)
     init_params_fn = functools.partial(model.init, jax.random.key(cfg.seed))
   pipelined = cfg.mesh.stage > 1
-  init, step = _keyed("train", lambda: train_step_lib.make_train_step(
+  make_init, step = _keyed("train", lambda: train_step_lib.make_train_step(
       loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
       num_microbatches=1 if pipelined else cfg.train.num_microbatches,
       per_token_loss=per_token,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
       param_specs=specs))
+  init_state = getattr(model, "init_state", None)
+  stochastic = getattr(model, "stochastic", False)
+  metrics_fn = getattr(model, "metrics", None)
+
+  def init(params):
+    model_state = None if init_state is None else init_state(run_key(cfg))
+    return make_init(params, model_state=model_state,
+                     rng=run_key(cfg) if stochastic else None)
 
   @jax.jit
-  def evaluate(params, batch):
-    return evaluate_fn(policy.cast_to_compute(params), batch)
+  def evaluate(state, batch):
+    kw = {} if state.model_state is None else {"model_state": state.model_state}
+    params = policy.cast_to_compute(state.params)
+    out = {"loss": evaluate_fn(params, batch, **kw)}
+    if metrics_fn is not None:
+      out.update(metrics_fn(params, batch, **kw))
+    return out
 
   return Setup(model, policy, optimizer, mesh, init, step, evaluate, init_params_fn)
+
+
+def run_key(cfg: config_lib.RunConfig) -> jax.Array:
+  """The run's key for random draws in training (dropout): ``fold_in(key(seed), 1)``,
+  apart from the parameters' ``key(seed)``."""
+  return jax.random.fold_in(jax.random.key(cfg.seed), 1)
 
 
 def init_params(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:

@@ -52,6 +52,11 @@ class ModelConfig:
   loss: Optional[str] = None
   """With a Flax module from ``provider``: its loss, ``loss(model, batch) ->
   (loss_sum, num_tokens)`` or a mean, named like ``provider``."""
+  metrics: Optional[str] = None
+  """With a Flax module from ``provider``: metrics computed beside the loss in
+  evaluation, ``metrics(model, batch) -> {name: (sum, count)}`` (e.g. ``{"accuracy":
+  (num_correct, num_examples)}``), logged as ``eval_<name>``; named like
+  ``provider``."""
   args: dict = dataclasses.field(default_factory=dict)
   """Free-form settings for ``provider`` (it reads ``config.model.args``)."""
   vocab_size: int = 256
@@ -439,6 +444,11 @@ def _check(cfg: RunConfig) -> None:
   if model.loss is not None and model.provider is None:
     raise ConfigError("model.loss needs model.provider (the built-in model has its "
                       "own loss)")
+  if model.metrics is not None and model.provider is None:
+    raise ConfigError("model.metrics needs model.provider (the built-in model "
+                      "reports its loss)")
+  if model.provider is not None:
+    check_user_model(cfg)
   if data.provider is not None and data.path is not None:
     raise ConfigError("data.path and data.provider are exclusive (one source of data)")
   # Keys no constructor takes.
@@ -509,6 +519,23 @@ def _check(cfg: RunConfig) -> None:
                       "pipeline's head returns a loss sum and a token count)")
 
 
+def check_user_model(cfg: RunConfig) -> None:
+  """Refuses the keys that act on the built-in model only, for a run of a user's
+  model: what mpscale does to the built-in model's blocks it cannot do to a user's.
+
+  Raises:
+    ConfigError: naming the key.
+  """
+  if cfg.train.remat:
+    raise ConfigError("train.remat: recomputes the built-in model's blocks; a user's "
+                      "model rematerializes its own (nnx.remat / nn.remat / "
+                      "jax.checkpoint of its blocks): set train.remat: false")
+  if cfg.mesh.sequence_parallel:
+    raise ConfigError("mesh.sequence_parallel: lays out the built-in model's "
+                      "activations; a user's model lays out its own: set "
+                      "mesh.sequence_parallel: false")
+
+
 # ------------------------------------------------------------------ entry points
 
 
@@ -572,7 +599,8 @@ def _absolute_file(spec: Optional[str], base_dir: Optional[str]) -> Optional[str
 def _absolute_providers(cfg: RunConfig, base_dir: Optional[str]) -> RunConfig:
   model = dataclasses.replace(
       cfg.model, provider=_absolute_file(cfg.model.provider, base_dir),
-      loss=_absolute_file(cfg.model.loss, base_dir))
+      loss=_absolute_file(cfg.model.loss, base_dir),
+      metrics=_absolute_file(cfg.model.metrics, base_dir))
   data = dataclasses.replace(cfg.data,
                              provider=_absolute_file(cfg.data.provider, base_dir))
   return dataclasses.replace(cfg, model=model, data=data)

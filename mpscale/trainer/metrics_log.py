@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 CSV_FIELDS = ("step", "loss", "eval_loss", "loss_scale", "overflows", "overflow_total",
               "skipped", "global_norm", "learning_rate", "tokens_per_s", "wall_s")
-"""The fixed columns of ``metrics.csv``; group norms follow as ``norm/<group>``."""
+"""The fixed columns of ``metrics.csv``; the model's evaluation metrics follow as
+``eval_<name>``, then the group norms as ``norm/<group>``."""
 
 
 def read_rows(path: str) -> list[dict[str, str]]:
@@ -31,10 +32,11 @@ class MetricsLog:
   """``metrics.csv`` and TensorBoard events of one run (on the main process only)."""
 
   def __init__(self, out_dir: str, group_names: Sequence[str], start_step: int,
-               enabled: bool = True):
+               enabled: bool = True, eval_names: Sequence[str] = ()):
     self.enabled = enabled
     self.path = os.path.join(out_dir, "metrics.csv")
-    self.fields = list(CSV_FIELDS) + [f"norm/{g}" for g in group_names]
+    self.fields = (list(CSV_FIELDS) + list(eval_names)
+                   + [f"norm/{g}" for g in group_names])
     kept = [r for r in read_rows(self.path) if int(r["step"]) <= start_step]
     self.last = kept[-1] if kept else {}
     if not enabled:
@@ -61,7 +63,7 @@ class MetricsLog:
           or not math.isfinite(float(value))):
         continue
       tag = (f"norms/{key[5:]}" if key.startswith("norm/")
-             else "eval/loss" if key == "eval_loss" else f"train/{key}")
+             else f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}")
       self.tb.add_scalar(tag, float(value), step)
     self.tb.flush()
 

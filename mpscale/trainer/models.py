@@ -4,13 +4,23 @@ The trainer trains a `Model`: ``init(key) -> params`` (float32) and ``loss_fn(pa
 batch)``. `as_model` makes one from what a user has:
 
 - a **Flax NNX module** (built, with its parameters): its ``nnx.Param`` state, as a
-  plain nested dict, is the parameters (`from_nnx`); each call of the loss merges
-  them back into the module (``nnx.split``/``nnx.merge``). Its other state (batch
-  statistics, RNG counters) is held fixed: train deterministic modules;
+  plain nested dict, is the parameters (`from_nnx`); every other variable except its
+  RNG streams (``nnx.BatchStat``, any variable the forward pass updates) is the model
+  state, and the module's RNG streams are re-keyed from the run's key each step (so
+  ``nnx.Dropout`` draws fresh masks). Each call of the loss merges them into the
+  module (``nnx.split``/``nnx.merge``) in training mode (``model.train()``);
+  evaluation runs it in ``model.eval()`` mode (no dropout, running averages);
 - a **Flax linen module**: initialized by running the loss on the first batch
-  (``module.init(key, batch, method=...)``), so any call signature works (`from_linen`);
+  (``module.init(key, batch, method=...)``), so any call signature works
+  (`from_linen`); ``params`` are the parameters, every other collection
+  (``batch_stats``) the model state, updated with ``mutable=``, and the ``dropout``
+  stream is keyed from the run's key. A loss that takes ``train`` is called with
+  ``train=True`` in training and ``train=False`` in evaluation (for
+  ``nn.Dropout(deterministic=not train)``, ``nn.BatchNorm(use_running_average=not
+  train)``);
 - a **`Model`** built by hand, whose ``loss_fn`` may be a `mpscale.Pipeline` (then
-  ``evaluate`` gives the unpipelined loss for evaluation).
+  ``evaluate`` gives the unpipelined loss for evaluation), with ``init_state`` for
+  a model state and ``stochastic`` for a key.
 
 For NNX and linen, the loss is ``loss(model, batch)``: it calls the model (the NNX
 module, or the bound linen module) on the batch and returns ``(loss_sum, num_tokens)``
@@ -47,13 +57,31 @@ class Model(NamedTuple):
     param_specs: the parameters' layout for ``mesh.tensor`` or ``mesh.stage``: what
       `mpscale.make_train_step` takes as ``param_specs``, or a function ``mesh ->``
       that. ``None``: replicated (FSDP, ``mesh.fsdp``, is added by the trainer).
-    evaluate: ``evaluate(params, batch)`` like ``loss_fn``, for evaluation; default
-      ``loss_fn`` (required when that is a `mpscale.Pipeline`).
+    evaluate: ``evaluate(params, batch)`` like ``loss_fn``, for evaluation (with a
+      model state ``evaluate(params, batch, model_state=...)``, returning no new
+      state: inference mode); default ``loss_fn`` (required when that is a
+      `mpscale.Pipeline`, or when the model has a state or a key).
+    init_state: ``init_state(key) -> model_state``, a pytree of arrays the forward
+      pass updates (BatchNorm statistics); ``loss_fn`` is then called as
+      ``loss_fn(params, batch, model_state=...)`` and returns ``(loss, new_state)``.
+      ``None``: no model state.
+    stochastic: ``loss_fn`` draws random numbers (dropout) and takes ``rng=``, a key
+      that differs by step, micro-batch and data replica (`mpscale.make_train_step`).
+    metrics: ``metrics(params, batch[, model_state=...]) -> {name: (sum, count)}``,
+      evaluated beside the loss on the evaluation batches (inference mode); each is
+      logged as ``eval_<name>`` = total sum / total count. ``None``: the loss only.
+    export: ``export(params, model_state) -> `` the trained model as the user passed
+      it (an NNX module, linen variables); what `mpscale.trainer.load` returns.
+      ``None``: ``params``, or ``(params, model_state)`` with a model state.
   """
   init: Callable[[jax.Array], Any]
   loss_fn: Any
   param_specs: Any = None
-  evaluate: Optional[Callable[[Any, Any], Any]] = None
+  evaluate: Optional[Callable[..., Any]] = None
+  init_state: Optional[Callable[[jax.Array], Any]] = None
+  stochastic: bool = False
+  metrics: Optional[Callable[..., Any]] = None
+  export: Optional[Callable[[Any, Any], Any]] = None
 
 
 def per_token(out: Any) -> tuple[jax.Array, jax.Array]:
@@ -64,8 +92,17 @@ def per_token(out: Any) -> tuple[jax.Array, jax.Array]:
   return out, jnp.ones((), jnp.float32)
 
 
-def _per_token_fn(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-  return lambda params, batch: per_token(fn(params, batch))
+def _per_token_fn(fn: Callable[..., Any], stateful: bool = False
+                 ) -> Callable[..., Any]:
+  """``fn`` with its loss output as ``(loss_sum, num_tokens)`` (and, when
+  ``stateful``, the new model state beside it)."""
+  if not stateful:
+    return lambda params, batch, **kw: per_token(fn(params, batch, **kw))
+
+  def wrapped(params, batch, **kw):
+    out, new_state = fn(params, batch, **kw)
+    return per_token(out), new_state
+  return wrapped
 
 
 def _loss_of(loss: Any, key: str) -> Callable[[Any, Any], Any]:
@@ -75,69 +112,200 @@ def _loss_of(loss: Any, key: str) -> Callable[[Any, Any], Any]:
   return loss
 
 
-def from_nnx(module: Any, loss: Callable[[Any, Any], Any]) -> Model:
-  """A `Model` of a built Flax NNX module: its ``nnx.Param`` values are the params
-  (a nested dict); ``loss(module, batch)`` runs on the module with them merged in."""
+def _takes_train(fn: Callable[..., Any]) -> bool:
+  """Whether ``fn`` has a ``train`` parameter."""
+  try:
+    return "train" in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def _mode_call(fn: Callable[..., Any], train: bool) -> Callable[[Any, Any], Any]:
+  """``fn(model, batch)``, with ``train=`` when ``fn`` takes it."""
+  if _takes_train(fn):
+    return lambda model, batch: fn(model, batch, train=train)
+  return fn
+
+
+def _metrics_values(out: Any, key: str) -> dict[str, tuple[jax.Array, jax.Array]]:
+  """A metric function's output as ``{name: (sum, count)}`` (a value alone counts
+  once)."""
+  if not isinstance(out, dict):
+    raise TypeError(f"{key}: metrics(model, batch) must return a dict of name -> "
+                    f"(sum, count); got {type(out).__name__}")
+  return {name: per_token(value) for name, value in out.items()}
+
+
+def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
+             metrics: Optional[Callable[[Any, Any], Any]] = None) -> Model:
+  """A `Model` of a built Flax NNX module.
+
+  Its ``nnx.Param`` values are the params (a nested dict); its other variables but
+  the RNG streams (``nnx.BatchStat`` and any variable its forward pass updates) are
+  the model state, float32 in the `TrainState`. Training runs ``loss(module, batch)``
+  on the module merged from them in ``module.train()`` mode, with every RNG stream's
+  key replaced by ``fold_in(rng, i)`` of the step's key (stream ``i`` in the state's
+  order; counts from 0), and returns the variables it updated as the new state.
+  Evaluation and ``metrics`` run in ``module.eval()`` mode. ``export`` puts trained
+  params and state into ``module`` and returns it in eval mode.
+  """
   from flax import nnx  # noqa: PLC0415
-  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  graphdef, params, rngs, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
   values = nnx.to_pure_dict(params)
+  state_values = nnx.to_pure_dict(rest)
+  stateful = bool(jax.tree_util.tree_leaves(state_values))
+  stochastic = bool(jax.tree_util.tree_leaves(rngs))
 
-  def loss_fn(p, batch):
-    state = jax.tree_util.tree_map(lambda x: x, params)  # a fresh State to fill
-    nnx.replace_by_pure_dict(state, p)
-    return per_token(loss(nnx.merge(graphdef, state, rest), batch))
+  def fill(like, pure):
+    state = jax.tree_util.tree_map(lambda x: x, like)  # a fresh State to fill
+    nnx.replace_by_pure_dict(state, pure)
+    return state
 
-  return Model(init=lambda key: values, loss_fn=loss_fn)
+  def keyed(rng):
+    """The RNG streams with keys from ``rng`` and counts from 0."""
+    leaves, treedef = jax.tree_util.tree_flatten(rngs)
+    new = []
+    for i, leaf in enumerate(leaves):
+      if rng is not None and jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
+        leaf = jax.random.fold_in(rng, i)
+      elif rng is not None:
+        leaf = jnp.zeros_like(leaf)
+      new.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+  def merged(p, model_state, rng, train):
+    state = fill(rest, model_state) if stateful else rest
+    m = nnx.merge(graphdef, fill(params, p), keyed(rng), state)
+    if train:
+      m.train()
+    else:
+      m.eval()
+    return m
+
+  def loss_fn(p, batch, rng=None, model_state=None):
+    m = merged(p, model_state, rng, train=True)
+    out = per_token(loss(m, batch))
+    if not stateful:
+      return out
+    return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, nnx.RngState, ...)[3])
+
+  def evaluate(p, batch, model_state=None):
+    return per_token(loss(merged(p, model_state, None, train=False), batch))
+
+  def metrics_fn(p, batch, model_state=None):
+    return _metrics_values(metrics(merged(p, model_state, None, train=False), batch),
+                           "model.metrics")
+
+  def export(p, model_state):
+    nnx.update(module, fill(params, p), *([fill(rest, model_state)] if stateful
+                                          else []))
+    module.eval()
+    return module
+
+  return Model(init=lambda key: values, loss_fn=loss_fn, evaluate=evaluate,
+               init_state=(lambda key: state_values) if stateful else None,
+               stochastic=stochastic,
+               metrics=metrics_fn if metrics is not None else None, export=export)
 
 
-def from_linen(module: Any, loss: Callable[[Any, Any], Any], example_batch: Any,
-               seed: int = 0) -> Model:
+def from_linen(module: Any, loss: Callable[..., Any], example_batch: Any,
+               seed: int = 0, metrics: Optional[Callable[..., Any]] = None,
+               rng_streams: tuple[str, ...] = ("dropout",)) -> Model:
   """A `Model` of a Flax linen module, initialized here from ``seed`` by running
-  ``loss(module, example_batch)`` on it (so any call signature works): its ``params``
-  are the parameters; other collections are held fixed."""
-  method = lambda m, batch: loss(m, batch)  # noqa: E731
-  variables = dict(module.init(jax.random.key(seed), example_batch, method=method))
+  ``loss(module, example_batch)`` on it (so any call signature works).
+
+  ``params`` are the parameters; every other collection (``batch_stats``) is the
+  model state, updated in training (``mutable=``). Each of ``rng_streams`` gets a key
+  of the step's (``fold_in(rng, i)``). A loss (and ``metrics``) taking ``train`` is
+  called with ``train=True`` in training and ``train=False`` in evaluation. ``export``
+  gives the variables, ``{"params": ..., **model_state}``.
+  """
+  train_loss, eval_loss = _mode_call(loss, True), _mode_call(loss, False)
+  method = lambda m, batch: train_loss(m, batch)  # noqa: E731
+  key = jax.random.key(seed)
+  init_rngs = {"params": key, **{name: jax.random.fold_in(key, i + 1)
+                                 for i, name in enumerate(rng_streams)}}
+  variables = dict(module.init(init_rngs, example_batch, method=method))
   params = variables.pop("params", {})
+  state_values = variables
+  stateful = bool(jax.tree_util.tree_leaves(state_values))
 
-  def loss_fn(p, batch):
-    return per_token(module.apply({"params": p, **variables}, batch, method=method))
+  def rngs_of(rng):
+    return {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_streams)}
 
-  return Model(init=lambda key: params, loss_fn=loss_fn)
+  def loss_fn(p, batch, rng=None, model_state=None):
+    rngs = rngs_of(rng) if rng is not None else None
+    if not stateful:
+      return per_token(module.apply({"params": p}, batch, method=method, rngs=rngs))
+    out, updated = module.apply({"params": p, **model_state}, batch, method=method,
+                                rngs=rngs, mutable=list(model_state))
+    return per_token(out), {**model_state, **updated}
+
+  def apply_eval(fn, p, batch, model_state):
+    return module.apply({"params": p, **(model_state or {})}, batch,
+                        method=lambda m, b: fn(m, b))
+
+  def evaluate(p, batch, model_state=None):
+    return per_token(apply_eval(eval_loss, p, batch, model_state))
+
+  def metrics_fn(p, batch, model_state=None):
+    return _metrics_values(apply_eval(_mode_call(metrics, False), p, batch,
+                                      model_state), "model.metrics")
+
+  return Model(init=lambda key: params, loss_fn=loss_fn, evaluate=evaluate,
+               init_state=(lambda key: state_values) if stateful else None,
+               stochastic=bool(rng_streams),
+               metrics=metrics_fn if metrics is not None else None,
+               export=lambda p, model_state: {"params": p, **(model_state or {})})
 
 
 def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
-             key: str = "model", seed: int = 0) -> Model:
+             key: str = "model", seed: int = 0, metrics: Any = None) -> Model:
   """``obj`` as a `Model`: an NNX module or a linen module (with ``loss``; a linen
   module is initialized on ``example_batch`` from ``seed``), or a `Model` (``loss``
-  must then be ``None``).
+  must then be ``None``). ``metrics``: a Flax module's metric function,
+  ``metrics(model, batch) -> {name: (sum, count)}``.
 
   Raises:
     TypeError: naming ``key``, for anything else, or a module without a loss.
   """
+  if metrics is not None and not callable(metrics):
+    raise TypeError(f"{key.replace('provider', 'metrics')}: expected a function, "
+                    f"metrics(model, batch) -> {{name: (sum, count)}}; got {metrics!r}")
   if isinstance(obj, Model):
     if loss is not None:
       raise TypeError(f"{key}: gave a Model, which has its own loss_fn, and a loss "
                       "as well; drop one")
+    stateful = obj.init_state is not None
     if isinstance(obj.loss_fn, pipeline_lib.Pipeline):
       if obj.evaluate is None:
         raise TypeError(f"{key}: a Model whose loss_fn is an mpscale.Pipeline needs "
                         "evaluate=(params, batch) -> (loss_sum, num_tokens) too")
+      if stateful:
+        raise TypeError(f"{key}: a Model whose loss_fn is an mpscale.Pipeline has no "
+                        "model state (init_state must be None)")
       return obj._replace(evaluate=_per_token_fn(obj.evaluate))
     if not (callable(obj.init) and callable(obj.loss_fn)):
       raise TypeError(f"{key}: Model(init, loss_fn) needs two functions; got "
                       f"{obj.init!r}, {obj.loss_fn!r}")
-    loss_fn = _per_token_fn(obj.loss_fn)
+    if obj.evaluate is None and (stateful or obj.stochastic):
+      raise TypeError(f"{key}: a Model with init_state or stochastic=True needs "
+                      "evaluate=(params, batch[, model_state=...]) -> (loss_sum, "
+                      "num_tokens) too: evaluation runs in inference mode")
+    loss_fn = _per_token_fn(obj.loss_fn, stateful)
     evaluate = _per_token_fn(obj.evaluate) if obj.evaluate is not None else loss_fn
+    user_metrics = obj.metrics
+    if user_metrics is not None:
+      obj = obj._replace(metrics=lambda p, batch, **kw: _metrics_values(
+          user_metrics(p, batch, **kw), f"{key}: Model.metrics"))
     return obj._replace(loss_fn=loss_fn, evaluate=evaluate)
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and isinstance(obj, nnx.Module):
-    model = from_nnx(obj, _loss_of(loss, key.replace("provider", "loss")))
-    return model._replace(evaluate=model.loss_fn)
+    return from_nnx(obj, _loss_of(loss, key.replace("provider", "loss")), metrics)
   linen = sys.modules.get("flax.linen")
   if linen is not None and isinstance(obj, linen.Module):
-    model = from_linen(obj, _loss_of(loss, key.replace("provider", "loss")),
-                       example_batch, seed)
-    return model._replace(evaluate=model.loss_fn)
+    return from_linen(obj, _loss_of(loss, key.replace("provider", "loss")),
+                      example_batch, seed, metrics)
   raise TypeError(f"{key}: expected a flax.nnx.Module, a flax.linen.Module or an "
                   f"mpscale.trainer.Model; got {type(obj).__module__}."
                   f"{type(obj).__qualname__}")
