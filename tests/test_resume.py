@@ -36,7 +36,12 @@ EXAMPLE_SETTINGS = [s for s in SETTINGS if not s.startswith("model.")] + [
 """The same schedule for the example's model (sized by ``model.args``)."""
 RUNS = {"tiny_lm": (os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml"), SETTINGS),
         "user_nnx_model": (os.path.join(ROOT, "examples", "nnx_transformer",
-                                        "config.yaml"), EXAMPLE_SETTINGS)}
+                                        "config.yaml"), EXAMPLE_SETTINGS),
+        # Dropout and BatchNorm: the keys and the statistics resume exactly too.
+        "user_cnn_dropout_batchnorm": (
+            os.path.join(ROOT, "examples", "digits_cnn", "config.yaml"),
+            [s for s in SETTINGS if not s.startswith("model.")]
+            + ["model.args.channels=8", "model.args.blocks=1"])}
 
 
 def _command(out, *extra, run="tiny_lm"):
@@ -122,6 +127,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, run):
     np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]),
                                   err_msg=key)
   assert any("loss_scale" in k for k in want) and "step" in want
+  if run == "user_cnn_dropout_batchnorm":  # BatchNorm statistics and the run's key
+    assert any(k.startswith("model_state.") for k in want) and "rng" in want
   assert int(got["step"]) == STEPS
   # The logged losses of the resumed run (the rows after the kill included) are the
   # uninterrupted run's.

@@ -55,9 +55,20 @@ def save(manager: Any, step: int, state: Any, data_state: Any) -> None:
       data=ocp.args.JsonSave(data_state)))
 
 
-def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int, Any]:
+def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True
+                  ) -> tuple[Any, int, Any]:
   """``state`` restored from the latest checkpoint in ``ckpt_dir``, its step and the
   data iterator's state saved with it, or ``(state, 0, None)`` when there is none.
+
+  Every leaf is restored into the sharding of its ``state`` leaf, so a checkpoint
+  written on one mesh restores onto another.
+
+  Args:
+    ckpt_dir: the run's checkpoint folder.
+    state: the state to restore into (its shapes, dtypes and shardings).
+    opt_state: ``False`` reads all but the optimizer state, leaving ``state``'s as
+      it is: enough to evaluate or sample, and readable on a mesh whose optimizer
+      state is laid out otherwise (its norms are grouped per pipeline stage).
 
   Raises:
     CheckpointError: naming the checkpoint, when it cannot be restored into a state
@@ -71,11 +82,16 @@ def restore_latest(ckpt_dir: str, state: Any) -> tuple[Any, int, Any]:
     latest = reader.latest_step()
     if latest is None:
       return state, 0, None
-    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct,
-                                      checkpoint_tree(state))
+    wanted = {key: leaf for key, leaf in checkpoint_tree(state).items()
+              if opt_state or not key.startswith("opt_state.")}
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, wanted)
+    state_args = ocp.args.StandardRestore(abstract) if opt_state else (
+        ocp.args.PyTreeRestore(
+            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                abstract), partial_restore=True))
     try:
       saved = reader.restore(latest, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+          state=state_args, data=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many kinds; all mean "not this run's"
       raise CheckpointError(
           f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "

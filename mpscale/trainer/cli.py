@@ -7,6 +7,8 @@
   mpscale plan --config configs/x.yaml [--devices N] [--device-memory 80GB] [--json]
   mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
                   [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
+  mpscale eval runs/NAME [--devices N]
+  mpscale sample runs/NAME [--prompt TEXT] [--tokens N] [--devices N]
 
 A run writes into its own folder (default ``runs/<config name>``)::
 
@@ -19,8 +21,11 @@ A run writes into its own folder (default ``runs/<config name>``)::
 
 The data order is a pure function of ``(seed, step)``, so ``--resume`` continues from
 the latest checkpoint with the same batches, and the same losses, as an uninterrupted
-run. An existing run is never overwritten without ``--resume`` or ``--overwrite``, and
-a run whose config or setup fails writes nothing.
+run. ``--set train.steps=N --resume`` without ``--out`` extends the run of the same
+overrides but ``train.steps`` in its own folder (`resume_out_dir`). An existing run is
+never overwritten without ``--resume`` or ``--overwrite``, and a run whose config or
+setup fails writes nothing. ``eval`` and ``sample`` restore a run onto the devices
+there are: on fewer than its mesh needs, onto one.
 
 Arguments are parsed before JAX touches a device, so ``--devices N`` can still make the
 CPU backend simulate ``N`` devices (``--xla_force_host_platform_device_count``).
@@ -49,7 +54,8 @@ from mpscale.trainer.checkpoints import CheckpointError
 from mpscale.trainer.compare import compare
 from mpscale.trainer import distributed
 from mpscale.trainer.devices import set_host_device_count
-from mpscale.trainer.loop import RunDirError, evaluate_run, sample_run, train
+from mpscale.trainer.loop import (RunDirError, evaluate_run, existing_run_files,
+                                  sample_run, train)
 
 
 def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> str:
@@ -62,6 +68,56 @@ def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> 
     digest = hashlib.sha1("\0".join(overrides).encode()).hexdigest()[:8]
     slug = f"{slug[:50]}-{digest}"
   return os.path.join(root, f"{name}+{slug}")
+
+
+def _is_steps_override(override: str) -> bool:
+  return override.partition("=")[0].strip() == "train.steps"
+
+
+def resume_out_dir(name: str, overrides: Sequence[str], root: str = "runs", *,
+                   verbose: bool = True) -> str:
+  """The folder ``train --resume`` continues without ``--out``.
+
+  That is `default_out_dir` when it holds a run. A run extended with ``--set
+  train.steps=N`` has another default folder than the run it extends, so when that
+  one holds no run but the folder of the same overrides without ``train.steps``
+  (``runs/<name>`` for no others) does, that run is continued, and a line on stderr
+  says so. When neither holds one, the line names the folder the new run starts in
+  and the runs of ``name`` under ``root``.
+
+  Args:
+    name: the config's name.
+    overrides: the ``--set`` overrides, in their order.
+    root: the folder of the runs.
+    verbose: print the line (on stderr).
+
+  Returns:
+    The run's folder.
+  """
+  out = default_out_dir(name, overrides, root)
+  if existing_run_files(out):
+    return out
+  others = [o for o in overrides if not _is_steps_override(o)]
+  extended = default_out_dir(name, others, root)
+  if len(others) < len(overrides) and existing_run_files(extended):
+    if verbose:
+      print(f"mpscale: --resume: {out} holds no run; continuing {extended} (the run "
+            "that train.steps extends)", file=sys.stderr)
+    return extended
+  if verbose:
+    looked = out if extended == out else f"{out} or {extended}"
+    print(f"mpscale: --resume: no run in {looked}; starting one in {out} (runs of "
+          f"{name} under {root}: {', '.join(_runs_named(name, root)) or 'none'}; "
+          "--out picks one)", file=sys.stderr)
+  return out
+
+
+def _runs_named(name: str, root: str) -> list[str]:
+  """The folders under ``root`` holding a run of the config ``name``."""
+  folders = sorted(os.listdir(root)) if os.path.isdir(root) else []
+  return [os.path.join(root, f) for f in folders
+          if (f == name or f.startswith(f"{name}+"))
+          and existing_run_files(os.path.join(root, f))]
 
 
 def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> None:
@@ -167,7 +223,9 @@ def _parser() -> argparse.ArgumentParser:
                           help="sampling temperature; 0 picks the likeliest byte")
   sample_cmd.add_argument("--seed", type=int, default=0)
   for command in (evaluate_cmd, sample_cmd):
-    command.add_argument("--devices", type=int, metavar="N", help=argparse.SUPPRESS)
+    command.add_argument("--devices", type=int, metavar="N", help=(
+        "use at most N devices, simulating them on CPU (default: the devices JAX "
+        "has); a run whose mesh needs more is rebuilt on one device"))
   return parser
 
 
@@ -193,7 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "train":
       cfg = config_lib.load_config(args.config, args.set, args.data)
       _warn_unused_devices(cfg, args.devices)
-      out = args.out or default_out_dir(cfg.name, args.set)
+      out = args.out or (resume_out_dir(cfg.name, args.set, verbose=not args.quiet)
+                         if args.resume else default_out_dir(cfg.name, args.set))
       train(cfg, out, resume=args.resume, overwrite=args.overwrite,
             progress=args.progress, source=args.config, verbose=not args.quiet)
     elif args.command == "plan":
@@ -205,13 +264,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise config_lib.ConfigError(f"{args.config}: {e}") from None
       print(planned.to_json() if args.json else planned.text())
     elif args.command == "eval":
-      loss, step = evaluate_run(args.run)
+      loss, step = evaluate_run(args.run, args.devices)
       print(f"{args.run}: eval loss {loss:.4f} nats/byte at step {step}")
     elif args.command == "sample":
       if args.tokens < 1 or args.temperature < 0:
         raise config_lib.ConfigError("--tokens must be >= 1 and --temperature >= 0")
       print(sample_run(args.run, args.prompt, args.tokens,
-                       temperature=args.temperature, seed=args.seed))
+                       temperature=args.temperature, seed=args.seed,
+                       devices=args.devices))
     else:
       for path in args.configs:
         _warn_unused_devices(config_lib.load_config(path, args.set, args.data),

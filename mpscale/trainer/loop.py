@@ -49,17 +49,28 @@ def _global_batch(batch: dict[str, Any], setup: Any, data: Any) -> Any:
                                   data.batch_size, data.rows)
 
 
-def evaluate(setup: Any, params: Any, data: Any) -> float:
-  """Mean per-token loss over the evaluation batches of ``data`` (a
-  `mpscale.trainer.loader.Data`); NaN when it has none. Across processes each reads
-  its rows of each batch and every process gets the same mean."""
+def evaluate_metrics(setup: Any, state: Any, data: Any) -> dict[str, float]:
+  """The model's loss (``"loss"``, the mean per-token loss) and metrics (each total
+  sum over total count) on the evaluation batches of ``data`` (a
+  `mpscale.trainer.loader.Data`), in inference mode (no dropout, running averages:
+  `mpscale.trainer.models`); NaN when it has none. Across processes each reads its
+  rows of each batch and every process gets the same values."""
   import jax
-  total, tokens = 0.0, 0.0
+  sums: dict[str, list[float]] = {}
   for batch in data.eval_batches():
-    loss_sum, count = jax.device_get(
-        setup.evaluate(params, _global_batch(batch, setup, data)))
-    total, tokens = total + float(loss_sum), tokens + float(count)
-  return total / tokens if tokens else math.nan
+    out = jax.device_get(setup.evaluate(state, _global_batch(batch, setup, data)))
+    for name, (total, count) in out.items():
+      acc = sums.setdefault(name, [0.0, 0.0])
+      acc[0], acc[1] = acc[0] + float(total), acc[1] + float(count)
+  sums.setdefault("loss", [0.0, 0.0])
+  return {name: total / count if count else math.nan
+          for name, (total, count) in sums.items()}
+
+
+def evaluate(setup: Any, state: Any, data: Any) -> float:
+  """The mean per-token loss of ``state`` (a `mpscale.TrainState`) over the
+  evaluation batches of ``data`` (`evaluate_metrics`); NaN when it has none."""
+  return evaluate_metrics(setup, state, data)["loss"]
 
 
 @dataclasses.dataclass
@@ -77,6 +88,8 @@ class _Run:
   """The data iterator's state to start from (``None``: the first batch)."""
   metric_shapes: Any
   """What the step returns as metrics (shapes only)."""
+  eval_names: list[str]
+  """The model's evaluation metrics beside the loss (logged as ``eval_<name>``)."""
   num_params: int
   opt_bytes: int
   main_process: bool
@@ -141,8 +154,8 @@ def _load_data(cfg: config_lib.RunConfig, given: Any) -> Any:
   return loader.text_data(text, cfg, rows)
 
 
-def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: Any
-               ) -> tuple[Any, str]:
+def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: Any,
+                metrics: Any = None) -> tuple[Any, str]:
   """A user's `mpscale.trainer.models.Model` (``None`` for the tiny LM) and its key."""
   from mpscale.trainer import models
   obj, key = _provided(given, cfg.model.provider, "model.provider", cfg)
@@ -151,9 +164,13 @@ def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: A
       raise ValueError("loss (argument): the built-in model has its own loss; pass "
                        "model= too")
     return None, key
+  config_lib.check_user_model(cfg)
   if loss is None and cfg.model.loss is not None and given is None:
     loss = models.load_object(cfg.model.loss, "model.loss")
-  return models.as_model(obj, loss, first_batch, key, seed=cfg.seed), key
+  if metrics is None and cfg.model.metrics is not None:
+    metrics = models.load_object(cfg.model.metrics, "model.metrics")
+  return models.as_model(obj, loss, first_batch, key, seed=cfg.seed,
+                         metrics=metrics), key
 
 
 def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
@@ -193,6 +210,8 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
                   for k, v in first_batch.items()}
   try:
     metric_shapes = jax.eval_shape(setup.step, state, batch_shapes)[1]
+    eval_names = sorted(set(jax.eval_shape(setup.evaluate, state, batch_shapes))
+                        - {"loss"})
   except Exception as e:  # the user's loss on the user's batch may raise anything
     if user_model is None and cfg.data.provider is None and data is None:
       if isinstance(e, (ValueError, TypeError)):
@@ -204,7 +223,7 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     fail(ValueError(f"{data_key}: its batches do not fit {model_key}: training on "
                     f"the first batch {shapes} raised {type(e).__name__}: "
                     f"{str(e)[:500]}"))
-  return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes,
+  return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes, eval_names,
               num_params=lm_lib.num_params(params),
               opt_bytes=builders.tree_bytes(state.opt_state),
               main_process=jax.process_index() == 0)
@@ -231,7 +250,8 @@ class _Logger:
     from rich.console import Console
     self.run, self.verbose = run, verbose
     self.log = MetricsLog(run.out_dir, sorted(run.metric_shapes["group_norms"]),
-                          start, run.main_process)
+                          start, run.main_process,
+                          eval_names=[f"eval_{n}" for n in run.eval_names])
     previous = to_float(self.log.last.get("overflow_total")) if start else math.nan
     self.overflow_total = 0 if math.isnan(previous) else int(previous)
     self.console = Console(stderr=True)
@@ -240,6 +260,7 @@ class _Logger:
     self.t_run = self.t_mark = time.perf_counter()
     self.pending: list = []
     self.eval_loss = math.nan
+    self.eval_values: dict[str, float] = {}
     self.bar = make_progress(self.console, disable=not (self.show and run.main_process))
     self.task = None
 
@@ -251,6 +272,12 @@ class _Logger:
                    info=f"training; the first metrics come at step {first_log}")
     self.t_mark = time.perf_counter()
 
+  def evaluate(self, state: Any) -> None:
+    """Evaluates ``state``: the loss into ``eval_loss``, every value into
+    ``eval_values``."""
+    self.eval_values = evaluate_metrics(self.run.setup, state, self.run.data)
+    self.eval_loss = self.eval_values["loss"]
+
   def flush(self, state: Any, done: int, evaluating: bool) -> dict:
     """Logs one row for the steps in ``pending`` (ending at ``done``)."""
     import jax
@@ -260,11 +287,13 @@ class _Logger:
     self.overflow_total += overflows
     last = host[-1]
     if evaluating:
-      self.eval_loss = evaluate(self.run.setup, state.params, self.run.data)
+      self.evaluate(state)
     row = {
         "step": done,
         "loss": sum(float(m["loss"]) for m in host) / len(host),
         "eval_loss": self.eval_loss if evaluating else None,
+        **{f"eval_{n}": self.eval_values.get(n, math.nan) if evaluating else None
+           for n in self.run.eval_names},
         "loss_scale": float(last["loss_scale"]),
         "overflows": overflows, "overflow_total": self.overflow_total,
         "skipped": int(last["skipped"]),
@@ -353,13 +382,15 @@ def _finish(run: _Run, state: Any, start: int, logger: _Logger) -> dict[str, Any
   cfg, out_dir = run.cfg, run.out_dir
   final_step = int(jax.device_get(state.step))
   if math.isnan(logger.eval_loss):  # a finished run resumed: evaluate its final state
-    logger.eval_loss = evaluate(run.setup, state.params, run.data)
+    logger.evaluate(state)
   logger.log.close()
   rows = read_rows(logger.log.path)
   train_loss = to_float(rows[-1]["loss"]) if rows else math.nan
   summary = {
       "name": cfg.name, **builders.describe(cfg), "steps": final_step,
       "final_train_loss": train_loss, "final_eval_loss": logger.eval_loss,
+      **{f"final_eval_{n}": logger.eval_values.get(n, math.nan)
+         for n in run.eval_names},
       "skipped": int(to_float(rows[-1]["skipped"])) if rows else 0,
       "overflow_total": logger.overflow_total, "params": run.num_params,
       "optimizer_state_bytes": run.opt_bytes,
@@ -444,7 +475,13 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   _start_files(run, overwrite)
   logger = _Logger(run, start, progress, verbose)
   state = _loop(run, start, logger)
-  return _finish(run, state, start, logger)
+  summary = _finish(run, state, start, logger)
+  export = getattr(run.setup.model, "export", None)
+  if model is not None and export is not None:
+    # A Flax NNX module given here is updated in place (its export does that).
+    import jax
+    export(*jax.device_get((state.params, state.model_state)))
+  return summary
 
 
 def _kind(obj: Any) -> Optional[str]:
@@ -521,33 +558,71 @@ def run(config: Any, *, model: Any = None, data: Any = None, loss: Any = None,
                source=source, verbose=verbose, model=model, data=data, loss=loss)
 
 
-def load_run(out_dir: str) -> tuple[_Run, int]:
+def load_run(out_dir: str, devices: Optional[int] = None) -> tuple[_Run, int]:
   """A finished or interrupted run, rebuilt from its ``config.yaml`` (providers
   included) with the state of its latest checkpoint, and that checkpoint's step.
 
+  On fewer devices than the run's mesh needs (a run trained with ``--devices 4``,
+  read in a process that has one), the run is rebuilt on one device (every mesh
+  axis 1, nothing split or pipelined; ``run.cfg.mesh`` says so) and its parameters,
+  step and model state are restored onto it: the tiny LM's parameters are the same
+  tree on any mesh (the layers stacked). Its optimizer state, laid out for the mesh
+  it was trained on, is not read: ``run.state.opt_state`` is then ``None``.
+  Evaluation and sampling need only the parameters, and give what they give on the
+  run's own mesh (to float rounding).
+
+  Args:
+    out_dir: the run's folder.
+    devices: how many devices it may use; default (and at most) all JAX has.
+
+  Returns:
+    ``(run, step)``.
+
   Raises:
-    RunDirError: if ``out_dir`` holds no run or no checkpoint.
+    RunDirError: if ``out_dir`` holds no run or no checkpoint, or the run cannot be
+      rebuilt on one device (a user's pipelined model).
+    ValueError: if ``devices`` < 1.
   """
+  import jax
   path = os.path.join(out_dir, "config.yaml")
   if not os.path.exists(path):
     raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
-  run = _prepare(config_lib.load_config(path), out_dir, path)
-  run.state, step, run.data_state = checkpoints.restore_latest(run.ckpt_dir, run.state)
+  if devices is not None and devices < 1:
+    raise ValueError(f"devices must be >= 1; got {devices}")
+  saved = config_lib.load_config(path)
+  available = jax.device_count() if devices is None else min(devices,
+                                                              jax.device_count())
+  own_mesh = saved.mesh.num_devices <= available
+  cfg = saved if own_mesh else dataclasses.replace(saved, mesh=config_lib.MeshConfig())
+  try:
+    run = _prepare(cfg, out_dir, path)
+  except config_lib.ConfigError as e:
+    if own_mesh:
+      raise
+    raise RunDirError(f"{out_dir}: its mesh ({saved.mesh.shape_text}) needs "
+                      f"{saved.mesh.num_devices} devices, {available} here, and it "
+                      f"cannot be rebuilt on one: {e}") from None
+  run.state, step, run.data_state = checkpoints.restore_latest(
+      run.ckpt_dir, run.state, opt_state=own_mesh)
   if step == 0:
     raise RunDirError(f"{out_dir} holds no checkpoint yet")
+  if not own_mesh:
+    run.state = run.state._replace(opt_state=None)
   return run, step
 
 
-def evaluate_run(out_dir: str) -> tuple[float, int]:
-  """``(eval loss, step)`` of a run's latest checkpoint on its evaluation data."""
-  run, step = load_run(out_dir)
-  return evaluate(run.setup, run.state.params, run.data), step
+def evaluate_run(out_dir: str, devices: Optional[int] = None) -> tuple[float, int]:
+  """``(eval loss, step)`` of a run's latest checkpoint on its evaluation data, on
+  the run's mesh or, with fewer devices than it needs, on one (`load_run`)."""
+  run, step = load_run(out_dir, devices)
+  return evaluate(run.setup, run.state, run.data), step
 
 
 def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,
-               seed: int = 0) -> str:
+               seed: int = 0, devices: Optional[int] = None) -> str:
   """Text the run's latest checkpoint writes after ``prompt`` (byte level; the tiny
-  LM only).
+  LM only), on the run's mesh or, with fewer ``devices`` than it needs, on one
+  (`load_run`).
 
   Raises:
     RunDirError: for a run of a user's model.
@@ -555,7 +630,7 @@ def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float
   import jax
   from mpscale.trainer import data as data_lib
   from mpscale.trainer import lm as lm_lib
-  run, _ = load_run(out_dir)
+  run, _ = load_run(out_dir, devices)
   if not isinstance(run.setup.model, lm_lib.TinyLM):
     raise RunDirError(f"{out_dir}: sample writes text with the built-in tiny LM; this "
                       "run trained a user's model (model.provider)")
@@ -563,3 +638,32 @@ def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float
                                     data_lib.tokenize(prompt), num_tokens,
                                     rng=jax.random.key(seed), temperature=temperature)
   return data_lib.detokenize(tokens)
+
+
+def load(out_dir: str, devices: Optional[int] = None) -> Any:
+  """The trained model of a run's latest checkpoint, in the form it was given:
+
+  - a Flax NNX module: the module ``model.provider`` builds, with the trained
+    parameters and model state (BatchNorm statistics) put in, in ``eval()`` mode;
+  - a Flax linen module: its variables, ``{"params": ..., "batch_stats": ...}``,
+    for ``module.apply(variables, x, ...)``;
+  - an `mpscale.trainer.Model`: ``params``, or ``(params, model_state)`` when it has a
+    state (or what its ``export`` gives);
+  - the built-in tiny LM: its ``params`` (``TinyLM.generate`` takes them).
+
+  Parameters come back in float32 (the masters). A run trained with a model passed
+  from Python (not ``model.provider``) cannot be rebuilt from its folder: pass that
+  model to `run` and keep what it returns.
+
+  Raises:
+    RunDirError: if ``out_dir`` holds no run or no checkpoint.
+  """
+  run_, _ = load_run(out_dir, devices)
+  import jax
+  state = jax.device_get(run_.state)
+  export = getattr(run_.setup.model, "export", None)
+  if export is not None:
+    return export(state.params, state.model_state)
+  if state.model_state is not None:
+    return state.params, state.model_state
+  return state.params

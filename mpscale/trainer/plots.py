@@ -20,7 +20,8 @@ def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float
 
 def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
   """One PNG of every logged series: loss (train solid, eval dashed), loss scale,
-  global norm, learning rate, group ("local") norms and overflows.
+  global norm, learning rate, group ("local") norms, overflows and, when a run logs
+  them, the model's evaluation metrics (``eval_<name>``, e.g. accuracy).
 
   The train loss is the mean over each logging interval and is drawn on a log axis
   whole, the first steps included; norms are the logged step's own values.
@@ -35,11 +36,15 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
   """
   from matplotlib.figure import Figure  # no pyplot: leaves the global backend alone
 
-  fig = Figure(figsize=(13, 7), layout="constrained")
-  axes = fig.subplots(2, 3).ravel()
+  all_rows = {label: read_rows(csv_path) for label, csv_path in runs.items()}
+  # The model's evaluation metrics (eval_<name> beside eval_loss) get a panel.
+  metric_keys = sorted({k for rows in all_rows.values() for k in (rows[0] if rows
+                                                                   else {})
+                        if k.startswith("eval_") and k != "eval_loss"})
+  fig = Figure(figsize=(17 if metric_keys else 13, 7), layout="constrained")
+  axes = fig.subplots(2, 4 if metric_keys else 3).ravel()
   styles = ("-", "--", ":", "-.")
-  for i, (label, csv_path) in enumerate(runs.items()):
-    rows = read_rows(csv_path)
+  for i, (label, rows) in enumerate(all_rows.items()):
     color = f"C{i % 10}"
     axes[0].plot(*_series(rows, "loss"), color=color, label=label)
     steps, values = _series(rows, "eval_loss")
@@ -53,9 +58,16 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
       axes[4].plot(*_series(rows, key), color=color, ls=styles[j % len(styles)],
                    label=f"{label}: {key[5:]}" if len(runs) > 1 else key[5:])
     axes[5].plot(*_series(rows, "overflow_total"), color=color, label=label)
+    for j, key in enumerate(metric_keys):
+      axes[6].plot(*_series(rows, key), "o" + styles[j % len(styles)], color=color,
+                   ms=3, label=f"{label}: {key[5:]}" if len(runs) > 1 else key[5:])
   titles = ("loss, nats/byte (train: interval mean; dashed: eval)", "loss scale",
             "gradient global norm (logged step)", "learning rate",
             "group norms (logged step)", "overflows (skipped steps), total")
+  if metric_keys:
+    titles += ("evaluation metrics (model.metrics)",)
+    axes[6].legend(fontsize=7)
+    axes[7].set_visible(False)
   for ax, name in zip(axes, titles):
     ax.set_xlabel("step")
     ax.set_title(name, fontsize=10)

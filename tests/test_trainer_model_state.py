@@ -1,0 +1,146 @@
+"""The trainer with stateful, stochastic models: Flax NNX and linen modules with dropout
+and BatchNorm named by a config, their evaluation (inference mode, deterministic, the
+model's metrics), the trained model back from the run folder (`mpscale.trainer.load`),
+and the keys a user's model cannot honour refused before any write."""
+
+import json
+import os
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpscale.trainer
+from mpscale.trainer import loop
+from mpscale.trainer.metrics_log import read_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIGITS = os.path.join(ROOT, "examples", "digits_cnn", "config.yaml")
+FP32 = ["precision.policy=O0", "loss_scale.kind=none"]
+SHORT = ["train.steps=30", "train.log_every=10", "train.eval_every=15",
+         "train.checkpoint_every=15", "schedule.warmup_steps=5"]
+
+
+def _eval_batches(run_dir):
+  run, _ = loop.load_run(str(run_dir))
+  return run, [{k: jnp.asarray(v) for k, v in b.items()}
+               for b in run.data.eval_batches()]
+
+
+def test_nnx_cnn_with_batchnorm_and_dropout_loads_back_as_the_module(tmp_path):
+  cfg = mpscale.trainer.load_config(DIGITS, SHORT + FP32)
+  summary = mpscale.trainer.run(cfg, out_dir=str(tmp_path), progress=False,
+                                verbose=False)
+  rows = read_rows(str(tmp_path / "metrics.csv"))
+  assert "eval_accuracy" in rows[0] and summary["final_eval_accuracy"] > 0.5
+  # The statistics moved, and are in the checkpoint.
+  module = mpscale.trainer.load(str(tmp_path))
+  from flax import nnx
+  assert isinstance(module, nnx.Module)
+  stats = jax.tree_util.tree_leaves(nnx.state(module, nnx.BatchStat))
+  assert stats and any(not np.allclose(s, 0) and not np.allclose(s, 1) for s in stats)
+  # Inference with the module returned equals what evaluation computed.
+  example = __import__("runpy").run_path(
+      os.path.join(ROOT, "examples", "digits_cnn", "model.py"))
+  _, batches = _eval_batches(tmp_path)
+  total = count = correct = 0.0
+  for batch in batches:
+    loss_sum, n = example["loss"](module, batch)
+    c, _ = example["metrics"](module, batch)["accuracy"]
+    total, count, correct = total + float(loss_sum), count + float(n), correct + float(c)
+  np.testing.assert_allclose(total / count, summary["final_eval_loss"], rtol=1e-5)
+  assert correct / count == pytest.approx(summary["final_eval_accuracy"])
+  # Evaluation is deterministic: twice the same checkpoint, bit for bit.
+  first, second = loop.evaluate_run(str(tmp_path)), loop.evaluate_run(str(tmp_path))
+  assert first == second
+  assert first[0] == pytest.approx(summary["final_eval_loss"], rel=1e-6)
+
+
+LINEN_MODEL = textwrap.dedent('''
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import numpy as np
+
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x, train):
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.8)(nn.Dense(16)(x))
+        h = nn.Dropout(0.2, deterministic=not train)(nn.relu(h))
+        return nn.Dense(1)(h)[:, 0]
+
+    def build(config):
+      return Net()
+
+    def loss(model, batch, train):
+      err = (model(batch["x"], train).astype(jnp.float32) - batch["y"]) ** 2
+      return jnp.sum(err), batch["x"].shape[0]
+
+    class Rows:
+      def __init__(self, n, seed):
+        rng = np.random.default_rng(seed)
+        self.x = rng.normal(size=(n, 5)).astype(np.float32)
+        self.y = (self.x.sum(1) > 0).astype(np.float32)
+      def __len__(self):
+        return len(self.x)
+      def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+    def source(config):
+      return {"train": Rows(256, 0), "eval": Rows(64, 1)}
+''')
+
+
+def _linen_config(tmp_path, *extra):
+  (tmp_path / "net.py").write_text(LINEN_MODEL)
+  (tmp_path / "config.yaml").write_text(textwrap.dedent('''
+      name: linen_bn
+      model: {provider: net.py:build, loss: net.py:loss}
+      data: {provider: net.py:source, batch_size: 32, eval_batches: 2}
+      optimizer: {name: adamw, learning_rate: 0.01}
+      schedule: {warmup_steps: 2}
+      train: {steps: 20, log_every: 10, eval_every: 10, checkpoint_every: 10}
+  '''))
+  return mpscale.trainer.load_config(str(tmp_path / "config.yaml"), list(extra))
+
+
+def test_linen_batchnorm_dropout_trains_and_loads_back_as_variables(tmp_path):
+  cfg = _linen_config(tmp_path, "mesh.data=4", *FP32)
+  out = tmp_path / "run"
+  summary = mpscale.trainer.run(cfg, out_dir=str(out), progress=False, verbose=False)
+  rows = read_rows(str(out / "metrics.csv"))
+  assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+  variables = mpscale.trainer.load(str(out))
+  assert set(variables) == {"params", "batch_stats"}
+  assert not np.allclose(jax.tree_util.tree_leaves(variables["batch_stats"])[0], 0)
+  _, batches = _eval_batches(out)
+  net = __import__("runpy").run_path(str(tmp_path / "net.py"))
+  total = count = 0.0
+  for batch in batches:
+    loss_sum, n = net["Net"]().apply(variables, batch,
+                                     method=lambda m, b: net["loss"](m, b, False))
+    total, count = total + float(loss_sum), count + float(n)
+  np.testing.assert_allclose(total / count, summary["final_eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["train.remat=true", "mesh.sequence_parallel=true"])
+def test_keys_a_user_model_cannot_honour_are_refused_before_any_write(tmp_path, key):
+  extra = [key] + (["mesh.tensor=2"] if "sequence" in key else [])
+  with pytest.raises(mpscale.trainer.ConfigError, match=key.split("=")[0]):
+    cfg = _linen_config(tmp_path, *extra)
+    mpscale.trainer.run(cfg, out_dir=str(tmp_path / "run"), progress=False,
+                        verbose=False)
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_digits_cnn_example_reaches_95_percent_in_fp16(tmp_path):
+  """The example as shipped: fp16 O2 with the dynamic loss scale."""
+  summary = mpscale.trainer.run(DIGITS, out_dir=str(tmp_path), progress=False,
+                                verbose=False)
+  assert summary["final_eval_accuracy"] >= 0.95, summary
+  assert summary["policy"] == "O2" and summary["loss_scale"].startswith("dynamic")
+  assert (tmp_path / "metrics.png").exists()
+  with open(tmp_path / "summary.json") as f:
+    assert json.load(f)["final_eval_accuracy"] == summary["final_eval_accuracy"]
