@@ -826,6 +826,20 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       dimension its axes do not divide, or an axis the mesh lacks, is a ``ValueError``
       naming the leaf and the axis.
     donate: donate the input state's buffers to the output state.
+    model_state_dtype: the dtype of the model state's floating leaves (BatchNorm
+      statistics), whatever the policy; ``None`` keeps the dtypes ``init`` is given.
+
+  Stochastic and stateful models: ``init(params, model_state=..., rng=seed or key)``
+  puts a model state and/or a key in the `TrainState`, and ``step`` then calls
+  ``loss_fn(params, batch, rng=key, model_state=state)`` (each keyword only when the
+  state holds it; a loss with a model state returns ``(loss, new_model_state)``). The
+  key of step ``n`` is `step_key` ``(rng, n)``, of micro-batch ``k`` `microbatch_key`
+  of that, folded with the data replica where each replica accumulates its own
+  gradient (see `accumulate_gradients`; a `Pipeline` passes ``rng=`` to its three
+  functions, a key per layer). The model state is replicated, threaded through the
+  micro-batches in order, each seeing every replica's rows (synchronized BatchNorm:
+  the statistics on N devices are one device's), and kept as it was on a skipped
+  step. A `Pipeline` takes no model state.
 
   Returns:
     ``(init, step)``: ``init(params | flax TrainState | TrainState) -> TrainState`` and
