@@ -23,6 +23,17 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
 
 plus the pipeline bubble of the config's schedule and the tokens per step.
 
+A user's model (``model.provider``: a Flax NNX module, a linen module or a
+`mpscale.trainer.Model`) is planned as the trainer would train it: its data provider
+is loaded and the batch's shapes are those of the first batch (``data.batch_size``
+rows), and the model is built from that batch by the trainer's own code
+(`mpscale.trainer.loop`). Building it runs the provider: a Flax module is built with
+its real parameters (a linen module is initialized on the first batch), held once;
+what is compiled is still shapes only (the parameters, the model's state and the
+optimizer state are ``jax.ShapeDtypeStruct``s), so nothing is allocated a second time.
+Its model FLOPs (`Plan.model_flops`) are unknown (``None``): the formula is the
+built-in LM's.
+
 The numbers are those of the CPU backend's compile: parameter and state bytes and the
 collectives are properties of the layout, and hold on any backend; temporaries and
 FLOPs follow the CPU compiler's fusion decisions and are estimates for a GPU or TPU.
@@ -57,6 +68,14 @@ def parse_bytes(text: Any, name: str = "--device-memory") -> int:
     raise ValueError(f"{name}: expected a size such as 80GB, 40GiB or 512MB; got "
                      f"{text!r}")
   return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _fmt_count(n: float) -> str:
+  """``163.1M``, ``1.2B``, ``37.5K`` or ``512``: a count of parameters, short."""
+  for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+    if abs(n) >= size:
+      return f"{n / size:.1f}{unit}"
+  return f"{int(n)}"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -268,19 +287,24 @@ class Plan:
   params: int
   """Parameters (a count, not bytes)."""
   tokens_per_step: int
+  """Tokens in one global batch (a user's batch without ``mask`` or ``targets``: its
+  rows)."""
   bytes: dict[str, int]
-  """Per device: ``params``, ``optimizer_state``, ``gradients``, ``batch``,
-  ``arguments``, ``outputs``, ``aliased``, ``temporaries``, ``peak``."""
+  """Per device: ``params``, ``optimizer_state``, ``gradients``, ``model_state`` (a
+  user's model's, e.g. BatchNorm statistics; 0 without), ``batch``, ``arguments``,
+  ``outputs``, ``aliased``, ``temporaries``, ``peak``."""
   flops_per_device: float
   """The matrix products' FLOPs of one device's program per step (`matmul_flops`),
   bubble ticks and recomputation included."""
   xla_flops_per_device: float
   """XLA's own count (``compiled.cost_analysis()``), which counts a loop's body
   once."""
-  model_flops: float
-  """The model's arithmetic per step: ``6 * N * tokens`` (``N`` the parameters
+  model_flops: Optional[float]
+  """The built-in LM's arithmetic per step: ``6 * N * tokens`` (``N`` the parameters
   outside the embeddings) plus attention's ``12 * layers * tokens * seq_len *
-  d_model``; with ``train.remat`` the forward pass runs twice (8 and 16)."""
+  d_model``; with ``train.remat`` the forward pass runs twice (8 and 16). ``None``
+  for a user's model (``model.provider``), whose arithmetic the plan does not know
+  (``flops_per_device`` counts its compiled matrix products)."""
   collectives: dict[str, dict[str, int]]
   bubble: float
   compile_seconds: float
@@ -306,14 +330,18 @@ class Plan:
   def text(self) -> str:
     b = self.bytes
     mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
+    model_flops = ("" if self.model_flops is None else
+                   f"; the model's {self.model_flops:.3e}")
     lines = [
-        f"{self.name}: {self.params / 1e6:.1f}M params, {self.tokens_per_step} tokens "
+        f"{self.name}: {_fmt_count(self.params)} params, {self.tokens_per_step} tokens "
         f"per step, {self.devices} devices ({mesh}); compiled in "
         f"{self.compile_seconds:.1f} s",
         "per device:",
         f"  parameters        {_fmt_bytes(b['params']):>12}",
         f"  optimizer state   {_fmt_bytes(b['optimizer_state']):>12}",
         f"  gradients         {_fmt_bytes(b['gradients']):>12}",
+        *([f"  model state       {_fmt_bytes(b['model_state']):>12}"]
+          if b.get("model_state") else []),
         f"  batch             {_fmt_bytes(b['batch']):>12}",
         f"  temporaries       {_fmt_bytes(b['temporaries']):>12}",
         f"  peak              {_fmt_bytes(b['peak']):>12}"
@@ -321,7 +349,7 @@ class Plan:
            f"  of {_fmt_bytes(self.device_memory)}: "
            + ("fits" if self.fits else "DOES NOT FIT")),
         f"  FLOPs per step    {self.flops_per_device:12.3e}  (all devices "
-        f"{self.flops_per_step:.3e}; the model's {self.model_flops:.3e})",
+        f"{self.flops_per_step:.3e}{model_flops})",
         f"pipeline bubble     {self.bubble:12.1%}",
         "collectives per step (per device):",
     ]
@@ -357,39 +385,97 @@ def _model_flops(cfg: Any, params: Any, tokens: int) -> float:
           + (12.0 + 4 * remat) * m.num_layers * tokens * m.seq_len * m.d_model)
 
 
+def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
+  """A user's model (``model.provider``) as the trainer builds it, with the shapes
+  of a global batch and the tokens in one.
+
+  The data provider is loaded and its first batch taken, and the model is built on
+  that batch, by the trainer's own code (`mpscale.trainer.loop`); the model's state
+  (`mpscale.trainer.Model.init_state`) is given as shapes.
+
+  Returns:
+    ``(model, batch, tokens_per_step, data_key)``: the `mpscale.trainer.Model`, the
+    batch as ``jax.ShapeDtypeStruct``s without shardings (``data.batch_size`` rows),
+    the tokens (or rows) of one global batch, and the key naming the data.
+
+  Raises:
+    ValueError, TypeError: naming the config key, for a provider that fails or
+      returns the wrong type (a linen module's loss runs on the first batch).
+  """
+  import jax
+  import numpy as np
+  from mpscale.trainer import loop
+  # pylint: disable=protected-access
+  data = loop._load_data(cfg, None)
+  first_batch = data.train[0]
+  model, _ = loop._load_model(cfg, None, None, first_batch)
+  # pylint: enable=protected-access
+  if model.init_state is not None:
+    init_state = model.init_state
+    model = model._replace(init_state=lambda key: jax.eval_shape(init_state, key))
+  batch = {k: jax.ShapeDtypeStruct((data.batch_size,) + np.shape(v)[1:],
+                                   np.asarray(v).dtype)
+           for k, v in first_batch.items()}
+  data_key = "data.provider" if cfg.data.provider is not None else "the built-in data"
+  return model, batch, data.tokens_per_step, data_key
+
+
 def plan(cfg: Any, device_memory: Any = None) -> Plan:
   """The `Plan` of one train step of ``cfg`` on its mesh (see the module docstring).
 
+  For a user's model (``model.provider``) this runs the data and model providers as
+  training would (a Flax module is built with its real parameters, once; the batch's
+  shapes are the first batch's), and compiles the step from shapes all the same; its
+  `Plan.model_flops` is ``None``.
+
   Args:
-    cfg: a `mpscale.trainer.RunConfig` of the built-in LM.
+    cfg: a `mpscale.trainer.RunConfig`: of the built-in LM, or of a user's model
+      (``model.provider``: a Flax NNX or linen module, or a
+      `mpscale.trainer.Model`).
     device_memory: a device's memory (bytes, or text such as ``"80GB"``), to say
       whether the peak fits.
 
+  Returns:
+    The `Plan`.
+
   Raises:
     ValueError, TypeError: naming the config key, for what training would refuse too
-      (a mesh that needs more devices than exist, indivisible dimensions, ...).
+      (a mesh that needs more devices than exist, indivisible dimensions, a provider
+      that fails or a batch its model cannot take, ...).
   """
   import jax
   from mpscale.trainer import builders
   from mpscale.trainer import lm as lm_lib
-  if cfg.model.provider is not None:
-    raise ValueError("model.provider: plan builds the built-in LM from its sizes; a "
-                     "user's model is built by running its provider")
   memory = None if device_memory is None else parse_bytes(device_memory)
-  setup = builders.build(cfg)
+  provided = cfg.model.provider is not None
+  if provided:
+    user_model, batch, tokens, data_key = _provided_model(cfg)
+    setup = builders.build(cfg, model=user_model)
+  else:
+    setup = builders.build(cfg)
+    bs, seq = cfg.data.batch_size, cfg.model.seq_len
+    batch = {k: jax.ShapeDtypeStruct((bs, seq), dtype)
+             for k, dtype in (("inputs", "int32"), ("targets", "int32"),
+                              ("mask", "float32"))}
+    tokens = bs * seq
   params = jax.eval_shape(setup.init_params)
   state = setup.init(params)
   mesh = setup.mesh
-  bs, seq = cfg.data.batch_size, cfg.model.seq_len
-  batch = {k: jax.ShapeDtypeStruct((bs, seq), dtype,
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                    sharding=builders.batch_sharding(mesh))
-           for k, dtype in (("inputs", "int32"), ("targets", "int32"),
-                            ("mask", "float32"))}
+           for k, v in batch.items()}
   start = time.perf_counter()
   try:
     compiled = setup.step.lower(state, batch).compile()
-  except (ValueError, TypeError) as e:
-    raise type(e)(f"mesh: {e}") from None
+  except Exception as e:  # a user's loss on a user's batch may raise anything
+    if not provided:
+      if isinstance(e, (ValueError, TypeError)):
+        raise type(e)(f"mesh: {e}") from None
+      raise
+    shapes = {k: (v.shape, str(v.dtype)) for k, v in batch.items()}
+    raise ValueError(f"model.provider: compiling its step on the first batch of "
+                     f"{data_key} {shapes} raised {type(e).__name__}: "
+                     f"{str(e)[:500]}") from None
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -402,19 +488,24 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
   hlo = _parse(compiled.as_text())  # once, for the FLOPs and the collectives
   param_bytes = _shard_bytes(state.params)
   devices = 1 if mesh is None else mesh.devices.size
-  loss = builders.build_loss(cfg, setup.model)
+  if provided:
+    loss = setup.model.loss_fn
+  else:
+    loss = builders.build_loss(cfg, setup.model)
   bubble = loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0
   return Plan(
       name=cfg.name, devices=devices,
       mesh={} if mesh is None else dict(mesh.shape),
-      params=num_params, tokens_per_step=bs * seq,
+      params=num_params, tokens_per_step=tokens,
       bytes={"params": param_bytes,
              "optimizer_state": _shard_bytes(state.opt_state),
-             "gradients": param_bytes, "batch": _shard_bytes(batch),
+             "gradients": param_bytes,
+             "model_state": _shard_bytes(state.model_state),
+             "batch": _shard_bytes(batch),
              "arguments": arguments, "outputs": outputs, "aliased": aliased,
              "temporaries": temporaries, "peak": int(peak)},
       flops_per_device=_matmul_flops(hlo),
       xla_flops_per_device=float(cost.get("flops", math.nan)),
-      model_flops=_model_flops(cfg, params, bs * seq),
+      model_flops=None if provided else _model_flops(cfg, params, tokens),
       collectives=_collectives(hlo), bubble=bubble,
       compile_seconds=seconds, device_memory=memory)
