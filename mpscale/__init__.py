@@ -14,6 +14,7 @@ _versions.check()
 from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by_came
 from mpscale.skip import SkipNonfiniteState, skip_nonfinite
 from mpscale.gradients import Gradients
+from mpscale import keys
 from mpscale.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,

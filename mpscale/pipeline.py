@@ -68,6 +68,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mpscale import keys as keys_lib
 from mpscale import norms as norms_lib
 from mpscale import validation
 from mpscale.gradients import Gradients
@@ -290,8 +291,7 @@ class Pipeline:
   def keys(rng: jax.Array, layers: jax.Array, num_layers: int
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(embed key, keys of layers, head key)`` of one micro-batch's key ``rng``."""
-    if not jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
-      rng = jax.random.wrap_key_data(rng)
+    rng = keys_lib.typed(rng)
     layer_keys = jax.vmap(lambda l: jax.random.fold_in(rng, 1 + l))(layers)
     return (jax.random.fold_in(rng, 0), layer_keys,
             jax.random.fold_in(rng, 1 + num_layers))
@@ -435,12 +435,10 @@ class Pipeline:
     keys = None
     if rng is not None:
       # Micro-batch keys (raw data) and each layer's index, laid out like the layers.
-      if not jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
-        rng = jax.random.wrap_key_data(rng)
       layer_ids = jnp.arange(num_layers)
       if interleave is not None:
         layer_ids = layer_ids[interleave]
-      keys = (jax.random.key_data(jax.vmap(lambda m: jax.random.fold_in(rng, m))(
+      keys = (jax.random.key_data(jax.vmap(lambda m: keys_lib.microbatch_key(rng, m))(
           jnp.arange(M))), layer_ids)
     fn = jax.shard_map(
         per_device, mesh=mesh,
@@ -527,8 +525,7 @@ def _replica_keys(keys: tuple[jax.Array, jax.Array], data_axes: Sequence[str],
     for axis in data_axes:
       replica = replica * lax.axis_size(axis) + lax.axis_index(axis)
     micro_keys = jax.random.key_data(jax.vmap(
-        lambda k: jax.random.fold_in(jax.random.wrap_key_data(k), replica))(
-            micro_keys))
+        lambda k: keys_lib.replica_key(k, replica))(micro_keys))
   return micro_keys, layer_ids
 
 

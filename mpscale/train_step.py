@@ -77,6 +77,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import optax
 
+from mpscale import keys as keys_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import metrics as metrics_lib
 from mpscale import norms as norms_lib
@@ -107,9 +108,9 @@ class TrainState(NamedTuple):
   otherwise; ``None`` for a model without one. Updated by an applied step, untouched
   by a skipped one."""
   rng: Optional[jax.Array] = None
-  """Raw ``uint32`` key data every random draw of the run derives from (`step_key`);
-  ``None`` for a deterministic model. It never changes: step ``n`` draws from
-  ``fold_in(rng, n)``."""
+  """Raw ``uint32`` key data every random draw of the run derives from
+  (`mpscale.keys`); ``None`` for a deterministic model. It never changes: step ``n``
+  draws from ``fold_in(rng, n)``."""
 
   @classmethod
   def from_flax(cls, flax_state: Any) -> "TrainState":
@@ -228,8 +229,9 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   A stochastic model gets a key (``rng``), a stateful one its state (``model_state``):
   ``loss_fn(params, batch, rng=key, model_state=state)``, each keyword passed only
   when given here, and with ``model_state`` the loss returns ``(out, new_state)``.
-  Micro-batch ``k`` draws from `microbatch_key` ``(rng, k)`` (and, when each data
-  replica accumulates its own gradient, replica ``r`` from ``fold_in(that, r)``). The
+  Micro-batch ``k`` draws from `mpscale.keys.microbatch_key` ``(rng, k)`` (and, when
+  each data replica accumulates its own gradient, replica ``r`` from
+  `mpscale.keys.replica_key` of that). The
   state runs through the micro-batches in order; each call sees the whole micro-batch
   of every data replica, so statistics a model computes over its batch (BatchNorm's)
   are those of the global micro-batch, the same on every device, as synchronized
@@ -276,7 +278,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
                       "the data-parallel size x num_microbatches")
   specs = (sharding_lib.resolve_specs(param_specs, params)
            if mesh is not None and param_specs is not None else None)
-  rng = None if rng is None else _typed_key(rng)
+  rng = None if rng is None else keys_lib.typed(rng)
   stateful = model_state is not None
   # Replicated parameters: one accumulator per data replica (vmapped), summed once.
   # Laid-out parameters, or a model state that must see the whole micro-batch: each
@@ -307,7 +309,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
 
   if num_microbatches == 1:
     # One gradient: under a mesh, GSPMD all-reduces (or reduce-scatters) it once.
-    key = None if rng is None else microbatch_key(rng, 0)
+    key = None if rng is None else keys_lib.microbatch_key(rng, 0)
     grads, (loss, tokens, model_state) = grad_fn(params, batch, key, model_state)
     grads = like_params(jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads))
     pieces = 1
@@ -325,9 +327,10 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
           lambda x: sharding_lib.constrain(x, rows_spec, mesh), micro_batches)
     keys = None
     if rng is not None:
-      keys = jax.vmap(lambda k: microbatch_key(rng, k))(jnp.arange(num_microbatches))
+      keys = jax.vmap(lambda k: keys_lib.microbatch_key(rng, k))(
+          jnp.arange(num_microbatches))
       if replicas > 1:
-        keys = jax.vmap(lambda k: jax.vmap(lambda r: jax.random.fold_in(k, r))(
+        keys = jax.vmap(lambda k: jax.vmap(lambda r: keys_lib.replica_key(k, r))(
             jnp.arange(replicas)))(keys)
     first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
     first_key = None if keys is None else keys[0]
@@ -375,29 +378,6 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     loss = loss * inv
   gradients = Gradients(grads, loss, tokens)
   return gradients if not stateful else (gradients, model_state)
-
-
-def microbatch_key(rng: jax.Array, microbatch: Any) -> jax.Array:
-  """The key micro-batch ``microbatch`` of a step draws from: ``fold_in(rng, k)``.
-
-  With ``rng`` a step's key (`step_key`), every draw of a run is a function of (seed,
-  step, micro-batch) and, where it splits the work, of the data replica and the
-  pipeline stage: the same in a resumed run as in an uninterrupted one.
-  """
-  return jax.random.fold_in(_typed_key(rng), microbatch)
-
-
-def step_key(rng: jax.Array, step: Any) -> jax.Array:
-  """The key of step ``step`` of a run whose `TrainState` holds ``rng``:
-  ``fold_in(rng, step)`` (a typed key)."""
-  return jax.random.fold_in(_typed_key(rng), step)
-
-
-def _typed_key(rng: jax.Array) -> jax.Array:
-  """``rng`` as a typed key (raw ``uint32`` key data is wrapped)."""
-  if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
-    return rng
-  return jax.random.wrap_key_data(rng)
 
 
 def _key_data(rng: Any) -> jax.Array:
@@ -602,7 +582,7 @@ def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
       lambda x: jax.ShapeDtypeStruct(
           (x.shape[0] // num_microbatches,) + x.shape[1:] if x.shape else (),
           x.dtype), batch)
-  key = None if state.rng is None else jax.eval_shape(_typed_key, state.rng)
+  key = None if state.rng is None else jax.eval_shape(keys_lib.typed, state.rng)
 
   _check_takes(model, sorted(_loss_extras(key, state.model_state)))
 
@@ -833,10 +813,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   puts a model state and/or a key in the `TrainState`, and ``step`` then calls
   ``loss_fn(params, batch, rng=key, model_state=state)`` (each keyword only when the
   state holds it; a loss with a model state returns ``(loss, new_model_state)``). The
-  key of step ``n`` is `step_key` ``(rng, n)``, of micro-batch ``k`` `microbatch_key`
-  of that, folded with the data replica where each replica accumulates its own
-  gradient (see `accumulate_gradients`; a `Pipeline` passes ``rng=`` to its three
-  functions, a key per layer). The model state is replicated, threaded through the
+  keys follow `mpscale.keys`: step ``n`` draws from ``step_key(rng, n)``, micro-batch
+  ``k`` from ``microbatch_key`` of that, folded with the data replica where each
+  replica accumulates its own gradient (see `accumulate_gradients`; a `Pipeline`
+  passes ``rng=`` to its three functions, a key per layer). The model state is replicated, threaded through the
   micro-batches in order, each seeing every replica's rows (synchronized BatchNorm:
   the statistics on N devices are one device's), and kept as it was on a skipped
   step. A `Pipeline` takes no model state.
@@ -918,7 +898,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     _check_step_inputs(model, policy, tx, state, batch, data_size * num_microbatches,
                        divisor_text, num_microbatches, per_token_loss)
     scale = loss_scale_lib.loss_scale_of(state.opt_state)
-    key = None if state.rng is None else step_key(state.rng, state.step)
+    key = None if state.rng is None else keys_lib.step_key(state.rng, state.step)
     (grads, loss, num_tokens), model_state = gradients(
         state.params, batch, scale, key, state.model_state)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -6,13 +6,13 @@ import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 import numpy as np
 import optax
 import pytest
 
 import mpscale
-from mpscale import train_step as train_step_lib
+from mpscale import keys
 from mpscale.trainer import models
 
 
@@ -40,8 +40,8 @@ def test_step_draws_from_seed_step_and_microbatch():
   draws = []
   for n in range(2):
     state, _ = step(state, _batch())
-    expected = jax.random.uniform(train_step_lib.microbatch_key(
-        train_step_lib.step_key(jax.random.key_data(jax.random.key(7)), n), 1), (4,))
+    expected = jax.random.uniform(keys.microbatch_key(
+        keys.step_key(jax.random.key_data(jax.random.key(7)), n), 1), (4,))
     np.testing.assert_array_equal(state.model_state["draw"], expected)
     draws.append(np.asarray(state.model_state["draw"]))
   assert not np.array_equal(*draws)  # a new mask each step
@@ -62,10 +62,10 @@ def test_replicas_and_microbatches_draw_their_own_keys(replicas, microbatches):
       num_microbatches=microbatches, rng=key)
   draws = []
   for k in range(microbatches):
-    mk = train_step_lib.microbatch_key(key, k)
+    mk = keys.microbatch_key(key, k)
     for r in range(replicas):
       draws.append(jax.random.uniform(
-          jax.random.fold_in(mk, r) if replicas > 1 else mk, (5,)))
+          keys.replica_key(mk, r) if replicas > 1 else mk, (5,)))
   np.testing.assert_allclose(out.grads["w"], np.mean(draws, axis=0), rtol=1e-6)
   assert len({tuple(np.asarray(d)) for d in draws}) == len(draws)
 
@@ -281,9 +281,9 @@ def test_pipeline_dropout_equals_the_unpipelined_model(schedule):
   """A layer draws the same mask on whichever stage it runs: pipelined gradients
   equal the unpipelined model's, accumulated with the same keys."""
   pipe = _stochastic_pipeline(schedule)
-  keys = jax.random.split(jax.random.key(0), 2)
-  params = {"embed": jax.random.normal(keys[0], (6, 8)) * 0.5,
-            "stages": {"w": jax.random.normal(keys[1], (4, 8, 8)) * 0.5}}
+  init_keys = jax.random.split(jax.random.key(0), 2)
+  params = {"embed": jax.random.normal(init_keys[0], (6, 8)) * 0.5,
+            "stages": {"w": jax.random.normal(init_keys[1], (4, 8, 8)) * 0.5}}
   mesh = _mesh((2, 4), ("data", "stage"))
   batch = _batch(32)
   rng = jax.random.key(11)
@@ -308,9 +308,10 @@ def test_pipeline_step_with_dropout_trains():
   init, step = mpscale.make_train_step(
       pipe, mpscale.dynamic_loss_scale(optax.adam(1e-2)), mesh=mesh,
       per_token_loss=True)
-  keys = jax.random.split(jax.random.key(0), 2)
-  state = init({"embed": jax.random.normal(keys[0], (6, 8)) * 0.5,
-                "stages": {"w": jax.random.normal(keys[1], (4, 8, 8)) * 0.3}}, rng=1)
+  init_keys = jax.random.split(jax.random.key(0), 2)
+  state = init({"embed": jax.random.normal(init_keys[0], (6, 8)) * 0.5,
+                "stages": {"w": jax.random.normal(init_keys[1], (4, 8, 8)) * 0.3}},
+               rng=1)
   losses = []
   for _ in range(20):
     state, metrics = step(state, _batch(32))

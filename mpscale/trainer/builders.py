@@ -397,10 +397,11 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
   stochastic = getattr(model, "stochastic", False)
   metrics_fn = getattr(model, "metrics", None)
 
+  key = run_key(cfg)
+
   def init(params):
-    model_state = None if init_state is None else init_state(run_key(cfg))
-    return make_init(params, model_state=model_state,
-                     rng=run_key(cfg) if stochastic else None)
+    model_state = None if init_state is None else init_state(key)
+    return make_init(params, model_state=model_state, rng=key if stochastic else None)
 
   @jax.jit
   def evaluate(state, batch):

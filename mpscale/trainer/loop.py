@@ -184,7 +184,6 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     config_lib.ConfigError: naming ``source`` and the key.
   """
   import jax
-  import numpy as np
   from mpscale.trainer import builders
   from mpscale.trainer import lm as lm_lib
 
@@ -204,10 +203,7 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     state = setup.init(params)
   except (ValueError, TypeError) as e:
     fail(e)
-  # The global batch's shapes (a process reads only its rows of it).
-  batch_shapes = {k: jax.ShapeDtypeStruct((run_data.batch_size,) + np.shape(v)[1:],
-                                          np.asarray(v).dtype)
-                  for k, v in first_batch.items()}
+  batch_shapes = global_batch_shapes(run_data, first_batch)
   try:
     metric_shapes = jax.eval_shape(setup.step, state, batch_shapes)[1]
     eval_names = sorted(set(jax.eval_shape(setup.evaluate, state, batch_shapes))
@@ -227,6 +223,15 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
               num_params=lm_lib.num_params(params),
               opt_bytes=builders.tree_bytes(state.opt_state),
               main_process=jax.process_index() == 0)
+
+
+def global_batch_shapes(data: Any, batch: dict[str, Any]) -> dict[str, Any]:
+  """The shapes of a global batch of ``data`` (`mpscale.trainer.loader.Data`) like
+  ``batch``: ``data.batch_size`` rows (a process reads only its rows of it)."""
+  import jax
+  import numpy as np
+  return {k: jax.ShapeDtypeStruct((data.batch_size,) + np.shape(v)[1:],
+                                  np.asarray(v).dtype) for k, v in batch.items()}
 
 
 def _start_files(run: _Run, overwrite: bool) -> None:
@@ -652,8 +657,8 @@ def load(out_dir: str, devices: Optional[int] = None) -> Any:
   - the built-in tiny LM: its ``params`` (``TinyLM.generate`` takes them).
 
   Parameters come back in float32 (the masters). A run trained with a model passed
-  from Python (not ``model.provider``) cannot be rebuilt from its folder: pass that
-  model to `run` and keep what it returns.
+  from Python (not ``model.provider``) cannot be rebuilt from its folder; an NNX
+  module passed to `run` is updated in place with what it trained.
 
   Raises:
     RunDirError: if ``out_dir`` holds no run or no checkpoint.

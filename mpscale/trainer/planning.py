@@ -403,7 +403,6 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
       returns the wrong type (a linen module's loss runs on the first batch).
   """
   import jax
-  import numpy as np
   from mpscale.trainer import loop
   # pylint: disable=protected-access
   data = loop._load_data(cfg, None)
@@ -413,9 +412,7 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
   if model.init_state is not None:
     init_state = model.init_state
     model = model._replace(init_state=lambda key: jax.eval_shape(init_state, key))
-  batch = {k: jax.ShapeDtypeStruct((data.batch_size,) + np.shape(v)[1:],
-                                   np.asarray(v).dtype)
-           for k, v in first_batch.items()}
+  batch = loop.global_batch_shapes(data, first_batch)
   data_key = "data.provider" if cfg.data.provider is not None else "the built-in data"
   return model, batch, data.tokens_per_step, data_key
 
