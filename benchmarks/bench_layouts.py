@@ -37,8 +37,8 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpscale  # noqa: E402
+from mpscale import hlo as hlo_lib  # noqa: E402
 from mpscale.trainer import lm as lm_lib  # noqa: E402
-from mpscale.trainer import planning  # noqa: E402
 from mpscale import sharding  # noqa: E402
 from mpscale.trainer.config import ModelConfig  # noqa: E402
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
@@ -86,8 +86,9 @@ def fmt_bytes(n: float) -> str:
 
 def fmt_ops(hlo: str) -> str:
   """Each collective kind's count and bytes per step, as `mpscale plan` reads the
-  compiled HLO (loops by their trip counts, a bfloat16 sum at bfloat16's bytes)."""
-  ops = planning.collectives(hlo)
+  compiled HLO (`mpscale.hlo.collectives`: loops by their trip counts, a bfloat16
+  sum at bfloat16's bytes)."""
+  ops = hlo_lib.collectives(hlo)
   return ", ".join(f"{k} {v['count']} ({fmt_bytes(v['bytes'])})"
                    for k, v in sorted(ops.items())) or "-"
 
@@ -118,7 +119,7 @@ def bench_lm(quick: bool, timed: bool) -> None:
   for name, (shape, zero1, sp, virtual) in LM_LAYOUTS.items():
     mesh = make_mesh(shape)
     laid_out = shape[1] > 1 or shape[3] > 1  # fsdp or tensor: as the main job does
-    model = lm_lib.TinyLM(cfg, shard=lm_lib.ActivationSharding(
+    model = lm_lib.TinyLM.from_sizes(cfg, shard=lm_lib.ActivationSharding(
         mesh, sequence_parallel=sp) if laid_out else None)
     loss = model.loss_fn
     if shape[2] > 1:

@@ -38,10 +38,13 @@ from mpscale.schedules import lr_schedule, weight_decay_schedule
 from mpscale.sharding import flax_specs, fsdp_specs, logical_specs
 from mpscale.policy import Policy, default_keep_fp32, get_policy, keep_fp32_by_name
 from mpscale.train_step import TrainState, accumulate_gradients, make_train_step
+from mpscale.validation import ArgumentError, ArgumentTypeError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "CameLearningRateState",
     "ClipByGlobalNormState",
     "Gradients",

@@ -29,6 +29,22 @@ the momentum. Per leaf and step ``t = 1, 2, ...``::
 `scale_by_came` is the part that produces ``d``; `came` chains it with the decoupled
 weight decay (``optax.add_decayed_weights``) and the learning rate.
 
+The code reads the same way (the pseudocode's ``r, c, R, C, m`` are ``v_row, v_col,
+s_row, s_col, mu``; the state keeps ``s_row, s_col`` as ``instability_row,
+instability_col``)::
+
+  b2 = beta2_at(count, dtype)
+  factored_update(g, mu, v_row, v_col, s_row, s_col, b2):     # rank >= 2
+    v_row, v_col = moving averages of row_sq, col_sq (+ eps_sq)
+    c = rsqrt(v_col);  a = _rms_factor(v_row) * inv_scale / max(rms / clip_threshold, 1)
+    u = g * a (x) c                              # g still scaled: 1 / scale is in a
+    mu, mu_f = store(beta1 * mu + (1 - beta1) * u)   # mu_f: as read back (compression)
+    s_row, s_col = moving averages of res_row, res_col (+ eps_instability)
+    d = mu_f * _rms_factor(s_row) (x) rsqrt(s_col)
+  full_update(g, mu, v, b2)                                    # rank 0 and 1
+  came = chain(scale_by_came, optax.add_decayed_weights,
+               _scale_by_came_learning_rate)                   # lr = lr_at(count)
+
 Memory: an ``(n, m)`` matrix costs ``n*m + 2*(n + m)`` numbers (the momentum and four
 vectors), a vector of ``n`` costs ``2*n``. With ``compression`` the momentum (and the
 unfactored second moments) are stored in float16 or bfloat16 and computed in float32.
@@ -90,6 +106,12 @@ class ScaleByCameState(NamedTuple):
   instability_col: Any
   """Factored moving average of the instability, mean over the second-to-last dim."""
 
+  averaged_dims = {"v_row": -1, "v_col": -2, "instability_row": -1,
+                   "instability_col": -2}
+  """Not a field: each factored statistic -> the parameter dimension it averages
+  over, which `mpscale.sharding.state_specs` reads to lay it out (on a square matrix
+  its shape alone cannot tell)."""
+
 
 class CameLearningRateState(NamedTuple):
   """State of the learning-rate stage of `came`."""
@@ -122,10 +144,12 @@ def compression_dtype(compression: Compression) -> Optional[jnp.dtype]:
   try:
     dtype = jnp.dtype(compression)
   except TypeError:
-    raise TypeError("compression must be a bool, 'float16', 'bfloat16' or a dtype; got "
-                    f"{type(compression).__name__}") from None
+    raise validation.fail(
+        "compression", " must be a bool, 'float16', 'bfloat16' or a dtype; got "
+        f"{type(compression).__name__}", validation.ArgumentTypeError) from None
   if dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-    raise ValueError(f"compression must store float16 or bfloat16; got {dtype}")
+    raise validation.fail("compression",
+                          f" must store float16 or bfloat16; got {dtype}")
   return dtype
 
 
@@ -215,10 +239,11 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
   if beta2 is not None:
     beta2 = validation.float_in("beta2", beta2, 0.0, 1.0, high_open=True)
     if np.float32(beta2) >= 1.0:  # the second moment would stay 0
-      raise ValueError(f"beta2 must be < 1 in float32 too; got {beta2!r}")
+      raise validation.fail("beta2", f" must be < 1 in float32 too; got {beta2!r}")
   elif decay_rate is None:
-    raise ValueError("decay_rate and beta2 cannot both be None: give a decay_rate for "
-                     "Adafactor's 1 - t**-decay_rate, or a constant beta2")
+    raise validation.ArgumentError(
+        ("decay_rate", "beta2"), "{0} and {1} cannot both be None: give a {0} for "
+        "Adafactor's 1 - t**-decay_rate, or a constant {1}")
   else:
     decay_rate = _unit("decay_rate", decay_rate)
   store_dtype = compression_dtype(compression)
@@ -471,15 +496,19 @@ def came(learning_rate: Optional[ScalarOrSchedule] = None,
     >>> opt_state = tx.init(params)
   """
   if learning_rate is None and not relative_step:
-    raise ValueError("learning_rate is None: give a learning rate or relative_step=True")
+    raise validation.ArgumentError(
+        ("learning_rate", "relative_step"),
+        "{0} is None: give a learning rate or {1}=True")
   relative_step = validation.boolean("relative_step", relative_step)
   warmup_init = validation.boolean("warmup_init", warmup_init)
   scale_parameter = validation.boolean("scale_parameter", scale_parameter)
   if relative_step and learning_rate is not None:
-    raise ValueError("learning_rate must be None with relative_step=True (the relative "
-                     "step size is the learning rate)")
+    raise validation.ArgumentError(
+        ("learning_rate", "relative_step"), "{0} must be None with {1}=True (the "
+        "relative step size is the learning rate)")
   if warmup_init and not relative_step:
-    raise ValueError("warmup_init=True needs relative_step=True")
+    raise validation.ArgumentError(("warmup_init", "relative_step"),
+                                   "{0}=True needs {1}=True")
   if learning_rate is not None:
     learning_rate = validation.scalar_or_schedule(
         "learning_rate", learning_rate, validation.non_negative_float)

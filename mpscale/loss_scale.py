@@ -11,7 +11,7 @@ Dynamic loss scaling, per step::
   if all_finite(g):
     apply inner(g); growth_count += 1
     if consecutive_hysteresis: hysteresis_left = hysteresis
-    if growth_count == growth_interval:
+    if growth_count >= growth_interval:
       scale = min(scale * growth_factor, max_scale)
       growth_count = 0; hysteresis_left = hysteresis
   else:
@@ -21,6 +21,17 @@ Dynamic loss scaling, per step::
       scale = max(scale * backoff_factor, min_scale)
 
 With ``hysteresis=1`` this is exactly PyTorch's ``GradScaler`` (bounded by min/max).
+
+The code reads the same way (``_loss_scaling``'s ``update_fn``; fixed and no scaling
+are the same function with ``dynamic=False``)::
+
+  scaled = norms.measure(raw)                    # sums of squares of scale * g
+  leaf_squares = scaled.sums * inv_scale ** 2    # those of g, handed down the chain
+  updates, skip_state = skip.apply_or_skip(inner, unscaled, ...)  # all_finite, skip
+  if dynamic:
+    scale, growth_count, hysteresis_left = next_scale(state, skip_state.overflow)
+    # next_scale: grown_count = count + 1; grow = grown_count >= growth_interval;
+    # ok_* when finite, bad_* (backed off once bad_hyst <= 0) on an overflow
 
 The check reads the scaled gradients' float32 sums of squares times ``1 / scale**2``:
 a gradient whose *scaled* squared norm leaves float32's range counts as an overflow
@@ -98,9 +109,9 @@ def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bo
     del leaf_squares  # an outer wrapper's; these gradients are measured scaled below
     inv_scale = 1.0 / state.loss_scale
     raw = jax.tree_util.tree_map(lambda g: jnp.asarray(g).astype(jnp.float32), grads)
-    # The reduction reads the gradient buffers themselves; summing (g * inv)**2 made
-    # XLA write the unscaled tree out first, two extra passes. Exact for power-of-two
-    # scales; a scaled sum past float32's range counts as an overflow.
+    # The reduction reads the gradient buffers themselves: summing (g * inv)**2 would
+    # make XLA write the unscaled tree out first, two extra passes. Exact for
+    # power-of-two scales; a scaled sum past float32's range counts as an overflow.
     scaled = norms_lib.measure(raw, norms_lib.splits_for(raw, groups))
     unscaled = jax.tree_util.tree_map(lambda g: g * inv_scale, raw)
     leaf_squares = norms_lib.LeafSquares(
@@ -168,7 +179,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
   min_scale = validation.positive_float("min_scale", min_scale)
   max_scale = validation.positive_float("max_scale", max_scale)
   if min_scale > max_scale:
-    raise ValueError(f"min_scale ({min_scale:g}) must be <= max_scale ({max_scale:g})")
+    raise validation.ArgumentError(
+        ("min_scale", "max_scale"),
+        f"{{0}} ({min_scale:g}) must be <= {{1}} ({max_scale:g})")
   init_scale = validation.float_in("init_scale", init_scale, min_scale, max_scale)
   growth_factor = validation.float_in("growth_factor", growth_factor, 1.0,
                                       low_open=True)

@@ -6,6 +6,22 @@ global norm, the per-group ("local") norms and the clip all read the same per-le
 of squares (`LeafSquares`). The loss-scale and skip wrappers hand them to the inner
 transformation as the extra argument ``leaf_squares``; `clip_by_global_norm` reuses
 them when they describe exactly the updates it receives.
+
+One pass, every consumer::
+
+  s[leaf] = sum(float32(leaf) ** 2)          # a vector of k parts for a split leaf
+  overflow = any(isnan(s) or isinf(s))        # mpscale.skip
+  global_norm = sqrt(sum(s))
+  group_norms[name] = sqrt(sum of s over the leaves (or parts) in group name)
+  clipped = updates * max_norm / max(global_norm, max_norm)
+
+The code reads the same way::
+
+  leaf_squares = measure(tree, splits_for(tree, groups))       # s, a LeafSquares
+  leaf_squares = reuse_or_measure(tree, leaf_squares, groups)  # or a wrapper's s
+  global_norm = jnp.sqrt(total(leaf_squares.sums))
+  group_norms, group_sizes = grouped(leaf_squares, groups)
+  clip_by_global_norm: factor = max_norm / jnp.maximum(norm, max_norm)
 """
 
 from __future__ import annotations

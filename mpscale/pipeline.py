@@ -50,6 +50,20 @@ use (GPipe) or the tick runs no op at all (1F1B), so nothing from a bubble reach
 gradient. Replicated values are cast to device-varying before the loop, so the only
 all-reduces (the gradient sums over the data axes and ``stage``) happen once, after it.
 
+The code reads the same way::
+
+  Pipeline.value_and_grad -> shard_map(per_device), manual over data axes and stage
+    per_device: params cast varying, FSDP leaves all-gathered (_gather); the rows cut
+      into M micro-batches; run = _PipelineRun(sizes, this device's inputs)
+      loss, count, grads = _gpipe(run, params) or _one_f_one_b(run, params)
+      grads: reduce-scattered (_scatter), summed where invariant (_sum_invariant)
+  gpipe: jax.grad of objective, a lax.scan of tick(carry, t) over v * M + S - 1
+  1f1b:  lax.scan(run.tick, carry, schedule_table("1f1b", S, M)), carry holding
+         saved, inbox_f, inbox_b (K = _live_slots(table) slots each) and the sums
+         F(m) = run.forward (run.embed, run.stage_layers)
+         B(m) = run.backward (vjp of run.stage_and_head on the last stage, else of
+                run.stage_layers; then of run.embed on the first)
+
 References:
   Huang et al., "GPipe", NeurIPS 2019. https://arxiv.org/abs/1811.06965
   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
@@ -60,16 +74,18 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from mpscale import keys as keys_lib
 from mpscale import norms as norms_lib
+from mpscale import sharding as sharding_lib
 from mpscale import validation
 from mpscale.gradients import Gradients
 
@@ -194,7 +210,7 @@ def _varying_axes(x: Any) -> frozenset:
 def _mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   if hasattr(lax, "pcast"):  # jax >= 0.8
     return lax.pcast(x, axes, to="varying")
-  return lax.pvary(x, axes)  # jax 0.7, where pcast does not exist yet
+  return lax.pvary(x, axes)  # jax 0.7: pvary is the cast it has
 
 
 def _cast_varying(tree: Any, axes: Sequence[str]) -> Any:
@@ -250,8 +266,10 @@ class Pipeline:
     validation.one_of("schedule", self.schedule, SCHEDULES)
     validation.boolean("remat", self.remat)
     if self.virtual_stages > 1 and self.schedule != "gpipe":
-      raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='gpipe' "
-                       f"(interleaved 1F1B is not implemented); got {self.schedule!r}")
+      raise validation.ArgumentError(
+          ("virtual_stages", "schedule"),
+          f"{{0}}={self.virtual_stages} needs {{1}}='gpipe' (interleaved 1F1B is not "
+          f"implemented); got {self.schedule!r}")
 
   # ---- the unpipelined model (reference, and the single-stage path)
   def _layers(self, layer_params: Any, x: jax.Array,
@@ -297,9 +315,14 @@ class Pipeline:
             jax.random.fold_in(rng, 1 + num_layers))
 
   # ---- layout
-  def check(self, params: Any, mesh: Mesh, data_axis: Any = None, batch: Any = None
+  def check(self, params: Any, mesh: Mesh, data_axis: Any = "data", batch: Any = None
            ) -> None:
-    """Raises ``ValueError`` naming the problem for a layout that cannot pipeline."""
+    """Raises ``ValueError`` naming the problem for a layout that cannot pipeline.
+
+    ``data_axis`` (the mesh's data-parallel axis or axes, `mpscale.sharding.data_axes`)
+    is read only with a ``batch``, whose rows must divide into the data replicas'
+    micro-batches (`mpscale.sharding.batch_rows`).
+    """
     if mesh is None or self.stage_axis not in mesh.axis_names:
       raise ValueError(f"mesh has no stage axis {self.stage_axis!r}; its axes are "
                        f"{None if mesh is None else mesh.axis_names}")
@@ -320,12 +343,9 @@ class Pipeline:
       raise ValueError(f"virtual_stages={v} needs num_microbatches "
                        f"({self.num_microbatches}) divisible by the {S} stages")
     if batch is not None:
-      D = _size(mesh, _data_axes(mesh, data_axis))
-      for x in jax.tree_util.tree_leaves(batch):
-        if np.ndim(x) == 0 or np.shape(x)[0] % (D * self.num_microbatches):
-          raise ValueError(
-              f"batch size {np.shape(x)[:1]} is not divisible by data-parallel size "
-              f"{D} x num_microbatches {self.num_microbatches}")
+      data_size = sharding_lib.axis_size(
+          mesh, sharding_lib.data_axes(mesh, data_axis))
+      sharding_lib.batch_rows(batch, data_size, self.num_microbatches, pipelined=True)
 
   def param_specs(self, params: Any, specs: Any = None) -> Any:
     """PartitionSpecs: the stacked layers' leading axis over the stage axis, on top of
@@ -334,24 +354,21 @@ class Pipeline:
       specs = jax.tree_util.tree_map(lambda _: P(), params)
 
     def staged(spec, leaf):
-      entries = list(spec) + [None] * (np.ndim(leaf) - len(spec))
+      entries = sharding_lib.pad(spec, np.ndim(leaf))
       if entries and entries[0] in (None, self.stage_axis):
         entries[0] = self.stage_axis
       else:
         raise ValueError(f"params[{self.stages_key!r}]: the layer axis of every leaf "
                          f"is split over {self.stage_axis!r}; got the spec {spec}")
-      while entries and entries[-1] is None:
-        entries.pop()
-      return P(*entries)
+      return sharding_lib.make_spec(entries)
 
-    return {k: jax.tree_util.tree_map(staged, specs[k], v, is_leaf=_is_spec)
+    return {k: jax.tree_util.tree_map(staged, specs[k], v, is_leaf=sharding_lib.is_spec)
             if k == self.stages_key else specs[k] for k, v in params.items()}
 
   def shard_params(self, params: Any, mesh: Mesh) -> Any:
     """``params`` placed on ``mesh`` with `param_specs`."""
-    return jax.tree_util.tree_map(
-        lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
-        params, self.param_specs(params))
+    return jax.device_put(
+        params, sharding_lib.shardings(mesh, self.param_specs(params)))
 
   def bubble(self, num_stages: int) -> float:
     """The bubble fraction of this pipeline's schedule on ``num_stages`` stages."""
@@ -375,8 +392,9 @@ class Pipeline:
     Args:
       params: the model parameters (see the class docstring), float32 masters.
       batch: a pytree of arrays with the global batch on the leading axis.
-      mesh: a mesh with the stage axis (and optionally the data axes).
-      data_axis: the data-parallel mesh axis, or a tuple of them.
+      mesh: a mesh with the stage axis and the data axes.
+      data_axis: the data-parallel mesh axis, or a tuple of them; every one must be an
+        axis of ``mesh`` (one of size 1 where there is no data parallelism).
       loss_scale: the loss scale (gradients are of ``loss_scale * loss``).
       per_token_loss: ``head_fn`` returns ``(loss_sum, num_tokens)``; the loss is the
         sum over every micro-batch and replica divided by the total token count.
@@ -398,16 +416,15 @@ class Pipeline:
     """
     self.check(params, mesh, data_axis, batch)
     specs = self.param_specs(params, param_specs)
-    data_axes = _data_axes(mesh, data_axis)
+    data_axes = sharding_lib.data_axes(mesh, data_axis)
     axes = data_axes + (self.stage_axis,)
-    D = _size(mesh, data_axes)
-    M = self.num_microbatches
+    D = sharding_lib.axis_size(mesh, data_axes)
+    S, M = mesh.shape[self.stage_axis], self.num_microbatches
     num_layers = jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
-    run = _PipelineRun(self, mesh.shape[self.stage_axis], M, per_token_loss, cast, axes,
-                       num_layers)
-    interleave = _interleave_order(num_layers, run.S, self.virtual_stages)
-    manual = lambda spec: P(*[_manual(entry, axes) for entry in spec])  # noqa: E731
-    in_param_specs = jax.tree_util.tree_map(manual, specs, is_leaf=_is_spec)
+    interleave = _interleave_order(num_layers, S, self.virtual_stages)
+    in_param_specs = jax.tree_util.tree_map(
+        lambda spec: sharding_lib.only_axes(spec, axes), specs,
+        is_leaf=sharding_lib.is_spec)
 
     def per_device(params, batch, scale, keys):
       # Everything in the loop varies over every manual axis, so autodiff puts no
@@ -419,8 +436,10 @@ class Pipeline:
       scale = _cast_varying(scale, axes)
       if keys is not None:
         keys = _cast_varying(_replica_keys(keys, data_axes, D), axes)
+      run = _PipelineRun(self, S, M, per_token_loss, cast, axes, num_layers, micro,
+                         scale, keys)
       executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b
-      loss, count, grads = executor(run, varying, micro, scale, keys)
+      loss, count, grads = executor(run, varying)
       grads = _scatter(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
@@ -432,6 +451,7 @@ class Pipeline:
       grads = jax.tree_util.tree_map(lambda g: g / denom.astype(g.dtype), grads)
       return grads, loss / denom, count
 
+    batch_spec = sharding_lib.batch_sharding(mesh, data_axes).spec
     keys = None
     if rng is not None:
       # Micro-batch keys (raw data) and each layer's index, laid out like the layers.
@@ -442,8 +462,8 @@ class Pipeline:
           jnp.arange(M))), layer_ids)
     fn = jax.shard_map(
         per_device, mesh=mesh,
-        in_specs=(in_param_specs, jax.tree_util.tree_map(
-            lambda _: P(data_axes or None), batch), P(),
+        in_specs=(in_param_specs,
+                  jax.tree_util.tree_map(lambda _: batch_spec, batch), P(),
                   None if keys is None else (P(), P(self.stage_axis))),
         out_specs=(in_param_specs, P(), P()), axis_names=set(axes))
     if interleave is not None:
@@ -458,16 +478,12 @@ class Pipeline:
     return Gradients(grads, loss, count)
 
 
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, P)
-
-
 def _fsdp_dims(spec: P, axes: Sequence[str]) -> list[tuple[int, tuple[str, ...]]]:
   """``(dim, data axes splitting it)`` for each dimension ``spec`` splits over
   ``axes``."""
   found = []
   for dim, entry in enumerate(spec):
-    over = tuple(a for a in _names(entry) if a in axes)
+    over = tuple(a for a in sharding_lib.entry_axes(entry) if a in axes)
     if over:
       found.append((dim, over))
   return found
@@ -490,29 +506,6 @@ def _scatter(grads: Any, specs: Any, data_axes: Sequence[str]) -> Any:
       g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
     return g
   return jax.tree_util.tree_map(scatter, grads, specs)
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _manual(entry: Any, axes: Sequence[str]) -> Any:
-  """The part of one spec entry over the manual ``axes``."""
-  kept = tuple(a for a in _names(entry) if a in axes)
-  return None if not kept else kept[0] if len(kept) == 1 else kept
-
-
-def _data_axes(mesh: Mesh, data_axis: Any) -> tuple[str, ...]:
-  if data_axis is None:
-    return ()
-  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
-  return tuple(a for a in axes if a in mesh.axis_names)
-
-
-def _size(mesh: Mesh, axes: Sequence[str]) -> int:
-  return int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
 
 
 def _replica_keys(keys: tuple[jax.Array, jax.Array], data_axes: Sequence[str],
@@ -539,9 +532,10 @@ def _interleave_order(num_layers: int, S: int, v: int) -> Optional[np.ndarray]:
                      for k in range(per_chunk)])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _PipelineRun:
-  """What the executors share for one pipelined gradient."""
+  """What the executors share for one pipelined gradient, inside ``shard_map``: the
+  schedule's sizes and this device's inputs. The 1F1B steps are its methods."""
   pipeline: Pipeline
   S: int
   M: int
@@ -549,27 +543,46 @@ class _PipelineRun:
   cast: Callable[[Any], Any]
   axes: tuple[str, ...]
   """The manual axes (data, stage) every loop value varies over."""
-  num_layers: int = 0
+  num_layers: int
+  micro: Any
+  """This device's batch rows as ``M`` micro-batches (stacked on a leading axis)."""
+  scale: jax.Array
+  """The loss scale."""
+  keys: Any = None
+  """``(raw micro-batch keys, ids of this device's layers)``, or ``None``."""
 
-  def micro_keys(self, keys: Any, m: jax.Array, layer_ids: jax.Array
-                ) -> tuple[Any, Any, Any]:
-    """``(embed kwargs, raw layer keys, head kwargs)`` of micro-batch ``m`` on this
-    device (its ``layer_ids``); ``({}, None, {})`` without keys."""
-    if keys is None:
-      return {}, None, {}
-    embed, layers, head = Pipeline.keys(keys[0][m], layer_ids, self.num_layers)
-    return {"rng": embed}, jax.random.key_data(layers), {"rng": head}
+  # ---- shared by both schedules
+  def stage(self) -> jax.Array:
+    """This device's stage index ``s``."""
+    return lax.axis_index(self.pipeline.stage_axis)
+
+  def vary(self, tree: Any) -> Any:
+    return _cast_varying(tree, self.axes)
 
   def zero(self) -> jax.Array:
-    return _cast_varying(jnp.zeros((), jnp.float32), self.axes)
+    return self.vary(jnp.zeros((), jnp.float32))
 
-  def embed_shape(self, params: Any, micro: Any, keys: Any = None
-                 ) -> jax.ShapeDtypeStruct:
+  def micro_batch(self, m: jax.Array) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[m], self.micro)
+
+  def layer_ids(self) -> Any:
+    return None if self.keys is None else self.keys[1]
+
+  def micro_keys(self, m: jax.Array, layer_ids: Any) -> tuple[Any, Any, Any]:
+    """``(embed kwargs, raw layer keys, head kwargs)`` of micro-batch ``m`` on this
+    device (its ``layer_ids``); ``({}, None, {})`` without keys."""
+    if self.keys is None:
+      return {}, None, {}
+    embed, layers, head = Pipeline.keys(self.keys[0][m], layer_ids, self.num_layers)
+    return {"rng": embed}, jax.random.key_data(layers), {"rng": head}
+
+  def embed_shape(self, params: Any) -> jax.ShapeDtypeStruct:
     def embed(p, b, k):
       extras = {} if k is None else {"rng": jax.random.wrap_key_data(k)}
       return self.pipeline.embed_fn(self.cast(p), b, **extras)
-    return jax.eval_shape(embed, params, jax.tree_util.tree_map(lambda x: x[0], micro),
-                          None if keys is None else keys[0][0])
+    return jax.eval_shape(embed, params,
+                          jax.tree_util.tree_map(lambda x: x[0], self.micro),
+                          None if self.keys is None else self.keys[0][0])
 
   def head_terms(self, params: Any, x: jax.Array, batch: Any, **extras: Any
                 ) -> tuple[jax.Array, jax.Array]:
@@ -587,23 +600,133 @@ class _PipelineRun:
                       "(loss_sum, num_tokens))")
     else:
       loss, count = out, jnp.ones((), jnp.float32)
-    return _cast_varying((jnp.asarray(loss, jnp.float32), count), self.axes)
+    return self.vary((jnp.asarray(loss, jnp.float32), count))
+
+  # ---- 1F1B (`_one_f_one_b`): the functions a tick runs
+  def embed(self, m: jax.Array, dtype: Any, p: Any) -> jax.Array:
+    """``embed(m)``: micro-batch ``m``'s input to the first stage, in ``dtype``."""
+    embed_kw, _, _ = self.micro_keys(m, self.layer_ids())
+    return self.pipeline.embed_fn(self.cast(p), self.micro_batch(m),
+                                  **embed_kw).astype(dtype)
+
+  def stage_layers(self, m: jax.Array, p: Any, x: jax.Array) -> jax.Array:
+    """``stage(x)``: this device's layers on micro-batch ``m``'s activations."""
+    _, layer_keys, _ = self.micro_keys(m, self.layer_ids())
+    return self.pipeline._layers(  # pylint: disable=protected-access
+        self.cast(p)[self.pipeline.stages_key], x, layer_keys)
+
+  def stage_and_head(self, m: jax.Array, p: Any, x: jax.Array
+                    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The last stage's layers, then ``head_fn``: ``(scale * loss, (loss, count))``."""
+    y = self.stage_layers(m, p, x)
+    _, _, head_kw = self.micro_keys(m, self.layer_ids())
+    loss, count = self.head_terms(self.cast(p), y, self.micro_batch(m), **head_kw)
+    return self.scale * loss, (loss, count)
+
+  def forward(self, p: Any, x_in: jax.Array, m: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """``F(m)``: ``(x, y)``, the stage's input (to save) and its output (to send up;
+    the last stage's goes nowhere, its layers run in `backward`)."""
+    stage = self.stage()
+    x = lax.cond(stage == 0, functools.partial(self.embed, m, x_in.dtype, p),
+                 lambda: x_in)
+    y = lax.cond(stage == self.S - 1, lambda: x,
+                 functools.partial(self.stage_layers, m, p, x))
+    return x, y
+
+  def backward(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array
+              ) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    """``B(m)``: ``(dp, dx, loss, count)`` through the stage recomputed from its saved
+    input ``x`` (and the head on the last stage, the embedding on the first)."""
+    stage = self.stage()
+    dp, dx, loss, count = lax.cond(
+        stage == self.S - 1, functools.partial(self._through_head, p, x, m),
+        functools.partial(self._through_stage, p, x, ct, m))
+    dp = lax.cond(stage == 0, functools.partial(self._into_embed, p, dp, dx, m),
+                  lambda: dp)
+    return dp, dx, loss, count
+
+  def _through_head(self, p, x, m):
+    _, vjp, (loss, count) = jax.vjp(functools.partial(self.stage_and_head, m), p, x,
+                                    has_aux=True)
+    dp, dx = vjp(self.vary(jnp.ones((), jnp.float32)))
+    return dp, dx, loss, count
+
+  def _through_stage(self, p, x, ct, m):
+    _, vjp = jax.vjp(functools.partial(self.stage_layers, m), p, x)
+    dp, dx = vjp(ct)
+    return dp, dx, self.zero(), self.zero()
+
+  def _into_embed(self, p, dp, dx, m):
+    _, vjp = jax.vjp(functools.partial(self.embed, m, dx.dtype), p)
+    (dp_embed,) = vjp(dx)
+    return jax.tree_util.tree_map(jnp.add, dp, dp_embed)
+
+  def zero_grads(self, params: Any) -> Any:
+    return self.vary(jax.tree_util.tree_map(
+        lambda x: jnp.zeros(x.shape, jnp.float32), params))
+
+  def tick(self, params: Any, K: int, carry: tuple, row: jax.Array
+          ) -> tuple[tuple, None]:
+    """One tick of the 1F1B table: this stage's op of ``row``, then the sends.
+
+    ``carry`` is ``(saved, inbox_f, inbox_b, grads, loss, count)``: ``K`` slots of
+    saved stage inputs, of activations received from below and of cotangents from
+    above (micro-batch ``m`` in slot ``m % K``), and the sums so far.
+    """
+    saved, inbox_f, inbox_b, grads, loss, count = carry
+    S, stage = self.S, self.stage()
+    op, m = row[stage, 0], row[stage, 1]
+    slot = m % K
+    x, y, dx, dp, l, c = lax.switch(op, (
+        functools.partial(self._op_idle, params, inbox_f[slot]),
+        functools.partial(self._op_forward, params, inbox_f[slot], m),
+        functools.partial(self._op_backward, params, saved, inbox_b, slot, m)))
+    saved = saved.at[slot].set(jnp.where(op == FWD, x, saved[slot]))
+    grads = jax.tree_util.tree_map(jnp.add, grads, dp)
+    if S > 1:
+      from_prev = lax.ppermute(y, self.pipeline.stage_axis,
+                               [(i, i + 1) for i in range(S - 1)])
+      from_next = lax.ppermute(dx, self.pipeline.stage_axis,
+                               [(i + 1, i) for i in range(S - 1)])
+      prev_op, prev_m = row[jnp.maximum(stage - 1, 0)]
+      next_op, next_m = row[jnp.minimum(stage + 1, S - 1)]
+      got_f = (stage > 0) & (prev_op == FWD)
+      got_b = (stage < S - 1) & (next_op == BWD)
+      inbox_f = inbox_f.at[prev_m % K].set(
+          jnp.where(got_f, from_prev, inbox_f[prev_m % K]))
+      inbox_b = inbox_b.at[next_m % K].set(
+          jnp.where(got_b, from_next, inbox_b[next_m % K]))
+    return (saved, inbox_f, inbox_b, grads, loss + l, count + c), None
+
+  # Each op gives (x to save, y to send up, dx to send down, dp, loss, count).
+  def _op_idle(self, params, x_in):
+    z = jnp.zeros_like(x_in)
+    return z, z, z, self.zero_grads(params), self.zero(), self.zero()
+
+  def _op_forward(self, params, x_in, m):
+    x, y = self.forward(params, x_in, m)
+    return x, y, jnp.zeros_like(y), self.zero_grads(params), self.zero(), self.zero()
+
+  def _op_backward(self, params, saved, inbox_b, slot, m):
+    dp, dx, l, c = self.backward(params, saved[slot], inbox_b[slot], m)
+    dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
+    return (saved[slot], jnp.zeros_like(dx), dx.astype(saved.dtype), dp, l, c)
 
 
-def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array,
-          keys: Any = None) -> tuple[jax.Array, jax.Array, Any]:
+def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   """GPipe, interleaved over ``virtual_stages`` chunks: the forward loop, run
   backward by autodiff. Returns ``(loss sum, count sum, grads)`` of this device."""
   pipe, S, M = run.pipeline, run.S, run.M
   v = pipe.virtual_stages
-  stage = lax.axis_index(pipe.stage_axis)
-  x_shape = run.embed_shape(params, micro, keys)
+  stage = run.stage()
+  x_shape = run.embed_shape(params)
   ring = [(i, (i + 1) % S) for i in range(S if v > 1 else S - 1)]
 
   def objective(params):
     p = run.cast(params)
     layers = p[pipe.stages_key]
-    layer_ids = None if keys is None else keys[1]
+    layer_ids = run.layer_ids()
     if v > 1:
       layers, layer_ids = jax.tree_util.tree_map(
           lambda x: x.reshape((v, x.shape[0] // v) + x.shape[1:]), (layers, layer_ids))
@@ -616,12 +739,12 @@ def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array,
       within = item % (S * v)
       chunk = within // S
       m = item // (S * v) * S + within % S
-      mb = jax.tree_util.tree_map(lambda x: x[m], micro)
+      mb = run.micro_batch(m)
       chunk_layers, chunk_ids = (layers, layer_ids) if v == 1 else (
           jax.tree_util.tree_map(
               lambda x: lax.dynamic_index_in_dim(x, chunk, keepdims=False),
               (layers, layer_ids)))
-      embed_kw, layer_keys, head_kw = run.micro_keys(keys, m, chunk_ids)
+      embed_kw, layer_keys, head_kw = run.micro_keys(m, chunk_ids)
       starts = (stage == 0) & (chunk == 0)
       x = lax.cond(starts,
                    lambda: pipe.embed_fn(p, mb, **embed_kw).astype(x_shape.dtype),
@@ -635,115 +758,23 @@ def _gpipe(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array,
       received = lax.ppermute(y, pipe.stage_axis, ring) if S > 1 else y
       return (received, loss + l, count + c), None
 
-    init = _cast_varying(jnp.full(x_shape.shape, _BUBBLE_FILL, x_shape.dtype),
-                         run.axes)
+    init = run.vary(jnp.full(x_shape.shape, _BUBBLE_FILL, x_shape.dtype))
     (_, loss, count), _ = lax.scan(tick, (init, run.zero(), run.zero()),
                                    jnp.arange(v * M + S - 1))
-    return scale * loss, (loss, count)
+    return run.scale * loss, (loss, count)
 
   grads, (loss, count) = jax.grad(objective, has_aux=True)(params)
   return loss, count, grads
 
 
-def _one_f_one_b(run: _PipelineRun, params: Any, micro: Any, scale: jax.Array,
-                 keys: Any = None) -> tuple[jax.Array, jax.Array, Any]:
-  """1F1B from `schedule_table`: each tick one forward, one backward or nothing.
-  Returns ``(loss sum, count sum, grads)`` of this device."""
-  pipe, S, M = run.pipeline, run.S, run.M
-  table = schedule_table("1f1b", S, M)
-  stage = lax.axis_index(pipe.stage_axis)
-  vary = lambda tree: _cast_varying(tree, run.axes)  # noqa: E731
+def _one_f_one_b(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
+  """1F1B from `schedule_table`: each tick one forward, one backward or nothing
+  (`_PipelineRun.tick`). Returns ``(loss sum, count sum, grads)`` of this device."""
+  table = schedule_table("1f1b", run.S, run.M)
   K = _live_slots(table)
-  x_shape = run.embed_shape(params, micro, keys)
-  up = [(i, i + 1) for i in range(S - 1)]
-  down = [(i + 1, i) for i in range(S - 1)]
-  ops = jnp.asarray(table)
-  zeros_like_params = lambda: vary(jax.tree_util.tree_map(  # noqa: E731
-      lambda x: jnp.zeros(x.shape, jnp.float32), params))
-  layers_of = lambda p: p[pipe.stages_key]  # noqa: E731
-
-  layer_ids = None if keys is None else keys[1]
-
-  def embed(p, m):
-    mb = jax.tree_util.tree_map(lambda x: x[m], micro)
-    embed_kw, _, _ = run.micro_keys(keys, m, layer_ids)
-    return pipe.embed_fn(run.cast(p), mb, **embed_kw).astype(x_shape.dtype)
-
-  def stage_only(p, x, m):
-    _, layer_keys, _ = run.micro_keys(keys, m, layer_ids)
-    return pipe._layers(  # pylint: disable=protected-access
-        layers_of(run.cast(p)), x, layer_keys)
-
-  def stage_and_head(p, x, m):
-    mb = jax.tree_util.tree_map(lambda x: x[m], micro)
-    y = stage_only(p, x, m)
-    _, _, head_kw = run.micro_keys(keys, m, layer_ids)
-    loss, count = run.head_terms(run.cast(p), y, mb, **head_kw)
-    return scale * loss, (loss, count)
-
-  def forward(p, x_in, m):
-    x = lax.cond(stage == 0, lambda: embed(p, m), lambda: x_in)
-    y = lax.cond(stage == S - 1, lambda: x, lambda: stage_only(p, x, m))
-    return x, y
-
-  def backward(p, x, ct, m):
-    def through_head():
-      _, vjp, (loss, count) = jax.vjp(
-          lambda p, x: stage_and_head(p, x, m), p, x, has_aux=True)
-      dp, dx = vjp(vary(jnp.ones((), jnp.float32)))
-      return dp, dx, loss, count
-
-    def through_stage():
-      _, vjp = jax.vjp(lambda p, x: stage_only(p, x, m), p, x)
-      dp, dx = vjp(ct)
-      return dp, dx, run.zero(), run.zero()
-
-    dp, dx, loss, count = lax.cond(stage == S - 1, through_head, through_stage)
-
-    def into_embed():
-      _, vjp = jax.vjp(lambda p: embed(p, m), p)
-      (dp_embed,) = vjp(dx)
-      return jax.tree_util.tree_map(jnp.add, dp, dp_embed)
-
-    dp = lax.cond(stage == 0, into_embed, lambda: dp)
-    return dp, dx, loss, count
-
-  def tick(carry, row):
-    saved, inbox_f, inbox_b, grads, loss, count = carry
-    op, m = row[stage, 0], row[stage, 1]
-    slot = m % K
-    x_in = inbox_f[slot]
-
-    def do_forward():
-      x, y = forward(params, x_in, m)
-      return x, y, jnp.zeros_like(y), zeros_like_params(), run.zero(), run.zero()
-
-    def do_backward():
-      dp, dx, l, c = backward(params, saved[slot], inbox_b[slot], m)
-      dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
-      return (saved[slot], jnp.zeros_like(dx), dx.astype(x_shape.dtype), dp, l, c)
-
-    def do_nothing():
-      z = jnp.zeros_like(x_in)
-      return z, z, z, zeros_like_params(), run.zero(), run.zero()
-
-    x, y, dx, dp, l, c = lax.switch(op, (do_nothing, do_forward, do_backward))
-    saved = saved.at[slot].set(jnp.where(op == FWD, x, saved[slot]))
-    grads = jax.tree_util.tree_map(jnp.add, grads, dp)
-    if S > 1:
-      from_prev = lax.ppermute(y, pipe.stage_axis, up)
-      from_next = lax.ppermute(dx, pipe.stage_axis, down)
-      prev_op, prev_m = row[jnp.maximum(stage - 1, 0)]
-      next_op, next_m = row[jnp.minimum(stage + 1, S - 1)]
-      got_f = (stage > 0) & (prev_op == FWD)
-      got_b = (stage < S - 1) & (next_op == BWD)
-      inbox_f = inbox_f.at[prev_m % K].set(
-          jnp.where(got_f, from_prev, inbox_f[prev_m % K]))
-      inbox_b = inbox_b.at[next_m % K].set(
-          jnp.where(got_b, from_next, inbox_b[next_m % K]))
-    return (saved, inbox_f, inbox_b, grads, loss + l, count + c), None
-
-  buf = vary(jnp.full((K,) + x_shape.shape, _BUBBLE_FILL, x_shape.dtype))
-  carry = (buf, buf, buf, zeros_like_params(), run.zero(), run.zero())
-  (_, _, _, grads, loss, count), _ = lax.scan(tick, carry, ops)
+  x_shape = run.embed_shape(params)
+  buf = run.vary(jnp.full((K,) + x_shape.shape, _BUBBLE_FILL, x_shape.dtype))
+  carry = (buf, buf, buf, run.zero_grads(params), run.zero(), run.zero())
+  (_, _, _, grads, loss, count), _ = lax.scan(
+      functools.partial(run.tick, params, K), carry, jnp.asarray(table))
   return loss, count, grads

@@ -67,15 +67,17 @@ _ROLES = {
 def _dtype(value: Any, argname: str) -> np.dtype:
   if isinstance(value, str):
     if value.lower() not in _DTYPES:
-      raise ValueError(f"{argname}: unknown dtype {value!r}; expected one of "
-                       f"{sorted(_DTYPES)}")
+      raise validation.fail(argname, f": unknown dtype {value!r}; expected one of "
+                            f"{sorted(_DTYPES)}")
     value = _DTYPES[value.lower()]
   try:
     dtype = jnp.dtype(value)
   except TypeError as e:
-    raise TypeError(f"{argname} must be a floating dtype; got {value!r}") from e
+    raise validation.fail(argname, f" must be a floating dtype; got {value!r}",
+                          validation.ArgumentTypeError) from e
   if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{argname} must be a floating dtype; got {dtype}")
+    raise validation.fail(argname, f" must be a floating dtype; got {dtype}",
+                          validation.ArgumentTypeError)
   return dtype
 
 

@@ -176,7 +176,8 @@ def _evaluate(closed: Any, out_shape: Any, skip: jax.Array, old_state: State
              ) -> tuple[Updates, State, State]:
   # Selected as where(applied, new, old): XLA fuses (and rounds) an applied step's
   # arithmetic as it does the inner optimizer's own, bit for bit on every version
-  # tested; the mirrored where(skip, old, new) differed in the last bit on jax 0.7.
+  # tested; the mirrored where(skip, old, new) is not (on jax 0.7 it rounds the last
+  # bit differently).
   applied = ~skip
   jaxpr = closed.jaxpr
   n_updates = len(jax.tree_util.tree_leaves(out_shape[0]))

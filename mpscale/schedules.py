@@ -95,18 +95,22 @@ def lr_schedule(peak: float, *, warmup_steps: int = 0,
   if decay_steps is not None:
     decay_steps = validation.positive_int("decay_steps", decay_steps)
   elif style != "constant" or warmup_fraction is not None:
-    raise ValueError(f"decay_steps is required with style={style!r}"
-                     + (" and warmup_fraction" if warmup_fraction is not None else ""))
+    raise validation.ArgumentError(
+        ("decay_steps", "style", "warmup_fraction"),
+        "{0} is required with {1}=" + validation.literal(repr(style))
+        + (" and {2}" if warmup_fraction is not None else ""))
   warmup: float = warmup_steps
   if warmup_fraction is not None:
     if warmup_steps:
-      raise ValueError("give warmup_steps or warmup_fraction, not both")
+      raise validation.ArgumentError(("warmup_steps", "warmup_fraction"),
+                                     "give {0} or {1}, not both")
     fraction = validation.float_in("warmup_fraction", warmup_fraction, 0.0, 1.0,
                                    high_open=True)
     warmup = fraction * decay_steps
   if decay_steps is not None and not warmup < decay_steps:
-    raise ValueError(f"warmup_steps ({warmup_steps}) must be < decay_steps "
-                     f"({decay_steps})")
+    raise validation.ArgumentError(
+        ("warmup_steps", "decay_steps"),
+        f"{{0}} ({warmup_steps}) must be < {{1}} ({decay_steps})")
 
   if style == "constant":
     decay = optax.constant_schedule(peak)
@@ -159,7 +163,9 @@ def weight_decay_schedule(start: float, end: float, steps: int,
   steps = validation.integer("steps", steps, 0 if style == "constant" else 1)
   if style == "constant":
     if start != end:
-      raise ValueError(f"style='constant' needs start == end; got {start} and {end}")
+      raise validation.ArgumentError(
+          ("style", "start", "end"),
+          f"{{0}}='constant' needs {{1}} == {{2}}; got {start} and {end}")
     return optax.constant_schedule(end)
   if style == "linear":
     return optax.linear_schedule(start, end, steps)

@@ -18,13 +18,15 @@ Everything else follows the parameters::
 
   optimizer state   a leaf shaped like its parameter takes its spec; a factored moment
                     (CAME's and Adafactor's row and column statistics, one dimension
-                    fewer) takes the spec without that dimension; scalars replicate
+                    fewer) takes the spec without the dimension its state declares it
+                    averages over (`averaged_dims`); scalars replicate
   ZeRO-1            on top, each optimizer-state leaf also splits its largest free
                     dimension over the data axes that are not already in its spec
   FSDP (ZeRO-3)     `fsdp_specs`: each parameter splits its largest free dimension
                     over the ``fsdp`` axis; GSPMD all-gathers it for compute and
                     reduce-scatters its gradient
-  the batch         leading dimension over the data axes (``data`` and ``fsdp``)
+  the batch         leading dimension over the data axes (``data`` and ``fsdp``):
+                    `data_axes`, `batch_sharding`; `batch_rows` checks it divides
 
 GSPMD turns the specs into collectives. What mpscale adds (the overflow check, the
 global and group norms, the clip, the loss scale) reads one float32 sum of squares per
@@ -41,12 +43,13 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
+import optax
 
 from mpscale import norms as norms_lib
 
@@ -57,7 +60,8 @@ SpecsLike = Union[None, Any, Callable[[Any, Any], PartitionSpec]]
 _UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
 
-def _is_spec(x: Any) -> bool:
+def is_spec(x: Any) -> bool:
+  """Whether ``x`` is a ``PartitionSpec`` (the ``is_leaf`` of a pytree of specs)."""
   return isinstance(x, PartitionSpec)
 
 
@@ -66,15 +70,21 @@ def pad(spec: PartitionSpec, ndim: int) -> list[AxisNames]:
   return list(spec) + [None] * (ndim - len(spec))
 
 
-def _axes_of(entry: AxisNames) -> tuple[str, ...]:
+def entry_axes(entry: AxisNames) -> tuple[str, ...]:
+  """The mesh axes one spec entry names (``()`` for ``None`` and ``UNCONSTRAINED``)."""
   if entry is None or entry is _UNCONSTRAINED:
     return ()
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _spec(entries: Sequence[AxisNames]) -> PartitionSpec:
-  """A spec without trailing ``None``s (XLA returns specs in that form, and jit would
-  otherwise see two different shardings and compile twice)."""
+def _entry(axes: Sequence[str]) -> AxisNames:
+  """The spec entry naming ``axes``: ``None``, one axis, or a tuple of them."""
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def make_spec(entries: Sequence[AxisNames]) -> PartitionSpec:
+  """The spec of ``entries``, without trailing ``None``s (XLA returns specs in that
+  form, and jit would otherwise see two different shardings and compile twice)."""
   entries = list(entries)
   while entries and entries[-1] is None:
     entries.pop()
@@ -83,12 +93,98 @@ def _spec(entries: Sequence[AxisNames]) -> PartitionSpec:
 
 def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
   """Every mesh axis ``spec`` names, in order."""
-  return tuple(a for entry in spec for a in _axes_of(entry))
+  return tuple(a for entry in spec for a in entry_axes(entry))
 
 
 def axis_size(mesh: Mesh, axes: AxisNames) -> int:
   """The number of devices along ``axes`` of ``mesh`` (1 for ``None``)."""
-  return math.prod(mesh.shape[a] for a in _axes_of(axes))
+  return math.prod(mesh.shape[a] for a in entry_axes(axes))
+
+
+# --------------------------------------------------------------------------- the batch
+def data_axes(mesh: Optional[Mesh], data_axis: AxisNames) -> tuple[str, ...]:
+  """``data_axis`` as the tuple of data-parallel axes of ``mesh`` (``()`` without one).
+
+  Args:
+    mesh: a ``jax.sharding.Mesh`` with Auto axes, or ``None`` for one device.
+    data_axis: the mesh axis the batch is split over, or a tuple of them.
+
+  Returns:
+    The axes, in order.
+
+  Raises:
+    TypeError: for a ``mesh`` that is no ``Mesh``, or a ``data_axis`` that is not a
+      str or a non-empty tuple of str.
+    ValueError: for an axis ``mesh`` lacks, or a mesh with Explicit axes (GSPMD lays
+      the arrays out, so the axes must be Auto).
+  """
+  if mesh is None:
+    return ()
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis or ())
+  if not axes or not all(isinstance(a, str) for a in axes):
+    raise TypeError(f"data_axis must be a str or a tuple of str; got {data_axis!r}")
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"mesh has axes {tuple(mesh.axis_names)} but no data axis "
+                     f"{missing[0]!r}; pass data_axis= one of them")
+  explicit = [name for name, kind in zip(mesh.axis_names,
+                                         getattr(mesh, "axis_types", None) or ())
+              if "explicit" in str(kind).lower()]
+  if explicit:
+    raise ValueError(
+        f"mesh axes {explicit} are Explicit (what jax.make_mesh makes without "
+        "axis_types); "
+        "mpscale lays arrays out with GSPMD and needs Auto axes: build the "
+        "mesh with jax.sharding.Mesh(devices, names) or jax.make_mesh(shape, names, "
+        "axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
+  return axes
+
+
+def batch_sharding(mesh: Mesh, data_axes: AxisNames) -> NamedSharding:
+  """How a global batch lies on ``mesh``: its rows split over ``data_axes``."""
+  return NamedSharding(mesh, PartitionSpec(entry_axes(data_axes)))
+
+
+def batch_rows(batch: Any, data_size: int = 1, num_microbatches: int = 1, *,
+               pipelined: bool = False) -> int:
+  """The batch's number of rows, checked: every leaf's leading dimension is the same
+  and divisible by ``data_size x num_microbatches``.
+
+  Args:
+    batch: a pytree of arrays (or shapes) with a common leading batch dimension.
+    data_size: the number of data-parallel replicas (`axis_size` of `data_axes`).
+    num_microbatches: the micro-batches each replica's rows are cut into.
+    pipelined: a pipeline cuts every leaf into micro-batches, so it refuses scalar
+      leaves even when nothing divides the batch.
+
+  Returns:
+    The leading dimension (0 for a batch without arrays).
+
+  Raises:
+    ValueError: naming the leaf, for a scalar leaf where the batch is split, a leading
+      dimension that does not divide, or leaves that disagree on the batch size.
+  """
+  divisor = data_size * num_microbatches
+  sizes = set()
+  for path, x in jax.tree_util.tree_leaves_with_path(batch):
+    shape = np.shape(x)
+    name = norms_lib.path_str(path) or "batch"
+    if not shape:
+      if divisor > 1 or pipelined:
+        raise ValueError(f"batch leaf {name!r} is a scalar; with data parallelism, "
+                         "micro-batches or a pipeline every batch leaf needs a leading "
+                         "batch dimension")
+      continue
+    if shape[0] % divisor:
+      raise ValueError(f"batch leaf {name!r} has leading dimension {shape[0]}, which "
+                       f"is not divisible by data-parallel size {data_size} x "
+                       f"num_microbatches {num_microbatches} = {divisor}")
+    sizes.add(shape[0])
+  if len(sizes) > 1:
+    raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
+  return sizes.pop() if sizes else 0
 
 
 # --------------------------------------------------------------------------- logical
@@ -116,13 +212,13 @@ def logical_specs(logical: Any, rules: Rules) -> Any:
     used: set[str] = set()
     entries = []
     for name in names:
-      axes = _axes_of(table.get(name)) if name is not None else ()
+      axes = entry_axes(table.get(name)) if name is not None else ()
       if not axes or used & set(axes):
         entries.append(None)
         continue
       used |= set(axes)
-      entries.append(axes[0] if len(axes) == 1 else tuple(axes))
-    return _spec(entries)
+      entries.append(_entry(axes))
+    return make_spec(entries)
 
   return jax.tree_util.tree_map(
       one, logical, is_leaf=lambda x: isinstance(x, tuple) and all(
@@ -147,8 +243,8 @@ def flax_specs(variables: Any, rules: Optional[Rules] = None) -> Any:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   if isinstance(variables, nnx.State):
-    # flax 0.10 has VariableState besides Variable; later flax only Variable (and a
-    # deprecated VariableState alias of it, not read here).
+    # The variable types: flax 0.10 has VariableState besides Variable; flax >= 0.11
+    # has Variable only (its VariableState is a deprecated alias, not read here).
     variable_types = (nnx.Variable,) + tuple(
         t for t in (nnx.__dict__.get("VariableState"),)
         if isinstance(t, type) and t is not nnx.Variable)
@@ -201,12 +297,12 @@ def resolve_specs(param_specs: SpecsLike, params: Any) -> Any:
   """
   if param_specs is None:
     return jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
-  if callable(param_specs) and not _is_spec(param_specs):
+  if callable(param_specs) and not is_spec(param_specs):
     def call(path, leaf):
       spec = param_specs(path, leaf)
       if spec is None:
         return PartitionSpec()
-      if not _is_spec(spec):
+      if not is_spec(spec):
         raise TypeError(f"param_specs({norms_lib.path_str(path)!r}, leaf) must return "
                         f"a PartitionSpec; got {type(spec).__name__}")
       return spec
@@ -215,7 +311,7 @@ def resolve_specs(param_specs: SpecsLike, params: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda spec, leaf: jax.tree_util.tree_map(
             lambda _: PartitionSpec() if spec is None else spec, leaf),
-        param_specs, params, is_leaf=lambda x: x is None or _is_spec(x))
+        param_specs, params, is_leaf=lambda x: x is None or is_spec(x))
   except (ValueError, TypeError) as e:
     raise TypeError("param_specs must be a pytree of PartitionSpec matching the "
                     f"params (or a prefix of them), or a function; {e}") from None
@@ -230,7 +326,7 @@ def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
   of the axes that split it.
   """
   for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
-                                jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)):
+                                jax.tree_util.tree_leaves(specs, is_leaf=is_spec)):
     name = norms_lib.path_str(path) or "params"
     shape = np.shape(leaf)
     if len(spec) > len(shape):
@@ -238,7 +334,7 @@ def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
                        f"{len(spec)} entries for {len(shape)} dimensions")
     seen: set[str] = set()
     for dim, entry in enumerate(pad(spec, len(shape))):
-      for axis in _axes_of(entry):
+      for axis in entry_axes(entry):
         if axis not in mesh.axis_names:
           raise ValueError(f"{what}: leaf {name!r} names mesh axis {axis!r}, which the "
                            f"mesh does not have (its axes are {tuple(mesh.axis_names)})")
@@ -256,7 +352,7 @@ def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
 def shardings(mesh: Mesh, specs: Any) -> Any:
   """``NamedSharding``s on ``mesh`` for a pytree of specs."""
   return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
-                                is_leaf=_is_spec)
+                                is_leaf=is_spec)
 
 
 # --------------------------------------------------------------------------- FSDP
@@ -264,7 +360,7 @@ def split_largest(spec: PartitionSpec, shape: Sequence[int], axes: AxisNames,
                   size: int) -> PartitionSpec:
   """``spec`` with ``axes`` added on the largest dimension that no axis splits yet and
   that ``size`` divides; ``spec`` unchanged when there is none (or ``size`` is 1)."""
-  axes = tuple(a for a in _axes_of(axes) if a not in spec_axes(spec))
+  axes = tuple(a for a in entry_axes(axes) if a not in spec_axes(spec))
   if not axes or size == 1:
     return spec
   entries = pad(spec, len(shape))
@@ -275,8 +371,8 @@ def split_largest(spec: PartitionSpec, shape: Sequence[int], axes: AxisNames,
       best = dim
   if best is None:
     return spec
-  entries[best] = axes[0] if len(axes) == 1 else axes
-  return _spec(entries)
+  entries[best] = _entry(axes)
+  return make_spec(entries)
 
 
 def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
@@ -298,13 +394,35 @@ def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
   base = resolve_specs(param_specs, params)
   return jax.tree_util.tree_map(
       lambda spec, leaf: split_largest(spec, np.shape(leaf), axis, size),
-      base, params, is_leaf=_is_spec)
+      base, params, is_leaf=is_spec)
 
 
 # --------------------------------------------------------------------------- state
+AVERAGED_DIMS: dict[type, Mapping[str, int]] = {
+    optax.FactoredState: {"v_row": -1, "v_col": -2},
+}
+"""Factored statistics of optimizer states that cannot declare their own: state type
+-> {field: the parameter dimension that field's statistic averages over}. A state
+type of one's own declares it as a class attribute ``averaged_dims`` of that form
+(`mpscale.ScaleByCameState` does)."""
+
+
+def averaged_dims(state: Any) -> Optional[Mapping[str, int]]:
+  """The factored statistics ``state`` declares (see `AVERAGED_DIMS`), or ``None``."""
+  declared = AVERAGED_DIMS.get(type(state))
+  if declared is None:
+    declared = getattr(type(state), "averaged_dims", None)
+  return declared if isinstance(declared, Mapping) else None
+
+
 def _follow(param_spec: PartitionSpec, param_shape: Sequence[int],
-            shape: Sequence[int], name: str) -> PartitionSpec:
-  """The spec of an optimizer-state leaf of ``shape`` kept for a parameter."""
+            shape: Sequence[int], averaged: Optional[int]) -> PartitionSpec:
+  """The spec of an optimizer-state leaf of ``shape`` kept for a parameter.
+
+  ``averaged``: the parameter dimension the leaf's statistic averages over, as its
+  state declares it; it decides when dropping more than one dimension fits ``shape``
+  (a square matrix). Undeclared, or not fitting ``shape``, the last fitting one.
+  """
   param_shape, shape = tuple(param_shape), tuple(shape)
   entries = pad(param_spec, len(param_shape))
   if shape == param_shape:
@@ -313,14 +431,11 @@ def _follow(param_spec: PartitionSpec, param_shape: Sequence[int],
              if param_shape[:d] + param_shape[d + 1:] == shape]
   if not dropped:
     return PartitionSpec()
-  lowered = name.lower()
-  if len(dropped) > 1 and "row" in lowered and len(param_shape) - 1 in dropped:
-    dim = len(param_shape) - 1        # a row statistic averages over the last dim
-  elif len(dropped) > 1 and "col" in lowered and len(param_shape) - 2 in dropped:
-    dim = len(param_shape) - 2        # a column statistic over the second-to-last
-  else:
-    dim = dropped[-1]
-  return _spec(entries[:dim] + entries[dim + 1:])
+  dim = dropped[-1]
+  if averaged is not None:
+    declared = averaged + len(param_shape) if averaged < 0 else averaged
+    dim = declared if declared in dropped else dim
+  return make_spec(entries[:dim] + entries[dim + 1:])
 
 
 def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
@@ -329,27 +444,34 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
   Every subtree of ``state`` with the tree structure of ``params`` (Adam's moments,
   CAME's statistics) is laid out leaf by leaf after the matching parameter: the same
   spec for the same shape, the spec without the averaged dimension for a factored
-  statistic, replicated otherwise; leaves outside such subtrees are replicated.
+  statistic (the dimension its state declares, see `averaged_dims`), replicated
+  otherwise; leaves outside such subtrees are replicated.
   """
   params_def = jax.tree_util.tree_structure(params)
-  param_leaves = jax.tree_util.tree_leaves_with_path(params)
-  spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=_is_spec)
+  param_leaves = jax.tree_util.tree_leaves(params)
+  spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
 
   def like(x):
     return (not _is_array_like(x) and x is not None
             and jax.tree_util.tree_structure(x) == params_def)
 
-  def lay_out(path, sub):
-    if not like(sub):
+  def lay_out(tree, averaged=None):
+    def one(sub):
+      if like(sub):
+        return params_def.unflatten([
+            _follow(spec, np.shape(p), np.shape(x), averaged)
+            for p, spec, x in zip(param_leaves, spec_leaves,
+                                  jax.tree_util.tree_leaves(sub))])
+      declared = averaged_dims(sub)
+      if declared is not None:
+        return sub._replace(**{f: lay_out(getattr(sub, f), declared.get(f))
+                               for f in sub._fields})
       return PartitionSpec()
-    field = norms_lib.path_str(path)
-    leaves = jax.tree_util.tree_leaves(sub)
-    return params_def.unflatten([
-        _follow(spec, np.shape(p), np.shape(x), field)
-        for (_, p), spec, x in zip(param_leaves, spec_leaves, leaves)])
+    return jax.tree_util.tree_map(
+        one, tree, is_leaf=lambda x: (like(x) or _is_array_like(x)
+                                      or averaged_dims(x) is not None))
 
-  return jax.tree_util.tree_map_with_path(
-      lay_out, state, is_leaf=lambda x: like(x) or _is_array_like(x))
+  return lay_out(state)
 
 
 def _is_array_like(x: Any) -> bool:
@@ -360,9 +482,9 @@ def zero1_specs(state: Any, specs: Any, mesh: Mesh, data_axes: AxisNames) -> Any
   """ZeRO-1 on top of ``specs``: each state leaf also split over the data axes its spec
   does not use yet, on its largest free dimension they divide."""
   def add(spec, leaf):
-    free = tuple(a for a in _axes_of(data_axes) if a not in spec_axes(spec))
+    free = tuple(a for a in entry_axes(data_axes) if a not in spec_axes(spec))
     return split_largest(spec, np.shape(leaf), free, axis_size(mesh, free))
-  return jax.tree_util.tree_map(add, specs, state, is_leaf=_is_spec)
+  return jax.tree_util.tree_map(add, specs, state, is_leaf=is_spec)
 
 
 # --------------------------------------------------------------------------- activations
@@ -374,6 +496,13 @@ def _manual_axes() -> tuple[frozenset, Any]:
   if abstract is None or getattr(abstract, "empty", True):
     return frozenset(), None
   return frozenset(getattr(abstract, "manual_axes", ())), abstract
+
+
+def only_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+  """``spec`` cut to the mesh ``axes`` (a ``shard_map``'s manual axes): each entry
+  keeps the axes in ``axes``, ``None`` where none is left."""
+  return PartitionSpec(*(_entry([a for a in entry_axes(e) if a in axes])
+                         for e in spec))
 
 
 def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Array:
@@ -389,29 +518,66 @@ def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Ar
   manual, abstract = _manual_axes()
   target: Any = mesh
   if manual:
-    def keep(entry):
-      if entry is None or entry is _UNCONSTRAINED:
-        return entry
-      kept = tuple(a for a in _axes_of(entry) if a not in manual)
-      return None if not kept else kept[0] if len(kept) == 1 else kept
-    spec = PartitionSpec(*(keep(e) for e in spec))
+    spec = PartitionSpec(*(
+        e if e is _UNCONSTRAINED
+        else _entry([a for a in entry_axes(e) if a not in manual]) for e in spec))
     if hasattr(jax.typeof(x), "manual_axis_type"):  # jax >= 0.9 wants the abstract mesh
       target = abstract
   return lax.with_sharding_constraint(x, NamedSharding(target, spec))
 
 
+# --------------------------------------------------------------------------- memory
+def tree_bytes(tree: Any, specs: Any = None, mesh: Optional[Mesh] = None, *,
+               per_device: bool = True) -> int:
+  """Bytes of the array leaves of ``tree``: all of them, or what one device holds.
+
+  Exact, from shapes: ``tree`` may hold arrays or ``jax.ShapeDtypeStruct`` leaves;
+  other leaves (and ``None``) hold no bytes.
+
+  Args:
+    tree: a pytree, e.g. parameters, an optimizer state, a batch.
+    specs: a ``PartitionSpec`` per leaf of ``tree``; with ``mesh``, each leaf counts
+      its shard under its spec. ``None``: each leaf's own ``.sharding`` decides
+      (a leaf without one counts whole).
+    mesh: the mesh ``specs`` lay the leaves out on.
+    per_device: ``False``: every byte of every leaf, whatever its layout.
+
+  Returns:
+    The number of bytes.
+
+  Raises:
+    ValueError: for ``specs`` without a ``mesh``, or with another number of leaves
+      than ``tree``.
+  """
+  leaves = jax.tree_util.tree_leaves(tree)
+  shardings: list[Any] = [getattr(x, "sharding", None) for x in leaves]
+  if specs is not None and per_device:
+    if mesh is None:
+      raise ValueError("tree_bytes: specs need a mesh")
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=is_spec)
+    if len(spec_leaves) != len(leaves):
+      raise ValueError(f"tree_bytes: {len(spec_leaves)} specs for {len(leaves)} "
+                       "leaves")
+    shardings = [NamedSharding(mesh, s) for s in spec_leaves]
+  total = 0
+  for leaf, sharding in zip(leaves, shardings):
+    if not _is_array_like(leaf):
+      continue
+    shape = tuple(leaf.shape)
+    if per_device and sharding is not None:
+      shape = sharding.shard_shape(shape)
+    total += math.prod(shape) * leaf.dtype.itemsize
+  return int(total)
+
+
 def bytes_per_device(mesh: Mesh, params: Any, specs: Any) -> dict[str, int]:
   """Bytes of ``params`` laid out by ``specs`` on ``mesh``, in all and per device.
 
-  Exact: from shapes and specs; ``params`` may hold ``jax.ShapeDtypeStruct`` leaves.
+  Exact: from shapes and specs (`tree_bytes`); ``params`` may hold
+  ``jax.ShapeDtypeStruct`` leaves.
 
   Returns:
     ``{"total": int, "per_device": int}``.
   """
-  total = per_device = 0
-  for leaf, spec in zip(jax.tree_util.tree_leaves(params),
-                        jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)):
-    nbytes = int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
-    total += nbytes
-    per_device += nbytes // axis_size(mesh, spec_axes(spec))
-  return {"total": total, "per_device": per_device}
+  return {"total": tree_bytes(params, per_device=False),
+          "per_device": tree_bytes(params, specs, mesh)}

@@ -9,6 +9,27 @@ state leaf is selected where the inner update produces it
 (`mpscale.producer_select`), so the inner update's own outputs read the selected state
 and a donated state is updated in place with no copies, on every backend (see
 benchmarks/README.md for the figures).
+
+Per step::
+
+  s = sum of squares of each leaf of g           # shared with the norms and the clip
+  nan, inf = any(isnan(s)), any(isinf(s))        # agreed across replicas (axis_name)
+  new_updates, new_inner = inner.update(g, inner_state)     # always computed
+  if nan or inf:                                  # skip: nothing changes
+    updates = -0.0; inner_state kept; skipped += 1; consecutive_skipped += 1
+  else:
+    updates, inner_state = new_updates, new_inner; consecutive_skipped = 0
+  global_norm = sqrt(sum(s)); group_norms by the groups of a clip inside inner,
+  else by this wrapper's
+
+The code reads the same way (`apply_or_skip`)::
+
+  leaf_squares = norms.reuse_or_measure(updates, leaf_squares, groups)   # s
+  overflow = nan | inf                            # _any_across for axis_name
+  new_updates, new_inner, raw_inner = producer_select.update_or_skip(
+      run_inner, skip, state.inner_state)         # the select, per state leaf
+  new_updates = where(applied, u, -0.0)
+  SkipNonfiniteState(new_inner, skipped + skipped_now, ..., global_norm, ...)
 """
 
 from __future__ import annotations

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -188,31 +187,6 @@ def _check_loss_structure(out: Any, per_token_loss: bool) -> None:
         f"per_token_loss=True, a pair (loss_sum, num_tokens)); got {out}")
 
 
-def _check_batch(batch: Any, divisor: int, what: str) -> int:
-  """Checks that the batch leaves share a leading dim divisible by ``divisor``.
-
-  Returns that dim (the number of rows; 0 for a batch without arrays). Scalar leaves
-  are allowed only when ``divisor`` is 1.
-  """
-  sizes = set()
-  for path, x in jax.tree_util.tree_leaves_with_path(batch):
-    shape = np.shape(x)
-    name = norms_lib.path_str(path) or "batch"
-    if not shape:
-      if divisor > 1:
-        raise ValueError(f"batch leaf {name!r} is a scalar; with data parallelism or "
-                         "micro-batches every batch leaf needs a leading batch "
-                         "dimension")
-      continue
-    if shape[0] % divisor:
-      raise ValueError(f"batch leaf {name!r} has leading dimension {shape[0]}, which "
-                       f"is not divisible by {what} = {divisor}")
-    sizes.add(shape[0])
-  if len(sizes) > 1:
-    raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
-  return sizes.pop() if sizes else 0
-
-
 def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
                          loss_scale: Any = 1.0,
                          policy: Union[None, str, policy_lib.Policy] = None,
@@ -273,9 +247,9 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   policy = policy_lib.Policy() if policy is None else policy_lib.get_policy(policy)
   validation.positive_int("num_microbatches", num_microbatches)
   scale = jnp.asarray(loss_scale, jnp.float32)
-  data_axes = _data_axes(mesh, data_axis)
-  rows = _check_batch(batch, num_microbatches * _data_size(mesh, data_axis),
-                      "the data-parallel size x num_microbatches")
+  data_axes = sharding_lib.data_axes(mesh, data_axis)
+  rows = sharding_lib.batch_rows(batch, sharding_lib.axis_size(mesh, data_axes),
+                                 num_microbatches)
   specs = (sharding_lib.resolve_specs(param_specs, params)
            if mesh is not None and param_specs is not None else None)
   rng = None if rng is None else keys_lib.typed(rng)
@@ -314,8 +288,8 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     grads = like_params(jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads))
     pieces = 1
   else:
-    replicas = _data_size(mesh, vmap_axes) if vmap_axes else 1
-    inner = _data_size(mesh, inner_axes) if inner_axes else 1
+    replicas = sharding_lib.axis_size(mesh, vmap_axes)
+    inner = sharding_lib.axis_size(mesh, inner_axes)
     pieces = num_microbatches * replicas
     micro_batches = _split_microbatches(batch, num_microbatches, replicas, inner)
     piece_grad = (grad_fn if replicas == 1
@@ -432,39 +406,6 @@ def _token_dtype(dtype: Any) -> Any:
   return jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else jnp.float32
 
 
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, PartitionSpec)
-
-
-def _data_axes(mesh: Optional[Mesh], data_axis: DataAxis) -> tuple[str, ...]:
-  """``data_axis`` as a tuple of axes of ``mesh`` (``()`` without a mesh)."""
-  if mesh is None:
-    return ()
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
-  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
-  if not axes or not all(isinstance(a, str) for a in axes):
-    raise TypeError(f"data_axis must be a str or a tuple of str; got {data_axis!r}")
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"mesh has axes {tuple(mesh.axis_names)} but no data axis "
-                     f"{missing[0]!r}; pass data_axis= one of them")
-  explicit = [name for name, kind in zip(mesh.axis_names,
-                                         getattr(mesh, "axis_types", None) or ())
-              if "explicit" in str(kind).lower()]
-  if explicit:
-    raise ValueError(
-        f"mesh axes {explicit} are Explicit (jax.make_mesh's default on newer jax); "
-        "make_train_step lays arrays out with GSPMD and needs Auto axes: build the "
-        "mesh with jax.sharding.Mesh(devices, names) or jax.make_mesh(shape, names, "
-        "axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
-  return axes
-
-
-def _data_size(mesh: Optional[Mesh], data_axis: DataAxis) -> int:
-  return math.prod(mesh.shape[a] for a in _data_axes(mesh, data_axis))
-
-
 def _check_pipeline(pipeline: pipeline_lib.Pipeline, mesh: Optional[Mesh],
                     num_microbatches: int) -> int:
   """Validates a pipelined step's settings; returns its micro-batch count."""
@@ -503,7 +444,7 @@ class _Layout:
     opt = sharding_lib.state_specs(state.opt_state, state.params, params)
     # FSDP shards the optimizer state over its data axes too (a moment the spec of
     # its parameter leaves unsplit: a factored one); ZeRO-1 over every data axis.
-    used = {a for s in jax.tree_util.tree_leaves(params, is_leaf=_is_spec)
+    used = {a for s in jax.tree_util.tree_leaves(params, is_leaf=sharding_lib.is_spec)
             for a in sharding_lib.spec_axes(s)}
     over = self.data_axes if self.zero1 else tuple(a for a in self.data_axes
                                                    if a in used)
@@ -518,7 +459,7 @@ class _Layout:
   def batch(self) -> Optional[NamedSharding]:
     if self.mesh is None:
       return None
-    return NamedSharding(self.mesh, PartitionSpec(self.data_axes))
+    return sharding_lib.batch_sharding(self.mesh, self.data_axes)
 
   def constrain(self, tree: Any, shardings: Any = None) -> Any:
     """``tree`` constrained to ``shardings`` (default: replicated)."""
@@ -546,8 +487,8 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
           loss_scale=scale, per_token_loss=per_token_loss, cast=policy.cast_to_compute,
           param_specs=layout.specs(params), rng=rng)
       if not per_token_loss:
-        grads = grads._replace(num_tokens=jnp.asarray(_check_batch(batch, 1, ""),
-                                                      jnp.int32))
+        grads = grads._replace(num_tokens=jnp.asarray(
+            sharding_lib.batch_rows(batch), jnp.int32))
       return grads, None
     return pipelined
 
@@ -568,11 +509,11 @@ def _skipped_total(opt_state: Any) -> jax.Array:
 
 
 def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
-                       state: TrainState, batch: Any, divisor: int, divisor_text: str,
+                       state: TrainState, batch: Any, data_size: int,
                        num_microbatches: int, per_token_loss: bool) -> None:
   """At trace time: the batch divides, the state matches the optimizer, and the loss
   function returns the structure ``per_token_loss`` asks for."""
-  _check_batch(batch, divisor, divisor_text)
+  sharding_lib.batch_rows(batch, data_size, num_microbatches)
   expected = jax.tree_util.tree_structure(
       jax.eval_shape(tx.init, _shapes(state.params)))
   if jax.tree_util.tree_structure(state.opt_state) != expected:
@@ -772,10 +713,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       (``policy.cast_to_compute(x)``, ``policy.cast_to_output(logits)``) is its own job.
       Or a `mpscale.Pipeline`: the model is then pipelined over the mesh's stage axis
       (the mesh needs it), the stacked layers are sharded over that axis (and so are
-      the optimizer-state subtrees shaped like the parameters), micro-batching is the
-      pipeline's own (``num_microbatches`` here must be 1 or the same), and
-      ``shard_optimizer_state`` is not supported. Pass ``groups=mpscale.stage_groups(
-      num_stages)`` to the optimizer's wrapper for one group norm per stage.
+      the optimizer-state subtrees shaped like the parameters), and micro-batching is
+      the pipeline's own (``num_microbatches`` here must be 1 or the same);
+      ``shard_optimizer_state`` splits its optimizer state as for any model. Pass
+      ``groups=mpscale.stage_groups(num_stages)`` to the optimizer's wrapper for one
+      group norm per stage.
     optimizer: an optax transformation, ideally wrapped in `mpscale.dynamic_loss_scale`
       (float16) or `mpscale.no_loss_scale`; see `mpscale.Policy.needs_loss_scaling`.
       Leave the wrappers' ``axis_name`` unset: under jit + GSPMD the overflow check
@@ -865,7 +807,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   validation.boolean("per_token_loss", per_token_loss)
   validation.boolean("shard_optimizer_state", shard_optimizer_state)
   validation.boolean("donate", donate)
-  data_axes = _data_axes(mesh, data_axis)
+  data_axes = sharding_lib.data_axes(mesh, data_axis)
   if shard_optimizer_state and mesh is None:
     raise ValueError("shard_optimizer_state=True needs a mesh")
   if param_specs is not None and mesh is None:
@@ -877,9 +819,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
                                per_token_loss)
   model = pipeline.apply if pipeline is not None else loss_fn
-  data_size = _data_size(mesh, data_axis)
-  divisor_text = (f"data-parallel size {data_size} x num_microbatches "
-                  f"{num_microbatches}")
+  data_size = sharding_lib.axis_size(mesh, data_axes)
 
   if model_state_dtype is not None:
     model_state_dtype = jnp.dtype(model_state_dtype)
@@ -895,8 +835,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
   def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
     tx = _wrapped(optimizer, state.params)
-    _check_step_inputs(model, policy, tx, state, batch, data_size * num_microbatches,
-                       divisor_text, num_microbatches, per_token_loss)
+    _check_step_inputs(model, policy, tx, state, batch, data_size, num_microbatches,
+                       per_token_loss)
     scale = loss_scale_lib.loss_scale_of(state.opt_state)
     key = None if state.rng is None else keys_lib.step_key(state.rng, state.step)
     (grads, loss, num_tokens), model_state = gradients(

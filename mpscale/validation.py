@@ -1,16 +1,19 @@
 """Argument checks, shared by every constructor and by the config.
 
 Each check takes the argument's name first and returns the value (converted where that
-is the point, e.g. an int to a float). A wrong type raises ``TypeError`` and a wrong
-value ``ValueError``; the message starts with the name it was given, so a builder can
-translate it (the config passes its dotted key, e.g. ``loss_scale.growth_factor``).
+is the point, e.g. an int to a float). A wrong value raises `ArgumentError` (a
+``ValueError``) and a wrong type `ArgumentTypeError` (also a ``TypeError``). Both hold
+the names of the arguments they speak of (``names``, the one at fault first) apart from
+the text, so a caller that knows the arguments by other names renames them without
+reading the message (`ArgumentError.renamed`): the trainer turns
+``growth_factor must be > 1`` into ``loss_scale.growth_factor must be > 1``.
 The checks run when a transform or step is built, never inside a trace.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +23,60 @@ import optax
 _FLOAT_TYPES = (int, float, np.integer, np.floating)
 
 
+class ArgumentError(ValueError):
+  """A bad argument, by name.
+
+  The message is ``template`` with ``{0}``, ``{1}``, ... standing for ``names``, so
+  renaming the arguments rewrites the message without parsing it.
+
+  Attributes:
+    names: the arguments the message speaks of; the first is the one at fault.
+    template: the message, ``str.format`` style, with ``{i}`` for ``names[i]``.
+  """
+
+  def __init__(self, names: Union[str, Sequence[str]], template: str):
+    self.names = (names,) if isinstance(names, str) else tuple(names)
+    self.template = template
+    super().__init__(template.format(*self.names))
+
+  @property
+  def name(self) -> str:
+    """The argument at fault."""
+    return self.names[0]
+
+  def renamed(self, rename: Callable[[str], str]) -> "ArgumentError":
+    """The same error (same type and template) with each name passed through
+    ``rename``."""
+    return type(self)(tuple(rename(n) for n in self.names), self.template)
+
+  def __reduce__(self):  # pickles (e.g. across processes) with its names
+    return type(self), (self.names, self.template)
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+  """An argument of the wrong type (`ArgumentError`; also a ``TypeError``)."""
+
+
+def literal(text: Any) -> str:
+  """``text`` escaped for an `ArgumentError` template (braces doubled)."""
+  return str(text).replace("{", "{{").replace("}", "}}")
+
+
+def fail(name: str, rest: str, cls: type = ArgumentError) -> ArgumentError:
+  """An error (``cls``) whose message is ``name`` followed by ``rest`` (plain text,
+  not a template): ``raise fail("beta1", " must be in [0, 1)")``."""
+  return cls(name, "{0}" + literal(rest))
+
+
 def real(name: str, value: Any) -> float:
   """``value`` as a float; ``TypeError`` unless a number (bools refused), ``ValueError``
   if NaN."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, _FLOAT_TYPES):
-    raise TypeError(f"{name} must be a float; got {type(value).__name__}")
+    raise fail(name, f" must be a float; got {type(value).__name__}",
+               ArgumentTypeError)
   value = float(value)
   if math.isnan(value):
-    raise ValueError(f"{name} must not be NaN")
+    raise fail(name, " must not be NaN")
   return value
 
 
@@ -46,7 +95,7 @@ def float_in(name: str, value: Any, low: float = -math.inf, high: float = math.i
       where = (f"in {'(' if low_open else '['}{low:g}, {high:g}"
                f"{')' if high_open else ']'}")
     finite = "" if allow_inf else "finite and "
-    raise ValueError(f"{name} must be {finite}{where}; got {value:g}")
+    raise fail(name, f" must be {finite}{where}; got {value:g}")
   return value
 
 
@@ -54,8 +103,8 @@ def positive_float(name: str, value: Any, *, allow_inf: bool = False) -> float:
   """``value`` as a float > 0, finite unless ``allow_inf``."""
   value = real(name, value)
   if not value > 0 or (not allow_inf and math.isinf(value)):
-    raise ValueError(f"{name} must be positive{'' if allow_inf else ' and finite'}; "
-                     f"got {value:g}")
+    raise fail(name, f" must be positive{'' if allow_inf else ' and finite'}; "
+               f"got {value:g}")
   return value
 
 
@@ -67,9 +116,10 @@ def non_negative_float(name: str, value: Any) -> float:
 def integer(name: str, value: Any, low: int = -(2**63)) -> int:
   """``value`` as an int >= ``low``; ``TypeError`` unless an int (bools refused)."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    raise fail(name, f" must be an int; got {type(value).__name__}",
+               ArgumentTypeError)
   if value < low:
-    raise ValueError(f"{name} must be >= {low}; got {value}")
+    raise fail(name, f" must be >= {low}; got {value}")
   return int(value)
 
 
@@ -81,15 +131,16 @@ def positive_int(name: str, value: Any) -> int:
 def boolean(name: str, value: Any) -> bool:
   """``value`` as a bool; ``TypeError`` unless a bool (NumPy's included)."""
   if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+    raise fail(name, f" must be a bool; got {type(value).__name__}",
+               ArgumentTypeError)
   return bool(value)
 
 
 def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
   """``value`` if it is one of ``choices``, else ``ValueError`` listing them."""
   if value not in choices:
-    raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; "
-                     f"got {value!r}")
+    raise fail(name, f" must be one of {', '.join(map(repr, choices))}; "
+               f"got {value!r}")
   return value
 
 
@@ -98,10 +149,10 @@ def floats(name: str, value: Any, length: int,
   """``value`` as a tuple of ``length`` floats, each passed to ``check`` under the name
   ``name[i]``."""
   if not isinstance(value, (tuple, list)):
-    raise TypeError(f"{name} must be a tuple of {length} floats; got "
-                    f"{type(value).__name__}")
+    raise fail(name, f" must be a tuple of {length} floats; got "
+               f"{type(value).__name__}", ArgumentTypeError)
   if len(value) != length:
-    raise ValueError(f"{name} must be {length} floats; got {len(value)} values")
+    raise fail(name, f" must be {length} floats; got {len(value)} values")
   return tuple(check(f"{name}[{i}]", v) for i, v in enumerate(value))
 
 
@@ -114,8 +165,8 @@ def scalar_or_schedule(name: str, value: Any,
     return value
   if isinstance(value, jax.Array):
     if value.ndim != 0 or not jnp.issubdtype(value.dtype, jnp.floating):
-      raise TypeError(f"{name} must be a float, a scalar float array or a schedule; "
-                      f"got an array of {value.dtype}{list(value.shape)}")
+      raise fail(name, " must be a float, a scalar float array or a schedule; "
+                 f"got an array of {value.dtype}{list(value.shape)}", ArgumentTypeError)
     return value
   return check(name, value)
 
@@ -126,10 +177,10 @@ def groups(name: str, value: Any) -> Any:
   if value is None or callable(value):
     return value
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be None, a positive int depth or a callable "
-                    f"key_path -> str; got {type(value).__name__}")
+    raise fail(name, " must be None, a positive int depth or a callable "
+               f"key_path -> str; got {type(value).__name__}", ArgumentTypeError)
   if value < 1:
-    raise ValueError(f"{name} depth must be >= 1; got {value}")
+    raise fail(name, f" depth must be >= 1; got {value}")
   return int(value)
 
 
@@ -138,20 +189,21 @@ def axis_name(name: str, value: Any) -> Optional[Any]:
   if value is None or isinstance(value, str) or (
       isinstance(value, tuple) and all(isinstance(a, str) for a in value)):
     return value
-  raise TypeError(f"{name} must be a str, a tuple of str or None; got "
-                  f"{type(value).__name__}")
+  raise fail(name, " must be a str, a tuple of str or None; got "
+             f"{type(value).__name__}", ArgumentTypeError)
 
 
 def transformation(name: str, value: Any) -> optax.GradientTransformationExtraArgs:
   """An ``optax.GradientTransformation``, given extra-args support."""
   if not isinstance(value, optax.GradientTransformation):
-    raise TypeError(f"{name} must be an optax.GradientTransformation; got "
-                    f"{type(value).__name__}")
+    raise fail(name, " must be an optax.GradientTransformation; got "
+               f"{type(value).__name__}", ArgumentTypeError)
   return optax.with_extra_args_support(value)
 
 
 def function(name: str, value: Any) -> Callable[..., Any]:
   """``value`` if it is callable, else ``TypeError``."""
   if not callable(value):
-    raise TypeError(f"{name} must be callable; got {type(value).__name__}")
+    raise fail(name, f" must be callable; got {type(value).__name__}",
+               ArgumentTypeError)
   return value

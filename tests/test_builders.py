@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mpscale
 from mpscale.trainer import builders
 from mpscale.trainer import config as config_lib
 
@@ -39,3 +40,38 @@ def test_float16_parameters_keep_float32_hyperparameters(name):
     assert not bool(metrics["overflow"])
   assert state.params["embed"]["token"].dtype == jnp.float16
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state.params))
+
+
+@pytest.mark.parametrize("override, names", [
+    ({"loss_scale": {"kind": "dynamic", "backoff_factor": 2.0}},
+     ("loss_scale.backoff_factor",)),
+    ({"loss_scale": {"kind": "dynamic", "min_scale": 8.0, "max_scale": 4.0}},
+     ("loss_scale.min_scale", "loss_scale.max_scale")),
+    ({"loss_scale": {"kind": "fixed", "init_scale": 0.0}}, ("loss_scale.init_scale",)),
+    ({"optimizer": {"name": "came", "came": {"eps": [1e-30, -1.0, 1e-16]}}},
+     ("optimizer.came.eps[1]",)),
+    ({"optimizer": {"name": "came", "came": {"relative_step": True}}},
+     ("optimizer.learning_rate", "optimizer.came.relative_step")),
+    ({"schedule": {"warmup_steps": 10}}, ("schedule.warmup_steps", "train.steps")),
+    ({"model": {"d_model": 30, "num_heads": 4}}, ("model.d_model", "model.num_heads")),
+    ({"precision": {"policy": "O7"}}, ("precision.policy",)),
+])
+def test_builder_errors_carry_the_config_keys(override, names):
+  raw = {**SMALL, **override, "model": {**SMALL["model"], **override.get("model", {})}}
+  cfg, _ = config_lib.read_config(raw)  # typed, values unchecked
+  with pytest.raises(mpscale.ArgumentError) as err:
+    builders.check(cfg)
+  assert err.value.names == names
+  assert str(err.value).startswith(names[0])
+
+
+def test_keyed_renames_names_and_leaves_the_text_alone():
+  def bad():
+    raise mpscale.ArgumentError(("a", "b"), "{0} must be < {1}; a and b are sizes")
+  with pytest.raises(mpscale.ArgumentError) as err:
+    builders._keyed("section", bad, {"a": "s.a", "b": "t.b"})
+  assert str(err.value) == "s.a must be < t.b; a and b are sizes"
+  # An error the table does not know, or one without names, gets the section.
+  with pytest.raises(mpscale.ArgumentTypeError) as err:
+    builders._keyed("section", lambda: (_ for _ in ()).throw(TypeError("oops")), {})
+  assert err.value.names == ("section",) and str(err.value) == "section: oops"

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import pickle
 
 import pytest
 
@@ -150,3 +151,25 @@ def test_override_errors_say_set_by_set(tmp_path):
     config.load_config(path, ["train.steps"])
   with pytest.raises(config.ConfigError, match="train.steps is not a section"):
     config.load_config(path, ["train.steps.x=1"])
+
+
+def test_config_errors_hold_their_keys_and_set_by_set_comes_from_them(tmp_path):
+  path = write(tmp_path, "train:\n  steps: 300\n")
+  # The message starts with train.steps; the override set the other key it names.
+  with pytest.raises(config.ConfigError) as e:
+    config.load_config(path, ["schedule.warmup_steps=400"])
+  assert e.value.keys == ("train.steps", "schedule.warmup_steps")
+  assert str(e.value).startswith(f"{path}: train.steps (300)")
+  assert str(e.value).endswith("(set by --set)")
+  # A key set by --set that the error does not speak of is not blamed.
+  with pytest.raises(config.ConfigError) as e:
+    config.load_config(path, ["seed=3", "loss_scale.kind=dynamic",
+                              "loss_scale.backoff_factor=1.5"])
+  assert e.value.keys == ("loss_scale.backoff_factor",)
+  assert "(set by --set)" in str(e.value)
+  path = write(tmp_path, "loss_scale:\n  kind: dynamic\n  backoff_factor: 1.5\n")
+  with pytest.raises(config.ConfigError) as e:
+    config.load_config(path, ["seed=3"])
+  assert e.value.keys == ("loss_scale.backoff_factor",)
+  assert "(set by --set)" not in str(e.value)
+  assert pickle.loads(pickle.dumps(e.value)).keys == e.value.keys

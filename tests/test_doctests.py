@@ -22,9 +22,9 @@ MODULES = sorted(info.name for info in pkgutil.walk_packages(mpscale.__path__, "
 """Every module of the package; none has side effects on import (``mpscale.__main__``
 runs the command line only as ``__main__``), so none is skipped."""
 
-WITH_EXAMPLES = ("mpscale.came", "mpscale.loss_scale", "mpscale.norms", "mpscale.policy",
-                 "mpscale.schedules", "mpscale.train_step", "mpscale.trainer.config",
-                 "mpscale.trainer.lm")
+WITH_EXAMPLES = ("mpscale.came", "mpscale.hlo", "mpscale.loss_scale", "mpscale.norms",
+                 "mpscale.policy", "mpscale.schedules", "mpscale.train_step",
+                 "mpscale.trainer.config", "mpscale.trainer.lm")
 """Modules whose docstrings have examples today: deleting them all fails a test."""
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

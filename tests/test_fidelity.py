@@ -42,7 +42,7 @@ def test_a_scale_on_n_tokens_is_the_scale_times_k_on_k_n_tokens():
   2048 tokens scaled by 1/8 equals, bit for bit, that of the same tokens repeated 8
   times (a mean over 16384) at scale 1."""
   cfg = config_lib.ModelConfig()
-  model = lm.TinyLM(cfg)
+  model = lm.TinyLM.from_sizes(cfg)
   params = model.init(jax.random.key(0))
   batch = {k: jnp.asarray(v) for k, v in
            data_lib.load_data().train_batch(0, 0, 32, cfg.seq_len).items()}

@@ -62,3 +62,95 @@ def test_importing_the_library_loads_no_trainer_module():
           "print(bad); assert not bad, bad")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------ the trainer's layers
+TRAINER = PACKAGE / "trainer"
+TRAINER_LAYERS = (
+    ("schema", "data", "devices", "progress", "metrics_log", "checkpoints"),
+    ("lm", "models", "loader", "plots"),
+    ("builders",),
+    ("config",),
+    ("distributed",),
+    ("loop",),
+    ("planning", "compare"),
+    ("cli",),
+)
+"""The trainer's modules from the bottom up: each imports only from layers below its
+own (``__init__`` re-exports them all and is left out). ``schema`` reads a config and
+imports nothing of the trainer; ``builders`` turns it into the run's pieces;
+``config`` loads and checks a config by building them; ``loop`` trains; ``cli`` is
+the command."""
+
+
+def _module_graph(package_dir, package):
+  """``{module: {modules of package it imports}}`` over every ``.py`` file in
+  ``package_dir``, counting imports anywhere (inside functions too); ``from pkg
+  import name`` counts as importing the module ``pkg.name`` when there is one, else
+  ``pkg``."""
+  modules = {p.stem: p for p in package_dir.glob("*.py")}
+  graph = {}
+  for name, path in modules.items():
+    found = set()
+    for imported in _imported(path):
+      for candidate in (imported, imported.rpartition(".")[0]):
+        head, _, last = candidate.rpartition(".")
+        if head == package and last in modules:
+          found.add(last)
+          break
+    graph[name] = found - {name}
+  return graph
+
+
+def _cycles(graph):
+  """Every import cycle in ``graph`` (each as a list of modules, first repeated last),
+  found by a depth-first search."""
+  cycles, state = [], {}
+
+  def visit(node, path):
+    state[node] = "open"
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == "open":
+        cycles.append(path[path.index(nxt):] + [nxt])
+      elif nxt not in state:
+        visit(nxt, path + [nxt])
+    state[node] = "done"
+
+  for node in sorted(graph):
+    if node not in state:
+      visit(node, [node])
+  return cycles
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path):
+  pkg = tmp_path / "pkg"
+  pkg.mkdir()
+  (pkg / "a.py").write_text("from pkg import b\n")
+  (pkg / "b.py").write_text("def f():\n  from pkg.c import g\n")
+  (pkg / "c.py").write_text("import pkg.a\n")
+  (pkg / "d.py").write_text("from pkg import a\n")
+  graph = _module_graph(pkg, "pkg")
+  assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+  assert _cycles(graph) == [["a", "b", "c", "a"]]
+  graph["c"] = set()
+  assert _cycles(graph) == []
+
+
+def test_no_trainer_module_is_in_an_import_cycle():
+  graph = _module_graph(TRAINER, "mpscale.trainer")
+  assert {"config", "builders", "lm", "loop"} <= set(graph)
+  assert not _cycles(graph), f"import cycles in mpscale/trainer: {_cycles(graph)}"
+
+
+def test_trainer_modules_import_only_from_layers_below():
+  graph = _module_graph(TRAINER, "mpscale.trainer")
+  layer = {m: i for i, names in enumerate(TRAINER_LAYERS) for m in names}
+  assert set(layer) == set(graph) - {"__init__"}, "a module missing from the layers"
+  upward = [f"{m} -> {n}" for m in layer for n in graph[m] if layer[n] >= layer[m]]
+  assert not upward, f"imports that do not run downward: {upward}"
+
+
+def test_the_schema_imports_nothing_of_the_trainer_and_lm_no_config():
+  graph = _module_graph(TRAINER, "mpscale.trainer")
+  assert graph["schema"] == set()
+  assert graph["lm"] == set()

@@ -26,7 +26,7 @@ class Jitted:
 
 @pytest.fixture(scope="module")
 def model():
-  return Jitted(lm.TinyLM(CFG))
+  return Jitted(lm.TinyLM.from_sizes(CFG))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_activations_follow_the_compute_dtype_and_loss_is_float32(
 
 @pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
 def test_remat_gives_the_same_gradients(params, batch):
-  plain, remat = lm.TinyLM(CFG), lm.TinyLM(CFG, remat=True)
+  plain, remat = lm.TinyLM.from_sizes(CFG), lm.TinyLM.from_sizes(CFG, remat=True)
   g1 = jax.jit(jax.grad(plain.mean_loss_fn))(params, batch)
   g2 = jax.jit(jax.grad(remat.mean_loss_fn))(params, batch)
   for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
@@ -123,10 +123,9 @@ def test_too_long_sequence_is_an_error(model, params):
 
 
 def test_generate_continues_the_prompt_past_the_window():
-  from mpscale.trainer import config as config_lib
   from mpscale.trainer.lm import TinyLM
-  model = TinyLM(config_lib.ModelConfig(d_model=16, num_heads=2, num_layers=1, d_ff=32,
-                                        seq_len=8))
+  model = TinyLM(vocab_size=256, d_model=16, num_heads=2, num_layers=1, d_ff=32,
+                 seq_len=8)
   params = model.init(jax.random.key(0))
   prompt = np.frombuffer(b"hello", np.uint8)
   out = model.generate(params, prompt, 20, rng=jax.random.key(1), temperature=0.0)

@@ -8,6 +8,7 @@ uneven masks, the loss, the norms and the parameters agree to 1e-5 (float32).
 import collections
 import functools
 import re
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def make_step(mesh, optimizer, *, virtual=0, sequence_parallel=False, schedule="
               zero1=False, donate=True):
   shard = None if mesh is None else lm_lib.ActivationSharding(
       mesh, sequence_parallel=sequence_parallel)
-  model = lm_lib.TinyLM(CONFIG, shard=shard)
+  model = lm_lib.TinyLM.from_sizes(CONFIG, shard=shard)
   loss = model.loss_fn
   if virtual:
     loss = mpscale.Pipeline(model.embed_fn, model.stage_fn, model.head_fn, MICRO,
@@ -192,14 +193,14 @@ def test_an_overflow_in_one_shard_makes_every_device_skip():
 
 
 def _shard_bytes(tree):
-  """Bytes each device holds of ``tree`` (the first device's shards)."""
-  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
+  """Bytes each device holds of ``tree`` (each leaf's own sharding)."""
+  return sharding.tree_bytes(tree)
 
 
 def test_fsdp_divides_params_and_optimizer_state():
   n = 8
   _, (init, step) = make_step(make_mesh(fsdp=n), "came")
-  state = init(lm_lib.TinyLM(CONFIG).init(jax.random.key(0)))
+  state = init(lm_lib.TinyLM.from_sizes(CONFIG).init(jax.random.key(0)))
   leaves = jax.tree_util.tree_leaves((state.params, state.opt_state))
   total = sum(x.nbytes for x in leaves)
   unsplit = [x.nbytes for x in leaves
@@ -217,7 +218,7 @@ def test_fsdp_divides_params_and_optimizer_state():
 
 def test_tensor_parallelism_divides_the_matrices_it_splits():
   _, (init, _) = make_step(make_mesh(tensor=8), "adamw")
-  state = init(lm_lib.TinyLM(CONFIG).init(jax.random.key(0)))
+  state = init(lm_lib.TinyLM.from_sizes(CONFIG).init(jax.random.key(0)))
   split = {"['embed']['token']", "['head']['out']['kernel']"} | {
       f"['stages']['{name}']['kernel']" for name in ("qkv", "out", "fc", "proj")}
   for path, x in jax.tree_util.tree_leaves_with_path(state.params):
@@ -241,7 +242,7 @@ def test_came_factors_follow_their_dimension():
   assert came_state.v_col["w"] == P("tensor")        # mean over the rows
   assert came_state.instability_row["w"] == P("fsdp")
   assert came_state.v["w"] == P()                    # an empty placeholder
-  # Square factors: the field name decides which dimension a statistic kept.
+  # Square factors: CAME's state declares which dimension each statistic averages.
   square = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
   laid = sharding.state_specs(jax.eval_shape(mpscale.came(1e-3).init, square), square,
                               specs)[0]
@@ -251,6 +252,68 @@ def test_came_factors_follow_their_dimension():
   zero = sharding.zero1_specs(state, followed, mesh, ("fsdp",))
   assert zero[0].mu["w"] == P("fsdp", "tensor")
   assert zero[0].v_col["w"] == P("tensor")  # 12 / 4; fsdp has no free dim left
+
+
+def test_adafactor_factors_follow_their_dimension():
+  square = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+  state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=1).init, square)
+  laid = sharding.state_specs(state, square, {"w": P("fsdp", "tensor")})
+  (factored,) = [s for s in jax.tree_util.tree_leaves(
+      laid, is_leaf=lambda x: isinstance(x, optax.FactoredState))
+                 if isinstance(s, optax.FactoredState)]
+  assert (factored.v_row["w"], factored.v_col["w"]) == (P("fsdp"), P("tensor"))
+
+
+class _DeclaredState(NamedTuple):
+  """A statistic named "row" that averages over dim 0 (the rows), as declared."""
+  row: Any
+  averaged_dims = {"row": 0}
+
+
+class _UndeclaredState(NamedTuple):
+  """Statistics whose names say "row" and "col", and nothing declared."""
+  row: Any
+  col: Any
+
+
+def test_a_state_declares_which_dimension_a_statistic_averages():
+  square = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+  specs = {"w": P("fsdp", "tensor")}
+  stat = {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}
+  # Dropping either dimension fits the shape; the declaration decides, not the name.
+  declared = sharding.state_specs(_DeclaredState(stat), square, specs)
+  assert declared.row["w"] == P("tensor")
+  # Field names alone decide nothing: undeclared, both take the last fitting one.
+  undeclared = sharding.state_specs(_UndeclaredState(stat, stat), square, specs)
+  assert (undeclared.row["w"], undeclared.col["w"]) == (P("fsdp"), P("fsdp"))
+  # An unambiguous shape needs no declaration.
+  wide = {"w": jax.ShapeDtypeStruct((8, 12), jnp.float32)}
+  cols = {"w": jax.ShapeDtypeStruct((12,), jnp.float32)}
+  laid = sharding.state_specs(_UndeclaredState(stat, cols), wide, specs)
+  assert (laid.row["w"], laid.col["w"]) == (P("fsdp"), P("tensor"))
+
+
+def test_tree_bytes_counts_what_one_device_holds():
+  mesh = make_mesh(fsdp=2, tensor=4)
+  x = jax.device_put(jnp.zeros((8, 16), jnp.float32),
+                     NamedSharding(mesh, P("fsdp", "tensor")))
+  assert sharding.tree_bytes(x) == 8 * 16 * 4 // 8
+  assert sharding.tree_bytes(x, per_device=False) == 8 * 16 * 4
+  shape = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16,
+                               sharding=NamedSharding(mesh, P(None, "tensor")))
+  assert sharding.tree_bytes(shape) == 8 * 16 * 2 // 4
+  # Specs on a mesh decide over the leaves' own layout.
+  tree = {"a": shape, "b": jax.ShapeDtypeStruct((6,), jnp.int32)}
+  specs = {"a": P("fsdp"), "b": P()}
+  assert sharding.tree_bytes(tree, specs, mesh) == 8 * 16 * 2 // 2 + 6 * 4
+  assert sharding.bytes_per_device(mesh, tree, specs) == {
+      "total": 8 * 16 * 2 + 6 * 4, "per_device": 8 * 16 * 2 // 2 + 6 * 4}
+  # None and non-array leaves hold nothing; a leaf without a sharding counts whole.
+  mixed = {"a": None, "b": 3, "c": "name", "d": np.zeros((5,), np.float16)}
+  assert sharding.tree_bytes(mixed) == 10
+  assert sharding.tree_bytes(mixed, per_device=False) == 10
+  with pytest.raises(ValueError, match="specs need a mesh"):
+    sharding.tree_bytes(tree, specs)
 
 
 # ------------------------------------------------------------------ collectives
@@ -293,11 +356,11 @@ def test_collectives_of_fsdp_and_tensor_step_and_only_scalars_for_the_check():
 
 def test_sequence_parallel_splits_the_residual_stream_over_the_sequence():
   mesh = make_mesh(tensor=8)
-  params = lm_lib.TinyLM(CONFIG).init(jax.random.key(0))
+  params = lm_lib.TinyLM.from_sizes(CONFIG).init(jax.random.key(0))
   batch = make_batch()
 
   def compiled(sp):
-    model = lm_lib.TinyLM(CONFIG, shard=lm_lib.ActivationSharding(
+    model = lm_lib.TinyLM.from_sizes(CONFIG, shard=lm_lib.ActivationSharding(
         mesh, sequence_parallel=sp))
     return jax.jit(model.hidden_fn).lower(params, batch).compile().as_text()
 
@@ -375,9 +438,10 @@ def test_bad_layouts_name_the_leaf_and_axis_before_any_step():
       mpscale.make_train_step(_loss, tx, mesh=explicit)
   with pytest.raises(ValueError, match="param_specs needs a mesh"):
     mpscale.make_train_step(_loss, tx, param_specs={"w": P()})
-  with pytest.raises(ValueError, match=r"model.num_heads \(4\) is not divisible by "
-                     r"mesh axis 'tensor' \(size 8\)"):
-    lm_lib.TinyLM(ModelConfig(num_heads=4)).param_specs(make_mesh(tensor=8))
+  with pytest.raises(mpscale.ArgumentError, match=r"num_heads \(4\) is not divisible "
+                     r"by mesh axis 'tensor' \(size 8\)") as err:
+    lm_lib.TinyLM.from_sizes(ModelConfig(num_heads=4)).param_specs(make_mesh(tensor=8))
+  assert err.value.name == "num_heads"
 
 
 def test_param_specs_forms_agree():

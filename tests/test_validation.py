@@ -1,12 +1,14 @@
 """Tests for mpscale.validation: every check names the argument it was given."""
 
 import math
+import pickle
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import mpscale
 from mpscale import validation
 
 
@@ -78,3 +80,52 @@ def test_scalar_or_schedule_takes_schedules_and_injected_arrays_unchecked():
 def test_transformation_adds_extra_args_support():
   tx = validation.transformation("inner", optax.sgd(0.1))
   assert isinstance(tx, optax.GradientTransformationExtraArgs)
+
+
+def test_errors_hold_the_names_they_speak_of_apart_from_the_text():
+  with pytest.raises(validation.ArgumentTypeError) as err:
+    validation.floats("eps", (1e-30, "x", 1.0), 3, validation.positive_float)
+  e = err.value
+  assert isinstance(e, TypeError) and isinstance(e, ValueError)
+  assert e.names == ("eps[1]",) and e.name == "eps[1]"
+  renamed = e.renamed(lambda n: "optimizer.came." + n)
+  assert type(renamed) is validation.ArgumentTypeError
+  assert str(renamed) == "optimizer.came.eps[1] must be a float; got str"
+
+
+def test_renaming_rewrites_the_names_only_never_the_text():
+  # The text repeats the name and holds braces; only the {0}/{1} slots change.
+  e = validation.ArgumentError(("x", "y"), "{0} must differ from {1}; x is " +
+                               validation.literal("{x}"))
+  assert str(e) == "x must differ from y; x is {x}"
+  renamed = e.renamed({"x": "a.x", "y": "b.y"}.get)
+  assert str(renamed) == "a.x must differ from b.y; x is {x}"
+  assert renamed.names == ("a.x", "b.y") and renamed.template == e.template
+  back = pickle.loads(pickle.dumps(renamed))
+  assert type(back) is validation.ArgumentError and back.names == renamed.names
+  assert str(back) == str(renamed)
+
+
+@pytest.mark.parametrize("build, names", [
+    (lambda: mpscale.dynamic_loss_scale(optax.sgd(0.1), min_scale=8.0, max_scale=4.0),
+     ("min_scale", "max_scale")),
+    (lambda: mpscale.came(1e-3, relative_step=True), ("learning_rate", "relative_step")),
+    (lambda: mpscale.came(None), ("learning_rate", "relative_step")),
+    (lambda: mpscale.came(1e-3, warmup_init=True), ("warmup_init", "relative_step")),
+    (lambda: mpscale.scale_by_came(decay_rate=None), ("decay_rate", "beta2")),
+    (lambda: mpscale.lr_schedule(1.0, warmup_steps=10, decay_steps=10),
+     ("warmup_steps", "decay_steps")),
+    (lambda: mpscale.lr_schedule(1.0, warmup_steps=1, warmup_fraction=0.1,
+                                 decay_steps=10), ("warmup_steps", "warmup_fraction")),
+    (lambda: mpscale.weight_decay_schedule(0.1, 0.2, 10, style="constant"),
+     ("style", "start", "end")),
+    (lambda: mpscale.Pipeline(lambda p, b: b, lambda p, x: x, lambda p, x, b: 0.0, 2,
+                              schedule="1f1b", virtual_stages=2),
+     ("virtual_stages", "schedule")),
+])
+def test_constructors_name_every_argument_a_rule_spans(build, names):
+  with pytest.raises(mpscale.ArgumentError) as err:
+    build()
+  assert err.value.names == names
+  for name in names:
+    assert name in str(err.value)

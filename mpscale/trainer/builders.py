@@ -1,34 +1,40 @@
 """From a `RunConfig` to the pieces of a run: model, policy, optimizer, mesh, step.
 
-Data flows one way: config -> these builders -> the training loop (`mpscale.trainer.cli`)::
+Data flows one way: the config's schema (`mpscale.trainer.schema`) -> these builders ->
+the training loop (`mpscale.trainer.loop`); `mpscale.trainer.config` builds the pieces
+once, with `check`, when it loads a config::
 
   policy    = get_policy(precision.policy)
   optimizer = <loss_scale.kind>_loss_scale(chain(clip_by_global_norm(clip.max_norm),
                                                  <optimizer.name>(lr_schedule, wd)))
   mesh      = Mesh(devices, ("data", "fsdp", "stage", "tensor"))   # axes > 1, and data
-  specs     = TinyLM.param_specs(mesh)           # tensor and FSDP splits, if any
+  model     = TinyLM.from_sizes(model, remat=train.remat)
+  specs     = model.param_specs(mesh)            # tensor and FSDP splits, if any
   loss      = TinyLM.loss_fn  or  Pipeline(embed_fn, stage_fn, head_fn) if stage > 1
   init, step = make_train_step(loss, optimizer, policy=policy, mesh=mesh,
                                data_axis=("data", "fsdp"), param_specs=specs, ...)
 
-A builder's error is a ``ValueError``/``TypeError`` whose message starts with the config
-key at fault, e.g. ``precision.policy: unknown policy 'O7'``.
+A builder's error is a `mpscale.validation.ArgumentError` (a ``ValueError``; also a
+``TypeError`` for a wrong type) whose ``names`` are config keys, the one at fault first,
+and whose message names them, e.g. ``loss_scale.backoff_factor must be in (0, 1)``
+or ``precision.policy: unknown policy 'O7'``. The constructors' own errors name their
+arguments; the builders rename them to the keys that feed them (`_keyed`), and never
+read an error's text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 import numpy as np
 import optax
 
-from mpscale.trainer import config as config_lib
+from mpscale.trainer import schema as config_lib
 from mpscale.trainer import lm as lm_lib
 from mpscale.trainer import models as models_lib
 from mpscale import loss_scale as loss_scale_lib
@@ -48,25 +54,41 @@ TENSOR_AXIS = "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, TENSOR_AXIS)
 
 
-def _keyed(keys: Union[str, Mapping[str, str]], fn: Callable[[], Any]) -> Any:
-  """``fn()``, with a ``ValueError``/``TypeError`` re-raised naming config keys.
+def _keyed(where: str, fn: Callable[[], Any],
+           keys: Optional[Mapping[str, str]] = None) -> Any:
+  """``fn()``, its ``ValueError``/``TypeError`` re-raised naming config keys.
 
-  ``keys`` is a section (the message gets it as a prefix) or a mapping from the
-  argument names ``fn``'s checks use to config keys, which replace them in the message
-  (`mpscale.validation` messages start with the argument's name).
+  An `mpscale.validation.ArgumentError` whose culprit is in ``keys`` (a mapping from
+  the argument names ``fn``'s constructors use to config keys; an item index such as
+  ``eps[1]`` is kept) is renamed through it. Any other error is re-raised as an
+  ``ArgumentError`` of the key ``where`` (a section, or the key at fault), which its
+  message then starts with.
   """
+  keys = {} if keys is None else keys
   try:
     return fn()
+  except validation.ArgumentError as e:
+    if _base(e.name) in keys:
+      raise e.renamed(lambda n: keys.get(_base(n), _base(n)) + n[len(_base(n)):]
+                      ) from None
+    raise _at(where, e) from None
   except (ValueError, TypeError) as e:
-    message = str(e)
-    if isinstance(keys, str):
-      raise type(e)(f"{keys}: {message}") from None
-    names = sorted(keys, key=len, reverse=True)
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w])")
-    raise type(e)(pattern.sub(lambda m: keys[m.group(1)], message)) from None
+    raise _at(where, e) from None
 
 
-def _section_keys(section: str, config: Any, **renamed: str) -> dict[str, str]:
+def _base(name: str) -> str:
+  """An argument's name without an item index: ``eps[1]`` -> ``eps``."""
+  return name.split("[", 1)[0]
+
+
+def _at(key: str, error: Exception) -> validation.ArgumentError:
+  """``error`` as an `ArgumentError` of ``key``: ``key: <its message>``."""
+  cls = (validation.ArgumentTypeError if isinstance(error, TypeError)
+         else validation.ArgumentError)
+  return cls(key, "{0}: " + validation.literal(error))
+
+
+def _fields(section: str, config: Any, **renamed: str) -> dict[str, str]:
   """Each field of a config section as its dotted key, plus ``renamed`` arguments."""
   keys = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(config)}
   keys.update(renamed)
@@ -75,7 +97,8 @@ def _section_keys(section: str, config: Any, **renamed: str) -> dict[str, str]:
 
 def build_policy(cfg: config_lib.RunConfig) -> policy_lib.Policy:
   """The precision policy named by ``precision.policy``."""
-  return _keyed("precision.policy", lambda: policy_lib.get_policy(cfg.precision.policy))
+  return _keyed("precision.policy",
+                lambda: policy_lib.get_policy(cfg.precision.policy))
 
 
 def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
@@ -89,8 +112,9 @@ def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
     shard = lm_lib.ActivationSharding(
         mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
         sequence_parallel=cfg.mesh.sequence_parallel)
-  return _keyed(_section_keys("model", cfg.model, remat="train.remat"),
-                lambda: lm_lib.TinyLM(cfg.model, remat=cfg.train.remat, shard=shard))
+  return _keyed("model", lambda: lm_lib.TinyLM.from_sizes(
+      cfg.model, remat=cfg.train.remat, shard=shard),
+                _fields("model", cfg.model, remat="train.remat"))
 
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
@@ -101,9 +125,10 @@ def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
 
 
 def batch_sharding(mesh: Optional[Mesh]) -> Optional[NamedSharding]:
-  """How a global batch lies on ``mesh``: its rows split over `data_axes`; ``None``
-  without a mesh."""
-  return None if mesh is None else NamedSharding(mesh, PartitionSpec(data_axes(mesh)))
+  """How a global batch lies on ``mesh``: its rows split over `data_axes`
+  (`mpscale.sharding.batch_sharding`); ``None`` without a mesh."""
+  return (None if mesh is None
+          else sharding_lib.batch_sharding(mesh, data_axes(mesh)))
 
 
 def build_param_specs(cfg: config_lib.RunConfig, model: lm_lib.TinyLM,
@@ -112,32 +137,31 @@ def build_param_specs(cfg: config_lib.RunConfig, model: lm_lib.TinyLM,
   ``mesh.tensor`` split them; ``None`` (replicated, or split by stage only) else."""
   if mesh is None or (cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1):
     return None
-  return _keyed("mesh", lambda: model.param_specs(mesh))
+  return _keyed("mesh", lambda: model.param_specs(mesh), _fields("model", cfg.model))
 
 
 def build_lr_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
   """``schedule`` applied to ``optimizer.learning_rate`` (`mpscale.lr_schedule`)."""
   s = cfg.schedule
   decay_steps = cfg.train.steps if s.decay_steps is None else s.decay_steps
-  keys = _section_keys("schedule", s, peak="optimizer.learning_rate")
+  keys = _fields("schedule", s, peak="optimizer.learning_rate")
   if s.decay_steps is None:
     keys["decay_steps"] = "train.steps"
-  return _keyed(keys, lambda: schedules_lib.lr_schedule(
+  return _keyed("schedule", lambda: schedules_lib.lr_schedule(
       cfg.optimizer.learning_rate, warmup_steps=s.warmup_steps,
       warmup_fraction=s.warmup_fraction, decay_steps=decay_steps, style=s.style,
-      min_lr=s.min_lr))
+      min_lr=s.min_lr), keys)
 
 
 def build_weight_decay(cfg: config_lib.RunConfig) -> Any:
   """``optimizer.weight_decay``, or a schedule to ``schedule.weight_decay_end``."""
   start, end = cfg.optimizer.weight_decay, cfg.schedule.weight_decay_end
   if end is None:
-    return _keyed({"weight_decay": "optimizer.weight_decay"},
-                  lambda: validation.non_negative_float("weight_decay", start))
+    return validation.non_negative_float("optimizer.weight_decay", start)
   keys = {"start": "optimizer.weight_decay", "end": "schedule.weight_decay_end",
           "steps": "train.steps", "style": "schedule.weight_decay_style"}
-  return _keyed(keys, lambda: schedules_lib.weight_decay_schedule(
-      start, end, cfg.train.steps, style=cfg.schedule.weight_decay_style))
+  return _keyed("schedule", lambda: schedules_lib.weight_decay_schedule(
+      start, end, cfg.train.steps, style=cfg.schedule.weight_decay_style), keys)
 
 
 def weight_decay_mask(kind: str) -> Optional[Callable[[Any], Any]]:
@@ -172,15 +196,15 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
   mask = weight_decay_mask(opt.weight_decay_mask)
   if opt.name == "came":
     came_cfg = opt.came
-    keys = _section_keys("optimizer.came", came_cfg, learning_rate="optimizer.learning_rate",
-                         weight_decay="optimizer.weight_decay")
-    return _keyed(keys, lambda: came(
+    keys = _fields("optimizer.came", came_cfg, learning_rate="optimizer.learning_rate",
+                   weight_decay="optimizer.weight_decay")
+    return _keyed("optimizer.came", lambda: came(
         lr, eps=came_cfg.eps, clip_threshold=came_cfg.clip_threshold,
         decay_rate=came_cfg.decay_rate, beta1=came_cfg.beta1, beta2=came_cfg.beta2,
         beta3=came_cfg.beta3, weight_decay=wd,
         scale_parameter=came_cfg.scale_parameter,
         relative_step=came_cfg.relative_step, warmup_init=came_cfg.warmup_init,
-        compression=came_cfg.compression, mask=mask))
+        compression=came_cfg.compression, mask=mask), keys)
   if opt.name == "adamw":
     adamw = opt.adamw
     return _keyed("optimizer.adamw", lambda: optax.inject_hyperparams(
@@ -203,7 +227,7 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
                 momentum=adafactor.momentum, eps=adafactor.eps,
                 weight_decay_rate=lambda n: lr(n) * wd_fn(n),
                 weight_decay_mask=mask))
-  raise ValueError(f"optimizer.name: unknown optimizer {opt.name!r}")
+  raise validation.fail("optimizer.name", f": unknown optimizer {opt.name!r}")
 
 
 def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
@@ -220,21 +244,21 @@ def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
   groups = build_groups(cfg)
   inner = build_inner_optimizer(cfg)
   if cfg.clip.max_norm is not None:
-    inner = optax.chain(_keyed(_section_keys("clip", cfg.clip), lambda: (
-        norms_lib.clip_by_global_norm(cfg.clip.max_norm, groups=groups))), inner)
+    inner = optax.chain(_keyed("clip", lambda: norms_lib.clip_by_global_norm(
+        cfg.clip.max_norm, groups=groups), _fields("clip", cfg.clip)), inner)
   scaling = cfg.loss_scale
-  keys = _section_keys("loss_scale", scaling, scale="loss_scale.init_scale")
+  keys = _fields("loss_scale", scaling, scale="loss_scale.init_scale")
   if scaling.kind == "dynamic":
-    return _keyed(keys, lambda: loss_scale_lib.dynamic_loss_scale(
+    return _keyed("loss_scale", lambda: loss_scale_lib.dynamic_loss_scale(
         inner, init_scale=scaling.init_scale, growth_factor=scaling.growth_factor,
         backoff_factor=scaling.backoff_factor,
         growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis,
         consecutive_hysteresis=scaling.consecutive_hysteresis,
-        min_scale=scaling.min_scale, max_scale=scaling.max_scale, groups=groups))
+        min_scale=scaling.min_scale, max_scale=scaling.max_scale, groups=groups), keys)
   if scaling.kind == "fixed":
-    return _keyed(keys, lambda: loss_scale_lib.fixed_loss_scale(
+    return _keyed("loss_scale", lambda: loss_scale_lib.fixed_loss_scale(
         inner, scaling.init_scale, skip_nonfinite=scaling.skip_nonfinite,
-        groups=groups))
+        groups=groups), keys)
   return loss_scale_lib.no_loss_scale(inner, groups=groups)
 
 
@@ -246,7 +270,7 @@ def build_mesh(cfg: config_lib.RunConfig,
   nearest each other.
 
   Raises:
-    ValueError: naming ``mesh`` when there are too few devices.
+    ArgumentError: naming ``mesh`` when there are too few devices.
   """
   mesh = cfg.mesh
   sizes = dict(zip(MESH_AXES, (mesh.data, mesh.fsdp, mesh.stage, mesh.tensor)))
@@ -259,8 +283,8 @@ def build_mesh(cfg: config_lib.RunConfig,
     hint = (f"; on CPU, simulate them with --devices {needed}"
             if devices[0].platform == "cpu" else "")
     shape = " x ".join(f"{axis} {sizes[axis]}" for axis in axes)
-    raise ValueError(f"mesh: {shape} needs {needed} devices, but {len(devices)} are "
-                     f"available{hint}")
+    raise validation.fail("mesh", f": {shape} needs {needed} devices, but "
+                          f"{len(devices)} are available{hint}")
   return Mesh(np.asarray(devices[:needed]).reshape([sizes[axis] for axis in axes]),
               axes)
 
@@ -274,24 +298,25 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   ``model.mean_loss_fn``.
   """
   if cfg.mesh.stage > 1:
-    keys = _section_keys("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
-                         num_microbatches="train.num_microbatches",
-                         remat="train.remat")
-    return _keyed(keys, lambda: pipeline_lib.Pipeline(
+    keys = _fields("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
+                   num_microbatches="train.num_microbatches", remat="train.remat")
+    return _keyed("mesh", lambda: pipeline_lib.Pipeline(
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
-        stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages))
+        stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages), keys)
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
 
 
 def check(cfg: config_lib.RunConfig) -> None:
   """Builds what ``cfg`` describes without a mesh, devices or arrays: the precision
-  policy, the model, the optimizer (schedules, clip, loss scaling) and the pipeline.
-  Each constructor checks its own arguments (`mpscale.validation`).
+  policy, the model, the optimizer (schedules, clip, loss scaling) and the pipeline,
+  and imports the providers it names. Each constructor checks its own arguments
+  (`mpscale.validation`); this is where a config's values are checked.
 
   Raises:
-    ValueError, TypeError: naming the config keys at fault.
+    ArgumentError: (`mpscale.validation`; ``ArgumentTypeError`` for a wrong type)
+      whose ``names`` are the config keys at fault.
   """
   build_policy(cfg)
   if cfg.model.provider is None:
@@ -331,24 +356,25 @@ def user_param_specs(cfg: config_lib.RunConfig, model: models_lib.Model,
   plus FSDP over ``fsdp`` when ``mesh.fsdp`` > 1.
 
   Raises:
-    ValueError: naming ``mesh.tensor`` or ``mesh.stage`` when the model gives no
+    ArgumentError: naming ``mesh.tensor`` or ``mesh.stage`` when the model gives no
       layout for them, or ``mesh.stage`` when its loss is not a `mpscale.Pipeline`.
   """
   pipelined = isinstance(model.loss_fn, pipeline_lib.Pipeline)
   if cfg.mesh.stage > 1 and not pipelined:
-    raise ValueError(f"mesh.stage ({cfg.mesh.stage}) > 1 needs model.provider to "
-                     "return an mpscale.trainer.Model whose loss_fn is an "
-                     "mpscale.Pipeline")
+    raise validation.ArgumentError(
+        ("mesh.stage", "model.provider"), f"{{0}} ({cfg.mesh.stage}) > 1 needs {{1}} "
+        "to return an mpscale.trainer.Model whose loss_fn is an mpscale.Pipeline")
   if pipelined and cfg.mesh.stage == 1:
-    raise ValueError("mesh.stage: the model's loss_fn is an mpscale.Pipeline, which "
-                     "needs mesh.stage > 1")
+    raise validation.ArgumentError(
+        "mesh.stage", "{0}: the model's loss_fn is an mpscale.Pipeline, which needs "
+        "{0} > 1")
   specs = model.param_specs
   if callable(specs) and mesh is not None:
     specs = _keyed("mesh", lambda: specs(mesh))
   if cfg.mesh.tensor > 1 and specs is None:
-    raise ValueError(f"mesh.tensor ({cfg.mesh.tensor}) > 1 needs the model's layout: "
-                     "return an mpscale.trainer.Model with param_specs from "
-                     "model.provider")
+    raise validation.ArgumentError(
+        ("mesh.tensor", "model.provider"), f"{{0}} ({cfg.mesh.tensor}) > 1 needs the "
+        "model's layout: return an mpscale.trainer.Model with param_specs from {1}")
   if mesh is not None and cfg.mesh.fsdp > 1:
     shapes = jax.eval_shape(model.init, jax.random.key(cfg.seed))
     specs = _keyed("mesh.fsdp", lambda: sharding_lib.fsdp_specs(
@@ -371,7 +397,8 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
       a mean counts as one token), whatever ``train.per_token_loss`` says.
 
   Raises:
-    ValueError, TypeError: with the config key at fault first in the message.
+    ArgumentError: (``ArgumentTypeError`` for a wrong type) naming the config keys
+      at fault (`check`).
   """
   policy = build_policy(cfg)
   optimizer = build_optimizer(cfg)
@@ -426,15 +453,10 @@ def init_params(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   return model.init(jax.random.key(cfg.seed))
 
 
-def tree_bytes(tree: Any) -> int:
-  """Bytes held by the arrays of ``tree`` (e.g. an optimizer state)."""
-  return int(sum(np.size(x) * jnp.dtype(x.dtype).itemsize
-                 for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype")))
-
-
 def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:
   """Bytes of ``optimizer``'s state for ``params`` (from shapes; nothing allocated)."""
-  return tree_bytes(jax.eval_shape(optimizer.init, params))
+  return sharding_lib.tree_bytes(jax.eval_shape(optimizer.init, params),
+                                 per_device=False)
 
 
 def describe(cfg: config_lib.RunConfig) -> dict[str, str]:

@@ -261,7 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       try:
         planned = plan_lib.plan(cfg, device_memory=args.device_memory)
       except (ValueError, TypeError) as e:
-        raise config_lib.ConfigError(f"{args.config}: {e}") from None
+        raise config_lib.as_config_error(e).located(args.config) from None
       print(planned.to_json() if args.json else planned.text())
     elif args.command == "eval":
       loss, step = evaluate_run(args.run, args.devices)

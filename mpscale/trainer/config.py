@@ -1,475 +1,95 @@
-"""Run configuration: typed, validated dataclasses loaded from YAML, with overrides.
+"""Loading a run's configuration: read it (`mpscale.trainer.schema`), then check it.
 
 One YAML file fully describes a run. `load_config` reads it, applies command-line
-overrides (``--set train.steps=50``, values parsed as YAML scalars), and converts the
-result into a frozen `RunConfig`. Every mistake is a `ConfigError` naming the file and
-the dotted key::
+overrides (``--set train.steps=50``, values parsed as YAML scalars), converts the result
+into a frozen `RunConfig` and checks it. Every mistake is a `ConfigError` naming the
+file and the dotted key, and holding the keys (``keys``)::
 
   configs/x.yaml: model.num_layers: expected an int, got 'four' (str)
   configs/x.yaml: model.nun_layers: unknown key (did you mean 'num_layers'?)
   configs/x.yaml: model.num_layers (3) must be divisible by mesh.stage (2)
 
-A wrong type is also a ``TypeError`` (`ConfigTypeError`), any other mistake a
-``ValueError``. Sections and keys left out take the defaults below; a section written as
-an empty mapping (``clip:``) takes them too. Floats may be written ``1e-3``: the loader
-reads YAML 1.2 floats (PyYAML's YAML 1.1 would read ``1e-3`` as a string).
+A value is checked once: its type where the schema reads it, its value by the
+constructor that uses it (`check` asks `mpscale.trainer.builders.check` to build the
+pieces, whose errors name the config keys), and the rules that span sections here.
+The schema's names (`RunConfig`, its sections, `ConfigError`, `to_dict`,
+`dump_config`, ...) are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import re
-import types
-import typing
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
-import yaml
-
-
-class ConfigError(ValueError):
-  """A configuration mistake; the message names the file and the dotted key."""
-
-
-class ConfigTypeError(ConfigError, TypeError):
-  """A configuration value of the wrong type."""
+from mpscale import validation
+from mpscale.trainer import builders
+from mpscale.trainer.schema import (  # noqa: F401 (re-exported)
+    AdafactorConfig, AdamWConfig, CameConfig, ClipConfig, ConfigError,
+    ConfigTypeError, DataConfig, LossScaleConfig, MeshConfig, ModelConfig,
+    OptimizerConfig, PrecisionConfig, RunConfig, ScheduleConfig, TrainConfig,
+    apply_overrides, dump_config, parse_override, parse_yaml, read_config, to_dict)
 
 
-# ------------------------------------------------------------------ the dataclasses
+def as_config_error(error: Exception) -> ConfigError:
+  """``error`` as a `ConfigError` (`ConfigTypeError` for a ``TypeError``): itself if it
+  is one, else with the keys of an `mpscale.validation.ArgumentError` whose names are
+  config keys (the builders'), else with none."""
+  if isinstance(error, ConfigError):
+    return error
+  cls = ConfigTypeError if isinstance(error, TypeError) else ConfigError
+  return cls(str(error), getattr(error, "names", ()))
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """The model: the tiny decoder-only transformer (`mpscale.trainer.lm.TinyLM`) these
-  sizes describe, or a user's model (``provider``; the sizes are then unused, but
-  ``seq_len`` still cuts the built-in corpus)."""
-  provider: Optional[str] = None
-  """A user's model: ``"package.module:function"`` or ``"file.py:function"`` (a path
-  relative to the config file), called with the `RunConfig`; it returns a Flax NNX
-  module, a Flax linen module or an `mpscale.trainer.Model`
-  (`mpscale.trainer.models`)."""
-  loss: Optional[str] = None
-  """With a Flax module from ``provider``: its loss, ``loss(model, batch) ->
-  (loss_sum, num_tokens)`` or a mean, named like ``provider``."""
-  metrics: Optional[str] = None
-  """With a Flax module from ``provider``: metrics computed beside the loss in
-  evaluation, ``metrics(model, batch) -> {name: (sum, count)}`` (e.g. ``{"accuracy":
-  (num_correct, num_examples)}``), logged as ``eval_<name>``; named like
-  ``provider``."""
-  args: dict = dataclasses.field(default_factory=dict)
-  """Free-form settings for ``provider`` (it reads ``config.model.args``)."""
-  vocab_size: int = 256
-  """Byte-level: 256."""
-  d_model: int = 64
-  """Width of the residual stream."""
-  num_heads: int = 4
-  """Attention heads; must divide ``d_model``."""
-  num_layers: int = 2
-  """Transformer blocks; must be divisible by ``mesh.stage``."""
-  d_ff: int = 256
-  """Hidden width of the MLP."""
-  seq_len: int = 64
-  """Tokens per training sequence (the context length)."""
-  init_std: float = 0.02
-  """Standard deviation of the normal initialization of weight matrices (GPT-2's)."""
+def _checked(fn, *args) -> Any:
+  """``fn(*args)``, a ``ValueError``/``TypeError`` re-raised as a `ConfigError`."""
+  try:
+    return fn(*args)
+  except (ValueError, TypeError) as e:
+    raise as_config_error(e) from None
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """Where the data comes from and how it is batched (`mpscale.trainer.loader`)."""
-  provider: Optional[str] = None
-  """A user's data: ``"package.module:function"`` or ``"file.py:function"``, called
-  with the `RunConfig`; it returns a random-access source of examples (dicts of
-  arrays) or ``{"train": source, "eval": source}``."""
-  args: dict = dataclasses.field(default_factory=dict)
-  """Free-form settings for ``provider`` (it reads ``config.data.args``)."""
-  shuffle: bool = True
-  """Shuffle a ``provider``'s training examples with ``seed`` (anew each epoch)."""
-  path: Optional[str] = None
-  """A text file or a folder of them; ``null`` for the embedded corpus (docstrings of
-  the Python standard library)."""
-  eval_fraction: float = 0.1
-  """Share of the corpus held out for evaluation, in (0, 1) (the built-in data)."""
-  batch_size: int = 16
-  """Sequences per step (global, over all data-parallel replicas)."""
-  eval_batches: int = 8
-  """Batches of the held-out split per evaluation; 0 for all of it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionConfig:
-  """The precision policy (`mpscale.get_policy`)."""
-  policy: str = "O0"
-  """A preset (``O0``..``O3``, ``bf16``), a dtype, or ``params=..,compute=..,output=..``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LossScaleConfig:
-  """Loss scaling (`mpscale.dynamic_loss_scale`, `fixed_loss_scale`, `no_loss_scale`)."""
-  kind: Literal["dynamic", "fixed", "none"] = "none"
-  """``dynamic``, ``fixed`` (a constant ``init_scale``) or ``none`` (scale 1)."""
-  init_scale: float = 32768.0
-  """The first scale (dynamic) or the scale (fixed)."""
-  growth_factor: float = 2.0
-  backoff_factor: float = 0.5
-  growth_interval: int = 2000
-  """Consecutive finite steps before the scale grows."""
-  hysteresis: int = 1
-  """Overflows tolerated before a back-off (Megatron-LM)."""
-  consecutive_hysteresis: bool = False
-  """Refill the hysteresis on every finite step (DeepSpeed)."""
-  min_scale: float = 1.0
-  max_scale: float = 16777216.0
-  skip_nonfinite: bool = True
-  """Fixed scale only: skip an overflowed step (else apply it anyway)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ClipConfig:
-  """Gradient clipping by global norm, and the groups whose norms are logged."""
-  max_norm: Optional[float] = 1.0
-  """Clip the global norm to this; ``null`` for no clipping."""
-  groups: Optional[int] = None
-  """Depth of the key paths that name the logged group norms (``null``: top level)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CameConfig:
-  """Options of `mpscale.came` (learning rate and weight decay are in `optimizer`)."""
-  eps: tuple[float, float, float] = (1e-30, 1e-3, 1e-16)
-  clip_threshold: float = 1.0
-  decay_rate: float = 0.8
-  beta1: float = 0.9
-  beta2: Optional[float] = None
-  beta3: float = 0.99
-  scale_parameter: bool = False
-  relative_step: bool = False
-  warmup_init: bool = False
-  compression: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class AdamWConfig:
-  """Options of ``optax.adamw``."""
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-
-
-@dataclasses.dataclass(frozen=True)
-class AdafactorConfig:
-  """Options of ``optax.adafactor``."""
-  min_dim_size_to_factor: int = 32
-  decay_rate: float = 0.8
-  multiply_by_parameter_scale: bool = False
-  clipping_threshold: Optional[float] = 1.0
-  momentum: Optional[float] = None
-  eps: float = 1e-30
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """The optimizer; only the sub-section named by ``name`` is used."""
-  name: Literal["came", "adamw", "adafactor"] = "adamw"
-  learning_rate: float = 1e-3
-  """Peak learning rate (see `ScheduleConfig`)."""
-  weight_decay: float = 0.0
-  """Decoupled weight decay (the start value with a weight-decay schedule)."""
-  weight_decay_mask: Literal["matrices", "all"] = "matrices"
-  """Decay only weight matrices (not biases, norms), or every parameter."""
-  came: CameConfig = dataclasses.field(default_factory=CameConfig)
-  adamw: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
-  adafactor: AdafactorConfig = dataclasses.field(default_factory=AdafactorConfig)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleConfig:
-  """Learning-rate and weight-decay schedules (`mpscale.lr_schedule`,
-  `mpscale.weight_decay_schedule`)."""
-  style: Literal["constant", "linear", "cosine", "inverse_sqrt"] = "cosine"
-  warmup_steps: int = 0
-  warmup_fraction: Optional[float] = None
-  """Warmup as a share of ``train.steps``; exclusive with ``warmup_steps``."""
-  decay_steps: Optional[int] = None
-  """Steps of warmup plus decay; ``null``: ``train.steps``."""
-  min_lr: float = 0.0
-  weight_decay_end: Optional[float] = None
-  """``null``: constant weight decay; else decay from ``optimizer.weight_decay`` to this."""
-  weight_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-  """The device mesh: ``data x fsdp x stage x tensor`` devices (see the README's layout
-  table)."""
-  data: int = 1
-  """Data-parallel replicas: the batch is split, the parameters are replicated."""
-  fsdp: int = 1
-  """FSDP (ZeRO-3): the batch and every parameter and optimizer-state leaf are split;
-  parameters are gathered for compute."""
-  stage: int = 1
-  """Pipeline stages: the stacked layers are split."""
-  tensor: int = 1
-  """Tensor parallelism: attention heads, MLP units and the vocabulary are split
-  (Megatron's column- and row-parallel layers); must divide ``model.num_heads``,
-  ``model.d_ff`` and ``model.vocab_size``."""
-  virtual_stages: int = 1
-  """Layer chunks per pipeline stage (interleaved schedule, gpipe only): a smaller
-  bubble, ``(stage - 1) / (virtual_stages x num_microbatches + stage - 1)``."""
-  sequence_parallel: bool = False
-  """With ``tensor`` > 1: layer norms and residual adds on a slice of the sequence."""
-  pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
-  """Used when ``stage`` > 1."""
-  shard_optimizer_state: bool = False
-  """ZeRO-1: the optimizer state also split over the ``data`` axis."""
-
-  @property
-  def num_devices(self) -> int:
-    return self.data * self.fsdp * self.stage * self.tensor
-
-  @property
-  def shape_text(self) -> str:
-    """``"2x1"``-style label: ``data x stage``, with fsdp and tensor when used."""
-    parts = [f"{self.data}x{self.stage}"]
-    parts += [f"fsdp{self.fsdp}"] if self.fsdp > 1 else []
-    parts += [f"tp{self.tensor}"] if self.tensor > 1 else []
-    parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
-    return "-".join(parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """The training loop."""
-  steps: int = 300
-  num_microbatches: int = 1
-  """Gradient accumulation, or the pipeline's micro-batches when ``mesh.stage`` > 1."""
-  per_token_loss: bool = True
-  """Divide by the token count of the whole batch rather than average micro-batches."""
-  remat: bool = False
-  """Recompute each block's activations in the backward pass."""
-  log_every: int = 10
-  eval_every: int = 100
-  """Evaluate every this many steps (and at the end); 0: only at the end."""
-  checkpoint_every: int = 100
-  """Save every this many steps (and at the end); 0: only at the end."""
-  keep_checkpoints: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """One training run."""
-  name: str = ""
-  """Names the run (and its default output folder); default: the config file's stem."""
-  seed: int = 0
-  """Seeds the initialization and the data order (a pure function of seed and step)."""
-  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-  data: DataConfig = dataclasses.field(default_factory=DataConfig)
-  precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
-  loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
-  clip: ClipConfig = dataclasses.field(default_factory=ClipConfig)
-  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-  schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
-  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-
-
-# ------------------------------------------------------------------ YAML
-
-
-class _Loader(yaml.SafeLoader):
-  """SafeLoader reading YAML 1.2 floats (``1e-3``) and refusing duplicate keys."""
-
-  def construct_mapping(self, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-      key = self.construct_object(key_node, deep=deep)
-      if key in seen:
-        raise yaml.constructor.ConstructorError(
-            None, None, f"duplicate key {key!r}", key_node.start_mark)
-      seen.add(key)
-    return super().construct_mapping(node, deep=deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                   |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
-def parse_yaml(text: str, source: str = "<string>") -> Any:
-  """``text`` parsed as YAML (1.2 floats, no duplicate keys).
+def check(cfg: RunConfig) -> None:
+  """Checks the values of ``cfg``: the keys no constructor takes, then each section's
+  constructors (`mpscale.trainer.builders.check`), then the rules that span sections.
 
   Raises:
-    ConfigError: naming ``source`` for invalid YAML.
+    ConfigError: naming the keys (``keys``; no file: `load_config` adds it).
   """
-  try:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
-  except yaml.YAMLError as e:
-    raise ConfigError(f"{source}: invalid YAML: {e}") from None
-
-
-# ------------------------------------------------------------------ conversion
-
-
-def _type_name(value: Any) -> str:
-  return type(value).__name__
-
-
-def _describe(tp: Any) -> str:
-  origin = typing.get_origin(tp)
-  if origin is Literal:
-    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-  if origin in (Union, types.UnionType):
-    return " or ".join(_describe(a) for a in typing.get_args(tp))
-  if origin is tuple:
-    args = typing.get_args(tp)
-    return f"a list of {len(args)} {_describe(args[0])}s"
-  if tp is type(None):
-    return "null"
-  if dataclasses.is_dataclass(tp) or tp is dict:
-    return "a mapping"
-  return {int: "an int", float: "a float", bool: "a bool", str: "a string"}.get(
-      tp, str(tp))
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-  """``value`` as type ``tp``, or a `ConfigError` naming ``key`` (no file yet)."""
-  origin = typing.get_origin(tp)
-  if dataclasses.is_dataclass(tp):
-    return _to_dataclass(tp, {} if value is None else value, key)
-  if origin in (Union, types.UnionType):
-    args = typing.get_args(tp)
-    if value is None and type(None) in args:
-      return None
-    errors = []
-    for arg in args:
-      if arg is type(None):
-        continue
-      try:
-        return _convert(arg, value, key)
-      except ConfigError as e:
-        errors.append(e)
-    if len(errors) == 1:
-      raise errors[0]
-    raise ConfigTypeError(f"{key}: expected {_describe(tp)}, got {value!r} "
-                          f"({_type_name(value)})")
-  if origin is Literal:
-    choices = typing.get_args(tp)
-    if value not in choices:
-      cls = ConfigTypeError if not isinstance(value, str) else ConfigError
-      raise cls(f"{key}: expected {_describe(tp)}, got {value!r}")
-    return value
-  if origin is tuple:
-    args = typing.get_args(tp)
-    if not isinstance(value, (list, tuple)):
-      raise ConfigTypeError(f"{key}: expected {_describe(tp)}, got {value!r} "
-                            f"({_type_name(value)})")
-    if len(value) != len(args):
-      raise ConfigError(f"{key}: expected {_describe(tp)}, got {len(value)} items")
-    return tuple(_convert(a, v, f"{key}[{i}]")
-                 for i, (a, v) in enumerate(zip(args, value)))
-  if tp is dict:
-    if value is None:
-      return {}
-    if not isinstance(value, Mapping):
-      raise ConfigTypeError(f"{key}: expected a mapping, got {value!r} "
-                            f"({_type_name(value)})")
-    return _deep_copy(dict(value))
-  if tp is bool:
-    if not isinstance(value, bool):
-      raise ConfigTypeError(f"{key}: expected a bool (true/false), got {value!r} "
-                            f"({_type_name(value)})")
-    return value
-  if tp is int:
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise ConfigTypeError(f"{key}: expected an int, got {value!r} "
-                            f"({_type_name(value)})")
-    return value
-  if tp is float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise ConfigTypeError(f"{key}: expected a float, got {value!r} "
-                            f"({_type_name(value)})")
-    return float(value)
-  if tp is str:
-    if not isinstance(value, str):
-      raise ConfigTypeError(f"{key}: expected a string, got {value!r} "
-                            f"({_type_name(value)})")
-    return value
-  raise TypeError(f"unsupported config field type {tp!r} at {key}")  # a bug here
-
-
-def _to_dataclass(cls: type, raw: Any, prefix: str) -> Any:
-  where = prefix or "the top level"
-  if not isinstance(raw, Mapping):
-    raise ConfigTypeError(f"{where}: expected a mapping of keys to values, got "
-                          f"{raw!r} ({_type_name(raw)})")
-  hints = typing.get_type_hints(cls)
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  kwargs = {}
-  for name, value in raw.items():
-    key = f"{prefix}.{name}" if prefix else str(name)
-    if name not in fields:
-      close = difflib.get_close_matches(str(name), list(fields), n=1)
-      hint = (f" (did you mean {close[0]!r}?)" if close
-              else f" (known keys: {', '.join(fields)})")
-      raise ConfigError(f"{key}: unknown key{hint}")
-    kwargs[name] = _convert(hints[name], value, key)
-  return cls(**kwargs)
-
-
-# ------------------------------------------------------------------ checks
-
-
-def _check(cfg: RunConfig) -> None:
-  """Value checks: the keys no constructor takes, then each section's constructor
-  (`mpscale.trainer.builders.check`), then the rules that span sections. Raises a
-  `ConfigError` naming the keys."""
-  from mpscale.trainer import builders  # builds the pieces; imports jax and optax
-  from mpscale import validation
-
-  def keyed(fn, *args, **kwargs):
-    try:
-      return fn(*args, **kwargs)
-    except TypeError as e:
-      raise ConfigTypeError(str(e)) from None
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-
   model, data, mesh, train = cfg.model, cfg.data, cfg.mesh, cfg.train
   if model.loss is not None and model.provider is None:
     raise ConfigError("model.loss needs model.provider (the built-in model has its "
-                      "own loss)")
+                      "own loss)", ("model.loss", "model.provider"))
   if model.metrics is not None and model.provider is None:
     raise ConfigError("model.metrics needs model.provider (the built-in model "
-                      "reports its loss)")
+                      "reports its loss)", ("model.metrics", "model.provider"))
   if model.provider is not None:
     check_user_model(cfg)
   if data.provider is not None and data.path is not None:
-    raise ConfigError("data.path and data.provider are exclusive (one source of data)")
+    raise ConfigError("data.path and data.provider are exclusive (one source of data)",
+                      ("data.path", "data.provider"))
   # Keys no constructor takes.
-  keyed(validation.integer, "seed", cfg.seed, 0)
-  keyed(validation.float_in, "data.eval_fraction", data.eval_fraction, 0.0, 1.0,
-        low_open=True, high_open=True)
-  keyed(validation.positive_int, "data.batch_size", data.batch_size)
-  keyed(validation.integer, "data.eval_batches", data.eval_batches, 0)
+  _checked(validation.integer, "seed", cfg.seed, 0)
+  _checked(lambda: validation.float_in("data.eval_fraction", data.eval_fraction, 0.0,
+                                       1.0, low_open=True, high_open=True))
+  _checked(validation.positive_int, "data.batch_size", data.batch_size)
+  _checked(validation.integer, "data.eval_batches", data.eval_batches, 0)
   for key in ("data", "fsdp", "stage", "tensor"):
-    keyed(validation.positive_int, f"mesh.{key}", getattr(mesh, key))
+    _checked(validation.positive_int, f"mesh.{key}", getattr(mesh, key))
   for key in ("steps", "num_microbatches", "log_every", "keep_checkpoints"):
-    keyed(validation.positive_int, f"train.{key}", getattr(train, key))
+    _checked(validation.positive_int, f"train.{key}", getattr(train, key))
   for key in ("eval_every", "checkpoint_every"):
-    keyed(validation.integer, f"train.{key}", getattr(train, key), 0)
+    _checked(validation.integer, f"train.{key}", getattr(train, key), 0)
   if mesh.virtual_stages > 1 and mesh.stage == 1:
-    raise ConfigError("mesh.virtual_stages > 1 needs mesh.stage > 1")
+    raise ConfigError("mesh.virtual_stages > 1 needs mesh.stage > 1",
+                      ("mesh.virtual_stages", "mesh.stage"))
   if mesh.sequence_parallel and mesh.tensor == 1:
     raise ConfigError("mesh.sequence_parallel needs mesh.tensor > 1 (it splits the "
-                      "sequence over the tensor axis)")
+                      "sequence over the tensor axis)",
+                      ("mesh.sequence_parallel", "mesh.tensor"))
   if mesh.shard_optimizer_state and mesh.data == 1:
-    raise ConfigError("mesh.shard_optimizer_state needs mesh.data > 1")
+    raise ConfigError("mesh.shard_optimizer_state needs mesh.data > 1",
+                      ("mesh.shard_optimizer_state", "mesh.data"))
   # The schedule decays over train.steps unless told otherwise: say so, not
   # decay_steps, when the warm-up outlasts the run.
   schedule = cfg.schedule
@@ -479,44 +99,50 @@ def _check(cfg: RunConfig) -> None:
                       f"({schedule.warmup_steps}): the learning rate decays over "
                       "train.steps after the warm-up; lower schedule.warmup_steps "
                       "too (e.g. --set schedule.warmup_steps="
-                      f"{max(0, train.steps // 10)})")
+                      f"{max(0, train.steps // 10)})",
+                      ("train.steps", "schedule.warmup_steps"))
   # Each section's own rules, checked by the constructors it feeds.
-  keyed(builders.check, cfg)
-  def check_batch_size():
-    if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
-      raise ConfigError(
-          f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
-          f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
-          f"({train.num_microbatches})")
+  _checked(builders.check, cfg)
+  if model.provider is None:
+    _check_model_sizes(cfg)
+  if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
+    raise ConfigError(
+        f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
+        f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
+        f"({train.num_microbatches})",
+        ("data.batch_size", "mesh.data", "mesh.fsdp", "train.num_microbatches"))
+  if model.provider is None and mesh.stage > 1 and not train.per_token_loss:
+    raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
+                      "pipeline's head returns a loss sum and a token count)",
+                      ("train.per_token_loss", "mesh.stage"))
 
-  if model.provider is not None:
-    check_batch_size()
-    return  # the rules below are about the built-in model's sizes
-  # Rules that span sections.
+
+def _check_model_sizes(cfg: RunConfig) -> None:
+  """The built-in model's sizes against the data and the mesh."""
+  model, mesh, train = cfg.model, cfg.mesh, cfg.train
   if model.vocab_size < 256:
     raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
-                      f"{model.vocab_size}")
+                      f"{model.vocab_size}", ("model.vocab_size",))
   chunks = mesh.stage * mesh.virtual_stages
   if model.num_layers % chunks:
     raise ConfigError(f"model.num_layers ({model.num_layers}) must be divisible by "
                       f"mesh.stage ({mesh.stage}) x mesh.virtual_stages "
-                      f"({mesh.virtual_stages})")
+                      f"({mesh.virtual_stages})",
+                      ("model.num_layers", "mesh.stage", "mesh.virtual_stages"))
   for key, size in (("num_heads", model.num_heads), ("d_ff", model.d_ff),
                     ("vocab_size", model.vocab_size)):
     if size % mesh.tensor:
       raise ConfigError(f"model.{key} ({size}) must be divisible by mesh.tensor "
-                        f"({mesh.tensor})")
+                        f"({mesh.tensor})", (f"model.{key}", "mesh.tensor"))
   if mesh.sequence_parallel and model.seq_len % mesh.tensor:
     raise ConfigError(f"model.seq_len ({model.seq_len}) must be divisible by "
-                      f"mesh.tensor ({mesh.tensor}) with mesh.sequence_parallel")
+                      f"mesh.tensor ({mesh.tensor}) with mesh.sequence_parallel",
+                      ("model.seq_len", "mesh.tensor", "mesh.sequence_parallel"))
   if mesh.virtual_stages > 1 and train.num_microbatches % mesh.stage:
     raise ConfigError(f"train.num_microbatches ({train.num_microbatches}) must be "
                       f"divisible by mesh.stage ({mesh.stage}) with "
-                      "mesh.virtual_stages > 1")
-  check_batch_size()
-  if mesh.stage > 1 and not train.per_token_loss:
-    raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
-                      "pipeline's head returns a loss sum and a token count)")
+                      "mesh.virtual_stages > 1",
+                      ("train.num_microbatches", "mesh.stage", "mesh.virtual_stages"))
 
 
 def check_user_model(cfg: RunConfig) -> None:
@@ -529,95 +155,19 @@ def check_user_model(cfg: RunConfig) -> None:
   if cfg.train.remat:
     raise ConfigError("train.remat: recomputes the built-in model's blocks; a user's "
                       "model rematerializes its own (nnx.remat / nn.remat / "
-                      "jax.checkpoint of its blocks): set train.remat: false")
+                      "jax.checkpoint of its blocks): set train.remat: false",
+                      ("train.remat",))
   if cfg.mesh.sequence_parallel:
     raise ConfigError("mesh.sequence_parallel: lays out the built-in model's "
                       "activations; a user's model lays out its own: set "
-                      "mesh.sequence_parallel: false")
-
-
-# ------------------------------------------------------------------ entry points
-
-
-def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
-  """``"train.steps=50"`` as ``(("train", "steps"), 50)``; the value is YAML.
-
-  Raises:
-    ConfigError: for a malformed override.
-  """
-  key, sep, value = text.partition("=")
-  parts = tuple(p.strip() for p in key.split("."))
-  if not sep or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", p) for p in parts):
-    raise ConfigError(f"--set {text!r}: expected key.sub=value, e.g. train.steps=50")
-  return parts, parse_yaml(value, source=f"--set {text!r}")
-
-
-def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]
-                   ) -> tuple[dict[str, Any], set[str]]:
-  """``raw`` (a parsed YAML mapping) with ``--set`` overrides applied.
-
-  Returns:
-    The new mapping, and the dotted keys that were overridden.
-  """
-  raw = _deep_copy(raw)
-  touched = set()
-  for text in overrides:
-    parts, value = parse_override(text)
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-      child = node.get(part)
-      if child is None:
-        child = node[part] = {}
-      elif not isinstance(child, dict):
-        raise ConfigError(f"--set {text!r}: {'.'.join(parts[:i + 1])} is not a section")
-      node = child
-    node[parts[-1]] = value
-    touched.add(".".join(parts))
-  return raw, touched
-
-
-def _deep_copy(x: Any) -> Any:
-  if isinstance(x, Mapping):
-    return {k: _deep_copy(v) for k, v in x.items()}
-  if isinstance(x, list):
-    return [_deep_copy(v) for v in x]
-  return x
-
-
-def _absolute_file(spec: Optional[str], base_dir: Optional[str]) -> Optional[str]:
-  """A ``"file.py:attribute"`` provider with the file's path made absolute (relative
-  to ``base_dir``); a ``"package.module:attribute"`` one as it is."""
-  if spec is None or ":" not in spec:
-    return spec
-  module, _, attribute = spec.rpartition(":")
-  if not (module.endswith(".py") or "/" in module or os.sep in module):
-    return spec
-  path = os.path.join(base_dir or os.getcwd(), os.path.expanduser(module))
-  return f"{os.path.abspath(path)}:{attribute}"
-
-
-def _absolute_providers(cfg: RunConfig, base_dir: Optional[str]) -> RunConfig:
-  model = dataclasses.replace(
-      cfg.model, provider=_absolute_file(cfg.model.provider, base_dir),
-      loss=_absolute_file(cfg.model.loss, base_dir),
-      metrics=_absolute_file(cfg.model.metrics, base_dir))
-  data = dataclasses.replace(cfg.data,
-                             provider=_absolute_file(cfg.data.provider, base_dir))
-  return dataclasses.replace(cfg, model=model, data=data)
+                      "mesh.sequence_parallel: false", ("mesh.sequence_parallel",))
 
 
 def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
                      overrides: Sequence[str] = (), default_name: str = "run",
                      base_dir: Optional[str] = None) -> RunConfig:
-  """A validated `RunConfig` from a parsed mapping plus ``--set`` overrides.
-
-  Args:
-    raw: the parsed YAML (``None`` for all defaults).
-    source: names the origin in error messages, e.g. the file path.
-    overrides: ``key.sub=value`` strings applied on top of ``raw``.
-    default_name: the run's name when ``raw`` has none.
-    base_dir: the folder a provider's ``"file.py:function"`` is relative to (the
-      config file's); default: the working directory. Such paths are made absolute.
+  """A checked `RunConfig` from a parsed mapping plus ``--set`` overrides: read by
+  `mpscale.trainer.schema.read_config` (same arguments), then `check`.
 
   Returns:
     The frozen `RunConfig`.
@@ -626,28 +176,11 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
     ConfigError: (a ``ValueError``; `ConfigTypeError` is also a ``TypeError``) naming
       ``source`` and the key, with ``(set by --set)`` for an overridden key.
   """
-  raw = {} if raw is None else raw
-  if not isinstance(raw, Mapping):
-    raise ConfigTypeError(f"{source}: expected a mapping at the top level, got "
-                          f"{_type_name(raw)}")
+  cfg, touched = read_config(raw, source, overrides, default_name, base_dir)
   try:
-    raw, touched = apply_overrides(raw, overrides)
+    check(cfg)
   except ConfigError as e:
-    raise type(e)(f"{source}: {e}") from None
-  try:
-    cfg = _to_dataclass(RunConfig, raw, "")
-    if not cfg.name:
-      cfg = dataclasses.replace(cfg, name=default_name)
-    cfg = _absolute_providers(cfg, base_dir)
-    _check(cfg)
-  except ConfigError as e:
-    message = str(e)
-    key = message.split(":", 1)[0].split(" ", 1)[0].split("[", 1)[0]
-    by_set = any(key == t or key.startswith(t + ".") or t.startswith(key + ".")
-                 or re.search(rf"(?<![\w.]){re.escape(t)}(?![\w])", message)
-                 for t in touched)
-    suffix = " (set by --set)" if by_set else ""
-    raise type(e)(f"{source}: {message}{suffix}") from None
+    raise e.located(source, touched) from None
   return cfg
 
 
@@ -661,7 +194,7 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
     data_path: replaces ``data.path`` (the command's ``--data``).
 
   Returns:
-    The frozen, validated `RunConfig`; its ``name`` defaults to the file's stem.
+    The frozen, checked `RunConfig`; its ``name`` defaults to the file's stem.
 
   Raises:
     ConfigError: for a missing file, invalid YAML, an unknown key, a wrong type or an
@@ -686,17 +219,3 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
   if data_path is not None:
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
   return cfg
-
-
-def to_dict(cfg: Any) -> Any:
-  """A config as plain YAML-ready data (tuples as lists)."""
-  if dataclasses.is_dataclass(cfg):
-    return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-  if isinstance(cfg, tuple):
-    return [to_dict(v) for v in cfg]
-  return cfg
-
-
-def dump_config(cfg: RunConfig) -> str:
-  """``cfg`` as YAML text that `load_config` reads back to an equal config."""
-  return yaml.safe_dump(to_dict(cfg), sort_keys=False)

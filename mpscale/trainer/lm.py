@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import flax.linen as nn
 import jax
@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from mpscale.trainer import config as config_lib
 from mpscale import norms as norms_lib
 from mpscale import sharding as sharding_lib
 from mpscale import validation
@@ -193,15 +192,19 @@ class TinyLM:
   """The tiny decoder-only LM: ``init`` and the pipeline-form functions.
 
   Attributes:
-    config: sizes (`mpscale.trainer.config.ModelConfig`).
+    vocab_size, d_model, num_heads, num_layers, d_ff, seq_len, init_std: the sizes
+      (`SIZES`; the config's ``model`` section holds the same names, with defaults,
+      and `from_sizes` reads them from it). ``init_std`` defaults to GPT-2's 0.02.
     remat: recompute each block in the backward pass (``loss_fn`` only; a pipeline
       takes its own ``remat``).
+    shard: activation layout for tensor and sequence parallelism; ``None``: GSPMD's
+      choice.
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from mpscale.trainer.config import ModelConfig
     >>> from mpscale.trainer.lm import TinyLM
-    >>> model = TinyLM(ModelConfig(d_model=64, num_layers=2))
+    >>> model = TinyLM(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
+    ...                d_ff=256, seq_len=64)
     >>> params = model.init(jax.random.key(0))
     >>> tokens = jnp.zeros((2, 64), jnp.int32)
     >>> batch = {"inputs": tokens, "targets": tokens}
@@ -209,34 +212,46 @@ class TinyLM:
     >>> float(num_tokens)
     128.0
   """
-  config: config_lib.ModelConfig = dataclasses.field(
-      default_factory=config_lib.ModelConfig)
+  vocab_size: int
+  d_model: int
+  num_heads: int
+  num_layers: int
+  d_ff: int
+  seq_len: int
+  init_std: float = 0.02
   remat: bool = False
   shard: Optional[ActivationSharding] = None
-  """Activation layout for tensor and sequence parallelism; ``None``: GSPMD's
-  choice."""
+
+  SIZES: ClassVar[tuple[str, ...]] = ("vocab_size", "d_model", "num_heads",
+                                      "num_layers", "d_ff", "seq_len", "init_std")
+  """The fields that size the model."""
+
+  @classmethod
+  def from_sizes(cls, sizes: Any, **kwargs: Any) -> "TinyLM":
+    """A model with the `SIZES` read off ``sizes`` (any object with those
+    attributes, e.g. the config's ``model`` section); ``kwargs``: ``remat``,
+    ``shard``."""
+    return cls(**{name: getattr(sizes, name) for name in cls.SIZES}, **kwargs)
 
   def __post_init__(self):
-    c = self.config
     for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
-      validation.positive_int(name, getattr(c, name))
-    validation.positive_float("init_std", c.init_std)
-    if c.d_model % c.num_heads:
-      raise ValueError(f"d_model ({c.d_model}) must be divisible by num_heads "
-                       f"({c.num_heads})")
+      validation.positive_int(name, getattr(self, name))
+    validation.positive_float("init_std", self.init_std)
+    if self.d_model % self.num_heads:
+      raise validation.ArgumentError(
+          ("d_model", "num_heads"),
+          f"{{0}} ({self.d_model}) must be divisible by {{1}} ({self.num_heads})")
     validation.boolean("remat", self.remat)
 
   def _embed(self) -> Embed:
-    c = self.config
-    return Embed(c.vocab_size, c.d_model, c.seq_len, c.init_std)
+    return Embed(self.vocab_size, self.d_model, self.seq_len, self.init_std)
 
   def _block(self, dtype: Any = None) -> Block:
-    c = self.config
-    return Block(c.num_heads, c.d_ff, c.init_std, c.num_layers, dtype=dtype,
+    return Block(self.num_heads, self.d_ff, self.init_std, self.num_layers, dtype=dtype,
                  shard=self.shard or _unconstrained)
 
   def _head(self, dtype: Any = None) -> Head:
-    return Head(self.config.vocab_size, self.config.init_std, dtype=dtype)
+    return Head(self.vocab_size, self.init_std, dtype=dtype)
 
   def init(self, rng: jax.Array) -> Params:
     """Float32 parameters ``{"embed", "stages", "head"}``; ``stages`` leaves have a
@@ -244,15 +259,14 @@ class TinyLM:
     return jax.jit(self._init)(rng)
 
   def _init(self, rng: jax.Array) -> Params:
-    c = self.config
     k_embed, k_stages, k_head = jax.random.split(rng, 3)
-    tokens = jnp.zeros((1, c.seq_len), jnp.int32)
-    x = jnp.zeros((1, c.seq_len, c.d_model), jnp.float32)
+    tokens = jnp.zeros((1, self.seq_len), jnp.int32)
+    x = jnp.zeros((1, self.seq_len, self.d_model), jnp.float32)
     block = self._block()
     return {
         "embed": self._embed().init(k_embed, tokens)["params"],
         "stages": jax.vmap(lambda k: block.init(k, x)["params"])(
-            jax.random.split(k_stages, c.num_layers)),
+            jax.random.split(k_stages, self.num_layers)),
         "head": self._head().init(k_head, x)["params"],
     }
 
@@ -294,16 +308,13 @@ class TinyLM:
                   if axis is not None and all(
                       a in mesh.axis_names and mesh.shape[a] > 1
                       for a in ((axis,) if isinstance(axis, str) else axis)))
-    c = self.config
-    sizes = {"heads": ("model.num_heads", c.num_heads),
-             "mlp": ("model.d_ff", c.d_ff), "vocab": ("model.vocab_size", c.vocab_size)}
+    sizes = {"heads": "num_heads", "mlp": "d_ff", "vocab": "vocab_size"}
     for name, axis in rules:
       if name in sizes:
-        key, n = sizes[name]
-        size = sharding_lib.axis_size(mesh, axis)
+        n, size = getattr(self, sizes[name]), sharding_lib.axis_size(mesh, axis)
         if n % size:
-          raise ValueError(f"{key} ({n}) is not divisible by mesh axis {axis!r} "
-                           f"(size {size})")
+          raise validation.fail(sizes[name], f" ({n}) is not divisible by mesh axis "
+                                f"{axis!r} (size {size})")
     specs = sharding_lib.logical_specs(self.logical_axes(), rules)
     if fsdp_axis is not None and fsdp_axis in mesh.axis_names:
       shapes = jax.eval_shape(self._init, jax.random.key(0))
@@ -343,7 +354,7 @@ class TinyLM:
 
     # Unrolled for up to 8 layers: XLA compiles it about twice as fast as a loop.
     x, _ = lax.scan(body, self.embed_fn(params, batch), params["stages"],
-                    unroll=self.config.num_layers <= 8)
+                    unroll=self.num_layers <= 8)
     return x
 
   def loss_fn(self, params: Params, batch: dict[str, jax.Array]
@@ -371,7 +382,7 @@ class TinyLM:
     """
     validation.positive_int("num_tokens", num_tokens)
     validation.non_negative_float("temperature", temperature)
-    window = self.config.seq_len
+    window = self.seq_len
 
     @jax.jit
     def next_token(params, tokens, length, key):

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 import grain
 import numpy as np
 
+from mpscale import validation
 from mpscale.trainer import data as data_lib
 
 _READ = dict(num_threads=1, prefetch_buffer_size=2)
@@ -129,25 +130,28 @@ def _source(obj: Any, key: str) -> Any:
   if hasattr(obj, "__len__") and hasattr(obj, "__getitem__") and not isinstance(
       obj, (str, bytes, Mapping)):
     return grain.MapDataset.source(obj)
-  raise TypeError(f"{key}: expected a random-access source of examples (len(source) "
-                  "and source[i]; a grain data source or grain.MapDataset) or a "
-                  "mapping {'train': source, 'eval': source}; got "
-                  f"{type(obj).__module__}.{type(obj).__qualname__}")
+  raise validation.fail(
+      key, ": expected a random-access source of examples (len(source) and "
+      "source[i]; a grain data source or grain.MapDataset) or a mapping {'train': "
+      f"source, 'eval': source}}; got {type(obj).__module__}.{type(obj).__qualname__}",
+      validation.ArgumentTypeError)
 
 
 def _check_examples(ds: Any, name: str, batch_size: int, key: str) -> None:
   if len(ds) < batch_size:
-    raise ValueError(f"{key}: the {name} split has {len(ds)} examples, fewer than "
-                     f"data.batch_size ({batch_size})")
+    raise validation.ArgumentError(
+        (key, "data.batch_size"), f"{{0}}: the {name} split has {len(ds)} examples, "
+        f"fewer than {{1}} ({batch_size})")
   try:
     example = ds[0]
   except Exception as e:  # the user's source may raise anything
-    raise ValueError(f"{key}: reading {name}[0] raised {type(e).__name__}: {e}"
-                     ) from None
+    raise validation.fail(key, f": reading {name}[0] raised {type(e).__name__}: {e}"
+                          ) from None
   if not isinstance(example, Mapping):
-    raise TypeError(f"{key}: an example must be a dict of arrays (a batch is the "
-                    f"dict of their stacks); {name}[0] is "
-                    f"{type(example).__module__}.{type(example).__qualname__}")
+    raise validation.fail(
+        key, ": an example must be a dict of arrays (a batch is the dict of their "
+        f"stacks); {name}[0] is {type(example).__module__}."
+        f"{type(example).__qualname__}", validation.ArgumentTypeError)
 
 
 def _process_batches(ds: Any, batch_size: int, rows: tuple[int, int]) -> Any:
@@ -173,8 +177,8 @@ def user_data(obj: Any, cfg: Any, key: str = "data.provider",
   if isinstance(obj, Mapping):
     unknown = set(obj) - {"train", "eval"}
     if "train" not in obj or unknown:
-      raise ValueError(f"{key}: a mapping of splits needs 'train' (and may have "
-                       f"'eval'); got keys {sorted(obj)}")
+      raise validation.fail(key, ": a mapping of splits needs 'train' (and may have "
+                            f"'eval'); got keys {sorted(obj)}")
     train, held_out = _source(obj["train"], key), obj.get("eval")
     held_out = None if held_out is None else _source(held_out, key)
   else:

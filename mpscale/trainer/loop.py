@@ -7,11 +7,28 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from mpscale.trainer import config as config_lib
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from rich.console import Console
+from rich.progress import TaskID
+
+from mpscale import sharding as sharding_lib
+from mpscale import validation
+from mpscale.train_step import TrainState
+from mpscale.trainer import builders
 from mpscale.trainer import checkpoints
+from mpscale.trainer import config as config_lib
+from mpscale.trainer import data as data_lib
+from mpscale.trainer import distributed
+from mpscale.trainer import lm as lm_lib
+from mpscale.trainer import loader
+from mpscale.trainer import metrics_log
+from mpscale.trainer import models
 from mpscale.trainer.metrics_log import MetricsLog, read_rows, to_float
 from mpscale.trainer.plots import plot_runs
 from mpscale.trainer.progress import fmt, make_progress, progress_info, scale_text
@@ -40,22 +57,21 @@ def check_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
                       "--resume to continue it or --overwrite to replace it")
 
 
-def _global_batch(batch: dict[str, Any], setup: Any, data: Any) -> Any:
+def _global_batch(batch: dict[str, Any], setup: builders.Setup,
+                  data: loader.Data) -> Any:
   """The host batch, or across processes one global array from every process's rows
   of it (`mpscale.trainer.distributed.global_batch`)."""
-  from mpscale.trainer import builders
-  from mpscale.trainer import distributed
   return distributed.global_batch(batch, builders.batch_sharding(setup.mesh),
                                   data.batch_size, data.rows)
 
 
-def evaluate_metrics(setup: Any, state: Any, data: Any) -> dict[str, float]:
+def evaluate_metrics(setup: builders.Setup, state: TrainState,
+                     data: loader.Data) -> dict[str, float]:
   """The model's loss (``"loss"``, the mean per-token loss) and metrics (each total
   sum over total count) on the evaluation batches of ``data`` (a
   `mpscale.trainer.loader.Data`), in inference mode (no dropout, running averages:
   `mpscale.trainer.models`); NaN when it has none. Across processes each reads its
   rows of each batch and every process gets the same values."""
-  import jax
   sums: dict[str, list[float]] = {}
   for batch in data.eval_batches():
     out = jax.device_get(setup.evaluate(state, _global_batch(batch, setup, data)))
@@ -67,7 +83,7 @@ def evaluate_metrics(setup: Any, state: Any, data: Any) -> dict[str, float]:
           for name, (total, count) in sums.items()}
 
 
-def evaluate(setup: Any, state: Any, data: Any) -> float:
+def evaluate(setup: builders.Setup, state: TrainState, data: loader.Data) -> float:
   """The mean per-token loss of ``state`` (a `mpscale.TrainState`) over the
   evaluation batches of ``data`` (`evaluate_metrics`); NaN when it has none."""
   return evaluate_metrics(setup, state, data)["loss"]
@@ -78,16 +94,16 @@ class _Run:
   """One run being trained: what `_prepare` built, and where its files go."""
   cfg: config_lib.RunConfig
   out_dir: str
-  setup: Any
-  """`mpscale.trainer.builders.Setup`: model, policy, optimizer, mesh, step, evaluate."""
-  data: Any
-  """`mpscale.trainer.loader.Data`: training batches by step, evaluation batches."""
-  state: Any
-  """The `mpscale.TrainState`, initial or restored."""
-  data_state: Any
+  setup: builders.Setup
+  """Model, policy, optimizer, mesh, step, evaluate."""
+  data: loader.Data
+  """Training batches by step, evaluation batches."""
+  state: TrainState
+  """The state, initial or restored."""
+  data_state: Optional[Mapping[str, Any]]
   """The data iterator's state to start from (``None``: the first batch)."""
-  metric_shapes: Any
-  """What the step returns as metrics (shapes only)."""
+  metric_shapes: dict[str, Any]
+  """What the step returns as metrics (``jax.ShapeDtypeStruct``s)."""
   eval_names: list[str]
   """The model's evaluation metrics beside the loss (logged as ``eval_<name>``)."""
   num_params: int
@@ -103,11 +119,11 @@ class _Run:
     return os.path.join(self.out_dir, "summary.json")
 
 
-def _provided(given: Any, spec: Optional[str], key: str, cfg: Any) -> tuple[Any, str]:
+def _provided(given: Any, spec: Optional[str], key: str,
+              cfg: config_lib.RunConfig) -> tuple[Any, str]:
   """A user's piece: ``given`` (a Python argument; a function is called with
   ``cfg``), else what the config's ``spec`` names (called with ``cfg``), else
   ``None``; and the key that names it in errors."""
-  from mpscale.trainer import models
   name = key.split(".")[0]
   if given is not None:
     if callable(given) and not _is_model_object(given):
@@ -121,8 +137,6 @@ def _provided(given: Any, spec: Optional[str], key: str, cfg: Any) -> tuple[Any,
 def _is_model_object(obj: Any) -> bool:
   """Whether ``obj`` is a model itself rather than a function returning one (Flax
   modules and grain datasets are callable or have methods, too)."""
-  import sys
-  from mpscale.trainer import models
   if isinstance(obj, models.Model):
     return True
   for module, name in (("flax.nnx", "Module"), ("flax.linen", "Module")):
@@ -132,13 +146,9 @@ def _is_model_object(obj: Any) -> bool:
   return False
 
 
-def _load_data(cfg: config_lib.RunConfig, given: Any) -> Any:
-  """The run's `mpscale.trainer.loader.Data`: a user's source, or the text; across
-  processes, this process's rows of each batch."""
-  from mpscale.trainer import builders
-  from mpscale.trainer import data as data_lib
-  from mpscale.trainer import distributed
-  from mpscale.trainer import loader
+def _load_data(cfg: config_lib.RunConfig, given: Any) -> loader.Data:
+  """The run's data: a user's source, or the text; across processes, this process's
+  rows of each batch."""
   rows = distributed.process_rows(builders.batch_sharding(builders.build_mesh(cfg)),
                                   cfg.data.batch_size)
   source, key = _provided(given, cfg.data.provider, "data.provider", cfg)
@@ -150,14 +160,13 @@ def _load_data(cfg: config_lib.RunConfig, given: Any) -> Any:
   try:
     text = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
   except (OSError, ValueError) as e:
-    raise ValueError(f"data.path: {e}") from None
+    raise validation.fail("data.path", f": {e}") from None
   return loader.text_data(text, cfg, rows)
 
 
 def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: Any,
-                metrics: Any = None) -> tuple[Any, str]:
+                metrics: Any = None) -> tuple[Optional[models.Model], str]:
   """A user's `mpscale.trainer.models.Model` (``None`` for the tiny LM) and its key."""
-  from mpscale.trainer import models
   obj, key = _provided(given, cfg.model.provider, "model.provider", cfg)
   if obj is None:
     if loss is not None:
@@ -183,16 +192,10 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
   Raises:
     config_lib.ConfigError: naming ``source`` and the key.
   """
-  import jax
-  from mpscale.trainer import builders
-  from mpscale.trainer import lm as lm_lib
-
   def fail(e: Exception) -> None:
     if isinstance(e, config_lib.ConfigError):
       raise e
-    cls = config_lib.ConfigTypeError if isinstance(e, TypeError) else (
-        config_lib.ConfigError)
-    raise cls(f"{source}: {e}") from None
+    raise config_lib.as_config_error(e).located(source) from None
 
   try:
     run_data = _load_data(cfg, data)
@@ -216,20 +219,18 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     data_key = "data (argument)" if data is not None else (
         "data.provider" if cfg.data.provider else "the built-in data")
     shapes = {k: (v.shape, str(v.dtype)) for k, v in batch_shapes.items()}
-    fail(ValueError(f"{data_key}: its batches do not fit {model_key}: training on "
-                    f"the first batch {shapes} raised {type(e).__name__}: "
-                    f"{str(e)[:500]}"))
+    fail(validation.fail(data_key, f": its batches do not fit {model_key}: "
+                         f"training on the first batch {shapes} raised "
+                         f"{type(e).__name__}: {str(e)[:500]}"))
   return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes, eval_names,
               num_params=lm_lib.num_params(params),
-              opt_bytes=builders.tree_bytes(state.opt_state),
+              opt_bytes=sharding_lib.tree_bytes(state.opt_state, per_device=False),
               main_process=jax.process_index() == 0)
 
 
-def global_batch_shapes(data: Any, batch: dict[str, Any]) -> dict[str, Any]:
-  """The shapes of a global batch of ``data`` (`mpscale.trainer.loader.Data`) like
-  ``batch``: ``data.batch_size`` rows (a process reads only its rows of it)."""
-  import jax
-  import numpy as np
+def global_batch_shapes(data: loader.Data, batch: dict[str, Any]) -> dict[str, Any]:
+  """The shapes of a global batch of ``data`` like ``batch``: ``data.batch_size``
+  rows (a process reads only its rows of it)."""
   return {k: jax.ShapeDtypeStruct((data.batch_size,) + np.shape(v)[1:],
                                   np.asarray(v).dtype) for k, v in batch.items()}
 
@@ -249,27 +250,61 @@ def _start_files(run: _Run, overwrite: bool) -> None:
 
 class _Logger:
   """Collects the step metrics between log points and writes them: one
-  ``metrics.csv``/TensorBoard row per log point, the evaluation, the progress bar."""
+  ``metrics.csv``/TensorBoard row per log point, the evaluation, the progress bar.
+
+  A context: inside it the progress bar shows. Each step's metrics go to `record`; a
+  row is written by `flush` when one is due; `close` closes the log."""
 
   def __init__(self, run: _Run, start: int, progress: Optional[bool], verbose: bool):
-    from rich.console import Console
-    self.run, self.verbose = run, verbose
+    self.run, self.start, self.verbose = run, start, verbose
     self.log = MetricsLog(run.out_dir, sorted(run.metric_shapes["group_norms"]),
-                          start, run.main_process,
-                          eval_names=[f"eval_{n}" for n in run.eval_names])
+                          start, run.main_process, eval_names=run.eval_names)
     previous = to_float(self.log.last.get("overflow_total")) if start else math.nan
     self.overflow_total = 0 if math.isnan(previous) else int(previous)
     self.console = Console(stderr=True)
     self.show = self.console.is_terminal if progress is None else progress
-    self.tokens_per_step = run.data.tokens_per_step
     self.t_run = self.t_mark = time.perf_counter()
-    self.pending: list = []
+    self.pending: list[dict[str, Any]] = []
     self.eval_loss = math.nan
     self.eval_values: dict[str, float] = {}
     self.bar = make_progress(self.console, disable=not (self.show and run.main_process))
-    self.task = None
+    self.task: Optional[TaskID] = None
 
-  def started(self, done: int) -> None:
+  def __enter__(self) -> _Logger:
+    """Shows the bar at step ``start`` while the first step compiles."""
+    self.bar.start()
+    self.task = self.bar.add_task(
+        self.run.cfg.name, total=self.run.cfg.train.steps, completed=self.start,
+        info="compiling the step (the first step waits for it)")
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.bar.stop()
+
+  @property
+  def path(self) -> str:
+    """The run's ``metrics.csv``."""
+    return self.log.path
+
+  @property
+  def seconds(self) -> float:
+    """Seconds since this logger started (the run's training in this process)."""
+    return time.perf_counter() - self.t_run
+
+  def record(self, metrics: dict[str, Any], done: int) -> None:
+    """Keeps the metrics of the step that made ``done`` steps for the next row."""
+    self.pending.append(metrics)
+    if done == self.start + 1:
+      # Compiled and run once: the time estimate leaves compilation out.
+      jax.block_until_ready(metrics)
+      self._started(done)
+    elif self.show and len(self.pending) >= 2:
+      # Steps are dispatched ahead of the device: count the ones it has finished
+      # (keeping one in flight), so the counter never runs ahead of the metrics.
+      jax.block_until_ready(self.pending[-2]["loss"])
+      self.bar.update(self.task, completed=done - 1)
+
+  def _started(self, done: int) -> None:
     """The first step ran (compiled): restart the clock, say when metrics come."""
     every, steps = self.run.cfg.train.log_every, self.run.cfg.train.steps
     first_log = min(steps, (done // every + 1) * every) if every > 0 else steps
@@ -277,58 +312,56 @@ class _Logger:
                    info=f"training; the first metrics come at step {first_log}")
     self.t_mark = time.perf_counter()
 
-  def evaluate(self, state: Any) -> None:
+  def evaluate(self, state: TrainState) -> None:
     """Evaluates ``state``: the loss into ``eval_loss``, every value into
     ``eval_values``."""
     self.eval_values = evaluate_metrics(self.run.setup, state, self.run.data)
     self.eval_loss = self.eval_values["loss"]
 
-  def flush(self, state: Any, done: int, evaluating: bool) -> dict:
-    """Logs one row for the steps in ``pending`` (ending at ``done``)."""
-    import jax
+  def flush(self, state: TrainState, done: int,
+            evaluating: bool) -> Optional[dict[str, Any]]:
+    """Logs one row (`mpscale.trainer.metrics_log.csv_row`) for the steps recorded
+    since the last (ending at ``done``), evaluating ``state`` first if
+    ``evaluating``; returns it, or ``None`` when no step is recorded."""
+    if not self.pending:
+      return None
     host = jax.device_get(self.pending)
     now = time.perf_counter()
-    overflows = sum(int(m["overflow"]) for m in host)
-    self.overflow_total += overflows
-    last = host[-1]
     if evaluating:
       self.evaluate(state)
-    row = {
-        "step": done,
-        "loss": sum(float(m["loss"]) for m in host) / len(host),
-        "eval_loss": self.eval_loss if evaluating else None,
-        **{f"eval_{n}": self.eval_values.get(n, math.nan) if evaluating else None
-           for n in self.run.eval_names},
-        "loss_scale": float(last["loss_scale"]),
-        "overflows": overflows, "overflow_total": self.overflow_total,
-        "skipped": int(last["skipped"]),
-        "global_norm": float(last["global_norm"]),
-        "learning_rate": float(last.get("learning_rate", math.nan)),
-        "tokens_per_s": len(host) * self.tokens_per_step / max(now - self.t_mark, 1e-9),
-        "wall_s": now - self.t_run,
-    }
-    row.update({f"norm/{k}": float(v) for k, v in last["group_norms"].items()})
+    row = metrics_log.csv_row(metrics_log.Interval(
+        step=done, metrics=host, evaluation=self.eval_values if evaluating else None,
+        overflow_total=self.overflow_total,
+        tokens_per_step=self.run.data.tokens_per_step, seconds=now - self.t_mark,
+        wall_s=now - self.t_run), self.run.eval_names)
+    self.overflow_total = row["overflow_total"]
     self.log.write(row)
     row["interval"] = len(host)
     self.pending, self.t_mark = [], time.perf_counter()
     self.bar.update(self.task, completed=done,
                     info=progress_info(row, self.overflow_total, self.eval_loss))
-    if evaluating and self.verbose and not self.show and self.run.main_process:
+    if evaluating and not self.show:
       cfg = self.run.cfg
-      self.console.print(
-          f"{cfg.name} step {done}/{cfg.train.steps}: loss {fmt(row['loss'])}, "
-          f"eval {fmt(self.eval_loss)}, scale {scale_text(row['loss_scale'])}, "
-          f"overflows {self.overflow_total}", soft_wrap=True)
+      self.say(f"{cfg.name} step {done}/{cfg.train.steps}: loss {fmt(row['loss'])}, "
+               f"eval {fmt(self.eval_loss)}, scale {scale_text(row['loss_scale'])}, "
+               f"overflows {self.overflow_total}")
     return row
 
+  def say(self, text: str) -> None:
+    """Prints ``text`` to the console when verbose (on the main process)."""
+    if self.verbose and self.run.main_process:
+      self.console.print(text, soft_wrap=True)
 
-def _loop(run: _Run, start: int, logger: _Logger) -> Any:
+  def close(self) -> None:
+    """Closes ``metrics.csv`` and the TensorBoard events."""
+    self.log.close()
+
+
+def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
   """Trains from step ``start`` to ``train.steps``, logging, evaluating and saving
   checkpoints when due; returns the final state. Interrupted (Ctrl-C), it logs and
   saves what was done so ``--resume`` continues from there, then re-raises."""
-  import jax
-  import orbax.checkpoint as ocp
-  cfg, train_cfg, state = run.cfg, run.cfg.train, run.state
+  train_cfg, state = run.cfg.train, run.state
   steps = train_cfg.steps
   manager = ocp.CheckpointManager(run.ckpt_dir, options=ocp.CheckpointManagerOptions(
       max_to_keep=train_cfg.keep_checkpoints, create=True))
@@ -336,24 +369,12 @@ def _loop(run: _Run, start: int, logger: _Logger) -> Any:
   save = lambda done: checkpoints.save(manager, done, state, batches.get_state())
   due = lambda done, every: done == steps or (every > 0 and done % every == 0)
   try:
-    with logger.bar:
-      logger.task = logger.bar.add_task(
-          cfg.name, total=steps, completed=start,
-          info="compiling the step (the first step waits for it)")
+    with logger:
       for step in range(start, steps):
         batch = next(batches)
         state, metrics = run.setup.step(state, _global_batch(batch, run.setup, run.data))
-        logger.pending.append(metrics)
         done = step + 1
-        if step == start:
-          # Compiled and run once: the time estimate leaves compilation out.
-          jax.block_until_ready(metrics)
-          logger.started(done)
-        elif logger.show and len(logger.pending) >= 2:
-          # Steps are dispatched ahead of the device: count the ones it has finished
-          # (keeping one in flight), so the counter never runs ahead of the metrics.
-          jax.block_until_ready(logger.pending[-2]["loss"])
-          logger.bar.update(logger.task, completed=done - 1)
+        logger.record(metrics, done)
         evaluating = due(done, train_cfg.eval_every)
         checkpointing = due(done, train_cfg.checkpoint_every)
         if not (due(done, train_cfg.log_every) or evaluating or checkpointing):
@@ -366,30 +387,28 @@ def _loop(run: _Run, start: int, logger: _Logger) -> Any:
     # Across processes the others may be at another step (saving is collective), so
     # the run resumes from its last regular checkpoint instead.
     done = int(jax.device_get(state.step))
-    if logger.pending:
-      logger.flush(state, done, evaluating=False)
+    logger.flush(state, done, evaluating=False)
     if done > (manager.latest_step() or 0) and jax.process_count() == 1:
       save(done)
     manager.wait_until_finished()
     manager.close()
-    logger.log.close()
+    logger.close()
     raise
   manager.wait_until_finished()
   manager.close()
   return state
 
 
-def _finish(run: _Run, state: Any, start: int, logger: _Logger) -> dict[str, Any]:
+def _finish(run: _Run, state: TrainState, start: int,
+            logger: _Logger) -> dict[str, Any]:
   """Evaluates a resumed finished run, writes ``summary.json`` and ``metrics.png``,
   and returns the summary."""
-  import jax
-  from mpscale.trainer import builders
   cfg, out_dir = run.cfg, run.out_dir
   final_step = int(jax.device_get(state.step))
   if math.isnan(logger.eval_loss):  # a finished run resumed: evaluate its final state
     logger.evaluate(state)
-  logger.log.close()
-  rows = read_rows(logger.log.path)
+  logger.close()
+  rows = read_rows(logger.path)
   train_loss = to_float(rows[-1]["loss"]) if rows else math.nan
   summary = {
       "name": cfg.name, **builders.describe(cfg), "steps": final_step,
@@ -400,20 +419,18 @@ def _finish(run: _Run, state: Any, start: int, logger: _Logger) -> dict[str, Any
       "overflow_total": logger.overflow_total, "params": run.num_params,
       "optimizer_state_bytes": run.opt_bytes,
       "train_seconds": _previous_seconds(out_dir, start) + (
-          time.perf_counter() - logger.t_run if final_step > start else 0.0),
+          logger.seconds if final_step > start else 0.0),
       "resumed_from": start, "data": run.data.source, "out_dir": out_dir,
   }
   if run.main_process:
     with open(run.summary_path, "w") as f:
       json.dump(summary, f, indent=2)
-    plot_runs({cfg.name: logger.log.path}, os.path.join(out_dir, "metrics.png"),
+    plot_runs({cfg.name: logger.path}, os.path.join(out_dir, "metrics.png"),
               title=f"{cfg.name} ({summary['policy']}, loss scale "
                     f"{summary['loss_scale']}, {summary['optimizer']})")
-    if logger.verbose:
-      logger.console.print(
-          f"{cfg.name}: {final_step} steps, train loss {fmt(train_loss)}, eval loss "
-          f"{fmt(logger.eval_loss)}, skipped {summary['skipped']} -> {out_dir}",
-          soft_wrap=True)
+    logger.say(f"{cfg.name}: {final_step} steps, train loss {fmt(train_loss)}, eval "
+               f"loss {fmt(logger.eval_loss)}, skipped {summary['skipped']} -> "
+               f"{out_dir}")
   return summary
 
 
@@ -454,7 +471,6 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     config_lib.ConfigError: for a setup the config makes impossible (naming ``source``
       and the key), before anything is written.
   """
-  from mpscale.trainer import distributed
   out_dir = out_dir or os.path.join("runs", cfg.name)
   # Across processes: the same config, options and code everywhere, or nothing runs.
   distributed.check_same_run(
@@ -471,7 +487,6 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     with open(run.summary_path) as f:
       finished = json.load(f)
     if verbose and run.main_process:
-      from rich.console import Console
       Console(stderr=True).print(
           f"{cfg.name}: already finished at step {start} of {cfg.train.steps} in "
           f"{out_dir}; nothing to resume (raise train.steps to train on)",
@@ -484,7 +499,6 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   export = getattr(run.setup.model, "export", None)
   if model is not None and export is not None:
     # A Flax NNX module given here is updated in place (its export does that).
-    import jax
     export(*jax.device_get((state.params, state.model_state)))
   return summary
 
@@ -588,7 +602,6 @@ def load_run(out_dir: str, devices: Optional[int] = None) -> tuple[_Run, int]:
       rebuilt on one device (a user's pipelined model).
     ValueError: if ``devices`` < 1.
   """
-  import jax
   path = os.path.join(out_dir, "config.yaml")
   if not os.path.exists(path):
     raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
@@ -632,9 +645,6 @@ def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float
   Raises:
     RunDirError: for a run of a user's model.
   """
-  import jax
-  from mpscale.trainer import data as data_lib
-  from mpscale.trainer import lm as lm_lib
   run, _ = load_run(out_dir, devices)
   if not isinstance(run.setup.model, lm_lib.TinyLM):
     raise RunDirError(f"{out_dir}: sample writes text with the built-in tiny LM; this "
@@ -664,7 +674,6 @@ def load(out_dir: str, devices: Optional[int] = None) -> Any:
     RunDirError: if ``out_dir`` holds no run or no checkpoint.
   """
   run_, _ = load_run(out_dir, devices)
-  import jax
   state = jax.device_get(run_.state)
   export = getattr(run_.setup.model, "export", None)
   if export is not None:

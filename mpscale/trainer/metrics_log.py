@@ -1,17 +1,111 @@
-"""A run's metrics log: ``metrics.csv`` and TensorBoard events, one row per log point."""
+"""A run's metrics log: ``metrics.csv`` and TensorBoard events, one row per log point.
+
+A row sums up one log interval (`Interval`: the steps since the previous row, with
+their metrics, `mpscale.metrics.StepMetrics`' names and ``loss``): `COLUMNS` says how
+each fixed column is computed from it, and `csv_row` builds the row, the model's
+evaluation metrics (``eval_<name>``) and the group norms (``norm/<group>``) after
+them.
+"""
 
 from __future__ import annotations
 
 import csv
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+from tensorboardX import SummaryWriter
+
+EVAL_PREFIX = "eval_"
+"""Names the column of a model's evaluation metric: ``eval_<name>``."""
+NORM_PREFIX = "norm/"
+"""Names the column of a group's gradient norm: ``norm/<group>``."""
 
 
-CSV_FIELDS = ("step", "loss", "eval_loss", "loss_scale", "overflows", "overflow_total",
-              "skipped", "global_norm", "learning_rate", "tokens_per_s", "wall_s")
-"""The fixed columns of ``metrics.csv``; the model's evaluation metrics follow as
-``eval_<name>``, then the group norms as ``norm/<group>``."""
+class Interval(NamedTuple):
+  """The steps of one log interval, with what a row needs beside their metrics."""
+  step: int
+  """The last step done: the row's step."""
+  metrics: list[dict[str, Any]]
+  """Each step's metrics as host values, in order (the train step's: ``loss``,
+  ``num_tokens`` and `mpscale.metrics.StepMetrics`' names)."""
+  evaluation: Optional[dict[str, float]]
+  """The evaluation at ``step`` (``"loss"`` and the model's metrics by name), or
+  ``None`` when this row does not evaluate."""
+  overflow_total: int
+  """Overflowed steps of the run before this interval (a resumed run's included)."""
+  tokens_per_step: int
+  """Tokens (or rows) in one global batch."""
+  seconds: float
+  """Seconds the interval's steps took."""
+  wall_s: float
+  """Seconds since the run started training in this process."""
+
+
+def _overflows(interval: Interval) -> int:
+  return sum(int(m["overflow"]) for m in interval.metrics)
+
+
+def _last(name: str, cast: Callable[[Any], Any]) -> Callable[[Interval], Any]:
+  """The column of metric ``name`` of the interval's last step."""
+  return lambda interval: cast(interval.metrics[-1][name])
+
+
+class Column(NamedTuple):
+  """A fixed column of ``metrics.csv``."""
+  name: str
+  """Its header."""
+  value: Callable[[Interval], Any]
+  """Its value from a log interval (``None``: an empty cell)."""
+
+
+COLUMNS = (
+    Column("step", lambda i: i.step),
+    # The mean over the interval: the steps between rows are not lost.
+    Column("loss",
+           lambda i: sum(float(m["loss"]) for m in i.metrics) / len(i.metrics)),
+    Column("eval_loss", lambda i: None if i.evaluation is None else i.evaluation["loss"]),
+    Column("loss_scale", _last("loss_scale", float)),
+    Column("overflows", _overflows),
+    Column("overflow_total", lambda i: i.overflow_total + _overflows(i)),
+    Column("skipped", _last("skipped", int)),
+    Column("global_norm", _last("global_norm", float)),
+    Column("learning_rate",
+           lambda i: float(i.metrics[-1].get("learning_rate", math.nan))),
+    Column("tokens_per_s", lambda i: (len(i.metrics) * i.tokens_per_step
+                                      / max(i.seconds, 1e-9))),
+    Column("wall_s", lambda i: i.wall_s),
+)
+"""The fixed columns of ``metrics.csv``, in order, each computed from an `Interval`:
+the interval's mean loss and overflow count, the last step's loss scale, skipped
+total, global norm and learning rate (NaN when the optimizer records none), the
+evaluation's loss (empty when the row does not evaluate), the throughput and the
+time."""
+
+CSV_FIELDS = tuple(column.name for column in COLUMNS)
+"""The names of `COLUMNS`; the model's evaluation metrics follow as ``eval_<name>``,
+then the group norms as ``norm/<group>``."""
+
+
+def csv_fields(eval_names: Sequence[str], group_names: Sequence[str]) -> list[str]:
+  """Every column of ``metrics.csv``: `CSV_FIELDS`, ``eval_<name>`` for each of the
+  model's evaluation metrics, ``norm/<group>`` for each group."""
+  return (list(CSV_FIELDS) + [EVAL_PREFIX + n for n in eval_names]
+          + [NORM_PREFIX + g for g in group_names])
+
+
+def csv_row(interval: Interval, eval_names: Sequence[str]) -> dict[str, Any]:
+  """The row of ``metrics.csv`` for ``interval``: `COLUMNS`, then each of the model's
+  evaluation metrics ``eval_names`` (``None`` when the row does not evaluate, NaN for
+  one the evaluation lacks), then the last step's group norms."""
+  row = {column.name: column.value(interval) for column in COLUMNS}
+  evaluation = interval.evaluation
+  row.update({EVAL_PREFIX + n: (None if evaluation is None
+                                else evaluation.get(n, math.nan))
+              for n in eval_names})
+  row.update({NORM_PREFIX + g: float(v)
+              for g, v in interval.metrics[-1]["group_norms"].items()})
+  return row
 
 
 def read_rows(path: str) -> list[dict[str, str]]:
@@ -33,10 +127,13 @@ class MetricsLog:
 
   def __init__(self, out_dir: str, group_names: Sequence[str], start_step: int,
                enabled: bool = True, eval_names: Sequence[str] = ()):
+    """Opens ``out_dir/metrics.csv`` (the rows of a resumed run up to
+    ``start_step`` kept) and the TensorBoard events; with ``enabled`` false, only
+    reads the kept rows. ``eval_names`` are the model's evaluation metrics (without
+    the ``eval_`` prefix)."""
     self.enabled = enabled
     self.path = os.path.join(out_dir, "metrics.csv")
-    self.fields = (list(CSV_FIELDS) + list(eval_names)
-                   + [f"norm/{g}" for g in group_names])
+    self.fields = csv_fields(eval_names, group_names)
     kept = [r for r in read_rows(self.path) if int(r["step"]) <= start_step]
     self.last = kept[-1] if kept else {}
     if not enabled:
@@ -46,7 +143,6 @@ class MetricsLog:
     self.writer.writeheader()
     self.writer.writerows(kept)
     self.file.flush()
-    from tensorboardX import SummaryWriter
     # purge_step drops the events of steps a resumed run will log again.
     self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
                             purge_step=start_step + 1 if start_step else None)
@@ -62,8 +158,9 @@ class MetricsLog:
       if (key in ("step", "wall_s") or value is None or value == ""
           or not math.isfinite(float(value))):
         continue
-      tag = (f"norms/{key[5:]}" if key.startswith("norm/")
-             else f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}")
+      tag = (f"norms/{key.removeprefix(NORM_PREFIX)}" if key.startswith(NORM_PREFIX)
+             else f"eval/{key.removeprefix(EVAL_PREFIX)}"
+             if key.startswith(EVAL_PREFIX) else f"train/{key}")
       self.tb.add_scalar(tag, float(value), step)
     self.tb.flush()
 

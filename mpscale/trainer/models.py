@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from mpscale import pipeline as pipeline_lib
+from mpscale import validation
 
 
 class Model(NamedTuple):
@@ -107,8 +108,9 @@ def _per_token_fn(fn: Callable[..., Any], stateful: bool = False
 
 def _loss_of(loss: Any, key: str) -> Callable[[Any, Any], Any]:
   if not callable(loss):
-    raise TypeError(f"{key}: a Flax module needs a loss, loss(model, batch) -> "
-                    f"(loss_sum, num_tokens) or a mean; got {loss!r}")
+    raise validation.fail(key, ": a Flax module needs a loss, loss(model, batch) -> "
+                          f"(loss_sum, num_tokens) or a mean; got {loss!r}",
+                          validation.ArgumentTypeError)
   return loss
 
 
@@ -131,8 +133,9 @@ def _metrics_values(out: Any, key: str) -> dict[str, tuple[jax.Array, jax.Array]
   """A metric function's output as ``{name: (sum, count)}`` (a value alone counts
   once)."""
   if not isinstance(out, dict):
-    raise TypeError(f"{key}: metrics(model, batch) must return a dict of name -> "
-                    f"(sum, count); got {type(out).__name__}")
+    raise validation.fail(key, ": metrics(model, batch) must return a dict of name -> "
+                          f"(sum, count); got {type(out).__name__}",
+                          validation.ArgumentTypeError)
   return {name: per_token(value) for name, value in out.items()}
 
 
@@ -270,28 +273,35 @@ def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
     TypeError: naming ``key``, for anything else, or a module without a loss.
   """
   if metrics is not None and not callable(metrics):
-    raise TypeError(f"{key.replace('provider', 'metrics')}: expected a function, "
-                    f"metrics(model, batch) -> {{name: (sum, count)}}; got {metrics!r}")
+    raise validation.fail(
+        key.replace("provider", "metrics"), ": expected a function, metrics(model, "
+        f"batch) -> {{name: (sum, count)}}; got {metrics!r}",
+        validation.ArgumentTypeError)
   if isinstance(obj, Model):
     if loss is not None:
-      raise TypeError(f"{key}: gave a Model, which has its own loss_fn, and a loss "
-                      "as well; drop one")
+      raise validation.fail(key, ": gave a Model, which has its own loss_fn, and a "
+                            "loss as well; drop one", validation.ArgumentTypeError)
     stateful = obj.init_state is not None
     if isinstance(obj.loss_fn, pipeline_lib.Pipeline):
       if obj.evaluate is None:
-        raise TypeError(f"{key}: a Model whose loss_fn is an mpscale.Pipeline needs "
-                        "evaluate=(params, batch) -> (loss_sum, num_tokens) too")
+        raise validation.fail(
+            key, ": a Model whose loss_fn is an mpscale.Pipeline needs evaluate="
+            "(params, batch) -> (loss_sum, num_tokens) too",
+            validation.ArgumentTypeError)
       if stateful:
-        raise TypeError(f"{key}: a Model whose loss_fn is an mpscale.Pipeline has no "
-                        "model state (init_state must be None)")
+        raise validation.fail(
+            key, ": a Model whose loss_fn is an mpscale.Pipeline has no model state "
+            "(init_state must be None)", validation.ArgumentTypeError)
       return obj._replace(evaluate=_per_token_fn(obj.evaluate))
     if not (callable(obj.init) and callable(obj.loss_fn)):
-      raise TypeError(f"{key}: Model(init, loss_fn) needs two functions; got "
-                      f"{obj.init!r}, {obj.loss_fn!r}")
+      raise validation.fail(key, ": Model(init, loss_fn) needs two functions; got "
+                            f"{obj.init!r}, {obj.loss_fn!r}",
+                            validation.ArgumentTypeError)
     if obj.evaluate is None and (stateful or obj.stochastic):
-      raise TypeError(f"{key}: a Model with init_state or stochastic=True needs "
-                      "evaluate=(params, batch[, model_state=...]) -> (loss_sum, "
-                      "num_tokens) too: evaluation runs in inference mode")
+      raise validation.fail(
+          key, ": a Model with init_state or stochastic=True needs evaluate=(params, "
+          "batch[, model_state=...]) -> (loss_sum, num_tokens) too: evaluation runs in "
+          "inference mode", validation.ArgumentTypeError)
     loss_fn = _per_token_fn(obj.loss_fn, stateful)
     evaluate = _per_token_fn(obj.evaluate) if obj.evaluate is not None else loss_fn
     user_metrics = obj.metrics
@@ -306,9 +316,9 @@ def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
   if linen is not None and isinstance(obj, linen.Module):
     return from_linen(obj, _loss_of(loss, key.replace("provider", "loss")),
                       example_batch, seed, metrics)
-  raise TypeError(f"{key}: expected a flax.nnx.Module, a flax.linen.Module or an "
-                  f"mpscale.trainer.Model; got {type(obj).__module__}."
-                  f"{type(obj).__qualname__}")
+  raise validation.fail(key, ": expected a flax.nnx.Module, a flax.linen.Module or an "
+                        f"mpscale.trainer.Model; got {type(obj).__module__}."
+                        f"{type(obj).__qualname__}", validation.ArgumentTypeError)
 
 
 def load_object(spec: str, key: str) -> Any:
@@ -322,8 +332,8 @@ def load_object(spec: str, key: str) -> Any:
   """
   module_name, sep, attribute = spec.rpartition(":")
   if not sep or not module_name or not attribute:
-    raise ValueError(f"{key}: expected 'package.module:attribute' or "
-                     f"'file.py:attribute'; got {spec!r}")
+    raise validation.fail(key, ": expected 'package.module:attribute' or "
+                          f"'file.py:attribute'; got {spec!r}")
   try:
     if module_name.endswith(".py") or os.sep in module_name:
       path = os.path.abspath(module_name)
@@ -344,12 +354,12 @@ def load_object(spec: str, key: str) -> Any:
         sys.path.insert(0, os.getcwd())
       module = importlib.import_module(module_name)
   except Exception as e:  # the user's module may raise anything on import
-    raise ValueError(f"{key}: cannot import {module_name!r}: {type(e).__name__}: "
-                     f"{e}") from None
+    raise validation.fail(key, f": cannot import {module_name!r}: "
+                          f"{type(e).__name__}: {e}") from None
   obj = module
   for part in attribute.split("."):
     if not hasattr(obj, part):
-      raise ValueError(f"{key}: {module_name!r} has no attribute {attribute!r}")
+      raise validation.fail(key, f": {module_name!r} has no attribute {attribute!r}")
     obj = getattr(obj, part)
   return obj
 
@@ -358,8 +368,8 @@ def call_provider(provider: Any, cfg: Any, key: str) -> Any:
   """``provider(cfg)`` (or ``provider()`` for one that takes no argument), with an
   exception it raises re-raised as a ``ValueError`` naming ``key``."""
   if not callable(provider):
-    raise TypeError(f"{key}: expected a function, provider(config) -> ...; got "
-                    f"{provider!r}")
+    raise validation.fail(key, ": expected a function, provider(config) -> ...; got "
+                          f"{provider!r}", validation.ArgumentTypeError)
   try:
     takes_config = bool(inspect.signature(provider).parameters)
   except (TypeError, ValueError):  # a builtin without a signature
@@ -367,5 +377,5 @@ def call_provider(provider: Any, cfg: Any, key: str) -> Any:
   try:
     return provider(cfg) if takes_config else provider()
   except Exception as e:  # the user's code may raise anything
-    raise ValueError(f"{key}: {getattr(provider, '__name__', provider)} raised "
-                     f"{type(e).__name__}: {e}") from None
+    raise validation.fail(key, f": {getattr(provider, '__name__', provider)} raised "
+                          f"{type(e).__name__}: {e}") from None

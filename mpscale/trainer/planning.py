@@ -14,12 +14,12 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
   aliased (donated) bytes and temporaries, and from them the peak,
   ``arguments + outputs - aliased + temporaries``;
 - FLOPs of the matrix products of the partitioned per-device program, loops counted
-  by their trip counts (`matmul_flops`; XLA's ``cost_analysis()`` counts a loop's
-  body once, and is reported beside it);
+  by their trip counts (`mpscale.hlo.matmul_flops`; XLA's ``cost_analysis()``
+  counts a loop's body once, and is reported beside it);
 - each collective in the compiled HLO (all-reduce, all-gather, reduce-scatter,
   collective-permute, all-to-all) with its count and bytes per step, loops counted
   by their trip counts, a bfloat16 sum at bfloat16's bytes (the CPU compile widens
-  it to float32; a GPU or TPU does not);
+  it to float32; a GPU or TPU does not): `mpscale.hlo.collectives`;
 
 plus the pipeline bubble of the config's schedule and the tokens per step.
 
@@ -46,10 +46,16 @@ import json
 import math
 import re
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-               "all-to-all")
+import jax
+
+from mpscale import hlo as hlo_lib
+from mpscale import sharding as sharding_lib
+from mpscale import validation
+from mpscale.trainer import builders
+from mpscale.trainer import lm as lm_lib
+from mpscale.trainer import loop
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -85,196 +91,6 @@ def _fmt_bytes(n: float) -> str:
   return f"{int(n)} B"
 
 
-# ------------------------------------------------------------------ the HLO
-
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
-_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+"
-                          r"([a-z][a-z0-9\-]*)\((.*)$")
-
-
-def _shape_bytes(text: str) -> int:
-  """Bytes of every array shape written in ``text`` (``f32[8,16]{1,0}``, tuples)."""
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    if dtype in _DTYPE_BYTES:
-      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
-
-
-_PARAM = re.compile(r"([\w.\-]+):\s*(\(?[a-z][a-z0-9]*\[[0-9,]*\])")
-
-
-class _Instruction(NamedTuple):
-  name: str
-  result: str
-  op: str
-  rest: str
-
-
-class _Module(NamedTuple):
-  """A compiled HLO module: its computations, the result type of every name in each,
-  and the entry computation's name."""
-  computations: dict[str, list[_Instruction]]
-  types: dict[str, dict[str, str]]
-  entry: Optional[str]
-
-
-def _parse(hlo: str) -> _Module:
-  computations: dict[str, list[_Instruction]] = {}
-  types: dict[str, dict[str, str]] = {}
-  entry, current = None, None
-  for line in hlo.splitlines():
-    if current is None:
-      m = _COMPUTATION.match(line)
-      if m:
-        current = m.group(1)
-        computations[current] = []
-        types[current] = dict(_PARAM.findall(line.split("->")[0]))
-        if line.startswith("ENTRY"):
-          entry = current
-      continue
-    if line.strip() == "}":
-      current = None
-      continue
-    m = _INSTRUCTION.match(line)
-    if m:
-      name = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)", line).group(1)
-      computations[current].append(_Instruction(name, *m.groups()))
-      types[current][name] = m.group(1)
-  return _Module(computations, types, entry)
-
-
-def _callees(ins: _Instruction) -> list[tuple[str, str]]:
-  """``(role, computation)`` for each computation ``ins`` calls: ``body`` and
-  ``condition`` of a while, ``branch`` of a conditional, ``call`` otherwise."""
-  out = [(role if role in ("body", "condition") else
-          "branch" if role.endswith("_computation") else "call", name)
-         for role, name in re.findall(
-             r"\b(body|condition|to_apply|calls|true_computation|false_computation)"
-             r"=%?([\w.\-]+)", ins.rest)]
-  for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.rest):
-    out += [("branch", c) for c in re.findall(r"%?([\w.\-]+)", group)]
-  return out
-
-
-def _per_step(module: _Module, cost: Any) -> dict[str, float]:
-  """The sum of ``cost(computation, instruction) -> {key: value}`` over everything
-  one step runs: a while body its trip count times (XLA's ``known_trip_count``), a
-  conditional its costliest branch (one runs; which one, the program decides), any
-  other called computation (fusions, calls) once per call."""
-  memo: dict[str, dict[str, float]] = {}
-
-  def total(name: str) -> dict[str, float]:
-    if name in memo:
-      return memo[name]
-    memo[name] = {}  # no recursion in HLO; a guard all the same
-    acc: dict[str, float] = {}
-
-    def add(d: dict[str, float], times: float = 1.0) -> None:
-      for k, v in d.items():
-        acc[k] = acc.get(k, 0.0) + times * v
-
-    for ins in module.computations[name]:
-      add(cost(name, ins))
-      callees = [(r, c) for r, c in _callees(ins) if c in module.computations]
-      branches = [total(c) for r, c in callees if r == "branch"]
-      if branches:
-        add(max(branches, key=lambda d: sum(d.values())))
-      m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
-      trips = int(m.group(1)) if m else 1
-      for role, callee in callees:
-        if role == "body":
-          add(total(callee), trips)
-        elif role == "call":
-          add(total(callee))
-    memo[name] = acc
-    return acc
-
-  return total(module.entry) if module.entry in module.computations else {}
-
-
-def _operands(ins: _Instruction) -> list[str]:
-  """The operand names of an instruction (``%a, %b`` before the closing paren)."""
-  return re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
-
-
-def _dims(type_text: str) -> list[int]:
-  m = _SHAPE.search(type_text or "")
-  return [int(d) for d in m.group(2).split(",") if d] if m else []
-
-
-def collectives(hlo: str) -> dict[str, dict[str, int]]:
-  """Each collective kind in the compiled HLO text ``hlo``: how many run per step
-  and how many bytes they move per device (the larger of operands and result: an
-  all-gather's gathered result, a reduce-scatter's full operand). An op in a
-  ``while`` body counts its loop's trip count times (XLA's ``known_trip_count``),
-  nested loops multiplied; in a conditional, the costliest branch counts; an
-  asynchronous pair (``-start``/``-done``) counts once. A bfloat16 sum that XLA's CPU
-  backend widened to float32 (a reducer named ``*_promoted``) counts at bfloat16's
-  bytes, as a GPU or TPU moves it.
-  """
-  return _collectives(_parse(hlo))
-
-
-_PROMOTED = re.compile(r"_promoted(?:\.\d+)?$")
-
-
-def _promoted(ins: _Instruction) -> bool:
-  """Whether the backend widened this all-reduce or reduce-scatter from a 16-bit float
-  the program gave it: XLA's CPU backend sums bfloat16 in float32 (its
-  ``AllReducePromotion`` pass, which names the new reducer ``<name>_promoted``); GPUs
-  (NCCL) and TPUs reduce bfloat16 as it is, and so would the planned run."""
-  shape = _SHAPE.search(ins.result)
-  return shape is not None and shape.group(1) == "f32" and any(
-      _PROMOTED.search(reducer) for _, reducer in _callees(ins))
-
-
-def _collectives(module: _Module) -> dict[str, dict[str, int]]:
-  def cost(name: str, ins: _Instruction) -> dict[str, float]:
-    kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
-    if kind not in COLLECTIVES:
-      return {}
-    operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
-        _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
-    moved = max(_shape_bytes(ins.result), operand_bytes)
-    # Counted at the program's 16-bit width, not the CPU compile's 32-bit one.
-    return {f"{kind}/count": 1, f"{kind}/bytes": moved // 2 if _promoted(ins) else moved}
-
-  out: dict[str, dict[str, int]] = {}
-  for key, value in sorted(_per_step(module, cost).items()):
-    kind, field = key.split("/")
-    out.setdefault(kind, {})[field] = int(value)
-  return out
-
-
-def matmul_flops(hlo: str) -> float:
-  """FLOPs of the matrix products (``dot``) in the compiled HLO text ``hlo`` per
-  step: ``2 * prod(result) * prod(contracted dims)`` each, counted as in
-  `collectives` (loop trip counts, which XLA's own cost analysis counts once; a
-  conditional's costliest branch). Elementwise work is left out: a small share of a
-  transformer's."""
-  return _matmul_flops(_parse(hlo))
-
-
-def _matmul_flops(module: _Module) -> float:
-  def cost(name: str, ins: _Instruction) -> dict[str, float]:
-    if ins.op != "dot":
-      return {}
-    operands = _operands(ins)
-    lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
-    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
-    contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (
-        m and lhs) else 1
-    return {"flops": 2.0 * math.prod(_dims(ins.result)) * contracted}
-
-  return _per_step(module, cost).get("flops", 0.0)
-
-
 # ------------------------------------------------------------------ the plan
 
 
@@ -294,7 +110,7 @@ class Plan:
   user's model's, e.g. BatchNorm statistics; 0 without), ``batch``, ``arguments``,
   ``outputs``, ``aliased``, ``temporaries``, ``peak``."""
   flops_per_device: float
-  """The matrix products' FLOPs of one device's program per step (`matmul_flops`),
+  """The matrix products' FLOPs of one device's program per step (`mpscale.hlo.matmul_flops`),
   bubble ticks and recomputation included."""
   xla_flops_per_device: float
   """XLA's own count (``compiled.cost_analysis()``), which counts a loop's body
@@ -360,23 +176,8 @@ class Plan:
     return "\n".join(lines)
 
 
-def _shard_bytes(tree: Any) -> int:
-  """Bytes one device holds of ``tree`` (``ShapeDtypeStruct``s or arrays with
-  shardings; without a sharding, all of it)."""
-  import jax
-  import numpy as np
-  total = 0
-  for leaf in jax.tree_util.tree_leaves(tree):
-    sharding = getattr(leaf, "sharding", None)
-    shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-  return total
-
-
 def _model_flops(cfg: Any, params: Any, tokens: int) -> float:
   """`Plan.model_flops`."""
-  import jax
-  from mpscale.trainer import lm as lm_lib
   m = cfg.model
   embeddings = sum(x.size for x in jax.tree_util.tree_leaves(params.get("embed", {})))
   dense = lm_lib.num_params(params) - embeddings
@@ -402,8 +203,6 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
     ValueError, TypeError: naming the config key, for a provider that fails or
       returns the wrong type (a linen module's loss runs on the first batch).
   """
-  import jax
-  from mpscale.trainer import loop
   # pylint: disable=protected-access
   data = loop._load_data(cfg, None)
   first_batch = data.train[0]
@@ -440,9 +239,6 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
       (a mesh that needs more devices than exist, indivisible dimensions, a provider
       that fails or a batch its model cannot take, ...).
   """
-  import jax
-  from mpscale.trainer import builders
-  from mpscale.trainer import lm as lm_lib
   memory = None if device_memory is None else parse_bytes(device_memory)
   provided = cfg.model.provider is not None
   if provided:
@@ -467,23 +263,26 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
   except Exception as e:  # a user's loss on a user's batch may raise anything
     if not provided:
       if isinstance(e, (ValueError, TypeError)):
-        raise type(e)(f"mesh: {e}") from None
+        cls = (validation.ArgumentTypeError if isinstance(e, TypeError)
+               else validation.ArgumentError)
+        raise validation.fail("mesh", f": {e}", cls) from None
       raise
     shapes = {k: (v.shape, str(v.dtype)) for k, v in batch.items()}
-    raise ValueError(f"model.provider: compiling its step on the first batch of "
-                     f"{data_key} {shapes} raised {type(e).__name__}: "
-                     f"{str(e)[:500]}") from None
+    raise validation.fail("model.provider", f": compiling its step on the first batch "
+                          f"of {data_key} {shapes} raised {type(e).__name__}: "
+                          f"{str(e)[:500]}") from None
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+  # JAX leaves its structure open: a dict, or a list of one dict per program.
+  if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
   arguments, outputs = mem.argument_size_in_bytes, mem.output_size_in_bytes
   aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
   peak = arguments + outputs - aliased + temporaries
   num_params = lm_lib.num_params(params)
-  hlo = _parse(compiled.as_text())  # once, for the FLOPs and the collectives
-  param_bytes = _shard_bytes(state.params)
+  hlo = hlo_lib.parse(compiled.as_text())  # once, for the FLOPs and the collectives
+  param_bytes = sharding_lib.tree_bytes(state.params)
   devices = 1 if mesh is None else mesh.devices.size
   if provided:
     loss = setup.model.loss_fn
@@ -495,14 +294,14 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
       mesh={} if mesh is None else dict(mesh.shape),
       params=num_params, tokens_per_step=tokens,
       bytes={"params": param_bytes,
-             "optimizer_state": _shard_bytes(state.opt_state),
+             "optimizer_state": sharding_lib.tree_bytes(state.opt_state),
              "gradients": param_bytes,
-             "model_state": _shard_bytes(state.model_state),
-             "batch": _shard_bytes(batch),
+             "model_state": sharding_lib.tree_bytes(state.model_state),
+             "batch": sharding_lib.tree_bytes(batch),
              "arguments": arguments, "outputs": outputs, "aliased": aliased,
              "temporaries": temporaries, "peak": int(peak)},
-      flops_per_device=_matmul_flops(hlo),
+      flops_per_device=hlo_lib.matmul_flops(hlo),
       xla_flops_per_device=float(cost.get("flops", math.nan)),
       model_flops=None if provided else _model_flops(cfg, params, tokens),
-      collectives=_collectives(hlo), bubble=bubble,
+      collectives=hlo_lib.collectives(hlo), bubble=bubble,
       compile_seconds=seconds, device_memory=memory)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mpscale.trainer.metrics_log import read_rows, to_float
+from mpscale.trainer.metrics_log import EVAL_PREFIX, NORM_PREFIX, read_rows, to_float
 
 
 def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:
@@ -40,7 +40,7 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
   # The model's evaluation metrics (eval_<name> beside eval_loss) get a panel.
   metric_keys = sorted({k for rows in all_rows.values() for k in (rows[0] if rows
                                                                    else {})
-                        if k.startswith("eval_") and k != "eval_loss"})
+                        if k.startswith(EVAL_PREFIX) and k != "eval_loss"})
   fig = Figure(figsize=(17 if metric_keys else 13, 7), layout="constrained")
   axes = fig.subplots(2, 4 if metric_keys else 3).ravel()
   styles = ("-", "--", ":", "-.")
@@ -53,14 +53,16 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
     axes[1].plot(*_series(rows, "loss_scale"), color=color, label=label)
     axes[2].plot(*_series(rows, "global_norm"), color=color, label=label)
     axes[3].plot(*_series(rows, "learning_rate"), color=color, label=label)
-    groups = [k for k in (rows[0] if rows else {}) if k.startswith("norm/")]
+    groups = [k for k in (rows[0] if rows else {}) if k.startswith(NORM_PREFIX)]
     for j, key in enumerate(groups):
+      group = key.removeprefix(NORM_PREFIX)
       axes[4].plot(*_series(rows, key), color=color, ls=styles[j % len(styles)],
-                   label=f"{label}: {key[5:]}" if len(runs) > 1 else key[5:])
+                   label=f"{label}: {group}" if len(runs) > 1 else group)
     axes[5].plot(*_series(rows, "overflow_total"), color=color, label=label)
     for j, key in enumerate(metric_keys):
+      metric = key.removeprefix(EVAL_PREFIX)
       axes[6].plot(*_series(rows, key), "o" + styles[j % len(styles)], color=color,
-                   ms=3, label=f"{label}: {key[5:]}" if len(runs) > 1 else key[5:])
+                   ms=3, label=f"{label}: {metric}" if len(runs) > 1 else metric)
   titles = ("loss, nats/byte (train: interval mean; dashed: eval)", "loss scale",
             "gradient global norm (logged step)", "learning rate",
             "group norms (logged step)", "overflows (skipped steps), total")

@@ -1,0 +1,249 @@
+"""What a compiled program does per step, read from its HLO text.
+
+The text is what ``jax.jit(f).lower(*args).compile().as_text()`` prints: the
+partitioned program one device runs, after XLA's passes. `parse` reads it into its
+computations (``%name (params) -> type { ... }``, one instruction a line) and the
+result type of every name in each; nothing is executed and JAX is not imported.
+
+Two readings are built on it, each summed over what one step runs:
+
+- `collectives`: each collective kind (`COLLECTIVES`) with how many run and how many
+  bytes each device moves (the larger of operands and result);
+- `matmul_flops`: the FLOPs of the matrix products (``dot``).
+
+How a step is summed, from the entry computation down::
+
+  cost(computation) = sum over its instructions i of
+                        cost(i)
+                      + trips(i) * cost(body)      i a while (XLA's known_trip_count)
+                      + max over branches cost(b)  i a conditional (one branch runs)
+                      + cost(callee)               i calls it otherwise (a fusion,
+                                                   a call, a reducer)
+
+XLA's own ``compiled.cost_analysis()`` counts a loop's body once; these readings count
+it by its trip count, so a pipeline's ticks and a scan over layers are all there.
+
+Example:
+
+  >>> from mpscale import hlo
+  >>> text = '''HloModule m
+  ... ENTRY %main (a: f32[64,128]) -> f32[64,128] {
+  ...   %a = f32[64,128]{1,0} parameter(0)
+  ...   ROOT %r = f32[64,128]{1,0} all-reduce(%a), channel_id=1, to_apply=%add
+  ... }'''
+  >>> hlo.collectives(text)
+  {'all-reduce': {'bytes': 32768, 'count': 1}}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, NamedTuple, Optional, Union
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+               "all-to-all")
+"""The collective kinds `collectives` counts (an asynchronous ``<kind>-start`` as
+its kind)."""
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+"
+                          r"([a-z][a-z0-9\-]*)\((.*)$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)")
+_PARAM = re.compile(r"([\w.\-]+):\s*(\(?[a-z][a-z0-9]*\[[0-9,]*\])")
+_PROMOTED = re.compile(r"_promoted(?:\.\d+)?$")
+
+
+class Instruction(NamedTuple):
+  """One line of a computation: ``name = result op(rest``."""
+  name: str
+  """The name it defines (without ``%``)."""
+  result: str
+  """Its result type as written (``f32[8,16]{1,0}``, or a tuple of them)."""
+  op: str
+  """The opcode (``dot``, ``all-reduce``, ``all-gather-start``, ``while``, ...)."""
+  rest: str
+  """Everything after the opening parenthesis: operands, then attributes."""
+
+
+class Module(NamedTuple):
+  """A compiled HLO module, as `parse` reads it."""
+  computations: dict[str, list[Instruction]]
+  """Each computation's instructions, in order, by the computation's name."""
+  types: dict[str, dict[str, str]]
+  """Each computation's result type of every name in it (parameters included)."""
+  entry: Optional[str]
+  """The entry computation's name (``None`` if the text has none)."""
+
+
+def _shape_bytes(text: str) -> int:
+  """Bytes of every array shape written in ``text`` (``f32[8,16]{1,0}`` is 512; a
+  tuple's shapes are summed); dtypes it does not know count nothing."""
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    if dtype in _DTYPE_BYTES:
+      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def parse(hlo: str) -> Module:
+  """The `Module` of the compiled HLO text ``hlo`` (``compiled.as_text()``).
+
+  A computation starts at an unindented line ending in ``{`` and ends at a line that
+  is ``}``; within it, each ``name = type op(...)`` line is an `Instruction`."""
+  computations: dict[str, list[Instruction]] = {}
+  types: dict[str, dict[str, str]] = {}
+  entry, current = None, None
+  for line in hlo.splitlines():
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m:
+        current = m.group(1)
+        computations[current] = []
+        types[current] = dict(_PARAM.findall(line.split("->")[0]))
+        if line.startswith("ENTRY"):
+          entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if m:
+      name = _NAME.match(line).group(1)
+      computations[current].append(Instruction(name, *m.groups()))
+      types[current][name] = m.group(1)
+  return Module(computations, types, entry)
+
+
+def _as_module(hlo: Union[str, Module]) -> Module:
+  return parse(hlo) if isinstance(hlo, str) else hlo
+
+
+def _callees(ins: Instruction) -> list[tuple[str, str]]:
+  """``(role, computation)`` for each computation ``ins`` calls: ``body`` and
+  ``condition`` of a while, ``branch`` of a conditional, ``call`` otherwise."""
+  out = [(role if role in ("body", "condition") else
+          "branch" if role.endswith("_computation") else "call", name)
+         for role, name in re.findall(
+             r"\b(body|condition|to_apply|calls|true_computation|false_computation)"
+             r"=%?([\w.\-]+)", ins.rest)]
+  for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.rest):
+    out += [("branch", c) for c in re.findall(r"%?([\w.\-]+)", group)]
+  return out
+
+
+_Cost = Callable[[str, Instruction], dict[str, float]]
+"""``cost(computation, instruction) -> {key: value}``: what one instruction costs."""
+
+
+def _per_step(module: Module, cost: _Cost) -> dict[str, float]:
+  """The sum of ``cost`` over everything one step runs: a while body its trip count
+  times (XLA's ``known_trip_count``), a conditional its costliest branch (one runs;
+  which one, the program decides), any other called computation (fusions, calls)
+  once per call."""
+  memo: dict[str, dict[str, float]] = {}
+
+  def total(name: str) -> dict[str, float]:
+    if name in memo:
+      return memo[name]
+    memo[name] = {}  # no recursion in HLO; a guard all the same
+    acc: dict[str, float] = {}
+
+    def add(d: dict[str, float], times: float = 1.0) -> None:
+      for k, v in d.items():
+        acc[k] = acc.get(k, 0.0) + times * v
+
+    for ins in module.computations[name]:
+      add(cost(name, ins))
+      callees = [(r, c) for r, c in _callees(ins) if c in module.computations]
+      branches = [total(c) for r, c in callees if r == "branch"]
+      if branches:
+        add(max(branches, key=lambda d: sum(d.values())))
+      m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
+      trips = int(m.group(1)) if m else 1
+      for role, callee in callees:
+        if role == "body":
+          add(total(callee), trips)
+        elif role == "call":
+          add(total(callee))
+    memo[name] = acc
+    return acc
+
+  return total(module.entry) if module.entry in module.computations else {}
+
+
+def _operands(ins: Instruction) -> list[str]:
+  """The operand names of an instruction (``%a, %b`` before the closing paren)."""
+  return re.findall(r"%([\w.\-]+)", ins.rest.split(")", 1)[0])
+
+
+def _dims(type_text: str) -> list[int]:
+  m = _SHAPE.search(type_text or "")
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _promoted(ins: Instruction) -> bool:
+  """Whether the backend widened this all-reduce or reduce-scatter from a 16-bit float
+  the program gave it: XLA's CPU backend sums bfloat16 in float32 (its
+  ``AllReducePromotion`` pass, which names the new reducer ``<name>_promoted``); GPUs
+  (NCCL) and TPUs reduce bfloat16 as it is, and so would the planned run."""
+  shape = _SHAPE.search(ins.result)
+  return shape is not None and shape.group(1) == "f32" and any(
+      _PROMOTED.search(reducer) for _, reducer in _callees(ins))
+
+
+def collectives(hlo: Union[str, Module]) -> dict[str, dict[str, int]]:
+  """Each collective kind in the compiled HLO ``hlo`` (text, or `parse`'s `Module`):
+  ``{kind: {"bytes": ..., "count": ...}}``, how many run per step and how many bytes
+  they move per device (the larger of operands and result: an all-gather's gathered
+  result, a reduce-scatter's full operand; a tuple-shaped collective, all its
+  arrays). An op in a ``while`` body counts its loop's trip count times (XLA's
+  ``known_trip_count``), nested loops multiplied; in a conditional, the costliest
+  branch counts; an asynchronous pair (``-start``/``-done``) counts once. A bfloat16
+  sum that XLA's CPU backend widened to float32 (a reducer named ``*_promoted``)
+  counts at bfloat16's bytes, as a GPU or TPU moves it. Kinds that do not occur are
+  left out.
+  """
+  module = _as_module(hlo)
+
+  def cost(name: str, ins: Instruction) -> dict[str, float]:
+    kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
+    if kind not in COLLECTIVES:
+      return {}
+    operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
+        _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
+    moved = max(_shape_bytes(ins.result), operand_bytes)
+    if _promoted(ins):  # at the program's 16-bit width, not the CPU compile's 32-bit
+      moved //= 2
+    return {f"{kind}/count": 1, f"{kind}/bytes": moved}
+
+  out: dict[str, dict[str, int]] = {}
+  for key, value in sorted(_per_step(module, cost).items()):
+    kind, field = key.split("/")
+    out.setdefault(kind, {})[field] = int(value)
+  return out
+
+
+def matmul_flops(hlo: Union[str, Module]) -> float:
+  """FLOPs of the matrix products (``dot``) in the compiled HLO ``hlo`` (text, or
+  `parse`'s `Module`) per step: ``2 * prod(result) * prod(contracted dims)`` each,
+  counted as in `collectives` (loop trip counts, which XLA's own cost analysis counts
+  once; a conditional's costliest branch). Elementwise work is left out: a small
+  share of a transformer's."""
+  module = _as_module(hlo)
+
+  def cost(name: str, ins: Instruction) -> dict[str, float]:
+    if ins.op != "dot":
+      return {}
+    operands = _operands(ins)
+    lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
+    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
+    contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (
+        m and lhs) else 1
+    return {"flops": 2.0 * math.prod(_dims(ins.result)) * contracted}
+
+  return _per_step(module, cost).get("flops", 0.0)

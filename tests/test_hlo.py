@@ -1,0 +1,198 @@
+"""Reading compiled HLO text (mpscale.hlo): the collectives and matrix-product FLOPs of
+programs compiled on the 8 fake CPU devices, against bytes and FLOPs counted by hand,
+and hand-written HLO for what a CPU compile does not print (asynchronous pairs,
+conditionals, widened sums)."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import pytest
+
+from mpscale import hlo
+
+ROWS, COLS = 16, 32
+"""Each device's block of the ``(8 * ROWS, COLS)`` float32 input: 2048 bytes."""
+BLOCK = ROWS * COLS * 4
+RING = [(i, (i + 1) % 8) for i in range(8)]
+
+
+def _compiled(fn, out_specs, dtype=jnp.float32, rows=ROWS, cols=COLS):
+  """The compiled HLO text of ``fn`` on each device's block of an ``(8 * rows,
+  cols)`` input split over a mesh of the 8 devices."""
+  mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=out_specs,
+                            check_vma=False))
+  return f.lower(jax.ShapeDtypeStruct((8 * rows, cols), dtype)).compile().as_text()
+
+
+@pytest.mark.parametrize("fn, out_specs, want", [
+    (lambda a: jax.lax.psum(a, "x"), P(), {"all-reduce": BLOCK}),
+    # The gathered result: all 8 blocks.
+    (lambda a: jax.lax.all_gather(a, "x", tiled=True), P(), {"all-gather": 8 * BLOCK}),
+    # The whole operand, not the eighth each device keeps.
+    (lambda a: jax.lax.psum_scatter(a, "x", tiled=True), P("x"),
+     {"reduce-scatter": BLOCK}),
+    (lambda a: jax.lax.ppermute(a, "x", RING), P("x"), {"collective-permute": BLOCK}),
+    (lambda a: jax.lax.all_to_all(a, "x", 0, 0, tiled=True), P("x"),
+     {"all-to-all": BLOCK}),
+    # One tuple-shaped all-reduce of both arrays.
+    (lambda a: jax.lax.psum((a, a[:4]), "x"), P(),
+     {"all-reduce": BLOCK + 4 * COLS * 4}),
+], ids=["psum", "all_gather", "psum_scatter", "ppermute", "all_to_all", "psum_tuple"])
+def test_each_collective_of_a_compiled_program_with_its_bytes(fn, out_specs, want):
+  assert hlo.collectives(_compiled(fn, out_specs)) == {
+      kind: {"count": 1, "bytes": nbytes} for kind, nbytes in want.items()}
+
+
+def test_a_compiled_loop_counts_its_collectives_by_the_trip_count():
+  def loop(a):
+    return jax.lax.fori_loop(0, 5, lambda i, c: jax.lax.ppermute(c, "x", RING), a)
+
+  assert hlo.collectives(_compiled(loop, P("x"))) == {
+      "collective-permute": {"count": 5, "bytes": 5 * BLOCK}}
+
+
+@pytest.mark.parametrize("dtype, width", [("bfloat16", 2), ("float16", 2),
+                                          ("float32", 4)])
+def test_a_sum_counts_at_the_width_the_program_gave_it(dtype, width):
+  """XLA's CPU backend sums bfloat16 in float32 (it widens the all-reduce and names
+  its reducer ``*_promoted``); a GPU or TPU moves bfloat16, and so does the plan."""
+  text = _compiled(lambda a: jax.lax.psum(a, "x"), P(), dtype, rows=64, cols=128)
+  assert hlo.collectives(text) == {"all-reduce": {"count": 1,
+                                                  "bytes": 64 * 128 * width}}
+
+
+def test_matmul_flops_of_a_compiled_product_and_of_a_loop_of_them():
+  a = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+  b = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+  text = jax.jit(jnp.matmul).lower(a, b).compile().as_text()
+  assert hlo.matmul_flops(text) == 2 * 16 * 64 * 32
+
+  def loop(a, b):
+    return jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ b[:, :32]), a)
+
+  text = jax.jit(loop).lower(a, b).compile().as_text()
+  assert hlo.matmul_flops(text) == 3 * 2 * 16 * 32 * 32
+  # XLA's own count takes the loop's body once.
+  assert jax.jit(loop).lower(a, b).compile().cost_analysis()["flops"] < (
+      hlo.matmul_flops(text))
+
+
+def test_no_collectives_on_one_device():
+  text = jax.jit(lambda a: a * 2).lower(jnp.ones((4, 4))).compile().as_text()
+  assert hlo.collectives(text) == {}
+  assert hlo.matmul_flops(text) == 0.0
+
+
+LOOP_AND_FRIENDS = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %cp = f32[8]{0} collective-permute(%x), channel_id=1, source_target_pairs={{0,1}}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %cp)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%mm (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16,4]{1,0} parameter(1)
+  ROOT %d = f32[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[8], /*index=1*/b: f32[4,4]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %ar = (f32[8]{0}, f32[4,4]{1,0}) all-reduce(%a, %b), channel_id=2, to_apply=%add
+  %rs = f32[2]{0} reduce-scatter(%a), channel_id=4, dimensions={0}
+  %ag-start = f32[32]{0} all-gather-start(%a), channel_id=3, dimensions={0}
+  %ag-done = f32[32]{0} all-gather-done(%ag-start)
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %f = f32[8,4]{1,0} fusion(%x, %y), kind=kOutput, calls=%mm
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_parse_reads_computations_types_and_the_entry():
+  module = hlo.parse(LOOP_AND_FRIENDS)
+  assert module.entry == "main"
+  assert list(module.computations) == ["body", "cond", "mm", "main"]
+  assert [i.op for i in module.computations["mm"]] == ["parameter", "parameter", "dot"]
+  # Parameters from the signature (comments between them skipped), then every name.
+  assert module.types["main"]["b"] == "f32[4,4]"
+  assert module.types["main"]["ar"] == "(f32[8]{0}, f32[4,4]{1,0})"
+  ag = module.computations["main"][3]
+  assert (ag.name, ag.result, ag.op) == ("ag-start", "f32[32]{0}", "all-gather-start")
+  # The parsed module reads as its text does.
+  assert hlo.collectives(module) == hlo.collectives(LOOP_AND_FRIENDS)
+  assert hlo.matmul_flops(module) == hlo.matmul_flops(LOOP_AND_FRIENDS)
+
+
+def test_tuples_async_pairs_and_loops_in_hlo_text():
+  assert hlo.collectives(LOOP_AND_FRIENDS) == {
+      # Both arrays of the tuple-shaped all-reduce (its operand %b named only in the
+      # signature).
+      "all-reduce": {"count": 1, "bytes": 8 * 4 + 16 * 4},
+      "reduce-scatter": {"count": 1, "bytes": 8 * 4},  # its operand, not its result
+      "all-gather": {"count": 1, "bytes": 32 * 4},  # -start and -done: once
+      "collective-permute": {"count": 5, "bytes": 5 * 8 * 4},  # the trip count
+  }
+  # The dot inside the fusion, once.
+  assert hlo.matmul_flops(LOOP_AND_FRIENDS) == 2 * 8 * 4 * 16
+
+
+def test_a_conditional_counts_its_costliest_branch():
+  text = """HloModule m
+
+%small (p: f32[8,16]) -> f32[8,4] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,4]{1,0} constant({...})
+  ROOT %d = f32[8,4]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%big (q: f32[8,64]) -> f32[8,4] {
+  %q = f32[8,64]{1,0} parameter(0)
+  %v = f32[64,4]{1,0} constant({...})
+  ROOT %e = f32[8,4]{1,0} dot(%q, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %s = f32[8,4]{1,0} collective-permute(%e), channel_id=1, source_target_pairs={{0,1}}
+}
+
+ENTRY %main (i: s32[], a: f32[8,16]) -> f32[8,4] {
+  %i = s32[] parameter(0)
+  ROOT %c = f32[8,4]{1,0} conditional(%i, %a, %a), branch_computations={%small, %big}
+}
+"""
+  assert hlo.matmul_flops(text) == 2 * 8 * 4 * 64
+  assert hlo.collectives(text) == {"collective-permute": {"count": 1,
+                                                          "bytes": 8 * 4 * 4}}
+
+
+def test_a_promoted_sum_in_hlo_text_counts_half():
+  text = """HloModule m
+
+%add.clone_promoted (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[64,128]) -> f32[64,128] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %r = f32[64,128]{1,0} all-reduce(%a), channel_id=1, to_apply=%add.clone_promoted
+  %rs = f32[8,128]{1,0} reduce-scatter(%a), channel_id=2, dimensions={0}, to_apply=%add.clone_promoted
+  ROOT %t = f32[64,128]{1,0} all-reduce(%r), channel_id=3, to_apply=%add
+}
+"""
+  assert hlo.collectives(text) == {
+      "all-reduce": {"count": 2, "bytes": 64 * 128 * 2 + 64 * 128 * 4},
+      "reduce-scatter": {"count": 1, "bytes": 64 * 128 * 2}}
+
+
+def test_text_without_an_entry_reads_as_nothing():
+  assert hlo.parse("").entry is None
+  assert hlo.collectives("HloModule m\n") == {}
+  assert hlo.matmul_flops("HloModule m\n") == 0.0

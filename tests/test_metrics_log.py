@@ -1,0 +1,74 @@
+"""The rows of metrics.csv (mpscale.trainer.metrics_log): each column computed from a
+log interval's step metrics, by hand, and the header the rows are written under."""
+
+import math
+
+import numpy as np
+
+from mpscale.trainer import metrics_log
+
+
+def _step(loss, overflow, skipped, scale, norm, groups, **more):
+  """One step's host metrics, as the train step returns them (numpy scalars)."""
+  return {"loss": np.float32(loss), "num_tokens": np.float32(64),
+          "loss_scale": np.float32(scale), "overflow": np.bool_(overflow),
+          "nan": np.bool_(False), "inf": np.bool_(overflow),
+          "skipped": np.int32(skipped), "consecutive_skipped": np.int32(overflow),
+          "global_norm": np.float32(norm),
+          "group_norms": {g: np.float32(v) for g, v in groups.items()},
+          "group_sizes": {g: np.int32(4) for g in groups}, **more}
+
+
+def _interval(evaluation=None, **more):
+  return metrics_log.Interval(
+      step=12, metrics=[
+          _step(3.0, False, 1, 256.0, 0.5, {"a": 0.25, "b": 0.75}, **more),
+          _step(2.0, True, 2, 128.0, math.inf, {"a": 1.0, "b": math.inf}, **more),
+          _step(1.0, False, 2, 128.0, 2.0, {"a": 1.5, "b": 0.5}, **more)],
+      evaluation=evaluation, overflow_total=5, tokens_per_step=64, seconds=0.5,
+      wall_s=7.25)
+
+
+def test_a_row_is_each_column_of_the_interval():
+  row = metrics_log.csv_row(
+      _interval({"loss": 1.25, "accuracy": 0.5}, learning_rate=np.float32(0.125)),
+      ["accuracy", "top5"])
+  assert row == {
+      "step": 12,
+      "loss": 2.0,  # the interval's mean
+      "eval_loss": 1.25,
+      "loss_scale": 128.0,  # the last step's
+      "overflows": 1,
+      "overflow_total": 6,  # the run's before, plus the interval's
+      "skipped": 2,
+      "global_norm": 2.0,
+      "learning_rate": 0.125,
+      "tokens_per_s": 3 * 64 / 0.5,
+      "wall_s": 7.25,
+      "eval_accuracy": 0.5,
+      "eval_top5": row["eval_top5"],  # NaN: the evaluation lacks it
+      "norm/a": 1.5, "norm/b": 0.5,
+  }
+  assert math.isnan(row["eval_top5"])
+  assert list(row)[:len(metrics_log.CSV_FIELDS)] == list(metrics_log.CSV_FIELDS)
+  assert list(row) == metrics_log.csv_fields(["accuracy", "top5"], ["a", "b"])
+
+
+def test_a_row_without_evaluation_or_learning_rate():
+  row = metrics_log.csv_row(_interval(), ["accuracy"])
+  assert row["eval_loss"] is None and row["eval_accuracy"] is None
+  assert math.isnan(row["learning_rate"])
+
+
+def test_the_header_is_the_columns_then_evaluation_then_groups(tmp_path):
+  assert metrics_log.CSV_FIELDS == (
+      "step", "loss", "eval_loss", "loss_scale", "overflows", "overflow_total",
+      "skipped", "global_norm", "learning_rate", "tokens_per_s", "wall_s")
+  log = metrics_log.MetricsLog(str(tmp_path), ["a", "b"], 0, eval_names=["accuracy"])
+  log.write(metrics_log.csv_row(_interval({"loss": 1.0, "accuracy": 0.5}),
+                                ["accuracy"]))
+  log.close()
+  rows = metrics_log.read_rows(str(tmp_path / "metrics.csv"))
+  assert list(rows[0]) == [*metrics_log.CSV_FIELDS, "eval_accuracy", "norm/a",
+                           "norm/b"]
+  assert rows[0]["overflow_total"] == "6" and rows[0]["eval_accuracy"] == "0.5"
