@@ -83,8 +83,8 @@ def _entry(axes: Sequence[str]) -> AxisNames:
 
 
 def make_spec(entries: Sequence[AxisNames]) -> PartitionSpec:
-  """The spec of ``entries``, without trailing ``None``s (XLA returns specs in that
-  form, and jit would otherwise see two different shardings and compile twice)."""
+  """The spec of ``entries``, without trailing ``None`` entries (XLA returns specs in
+  that form, and jit would otherwise see two different shardings and compile twice)."""
   entries = list(entries)
   while entries and entries[-1] is None:
     entries.pop()

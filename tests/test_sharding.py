@@ -192,11 +192,6 @@ def test_an_overflow_in_one_shard_makes_every_device_skip():
 # ------------------------------------------------------------------ memory
 
 
-def _shard_bytes(tree):
-  """Bytes each device holds of ``tree`` (each leaf's own sharding)."""
-  return sharding.tree_bytes(tree)
-
-
 def test_fsdp_divides_params_and_optimizer_state():
   n = 8
   _, (init, step) = make_step(make_mesh(fsdp=n), "came")
@@ -207,7 +202,7 @@ def test_fsdp_divides_params_and_optimizer_state():
              if "fsdp" not in sharding.spec_axes(x.sharding.spec)]
   assert max(unsplit) <= 16  # only scalars (step counts, the scale) stay whole
   bound = total / n + sum(unsplit)
-  per_device = _shard_bytes((state.params, state.opt_state))
+  per_device = sharding.tree_bytes((state.params, state.opt_state))
   assert per_device <= bound, (per_device, total / n, sum(unsplit))
   # The compiled step holds no more than that, plus the batch.
   compiled = step.lower(state, make_batch()).compile()

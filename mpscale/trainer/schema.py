@@ -225,7 +225,8 @@ class ScheduleConfig:
   style: Literal["constant", "linear", "cosine", "inverse_sqrt"] = "cosine"
   warmup_steps: int = 0
   warmup_fraction: Optional[float] = None
-  """Warmup as a share of ``train.steps``; exclusive with ``warmup_steps``."""
+  """Warmup as a share of the steps of warmup plus decay (``decay_steps``, which
+  defaults to ``train.steps``); exclusive with ``warmup_steps``."""
   decay_steps: Optional[int] = None
   """Steps of warmup plus decay; ``null``: ``train.steps``."""
   min_lr: float = 0.0
