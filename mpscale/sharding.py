@@ -52,6 +52,7 @@ import numpy as np
 import optax
 
 from mpscale import norms as norms_lib
+from mpscale import validation
 
 AxisNames = Union[None, str, tuple[str, ...]]
 Rules = Sequence[tuple[str, AxisNames]]
@@ -147,6 +148,24 @@ def batch_sharding(mesh: Mesh, data_axes: AxisNames) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(entry_axes(data_axes)))
 
 
+def check_batch_size(size: int, data_size: int, num_microbatches: int = 1) -> None:
+  """The batch rule: ``size`` rows split into ``data_size`` replicas of
+  ``num_microbatches`` micro-batches each, so ``data_size x num_microbatches``
+  divides ``size``. Checked on arrays by `batch_rows`, on a config's keys by the
+  trainer.
+
+  Raises:
+    ArgumentError: whose ``names`` are ``("batch_size", "data_size",
+      "num_microbatches")`` (rename them with `ArgumentError.renamed`).
+  """
+  divisor = data_size * num_microbatches
+  if size % divisor:
+    raise validation.ArgumentError(
+        ("batch_size", "data_size", "num_microbatches"),
+        f"{{0}} ({size}) is not divisible by {{1}} ({data_size}) x {{2}} "
+        f"({num_microbatches}) = {divisor}")
+
+
 def batch_rows(batch: Any, data_size: int = 1, num_microbatches: int = 1, *,
                pipelined: bool = False) -> int:
   """The batch's number of rows, checked: every leaf's leading dimension is the same
@@ -177,10 +196,12 @@ def batch_rows(batch: Any, data_size: int = 1, num_microbatches: int = 1, *,
                          "micro-batches or a pipeline every batch leaf needs a leading "
                          "batch dimension")
       continue
-    if shape[0] % divisor:
-      raise ValueError(f"batch leaf {name!r} has leading dimension {shape[0]}, which "
-                       f"is not divisible by data-parallel size {data_size} x "
-                       f"num_microbatches {num_microbatches} = {divisor}")
+    try:
+      check_batch_size(shape[0], data_size, num_microbatches)
+    except validation.ArgumentError as e:
+      names = {"batch_size": f"the leading dimension of batch leaf {name!r}",
+               "data_size": "data-parallel size"}
+      raise e.renamed(lambda n: names.get(n, n)) from None
     sizes.add(shape[0])
   if len(sizes) > 1:
     raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")

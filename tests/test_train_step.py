@@ -480,7 +480,8 @@ def test_batch_not_divisible_by_replicas_times_microbatches():
   init, step = mpscale.make_train_step(mse_loss, optax.sgd(0.1), mesh=mesh_of(4),
                                        num_microbatches=2)
   state = init(mlp_init())
-  with pytest.raises(ValueError, match=r"not divisible by .*4 x num_microbatches 2"):
+  with pytest.raises(ValueError, match=r"leaf 'x' \(12\) is not divisible by "
+                     r"data-parallel size \(4\) x num_microbatches \(2\) = 8"):
     step(state, make_batch(rows=12))
 
 

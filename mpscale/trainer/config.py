@@ -22,6 +22,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from mpscale import sharding
 from mpscale import validation
 from mpscale.trainer import builders
 from mpscale.trainer.schema import (  # noqa: F401 (re-exported)
@@ -105,12 +106,15 @@ def check(cfg: RunConfig) -> None:
   _checked(builders.check, cfg)
   if model.provider is None:
     _check_model_sizes(cfg)
-  if data.batch_size % (mesh.data * mesh.fsdp * train.num_microbatches):
-    raise ConfigError(
-        f"data.batch_size ({data.batch_size}) must be divisible by mesh.data "
-        f"({mesh.data}) x mesh.fsdp ({mesh.fsdp}) x train.num_microbatches "
-        f"({train.num_microbatches})",
-        ("data.batch_size", "mesh.data", "mesh.fsdp", "train.num_microbatches"))
+  try:
+    sharding.check_batch_size(data.batch_size, mesh.data * mesh.fsdp,
+                              train.num_microbatches)
+  except validation.ArgumentError as e:
+    keys = {"batch_size": "data.batch_size", "data_size": "mesh.data x mesh.fsdp",
+            "num_microbatches": "train.num_microbatches"}
+    raise ConfigError(str(e.renamed(keys.get)), ("data.batch_size", "mesh.data",
+                                                 "mesh.fsdp", "train.num_microbatches")
+                      ) from None
   if model.provider is None and mesh.stage > 1 and not train.per_token_loss:
     raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
                       "pipeline's head returns a loss sum and a token count)",
