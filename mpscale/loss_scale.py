@@ -210,7 +210,8 @@ def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
 
   Args:
     inner: the optimizer to wrap.
-    scale: the loss scale; positive and finite.
+    scale: the loss scale; positive and finite: a float, or an array of shape ``()``
+      or ``(1,)`` (as MindSpore's ``scale_sense``), which may be traced.
     skip_nonfinite: skip non-finite steps (default). With ``False`` an overflowed
       step is still applied, as MindSpore's ``FixedLossScaleManager(...,
       skip_nonfinite=False)``; it is reported in ``overflow`` but not counted as
@@ -221,7 +222,7 @@ def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
   """
-  scale = validation.positive_float("scale", scale)
+  scale = validation.positive_scalar("scale", scale)
   validation.boolean("skip_nonfinite", skip_nonfinite)
   return _loss_scaling(inner, init_scale=scale, skip_nonfinite=skip_nonfinite,
                        dynamic=False, groups=groups, axis_name=axis_name)

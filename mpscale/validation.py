@@ -171,6 +171,21 @@ def scalar_or_schedule(name: str, value: Any,
   return check(name, value)
 
 
+def positive_scalar(name: str, value: Any) -> Union[float, jax.Array]:
+  """A positive, finite scalar: a Python or NumPy number, or an array of shape ``()``
+  or ``(1,)`` (MindSpore's ``scale_sense`` takes either). A concrete array comes back
+  as a float; a traced one (inside ``jit``) as a float32 scalar array, unchecked."""
+  if isinstance(value, (jax.Array, np.ndarray)):
+    if np.shape(value) not in ((), (1,)) or not jnp.issubdtype(value.dtype,
+                                                                 jnp.floating):
+      raise fail(name, " must be a float or a float array of shape () or (1,); got "
+                 f"an array of {value.dtype}{list(np.shape(value))}", ArgumentTypeError)
+    if isinstance(value, jax.core.Tracer):
+      return jnp.reshape(value, ()).astype(jnp.float32)
+    value = np.asarray(value).reshape(()).item()
+  return positive_float(name, value)
+
+
 def groups(name: str, value: Any) -> Any:
   """A grouping of leaves (`mpscale.norms.Groups`): ``None``, a depth >= 1 or a
   callable."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import mpscale
+from mpscale.came import relative_step_size
 from mpscale.trainer import builders
 from mpscale.trainer import config as config_lib
 
@@ -75,3 +76,39 @@ def test_keyed_renames_names_and_leaves_the_text_alone():
   with pytest.raises(mpscale.ArgumentTypeError) as err:
     builders._keyed("section", lambda: (_ for _ in ()).throw(TypeError("oops")), {})
   assert err.value.names == ("section",) and str(err.value) == "section: oops"
+
+
+@pytest.mark.parametrize("max_norm, clipped", [(0.0, False), (None, False),
+                                               (1.0, True)])
+def test_clip_max_norm_zero_or_null_means_no_clipping(max_norm, clipped):
+  cfg = config_lib.config_from_dict({**SMALL, "clip": {"max_norm": max_norm}})
+  params = {"w": jnp.ones((4, 4))}
+  state = builders.build_optimizer(cfg).init(params)
+  found = [x for x in jax.tree_util.tree_leaves(
+      state, is_leaf=lambda x: isinstance(x, mpscale.ClipByGlobalNormState))
+           if isinstance(x, mpscale.ClipByGlobalNormState)]
+  assert bool(found) == clipped
+
+
+def test_came_without_a_learning_rate_takes_its_relative_step_from_the_config():
+  came = {"relative_step": True, "warmup_init": True}
+  cfg = config_lib.config_from_dict({**SMALL, "optimizer": {
+      "name": "came", "learning_rate": None, "came": came}})
+  setup = builders.build(cfg)
+  state = setup.init(setup.init_params())
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, (4, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "mask": np.ones((4, 16), np.float32)}
+  before = np.array(state.params["head"]["out"]["kernel"])  # the step donates
+  for count in range(3):
+    state, metrics = setup.step(state, batch)
+    want = relative_step_size(count, warmup_init=True)
+    np.testing.assert_allclose(metrics["learning_rate"], want, rtol=1e-6)
+  assert not np.allclose(state.params["head"]["out"]["kernel"], before)
+  # Every other optimizer needs a learning rate; CAME with one refuses relative_step.
+  with pytest.raises(config_lib.ConfigError, match="optimizer.learning_rate is null"):
+    config_lib.config_from_dict({**SMALL, "optimizer": {"learning_rate": None}})
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.config_from_dict({**SMALL, "optimizer": {"name": "came", "came": came}})
+  assert err.value.keys == ("optimizer.learning_rate", "optimizer.came.relative_step")

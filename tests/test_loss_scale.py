@@ -441,3 +441,40 @@ def test_scale_loss_multiplies_by_the_current_scale_and_the_wrapper_undoes_it():
   chex.assert_trees_all_close(got, want, rtol=1e-6)
   # Without a loss-scale wrapper the scale is 1.
   assert float(mpscale.scale_loss(2.0, optax.adam(1e-3).init(params))) == 2.0
+
+
+@pytest.mark.parametrize("scale", [jnp.float32(8.0), jnp.array([8.0]),
+                                   np.array([8.0], np.float32)],
+                         ids=["jnp_scalar", "jnp_shape_1", "numpy_shape_1"])
+def test_fixed_scale_takes_a_scalar_or_shape_1_array(scale):
+  params = {"w": jnp.ones(3)}
+  tx = mpscale.fixed_loss_scale(optax.sgd(1.0), scale)
+  state = tx.init(params)
+  assert mpscale.loss_scale_of(state).shape == () and float(
+      mpscale.loss_scale_of(state)) == 8.0
+  updates, _ = jax.jit(tx.update)({"w": jnp.full(3, 8.0)}, state, params)
+  np.testing.assert_allclose(updates["w"], -1.0)  # unscaled by 8
+
+
+def test_a_traced_fixed_scale_works_under_jit_without_recompiling():
+  params = {"w": jnp.ones(3)}
+
+  @jax.jit
+  def step(scale, grads):
+    tx = mpscale.fixed_loss_scale(optax.sgd(1.0), scale)
+    updates, state = tx.update(grads, tx.init(params), params)
+    return updates["w"], mpscale.loss_scale_of(state)
+
+  for s in (2.0, 4.0, 16.0):
+    updates, scale = step(jnp.array([s]), {"w": jnp.full(3, s)})
+    np.testing.assert_allclose(updates, -1.0)
+    assert float(scale) == s
+  assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("scale, error", [
+    (jnp.array([1.0, 2.0]), TypeError), (jnp.array(2), TypeError),
+    (jnp.array([0.0]), ValueError), (jnp.array(jnp.inf), ValueError)])
+def test_fixed_scale_refuses_other_arrays_by_name(scale, error):
+  with pytest.raises(error, match="scale"):
+    mpscale.fixed_loss_scale(optax.sgd(1.0), scale)

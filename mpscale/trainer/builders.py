@@ -140,8 +140,22 @@ def build_param_specs(cfg: config_lib.RunConfig, model: lm_lib.TinyLM,
   return _keyed("mesh", lambda: model.param_specs(mesh), _fields("model", cfg.model))
 
 
-def build_lr_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
-  """``schedule`` applied to ``optimizer.learning_rate`` (`mpscale.lr_schedule`)."""
+def build_lr_schedule(cfg: config_lib.RunConfig) -> Optional[optax.Schedule]:
+  """``schedule`` applied to ``optimizer.learning_rate`` (`mpscale.lr_schedule`);
+  ``None`` for CAME without a learning rate (``optimizer.learning_rate: null``: its
+  relative step, `mpscale.came`'s ``relative_step``).
+
+  Raises:
+    ArgumentError: naming ``optimizer.learning_rate`` when it is null for an
+      optimizer other than CAME.
+  """
+  if cfg.optimizer.learning_rate is None:
+    if cfg.optimizer.name == "came":
+      return None  # came() checks that relative_step is on
+    raise validation.ArgumentError(
+        ("optimizer.learning_rate", "optimizer.name"),
+        "{0} is null, which only CAME takes (with optimizer.came.relative_step: "
+        f"true); {{1}} {cfg.optimizer.name!r} needs a learning rate")
   s = cfg.schedule
   decay_steps = cfg.train.steps if s.decay_steps is None else s.decay_steps
   keys = _fields("schedule", s, peak="optimizer.learning_rate")
@@ -243,7 +257,7 @@ def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
   """Loss scaling around ``chain(clip_by_global_norm, optimizer)``."""
   groups = build_groups(cfg)
   inner = build_inner_optimizer(cfg)
-  if cfg.clip.max_norm is not None:
+  if cfg.clip.max_norm:  # null or 0: no clipping
     inner = optax.chain(_keyed("clip", lambda: norms_lib.clip_by_global_norm(
         cfg.clip.max_norm, groups=groups), _fields("clip", cfg.clip)), inner)
   scaling = cfg.loss_scale

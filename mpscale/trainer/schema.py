@@ -164,7 +164,8 @@ class LossScaleConfig:
 class ClipConfig:
   """Gradient clipping by global norm, and the groups whose norms are logged."""
   max_norm: Optional[float] = 1.0
-  """Clip the global norm to this; ``null`` for no clipping."""
+  """Clip the global norm to this; ``null`` or ``0`` for no clipping (Megatron-LM's
+  ``clip_grad: 0``)."""
   groups: Optional[int] = None
   """Depth of the key paths that name the logged group norms (``null``: top level)."""
 
@@ -207,8 +208,10 @@ class AdafactorConfig:
 class OptimizerConfig:
   """The optimizer; only the sub-section named by ``name`` is used."""
   name: Literal["came", "adamw", "adafactor"] = "adamw"
-  learning_rate: float = 1e-3
-  """Peak learning rate (see `ScheduleConfig`)."""
+  learning_rate: Optional[float] = 1e-3
+  """Peak learning rate (see `ScheduleConfig`); ``null`` for none, which CAME with
+  ``came.relative_step: true`` takes (its relative step size is the learning rate;
+  ``came.warmup_init`` warms it up) and the other optimizers refuse."""
   weight_decay: float = 0.0
   """Decoupled weight decay (the start value with a weight-decay schedule)."""
   weight_decay_mask: Literal["matrices", "all"] = "matrices"
