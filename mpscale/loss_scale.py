@@ -19,8 +19,24 @@ Dynamic loss scaling, per step::
     hysteresis_left -= 1
     if hysteresis_left <= 0:
       scale = max(scale * backoff_factor, min_scale)
+      if refill_after_backoff: hysteresis_left = hysteresis
 
 With ``hysteresis=1`` this is exactly PyTorch's ``GradScaler`` (bounded by min/max).
+The hysteresis modes, on three overflows in a row from 1024 with ``hysteresis=2``:
+
+  Megatron-LM (default)     refill on growth only                 1024, 512, 256
+  DeepSpeed                 ``consecutive_hysteresis``: refill on  1024, 512, 256
+                            every finite step too
+  TensorFlow / Ascend NPU   ``refill_after_backoff``: the bad-step 1024, 512, 512
+                            count restarts after each cut
+
+TensorFlow's ``ExponentialUpdateLossScaleManager(init_loss_scale,
+incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio)`` (the NPU seed's)
+is ``dynamic_loss_scale(init_scale=init_loss_scale,
+growth_interval=incr_every_n_steps, hysteresis=decr_every_n_nan_or_inf,
+growth_factor=incr_ratio, backoff_factor=decr_ratio, refill_after_backoff=True,
+min_scale=1)``, up to its ceiling: TF keeps the scale when growing it would overflow
+float32, mpscale stops at ``max_scale``.
 
 The code reads the same way (``_loss_scaling``'s ``update_fn``; fixed and no scaling
 are the same function with ``dynamic=False``)::
@@ -31,7 +47,8 @@ are the same function with ``dynamic=False``)::
   if dynamic:
     scale, growth_count, hysteresis_left = next_scale(state, skip_state.overflow)
     # next_scale: grown_count = count + 1; grow = grown_count >= growth_interval;
-    # ok_* when finite, bad_* (backed off once bad_hyst <= 0) on an overflow
+    # ok_* when finite, bad_* (backed off once bad_hyst <= 0, then refilled with
+    # refill_after_backoff) on an overflow
 
 The check reads the scaled gradients' float32 sums of squares times ``1 / scale**2``:
 a gradient whose *scaled* squared norm leaves float32's range counts as an overflow
@@ -74,8 +91,9 @@ class LossScaleState(NamedTuple):
 def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bool,
              growth_factor: float = 2.0, backoff_factor: float = 0.5,
              growth_interval: int = 1, hysteresis: int = 1,
-             consecutive_hysteresis: bool = False, min_scale: float = 1.0,
-             max_scale: float = 2.0**24, groups: norms_lib.Groups = None,
+             consecutive_hysteresis: bool = False, refill_after_backoff: bool = False,
+             min_scale: float = 1.0, max_scale: float = 2.0**24,
+             groups: norms_lib.Groups = None,
              axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
   inner = validation.transformation("inner", inner)
   groups = validation.groups("groups", groups)
@@ -99,8 +117,11 @@ def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bo
     ok_hyst = jnp.where(refill, hysteresis, hyst)
     # Overflowed step. Clamped at 0 so a long overflow burst cannot wrap the counter.
     bad_hyst = jnp.maximum(hyst - 1, 0)
-    bad_scale = jnp.where(bad_hyst <= 0,
-                          jnp.maximum(scale * backoff_factor, min_scale), scale)
+    backoff = bad_hyst <= 0
+    bad_scale = jnp.where(backoff, jnp.maximum(scale * backoff_factor, min_scale),
+                          scale)
+    if refill_after_backoff:
+      bad_hyst = jnp.where(backoff, hysteresis, bad_hyst)
     return (jnp.where(overflow, bad_scale, ok_scale).astype(jnp.float32),
             jnp.where(overflow, 0, ok_count).astype(jnp.int32),
             jnp.where(overflow, bad_hyst, ok_hyst).astype(jnp.int32))
@@ -134,6 +155,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
                        init_scale: float = 2.0**15, growth_factor: float = 2.0,
                        backoff_factor: float = 0.5, growth_interval: int = 2000,
                        hysteresis: int = 1, consecutive_hysteresis: bool = False,
+                       refill_after_backoff: bool = False,
                        min_scale: float = 1.0, max_scale: float = 2.0**24,
                        groups: norms_lib.Groups = None,
                        axis_name: Optional[str] = None
@@ -155,6 +177,10 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
     hysteresis: overflows tolerated before a back-off (Megatron-LM); >= 1.
     consecutive_hysteresis: refill the hysteresis on every finite step (DeepSpeed)
       rather than only on growth.
+    refill_after_backoff: refill the hysteresis after each back-off, so every
+      ``hysteresis``-th overflow cuts the scale (TensorFlow's and Ascend's
+      ``decr_every_n_nan_or_inf``; see the module docstring) rather than every
+      overflow once it is spent (Megatron-LM).
     min_scale: floor of the scale; > 0.
     max_scale: ceiling of the scale; finite and >= ``min_scale``.
     groups: grouping of the recorded group norms (see `mpscale.norms.Groups`).
@@ -190,11 +216,13 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
   validation.positive_int("growth_interval", growth_interval)
   validation.positive_int("hysteresis", hysteresis)
   validation.boolean("consecutive_hysteresis", consecutive_hysteresis)
+  validation.boolean("refill_after_backoff", refill_after_backoff)
   return _loss_scaling(
       inner, init_scale=init_scale, skip_nonfinite=True, dynamic=True,
       growth_factor=growth_factor, backoff_factor=backoff_factor,
       growth_interval=growth_interval, hysteresis=hysteresis,
-      consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+      consecutive_hysteresis=consecutive_hysteresis,
+      refill_after_backoff=refill_after_backoff, min_scale=min_scale,
       max_scale=max_scale, groups=groups, axis_name=axis_name)
 
 

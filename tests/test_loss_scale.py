@@ -314,6 +314,7 @@ def test_loss_scale_of_finds_the_scale_inside_a_chain():
     ({"hysteresis": 0}, ValueError, "hysteresis"),
     ({"hysteresis": True}, TypeError, "hysteresis"),
     ({"consecutive_hysteresis": 1}, TypeError, "consecutive_hysteresis"),
+    ({"refill_after_backoff": 1}, TypeError, "refill_after_backoff"),
     ({"min_scale": 0.0}, ValueError, "min_scale"),
     ({"max_scale": float("inf")}, ValueError, "max_scale"),
     ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 2.0}, ValueError, "min_scale"),
@@ -478,3 +479,75 @@ def test_a_traced_fixed_scale_works_under_jit_without_recompiling():
 def test_fixed_scale_refuses_other_arrays_by_name(scale, error):
   with pytest.raises(error, match="scale"):
     mpscale.fixed_loss_scale(optax.sgd(1.0), scale)
+
+
+def tf_exponential_update_trajectory(steps, init, incr_every_n_steps,
+                                     decr_every_n_nan_or_inf, incr_ratio, decr_ratio):
+  """TensorFlow's ``ExponentialUpdateLossScaleManager.update_loss_scale`` (the NPU
+  seed's manager), written independently from its source
+  (tensorflow/contrib/mixed_precision/python/loss_scale_manager.py): a finite step
+  grows the scale on the n-th good step and clears both counts, else counts a good
+  step; a non-finite step cuts the scale (floor 1) on the n-th bad step and clears
+  both counts, else counts a bad step and clears the good ones."""
+  scale, good, bad, out = init, 0, 0, []
+  for finite in steps:
+    if finite:
+      if good + 1 >= incr_every_n_steps:
+        grown = _f32(scale * incr_ratio)
+        scale, good, bad = (grown if np.isfinite(grown) else scale), 0, 0
+      else:
+        good += 1
+    elif bad + 1 >= decr_every_n_nan_or_inf:
+      scale, good, bad = max(1.0, _f32(scale * decr_ratio)), 0, 0
+    else:
+      bad, good = bad + 1, 0
+    out.append(scale)
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tf_mode(init, incr_n, decr_n, incr_ratio, decr_ratio):
+  tx = mpscale.dynamic_loss_scale(
+      optax.sgd(0.1), init_scale=init, growth_interval=incr_n, hysteresis=decr_n,
+      growth_factor=incr_ratio, backoff_factor=decr_ratio, refill_after_backoff=True,
+      min_scale=1.0, max_scale=1e30)
+  return tx, jax.jit(tx.update)
+
+
+def _scales_of(tx, update, pattern):
+  params = _params()
+  state = tx.init(params)
+  scales = []
+  for finite, kind, leaf in pattern:
+    grads = _grads(float(mpscale.loss_scale_of(state)), None if finite else kind, leaf)
+    _, state = update(grads, state, params)
+    scales.append(float(state.loss_scale))
+  return scales
+
+
+@pytest.mark.parametrize("decr_n", [1, 2, 3, 4])
+@settings(max_examples=20, deadline=None)
+@given(pattern=steps_strategy, incr_n=st.integers(1, 4))
+def test_refill_after_backoff_is_tensorflows_exponential_update(decr_n, incr_n,
+                                                                pattern):
+  args = (2.0**10, incr_n, decr_n, 2.0, 0.5)
+  want = tf_exponential_update_trajectory([f for f, _, _ in pattern], *args)
+  assert _scales_of(*_tf_mode(*args), pattern) == want
+
+
+def test_the_three_hysteresis_modes_on_the_seeds_example():
+  bad, good = (False, np.inf, 0), (True, None, 0)
+
+  def scales(pattern, **mode):
+    tx = mpscale.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0,
+                                    growth_interval=100, hysteresis=2, **mode)
+    return _scales_of(tx, jax.jit(tx.update), pattern)
+
+  # The seed's example, n = 2 and three overflows: TF's count restarts after a cut.
+  assert scales([bad] * 3, refill_after_backoff=True) == [1024, 512, 512]
+  assert scales([bad] * 3) == [1024, 512, 256]  # Megatron-LM
+  assert scales([bad] * 3, consecutive_hysteresis=True) == [1024, 512, 256]
+  # A finite step between overflows refills DeepSpeed's only.
+  assert scales([bad, good, bad]) == [1024, 1024, 512]
+  assert scales([bad, good, bad], consecutive_hysteresis=True) == [1024, 1024, 1024]
+  assert scales([bad, good, bad], refill_after_backoff=True) == [1024, 1024, 512]

@@ -268,6 +268,7 @@ def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
         backoff_factor=scaling.backoff_factor,
         growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis,
         consecutive_hysteresis=scaling.consecutive_hysteresis,
+        refill_after_backoff=scaling.refill_after_backoff,
         min_scale=scaling.min_scale, max_scale=scaling.max_scale, groups=groups), keys)
   if scaling.kind == "fixed":
     return _keyed("loss_scale", lambda: loss_scale_lib.fixed_loss_scale(

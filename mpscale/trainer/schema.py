@@ -154,6 +154,9 @@ class LossScaleConfig:
   """Overflows tolerated before a back-off (Megatron-LM)."""
   consecutive_hysteresis: bool = False
   """Refill the hysteresis on every finite step (DeepSpeed)."""
+  refill_after_backoff: bool = False
+  """Refill the hysteresis after each back-off: every ``hysteresis``-th overflow cuts
+  the scale (TensorFlow's and Ascend's ``decr_every_n_nan_or_inf``)."""
   min_scale: float = 1.0
   max_scale: float = 16777216.0
   skip_nonfinite: bool = True
