@@ -22,7 +22,7 @@ Dynamic loss scaling, per step::
       if refill_after_backoff: hysteresis_left = hysteresis
 
 With ``hysteresis=1`` this is exactly PyTorch's ``GradScaler`` (bounded by min/max).
-The hysteresis modes, on three overflows in a row from 1024 with ``hysteresis=2``:
+The hysteresis modes, on three overflows in a row from 1024 with ``hysteresis=2``::
 
   Megatron-LM (default)     refill on growth only                 1024, 512, 256
   DeepSpeed                 ``consecutive_hysteresis``: refill on  1024, 512, 256
