@@ -119,12 +119,12 @@ def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
   """The trainer's choice of the mesh axes the batch is split over: ``data``, and
-  ``fsdp`` when present (checked against the mesh by `mpscale.sharding.data_axes`);
+  ``fsdp`` when present (taken from the mesh's own axes, so there is nothing to
+  check; `make_train_step` checks them with `mpscale.sharding.data_axes`);
   ``("data",)`` without a mesh."""
   if mesh is None:
     return (DATA_AXIS,)
-  return sharding_lib.data_axes(
-      mesh, tuple(a for a in (DATA_AXIS, FSDP_AXIS) if a in mesh.axis_names))
+  return tuple(a for a in (DATA_AXIS, FSDP_AXIS) if a in mesh.axis_names)
 
 
 def batch_sharding(mesh: Optional[Mesh]) -> Optional[NamedSharding]:
