@@ -67,8 +67,9 @@ def test_importing_the_library_loads_no_trainer_module():
 # ------------------------------------------------------------------ the trainer's layers
 TRAINER = PACKAGE / "trainer"
 TRAINER_LAYERS = (
-    ("schema", "data", "devices", "progress", "metrics_log", "checkpoints"),
-    ("lm", "models", "loader", "plots"),
+    ("schema", "data", "devices", "progress", "metrics_log", "checkpoints",
+     "token_files"),
+    ("lm", "models", "loader", "plots", "tokens"),
     ("builders",),
     ("config",),
     ("distributed",),
