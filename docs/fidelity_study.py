@@ -42,10 +42,12 @@ STUDY = (
 GROUPS = dict(STUDY)
 
 
-def run_seed(seed: int, runs, out: str, steps: int | None = None) -> float:
-  """``mpscale compare`` of ``runs`` for one seed into ``out/seed<seed>``; seconds."""
+def run_seed(seed: int, runs, out: str, steps: int | None = None, *,
+             configs: str = CONFIGS, extra=()) -> float:
+  """``mpscale compare`` of ``runs`` (configs in ``configs``, plus the arguments
+  ``extra``) for one seed into ``out/seed<seed>``; seconds."""
   args = [sys.executable, "-m", "mpscale", "compare",
-          *[os.path.join(CONFIGS, f"{r}.yaml") for r in runs],
+          *[os.path.join(configs, f"{r}.yaml") for r in runs], *extra,
           "--set", f"seed={seed}", "--out", os.path.join(out, f"seed{seed}"),
           "--overwrite", "--no-progress", "--quiet"]
   if steps:

@@ -13,6 +13,7 @@ _versions.check()
 
 from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by_came
 from mpscale.skip import SkipNonfiniteState, skip_nonfinite
+from mpscale.spikes import SkipSpikesState, skip_spikes
 from mpscale.gradients import Gradients
 from mpscale import keys
 from mpscale.loss_scale import (
@@ -33,6 +34,7 @@ from mpscale.norms import (
     global_norm,
     group_norms,
 )
+from mpscale.parameter_groups import ParamGroup, ParamGroupsState, param_groups
 from mpscale.pipeline import Pipeline, bubble_fraction, schedule_table, stage_groups
 from mpscale.schedules import lr_schedule, weight_decay_schedule
 from mpscale.sharding import flax_specs, fsdp_specs, logical_specs
@@ -50,10 +52,13 @@ __all__ = [
     "Gradients",
     "LeafSquares",
     "LossScaleState",
+    "ParamGroup",
+    "ParamGroupsState",
     "Pipeline",
     "Policy",
     "ScaleByCameState",
     "SkipNonfiniteState",
+    "SkipSpikesState",
     "TrainState",
     "accumulate_gradients",
     "bubble_fraction",
@@ -74,9 +79,11 @@ __all__ = [
     "lr_schedule",
     "make_train_step",
     "no_loss_scale",
+    "param_groups",
     "scale_by_came",
     "scale_loss",
     "skip_nonfinite",
+    "skip_spikes",
     "schedule_table",
     "stage_groups",
     "step_metrics",

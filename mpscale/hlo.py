@@ -11,6 +11,9 @@ Two readings are built on it, each summed over what one step runs:
   bytes each device moves (the larger of operands and result);
 - `matmul_flops`: the FLOPs of the matrix products (``dot``).
 
+`sums` lists each all-reduce and reduce-scatter with the dtype it sums in (whether
+the gradients are summed in float32 or in the compute dtype).
+
 How a step is summed, from the entry computation down::
 
   cost(computation) = sum over its instructions i of
@@ -196,6 +199,56 @@ def _promoted(ins: Instruction) -> bool:
       _PROMOTED.search(reducer) for _, reducer in _callees(ins))
 
 
+def _kind(ins: Instruction) -> str:
+  """The op, an asynchronous ``<kind>-start`` read as its kind."""
+  return ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
+
+
+def _moved(module: Module, name: str, ins: Instruction) -> int:
+  """Bytes a collective moves per device: the larger of its operands and result, a
+  widened sum at the program's 16-bit width (`_promoted`)."""
+  operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
+      _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
+  moved = max(_shape_bytes(ins.result), operand_bytes)
+  return moved // 2 if _promoted(ins) else moved
+
+
+class Sum(NamedTuple):
+  """One all-reduce or reduce-scatter of a compiled program, as `sums` reads it."""
+  kind: str
+  """``all-reduce`` or ``reduce-scatter``."""
+  dtype: str
+  """The element type it sums in, as compiled (``f32``, ``bf16``): its largest
+  array's."""
+  widened: bool
+  """The CPU backend widened it from a 16-bit float (a reducer named
+  ``*_promoted``): the program sums in 16 bits, and a GPU or TPU would."""
+  bytes: int
+  """Bytes one run of it moves per device, at the program's width (as `collectives`
+  counts them)."""
+  computation: str
+  """The computation holding it (a loop body, the entry, ...)."""
+
+
+def sums(hlo: Union[str, Module]) -> list[Sum]:
+  """Every all-reduce and reduce-scatter in the compiled HLO ``hlo`` (text, or
+  `parse`'s `Module`), one `Sum` each as written (a loop's counts once): which
+  dtype each sums in, the one thing `collectives` leaves out. A float32 ``Sum`` with
+  ``widened`` false is a float32 sum in the program itself."""
+  module = _as_module(hlo)
+  out = []
+  for name, instructions in module.computations.items():
+    for ins in instructions:
+      kind = _kind(ins)
+      if kind not in ("all-reduce", "reduce-scatter"):
+        continue
+      shapes = [(_shape_bytes(f"{d}[{dims}]"), d) for d, dims in _SHAPE.findall(
+          ins.result) if d in _DTYPE_BYTES]
+      dtype = max(shapes)[1] if shapes else ""
+      out.append(Sum(kind, dtype, _promoted(ins), _moved(module, name, ins), name))
+  return out
+
+
 def collectives(hlo: Union[str, Module]) -> dict[str, dict[str, int]]:
   """Each collective kind in the compiled HLO ``hlo`` (text, or `parse`'s `Module`):
   ``{kind: {"bytes": ..., "count": ...}}``, how many run per step and how many bytes
@@ -211,15 +264,10 @@ def collectives(hlo: Union[str, Module]) -> dict[str, dict[str, int]]:
   module = _as_module(hlo)
 
   def cost(name: str, ins: Instruction) -> dict[str, float]:
-    kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
+    kind = _kind(ins)
     if kind not in COLLECTIVES:
       return {}
-    operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
-        _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
-    moved = max(_shape_bytes(ins.result), operand_bytes)
-    if _promoted(ins):  # at the program's 16-bit width, not the CPU compile's 32-bit
-      moved //= 2
-    return {f"{kind}/count": 1, f"{kind}/bytes": moved}
+    return {f"{kind}/count": 1, f"{kind}/bytes": _moved(module, name, ins)}
 
   out: dict[str, dict[str, int]] = {}
   for key, value in sorted(_per_step(module, cost).items()):

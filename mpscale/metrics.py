@@ -10,7 +10,9 @@ import optax
 
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import opt_state as opt_state_lib
+from mpscale import parameter_groups as param_groups_lib
 from mpscale import skip as skip_lib
+from mpscale import spikes as spikes_lib
 
 
 class StepMetrics(NamedTuple):
@@ -40,17 +42,16 @@ class StepMetrics(NamedTuple):
   learning_rate: Any = None
   """float32 learning rate of the step, where the inner optimizer records one
   (``None``: left out of `step_metrics`'s dict)."""
-
-
-def _learning_rate(opt_state: Any) -> Optional[jax.Array]:
-  """The outermost learning rate in ``opt_state``: an ``optax.inject_hyperparams``
-  hyperparameter or a state field named ``learning_rate`` (e.g. `mpscale.came`'s)."""
-  found = optax.tree_utils.tree_get_all_with_path(
-      opt_state, "learning_rate", lambda _, x: not isinstance(x, tuple))
-  if not found:
-    return None
-  _, lr = min(found, key=lambda path_value: len(path_value[0]))
-  return jnp.asarray(lr, jnp.float32)
+  group_learning_rates: Any = None
+  """float32 learning rate of each parameter group of the step, by group name, with
+  `mpscale.param_groups` (``None``: left out of `step_metrics`'s dict)."""
+  spike: Any = None
+  """bool: the step was skipped as a loss or gradient-norm spike, with
+  `mpscale.skip_spikes` (``None``: left out of `step_metrics`'s dict). An overflowed
+  step is never a spike."""
+  spikes: Any = None
+  """int32 total number of spike steps, with `mpscale.skip_spikes` (``None``: left
+  out); ``skipped`` counts them too."""
 
 
 def step_metrics(opt_state: Any) -> dict[str, Any]:
@@ -65,8 +66,10 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
     A dict of the fields of `StepMetrics` by name: ``loss_scale`` (1 without a
     loss-scale wrapper), ``overflow``, ``nan``, ``inf``, ``skipped`` (total),
     ``consecutive_skipped``, ``global_norm`` (unscaled, before clipping),
-    ``group_norms`` and ``group_sizes`` (dicts by group name), and ``learning_rate``
-    where the inner optimizer records one.
+    ``group_norms`` and ``group_sizes`` (dicts by group name), ``learning_rate``
+    where the inner optimizer records one, ``group_learning_rates`` (by group
+    name) with `mpscale.param_groups`, and ``spike`` and ``spikes`` with
+    `mpscale.skip_spikes`.
 
   Raises:
     ValueError: if ``opt_state`` holds no mpscale wrapper state.
@@ -86,8 +89,28 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
       global_norm=skip_state.global_norm,
       group_norms=skip_state.group_norms,
       group_sizes=skip_state.group_sizes,
-      learning_rate=_learning_rate(skip_state.inner_state),
+      learning_rate=opt_state_lib.learning_rate(skip_state.inner_state),
+      group_learning_rates=_group_learning_rates(skip_state.inner_state),
+      **_spikes(skip_state),
   )._asdict()
-  if metrics["learning_rate"] is None:
-    del metrics["learning_rate"]
+  for optional in ("learning_rate", "group_learning_rates", "spike", "spikes"):
+    if metrics[optional] is None:
+      del metrics[optional]
   return metrics
+
+
+def _group_learning_rates(inner_state: Any) -> Optional[dict[str, Any]]:
+  """The outermost `mpscale.param_groups` state's learning rate per group, if any."""
+  states = opt_state_lib.find(inner_state, param_groups_lib.ParamGroupsState)
+  return dict(states[0].group_learning_rates) if states else None
+
+
+def _spikes(skip_state: skip_lib.SkipNonfiniteState) -> dict[str, Any]:
+  """``spike`` and ``spikes`` of the outermost `mpscale.skip_spikes` inside the
+  wrapper, if any."""
+  states = opt_state_lib.find(skip_state.inner_state, spikes_lib.SkipSpikesState)
+  if not states:
+    return {}
+  # An overflowed step kept the inner state, whose flag is then the step before's.
+  return {"spike": states[0].spike & ~skip_state.overflow,
+          "spikes": states[0].spikes}

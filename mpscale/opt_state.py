@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -50,3 +51,15 @@ def find_all(opt_state: Any, kind: type) -> list[tuple[Any, Any]]:
 def find(opt_state: Any, kind: type) -> list[Any]:
   """Every ``kind`` NamedTuple in ``opt_state``, outermost first."""
   return [state for _, state in find_all(opt_state, kind)]
+
+
+def learning_rate(opt_state: Any) -> Any:
+  """The outermost learning rate in ``opt_state``, as float32: an
+  ``optax.inject_hyperparams`` hyperparameter or a state field named
+  ``learning_rate`` (`mpscale.came`'s, `mpscale.param_groups`'); ``None`` if none."""
+  found = optax.tree_utils.tree_get_all_with_path(
+      opt_state, "learning_rate", lambda _, x: not isinstance(x, tuple))
+  if not found:
+    return None
+  _, lr = min(found, key=lambda path_value: len(path_value[0]))
+  return jnp.asarray(lr, jnp.float32)

@@ -53,10 +53,10 @@ all-reduces (the gradient sums over the data axes and ``stage``) happen once, af
 The code reads the same way::
 
   Pipeline.value_and_grad -> shard_map(per_device), manual over data axes and stage
-    per_device: params cast varying, FSDP leaves all-gathered (_gather); the rows cut
-      into M micro-batches; run = _PipelineRun(sizes, this device's inputs)
+    per_device: params cast varying, FSDP leaves all-gathered (gather_split); the
+      rows cut into M micro-batches; run = _PipelineRun(sizes, this device's inputs)
       loss, count, grads = _gpipe(run, params) or _one_f_one_b(run, params)
-      grads: reduce-scattered (_scatter), summed where invariant (_sum_invariant)
+      grads: reduce-scattered (scatter_split), summed where invariant (_sum_invariant)
   gpipe: jax.grad of objective, a lax.scan of tick(carry, t) over v * M + S - 1
   1f1b:  lax.scan(run.tick, carry, schedule_table("1f1b", S, M)), carry holding
          saved, inbox_f, inbox_b (K = _live_slots(table) slots each) and the sums
@@ -87,7 +87,7 @@ from mpscale import keys as keys_lib
 from mpscale import norms as norms_lib
 from mpscale import sharding as sharding_lib
 from mpscale import validation
-from mpscale.gradients import Gradients
+from mpscale.gradients import Gradients, check_grad_reduce_dtype
 
 SCHEDULES = ("gpipe", "1f1b")
 IDLE, FWD, BWD = 0, 1, 2
@@ -199,32 +199,10 @@ def stage_groups(num_stages: int, stages_key: str = "stages") -> Callable:
 
 
 # --------------------------------------------------------------------------- pipeline
-def _varying_axes(x: Any) -> frozenset:
-  """The mesh axes ``x`` varies over inside ``shard_map`` (its "vma" type)."""
-  aval = jax.typeof(x)
-  if hasattr(aval, "manual_axis_type"):  # jax >= 0.9
-    return frozenset(aval.manual_axis_type.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def _mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  if hasattr(lax, "pcast"):  # jax >= 0.8
-    return lax.pcast(x, axes, to="varying")
-  return lax.pvary(x, axes)  # jax 0.7: pvary is the cast it has
-
-
-def _cast_varying(tree: Any, axes: Sequence[str]) -> Any:
-  """Marks every leaf device-varying over ``axes`` (no data moves)."""
-  def cast(x):
-    missing = tuple(a for a in axes if a not in _varying_axes(x))
-    return _mark_varying(x, missing) if missing else x
-  return jax.tree_util.tree_map(cast, tree)
-
-
 def _sum_invariant(tree: Any, axes: Sequence[str], varying: Any) -> Any:
   """psums each leaf over the ``axes`` along which the matching input was invariant."""
   def reduce(g, like):
-    over = tuple(a for a in axes if a not in _varying_axes(like))
+    over = tuple(a for a in axes if a not in sharding_lib.varying_axes(like))
     return lax.psum(g, over) if over else g
   return jax.tree_util.tree_map(reduce, tree, varying)
 
@@ -381,7 +359,8 @@ class Pipeline:
                      per_token_loss: bool = False,
                      cast: Callable[[Any], Any] = lambda p: p,
                      param_specs: Any = None,
-                     rng: Optional[jax.Array] = None) -> Gradients:
+                     rng: Optional[jax.Array] = None,
+                     grad_reduce_dtype: Any = None) -> Gradients:
     """Loss and gradients of ``loss_scale * loss``, pipelined over ``mesh``.
 
     ``shard_map`` is manual over the stage axis and the data axes that split no
@@ -408,6 +387,15 @@ class Pipeline:
         each replica's micro-batch, and inside it as `Pipeline.apply` does: every
         function is called with ``rng=`` and layer ``l`` draws from
         ``fold_in(key, 1 + l)`` on whichever stage it runs.
+      grad_reduce_dtype: ``None`` or float32
+        (`mpscale.gradients.check_grad_reduce_dtype`). The gradients leave each
+        device in the masters' dtype, so the sums over the data axes and the stage
+        axis are float32 either way, and so is 1F1B's sum over micro-batches.
+        GPipe's is not by default: it casts the parameters once, and autodiff adds
+        each micro-batch's cotangent of that cast copy in the compute dtype. With
+        float32, every tick casts the masters itself, so each micro-batch's gradient
+        is widened before it is added (Megatron-LM's
+        ``accumulate_allreduce_grads_in_fp32``).
 
     Returns:
       `mpscale.gradients.Gradients` ``(grads, loss, num_tokens)``: the gradients of
@@ -415,6 +403,7 @@ class Pipeline:
       token count (with ``per_token_loss``; else micro-batches x data replicas).
     """
     self.check(params, mesh, data_axis, batch)
+    float32_sums = check_grad_reduce_dtype(grad_reduce_dtype) is not None
     specs = self.param_specs(params, param_specs)
     data_axes = sharding_lib.data_axes(mesh, data_axis)
     axes = data_axes + (self.stage_axis,)
@@ -429,18 +418,19 @@ class Pipeline:
     def per_device(params, batch, scale, keys):
       # Everything in the loop varies over every manual axis, so autodiff puts no
       # psum in it.
-      varying = _gather(_cast_varying(params, axes), in_param_specs, data_axes)
+      varying = sharding_lib.gather_split(sharding_lib.cast_varying(params, axes),
+                                          in_param_specs, data_axes)
       micro = jax.tree_util.tree_map(
           lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), batch)
-      micro = _cast_varying(micro, axes)
-      scale = _cast_varying(scale, axes)
+      micro = sharding_lib.cast_varying(micro, axes)
+      scale = sharding_lib.cast_varying(scale, axes)
       if keys is not None:
-        keys = _cast_varying(_replica_keys(keys, data_axes, D), axes)
+        keys = sharding_lib.cast_varying(_replica_keys(keys, data_axes, D), axes)
       run = _PipelineRun(self, S, M, per_token_loss, cast, axes, num_layers, micro,
-                         scale, keys)
+                         scale, keys, float32_sums)
       executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b
       loss, count, grads = executor(run, varying)
-      grads = _scatter(grads, in_param_specs, data_axes)
+      grads = sharding_lib.scatter_split(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
       if per_token_loss:
@@ -478,45 +468,13 @@ class Pipeline:
     return Gradients(grads, loss, count)
 
 
-def _fsdp_dims(spec: P, axes: Sequence[str]) -> list[tuple[int, tuple[str, ...]]]:
-  """``(dim, data axes splitting it)`` for each dimension ``spec`` splits over
-  ``axes``."""
-  found = []
-  for dim, entry in enumerate(spec):
-    over = tuple(a for a in sharding_lib.entry_axes(entry) if a in axes)
-    if over:
-      found.append((dim, over))
-  return found
-
-
-def _gather(params: Any, specs: Any, data_axes: Sequence[str]) -> Any:
-  """FSDP inside the pipeline: each parameter split over data axes is all-gathered
-  whole for compute (its gradient is reduce-scattered back by `_scatter`)."""
-  def gather(x, spec):
-    for dim, over in _fsdp_dims(spec, data_axes):
-      x = lax.all_gather(x, over, axis=dim, tiled=True)
-    return x
-  return jax.tree_util.tree_map(gather, params, specs)
-
-
-def _scatter(grads: Any, specs: Any, data_axes: Sequence[str]) -> Any:
-  """Sums each FSDP gradient over its data axes and keeps this device's slice."""
-  def scatter(g, spec):
-    for dim, over in reversed(_fsdp_dims(spec, data_axes)):
-      g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
-    return g
-  return jax.tree_util.tree_map(scatter, grads, specs)
-
-
 def _replica_keys(keys: tuple[jax.Array, jax.Array], data_axes: Sequence[str],
                   num_replicas: int) -> tuple[jax.Array, jax.Array]:
   """Inside ``shard_map``: each micro-batch key folded with this device's data
   replica index (when there are several replicas)."""
   micro_keys, layer_ids = keys
   if num_replicas > 1:
-    replica = jnp.zeros((), jnp.int32)
-    for axis in data_axes:
-      replica = replica * lax.axis_size(axis) + lax.axis_index(axis)
+    replica = sharding_lib.replica_index(data_axes)
     micro_keys = jax.random.key_data(jax.vmap(
         lambda k: keys_lib.replica_key(k, replica))(micro_keys))
   return micro_keys, layer_ids
@@ -550,6 +508,9 @@ class _PipelineRun:
   """The loss scale."""
   keys: Any = None
   """``(raw micro-batch keys, ids of this device's layers)``, or ``None``."""
+  cast_each_tick: bool = False
+  """GPipe casts the masters in every tick (``grad_reduce_dtype=float32``), not once:
+  its micro-batches' gradients then add up in float32."""
 
   # ---- shared by both schedules
   def stage(self) -> jax.Array:
@@ -557,7 +518,7 @@ class _PipelineRun:
     return lax.axis_index(self.pipeline.stage_axis)
 
   def vary(self, tree: Any) -> Any:
-    return _cast_varying(tree, self.axes)
+    return sharding_lib.cast_varying(tree, self.axes)
 
   def zero(self) -> jax.Array:
     return self.vary(jnp.zeros((), jnp.float32))
@@ -724,14 +685,22 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   ring = [(i, (i + 1) % S) for i in range(S if v > 1 else S - 1)]
 
   def objective(params):
-    p = run.cast(params)
-    layers = p[pipe.stages_key]
-    layer_ids = run.layer_ids()
-    if v > 1:
-      layers, layer_ids = jax.tree_util.tree_map(
-          lambda x: x.reshape((v, x.shape[0] // v) + x.shape[1:]), (layers, layer_ids))
+    def cast():
+      p = run.cast(params)
+      layers = p[pipe.stages_key]
+      layer_ids = run.layer_ids()
+      if v > 1:
+        layers, layer_ids = jax.tree_util.tree_map(
+            lambda x: x.reshape((v, x.shape[0] // v) + x.shape[1:]),
+            (layers, layer_ids))
+      return p, layers, layer_ids
+
+    # Cast once, the loop's transpose adds the cotangents of the cast copy (compute
+    # dtype); cast in each tick, it adds each tick's float32 gradient of the masters.
+    once = None if run.cast_each_tick else cast()
 
     def tick(carry, t):
+      p, layers, layer_ids = cast() if once is None else once
       received, loss, count = carry
       item = t - stage                   # this device's work item
       valid = (item >= 0) & (item < v * M)

@@ -88,6 +88,15 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def updates_or_skip(updates: Updates, skip: jax.Array) -> Updates:
+  """``updates`` where ``skip`` is false, else ``-0.0`` in every element: ``p + (-0.0)
+  == p`` bit for bit for every ``p`` (``-0.0`` included, which ``+ 0.0`` would turn
+  into ``0.0``), so a skipped step leaves every parameter as it was."""
+  applied = ~skip  # where(applied, new, old), as the state is selected
+  return jax.tree_util.tree_map(
+      lambda u: jnp.where(applied, u, jnp.asarray(-0.0, u.dtype)), updates)
+
+
 def select_at_end(run_inner: Callable[[], tuple[Updates, State]], skip: jax.Array,
                   old_state: State) -> tuple[Updates, State, State]:
   """``run_inner()``, then the state selected leaf by leaf: the reference path.

@@ -46,6 +46,7 @@ import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
@@ -545,6 +546,71 @@ def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Ar
     if hasattr(jax.typeof(x), "manual_axis_type"):  # jax >= 0.9 wants the abstract mesh
       target = abstract
   return lax.with_sharding_constraint(x, NamedSharding(target, spec))
+
+
+# ------------------------------------------------------------------ inside shard_map
+def varying_axes(x: Any) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``shard_map`` (its "vma" type)."""
+  aval = jax.typeof(x)
+  if hasattr(aval, "manual_axis_type"):  # jax >= 0.9
+    return frozenset(aval.manual_axis_type.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  if hasattr(lax, "pcast"):  # jax >= 0.8
+    return lax.pcast(x, axes, to="varying")
+  return lax.pvary(x, axes)  # jax 0.7: pvary is the cast it has
+
+
+def cast_varying(tree: Any, axes: Sequence[str]) -> Any:
+  """Marks every leaf device-varying over ``axes`` (no data moves): what autodiff
+  then differentiates gets no ``psum`` of its own, and a loop carry keeps its type."""
+  def cast(x):
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return _mark_varying(x, missing) if missing else x
+  return jax.tree_util.tree_map(cast, tree)
+
+
+def replica_index(axes: Sequence[str]) -> jax.Array:
+  """Inside ``shard_map``: this device's data replica over ``axes``, row-major (the
+  order of the batch's row blocks)."""
+  replica = jnp.zeros((), jnp.int32)
+  for axis in axes:
+    replica = replica * lax.axis_size(axis) + lax.axis_index(axis)
+  return replica
+
+
+def split_dims(spec: PartitionSpec, axes: Sequence[str]
+              ) -> list[tuple[int, tuple[str, ...]]]:
+  """``(dim, axes splitting it)`` for each dimension ``spec`` splits over ``axes``."""
+  found = []
+  for dim, entry in enumerate(spec):
+    over = tuple(a for a in entry_axes(entry) if a in axes)
+    if over:
+      found.append((dim, over))
+  return found
+
+
+def gather_split(tree: Any, specs: Any, axes: Sequence[str]) -> Any:
+  """Inside ``shard_map``: each leaf split over some of the manual ``axes`` (FSDP's
+  data axes) all-gathered whole, for compute; `scatter_split` sends its gradient
+  back."""
+  def gather(x, spec):
+    for dim, over in split_dims(spec, axes):
+      x = lax.all_gather(x, over, axis=dim, tiled=True)
+    return x
+  return jax.tree_util.tree_map(gather, tree, specs)
+
+
+def scatter_split(tree: Any, specs: Any, axes: Sequence[str]) -> Any:
+  """Inside ``shard_map``: each leaf summed over the ``axes`` its spec splits it over,
+  keeping this device's slice (a reduce-scatter, in the leaf's dtype)."""
+  def scatter(g, spec):
+    for dim, over in reversed(split_dims(spec, axes)):
+      g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+    return g
+  return jax.tree_util.tree_map(scatter, tree, specs)
 
 
 # --------------------------------------------------------------------------- memory

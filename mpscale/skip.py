@@ -17,6 +17,8 @@ Per step::
   new_updates, new_inner = inner.update(g, inner_state)     # always computed
   if nan or inf:                                  # skip: nothing changes
     updates = -0.0; inner_state kept; skipped += 1; consecutive_skipped += 1
+  elif a skip_spikes inside inner skipped it:     # a spike: no overflow
+    updates = -0.0 (inner's); skipped += 1; consecutive_skipped += 1
   else:
     updates, inner_state = new_updates, new_inner; consecutive_skipped = 0
   global_norm = sqrt(sum(s)); group_norms by the groups of a clip inside inner,
@@ -28,7 +30,8 @@ The code reads the same way (`apply_or_skip`)::
   overflow = nan | inf                            # _any_across for axis_name
   new_updates, new_inner, raw_inner = producer_select.update_or_skip(
       run_inner, skip, state.inner_state)         # the select, per state leaf
-  new_updates = where(applied, u, -0.0)
+  new_updates = producer_select.updates_or_skip(new_updates, skip)   # -0.0
+  skipped_now = skip | _spiked(raw_inner)         # a skip_spikes' own skip
   SkipNonfiniteState(new_inner, skipped + skipped_now, ..., global_norm, ...)
 """
 
@@ -44,6 +47,7 @@ import optax
 from mpscale import norms as norms_lib
 from mpscale import opt_state as opt_state_lib
 from mpscale import producer_select
+from mpscale import spikes as spikes_lib
 from mpscale import validation
 
 
@@ -52,7 +56,8 @@ class SkipNonfiniteState(NamedTuple):
   inner_state: Any
   """State of the wrapped transformation; untouched by a skipped step."""
   skipped: jax.Array
-  """int32 total number of skipped steps."""
+  """int32 total number of skipped steps: non-finite ones, and the spikes a
+  `mpscale.skip_spikes` inside skipped."""
   consecutive_skipped: jax.Array
   """int32 number of skipped steps since the last applied one."""
   overflow: jax.Array
@@ -83,6 +88,14 @@ def _reported_groups(inner_state: Any, own_groups):
   if clips:
     return clips[0].group_norms, clips[0].group_sizes
   return own_groups()
+
+
+def _spiked(inner_state: Any) -> jax.Array:
+  """Whether a `mpscale.skip_spikes` inside ``inner_state`` skipped its step."""
+  flag = jnp.zeros((), jnp.bool_)
+  for spikes_state in opt_state_lib.find(inner_state, spikes_lib.SkipSpikesState):
+    flag = flag | spikes_state.spike
+  return flag
 
 
 def init_state(inner: optax.GradientTransformation, params: Any,
@@ -129,15 +142,14 @@ def apply_or_skip(inner: optax.GradientTransformationExtraArgs, updates: Any,
     skip = overflow
     new_updates, new_inner, raw_inner = producer_select.update_or_skip(
         run_inner, skip, state.inner_state)
-    # -0.0, not 0.0: p + (-0.0) == p bit for bit for every p, including p == -0.0.
-    applied = ~skip  # where(applied, new, old), as producer_select selects
-    new_updates = jax.tree_util.tree_map(
-        lambda u: jnp.where(applied, u, jnp.asarray(-0.0, u.dtype)), new_updates)
-    skipped_now = skip.astype(jnp.int32)
+    new_updates = producer_select.updates_or_skip(new_updates, skip)  # -0.0
   else:
     new_updates, new_inner = run_inner()
     raw_inner = new_inner
-    skipped_now = jnp.zeros((), jnp.int32)
+    skip = jnp.zeros((), jnp.bool_)
+  # A step a skip_spikes inside skipped is skipped too (read from the unselected
+  # state: the step's own flag); the inner state already kept itself.
+  skipped_now = (skip | _spiked(raw_inner)).astype(jnp.int32)
   # The unselected state, so a skipped step still reports its own norms.
   group_norms, group_sizes = _reported_groups(
       raw_inner, lambda: norms_lib.grouped(leaf_squares, groups))
@@ -161,7 +173,8 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
   On a non-finite step the returned updates are ``-0.0`` everywhere (so
   ``optax.apply_updates`` leaves every parameter bit-identical) and the inner state is
   kept as it was, so counts and schedules inside ``inner`` do not advance. The step is
-  counted in ``skipped`` and ``consecutive_skipped``. The same single pass also records
+  counted in ``skipped`` and ``consecutive_skipped``, and so is a step that a
+  `mpscale.skip_spikes` inside ``inner`` skipped (not as an overflow). The same single pass also records
   the global norm and the group norms of the gradients, for `mpscale.step_metrics`.
 
   Args:

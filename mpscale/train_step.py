@@ -7,7 +7,7 @@
   for micro_batch in split(batch, num_microbatches):  # a lax.scan
     g += grad(scale * loss_fn(policy.cast_to_compute(params), micro_batch))
   g /= num_microbatches          # or / total token count, with per_token_loss
-  updates, opt_state = optimizer.update(g, opt_state, params)
+  updates, opt_state = optimizer.update(g, opt_state, params, loss=unscaled_loss)
   params = apply_updates(params, updates)             # master params, param_dtype
 
 The optimizer's mpscale wrapper (`dynamic_loss_scale`, `fixed_loss_scale`,
@@ -21,7 +21,8 @@ The code reads the same way::
   gradients = _gradient_source(loss_fn, ...)    # chosen once: accumulate or pipeline
   def step(state, batch):
     grads, loss, tokens = gradients(state.params, batch, loss_scale_of(state))
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
+                                          loss=loss)     # for skip_spikes
     state = layout.constrain(TrainState(apply_updates(...), opt_state, step + 1))
 
 Data parallelism is jit + GSPMD over a `jax.sharding.Mesh`: the batch is sharded over
@@ -51,7 +52,11 @@ defaults of XLA flags change between jaxlib releases, see the JAX "GPU performan
 tips"). With micro-batches, each data replica accumulates its own float32 gradient
 inside the ``lax.scan`` (the loss function is ``jax.vmap``-ed over the replicas, each
 seeing its own rows), and the replicas' sums are added once after the loop: one
-gradient all-reduce per step, not one per micro-batch.
+gradient all-reduce per step, not one per micro-batch. Without micro-batches, or with
+laid-out parameters, GSPMD sums a weight's gradient inside the backward matmul, in the
+compute dtype; ``grad_reduce_dtype=float32`` moves every sum to float32 (each device's
+own gradient, widened, then summed over the replicas in a ``shard_map``: an
+all-reduce, or FSDP's reduce-scatter), as Megatron-LM does by default.
 
 A Flax ``TrainState`` user takes the short path::
 
@@ -85,6 +90,8 @@ from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
 from mpscale import sharding as sharding_lib
 from mpscale import skip as skip_lib
+from mpscale import spikes as spikes_lib
+from mpscale import gradients as gradients_lib
 from mpscale import validation
 from mpscale.gradients import Gradients
 
@@ -187,13 +194,29 @@ def _check_loss_structure(out: Any, per_token_loss: bool) -> None:
         f"per_token_loss=True, a pair (loss_sum, num_tokens)); got {out}")
 
 
+def _sums_in_float32(policy: policy_lib.Policy, reduce_dtype: Optional[np.dtype]
+                    ) -> bool:
+  """Whether the gradient sums must be moved to float32: asked for, and the compute
+  dtype is narrower (under float32 compute they are float32 already)."""
+  return reduce_dtype is not None and jnp.finfo(policy.compute_dtype).bits < 32
+
+
+def _refuse_model_state() -> validation.ArgumentError:
+  return validation.ArgumentError(
+      ("grad_reduce_dtype", "model_state"),
+      "{0}=float32 sums each data replica's own gradient, but a {1} (synchronized "
+      "BatchNorm statistics) makes every micro-batch's gradient span all replicas' "
+      "rows; pass {0}=None")
+
+
 def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
                          loss_scale: Any = 1.0,
                          policy: Union[None, str, policy_lib.Policy] = None,
                          num_microbatches: int = 1, per_token_loss: bool = False,
                          mesh: Optional[Mesh] = None, data_axis: DataAxis = "data",
                          param_specs: Any = None, rng: Optional[jax.Array] = None,
-                         model_state: Any = None) -> Gradients:
+                         model_state: Any = None,
+                         grad_reduce_dtype: Any = None) -> Gradients:
   """float32 gradients of ``loss_scale * loss``, accumulated over micro-batches.
 
   ``loss_fn`` sees the parameters cast by ``policy.cast_to_compute``; the gradients
@@ -238,6 +261,24 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
       loss takes no key.
     model_state: the model's non-parameter state (a pytree of arrays); ``None``: the
       loss keeps none. Its new value comes back in the leaves' own dtypes.
+    grad_reduce_dtype: ``None`` or float32
+      (`mpscale.gradients.check_grad_reduce_dtype`). ``None``: XLA places the sums.
+      Without micro-batches GSPMD puts the cross-replica sum of a weight's gradient
+      inside the backward matmul, in the compute dtype; so it does each micro-batch's
+      with ``param_specs`` or a ``model_state``; on the vmapped path the replicas'
+      float32 sums are added after the loop. float32 (Megatron-LM's
+      ``accumulate_allreduce_grads_in_fp32``): under a 16-bit compute dtype each
+      device takes the gradient of its own rows (a ``shard_map`` over the data axes,
+      even with one micro-batch), widens it to float32 and accumulates it over the
+      micro-batches; the replicas are summed in float32: FSDP's split parameters
+      reduce-scattered each micro-batch (as PyTorch FSDP's ``reduce_dtype``), the
+      others all-reduced once after the loop. Each micro-batch's gradient is still
+      rounded to the compute dtype once, by the matmul that makes it. The loss runs
+      inside the ``shard_map``: an activation layout it sets must use
+      `mpscale.sharding.constrain`, which drops the manual data axes. Under a
+      float32 compute dtype the sums are float32 already and nothing changes. A
+      ``model_state`` refuses it: synchronized BatchNorm makes each micro-batch's
+      gradient span every replica's rows.
 
   Returns:
     `Gradients` ``(grads, loss, num_tokens)``; with a ``model_state``, the pair
@@ -254,6 +295,10 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
            if mesh is not None and param_specs is not None else None)
   rng = None if rng is None else keys_lib.typed(rng)
   stateful = model_state is not None
+  wide = _sums_in_float32(
+      policy, gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype))
+  if wide and stateful:
+    raise _refuse_model_state()
   # Replicated parameters: one accumulator per data replica (vmapped), summed once.
   # Laid-out parameters, or a model state that must see the whole micro-batch: each
   # micro-batch's gradient is reduced into their layout (FSDP's reduce-scatter), and
@@ -281,7 +326,15 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
             g, PartitionSpec(*leading, *sharding_lib.pad(spec, g.ndim - len(leading))),
             mesh), grads, specs)
 
-  if num_microbatches == 1:
+  data_size = sharding_lib.axis_size(mesh, data_axes)
+  if wide and data_size > 1:
+    # float32 sums: each device's own gradient, summed over the replicas in float32.
+    grads, loss, tokens = _float32_sums(
+        grad_fn, policy, params, batch, rng, mesh, data_axes, specs,
+        num_microbatches)
+    grads = like_params(grads)
+    pieces = num_microbatches * data_size
+  elif num_microbatches == 1:
     # One gradient: under a mesh, GSPMD all-reduces (or reduce-scatters) it once.
     key = None if rng is None else keys_lib.microbatch_key(rng, 0)
     grads, (loss, tokens, model_state) = grad_fn(params, batch, key, model_state)
@@ -352,6 +405,90 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     loss = loss * inv
   gradients = Gradients(grads, loss, tokens)
   return gradients if not stateful else (gradients, model_state)
+
+
+def _float32_sums(grad_fn: Callable, policy: policy_lib.Policy, params: Any,
+                  batch: Any, rng: Optional[jax.Array], mesh: Mesh,
+                  data_axes: tuple[str, ...], specs: Any, num_microbatches: int
+                 ) -> tuple[Any, jax.Array, jax.Array]:
+  """`accumulate_gradients` with ``grad_reduce_dtype=float32``: the sums of the
+  gradients, losses and token counts over every micro-batch and data replica (not yet
+  divided), the gradients summed in float32.
+
+  A ``shard_map`` manual over the data axes and automatic over the others (a tensor
+  split stays GSPMD's, and so does the model's activation layout, whose
+  `mpscale.sharding.constrain` drops the manual axes). On each device::
+
+    p = cast_to_compute(params)                 # this device's shard, varying
+    g = 0                                       # float32, p's shape
+    for micro_batch in split(this replica's rows):   # a lax.scan
+      whole = all_gather(p, FSDP's data axes)   # compute dtype
+      d = grad(scaled_loss)(whole, micro_batch) # these rows only: no sum yet
+      g += psum_scatter(float32(d), FSDP's data axes)  # float32 reduce-scatter
+    g = psum(g, the data axes that split no dimension)  # float32 all-reduce, once
+
+  The gradient is taken with respect to the cast parameters: the same numbers as
+  through the cast (its transpose only widens), and FSDP gathers the compute dtype.
+  Micro-batch ``k`` of replica ``r`` draws from ``replica_key(microbatch_key(rng, k),
+  r)``, as on the vmapped path.
+  """
+  if specs is None:
+    specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
+  manual = jax.tree_util.tree_map(
+      lambda spec: sharding_lib.only_axes(spec, data_axes), specs,
+      is_leaf=sharding_lib.is_spec)
+  keys = None if rng is None else jax.random.key_data(jax.vmap(
+      lambda k: keys_lib.microbatch_key(rng, k))(jnp.arange(num_microbatches)))
+
+  def vary(tree):
+    return sharding_lib.cast_varying(tree, data_axes)
+
+  def per_device(params, batch, keys):
+    p = vary(policy.cast_to_compute(params))
+    micro_batches = _split_microbatches(batch, num_microbatches, 1)
+    if keys is not None:
+      replica = sharding_lib.replica_index(data_axes)
+      keys = jax.vmap(lambda k: keys_lib.replica_key(
+          jax.random.wrap_key_data(k), replica))(vary(keys))
+
+    def body(carry, xs):
+      micro_batch, key = xs
+      whole = vary(sharding_lib.gather_split(p, manual, data_axes))
+      grads, (loss, tokens, _) = grad_fn(whole, micro_batch, key, None)
+      grads = sharding_lib.scatter_split(
+          jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), manual,
+          data_axes)
+      new = (grads, loss, tokens)
+      return jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry,
+                                    new), None
+
+    first = jax.tree_util.tree_map(lambda x: x[0], (micro_batches, keys))
+    _, (loss_shape, tokens_shape, _) = jax.eval_shape(
+        grad_fn, vary(sharding_lib.gather_split(p, manual, data_axes)), *first,
+        None)
+    zeros = vary((jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                                         p),
+                  jnp.zeros(loss_shape.shape, jnp.float32),
+                  jnp.zeros(tokens_shape.shape, _token_dtype(tokens_shape.dtype))))
+    (grads, loss, tokens), _ = lax.scan(body, zeros, (micro_batches, keys))
+    grads = jax.tree_util.tree_map(
+        lambda g, spec: _psum_over(g, tuple(
+            a for a in data_axes if a not in sharding_lib.spec_axes(spec))),
+        grads, manual, is_leaf=sharding_lib.is_spec)
+    return grads, lax.psum(loss, data_axes), lax.psum(tokens, data_axes)
+
+  batch_spec = sharding_lib.batch_sharding(mesh, data_axes).spec
+  fn = jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=(manual, jax.tree_util.tree_map(lambda _: batch_spec, batch),
+                None if keys is None else PartitionSpec()),
+      out_specs=(manual, PartitionSpec(), PartitionSpec()),
+      axis_names=set(data_axes))
+  return fn(params, batch, keys)
+
+
+def _psum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  return lax.psum(x, axes) if axes else x
 
 
 def _key_data(rng: Any) -> jax.Array:
@@ -472,7 +609,8 @@ class _Layout:
 
 
 def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
-                     num_microbatches: int, per_token_loss: bool
+                     num_microbatches: int, per_token_loss: bool,
+                     reduce_dtype: Optional[np.dtype] = None
                     ) -> Callable[..., tuple[Gradients, Any]]:
   """The step's one gradient source: ``(params, batch, loss_scale, rng, model_state)
   -> (Gradients, new model_state)``."""
@@ -485,7 +623,9 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
       grads = loss_fn.value_and_grad(
           params, batch, mesh=layout.mesh, data_axis=layout.data_axes,
           loss_scale=scale, per_token_loss=per_token_loss, cast=policy.cast_to_compute,
-          param_specs=layout.specs(params), rng=rng)
+          param_specs=layout.specs(params), rng=rng,
+          grad_reduce_dtype=reduce_dtype if _sums_in_float32(policy, reduce_dtype)
+          else None)
       if not per_token_loss:
         grads = grads._replace(num_tokens=jnp.asarray(
             sharding_lib.batch_rows(batch), jnp.int32))
@@ -498,7 +638,7 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
         num_microbatches=num_microbatches, per_token_loss=per_token_loss,
         mesh=layout.mesh, data_axis=layout.data_axes or "data",
         param_specs=None if layout.param_specs is None else layout.specs(params),
-        rng=rng, model_state=model_state)
+        rng=rng, model_state=model_state, grad_reduce_dtype=reduce_dtype)
     return out if model_state is not None else (out, None)
   return accumulated
 
@@ -506,6 +646,17 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
 def _skipped_total(opt_state: Any) -> jax.Array:
   """The wrapper's count of skipped steps."""
   return opt_state_lib.find(opt_state, skip_lib.SkipNonfiniteState)[0].skipped
+
+
+def _check_spikes_inside(opt_state: Any) -> None:
+  """A `skip_spikes` sits inside the loss-scale (or skip) wrapper: around it, it
+  would judge scaled gradients and its skips would go uncounted (``skipped``, the
+  model state)."""
+  for spikes_state in opt_state_lib.find(opt_state, spikes_lib.SkipSpikesState):
+    if opt_state_lib.find(spikes_state.inner_state, skip_lib.SkipNonfiniteState):
+      raise validation.fail(
+          "optimizer", ": skip_spikes wraps a loss-scale or skip_nonfinite wrapper; "
+          "put it inside instead, e.g. dynamic_loss_scale(skip_spikes(inner))")
 
 
 def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
@@ -519,6 +670,7 @@ def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
   if jax.tree_util.tree_structure(state.opt_state) != expected:
     raise ValueError("state.opt_state does not match the optimizer passed to "
                      "make_train_step; build the state with its init()")
+  _check_spikes_inside(state.opt_state)
   micro_batch = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(
           (x.shape[0] // num_microbatches,) + x.shape[1:] if x.shape else (),
@@ -695,7 +847,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     num_microbatches: int = 1, per_token_loss: bool = False,
                     shard_optimizer_state: bool = False,
                     param_specs: sharding_lib.SpecsLike = None, donate: bool = True,
-                    model_state_dtype: Any = jnp.float32
+                    model_state_dtype: Any = jnp.float32,
+                    grad_reduce_dtype: Any = None
                    ) -> tuple[Callable[..., TrainState],
                               Callable[[TrainState, Any], tuple[TrainState, dict]]]:
   """A jitted mixed-precision, data-parallel train step and its ``init``.
@@ -721,7 +874,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     optimizer: an optax transformation, ideally wrapped in `mpscale.dynamic_loss_scale`
       (float16) or `mpscale.no_loss_scale`; see `mpscale.Policy.needs_loss_scaling`.
       Leave the wrappers' ``axis_name`` unset: under jit + GSPMD the overflow check
-      already sees the gradients of the whole batch.
+      already sees the gradients of the whole batch. Its ``update`` gets the step's
+      unscaled loss as the extra argument ``loss`` (for `mpscale.skip_spikes`, which
+      goes inside the loss-scale wrapper).
     policy: a `mpscale.Policy` or a name for `mpscale.get_policy`; default float32.
       ``init`` warns when the policy needs loss scaling (float16) and the optimizer's
       loss scale is 1: no wrapper, `no_loss_scale`, or a fixed scale of 1.
@@ -750,6 +905,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     donate: donate the input state's buffers to the output state.
     model_state_dtype: the dtype of the model state's floating leaves (BatchNorm
       statistics), whatever the policy; ``None`` keeps the dtypes ``init`` is given.
+    grad_reduce_dtype: ``None`` (XLA's choice) or float32: under a 16-bit compute
+      dtype, every gradient sum across data replicas and micro-batches is float32
+      (Megatron-LM's ``accumulate_allreduce_grads_in_fp32``), at twice the bytes of a
+      16-bit all-reduce. Each device takes the gradient of its own rows and the
+      replicas are summed in float32: an all-reduce, or FSDP's reduce-scatter
+      (`accumulate_gradients`); a `Pipeline` sums its micro-batches in float32
+      too. ``init`` refuses a model state with it (synchronized BatchNorm has no
+      per-replica gradient). Under float32 compute nothing changes.
 
   Stochastic and stateful models: ``init(params, model_state=..., rng=seed or key)``
   puts a model state and/or a key in the `TrainState`, and ``step`` then calls
@@ -774,13 +937,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     without ``per_token_loss``), ``loss_scale`` (the scale this step's loss was
     multiplied by; the next one is ``mpscale.loss_scale_of(state.opt_state)``),
     ``overflow``, ``nan``, ``inf``, ``skipped`` (total), ``consecutive_skipped``,
-    ``global_norm``, ``group_norms``, ``group_sizes`` and, when the optimizer records
-    one (``optax.inject_hyperparams``), ``learning_rate``.
+    ``global_norm``, ``group_norms``, ``group_sizes``, when the optimizer records
+    one (``optax.inject_hyperparams``), ``learning_rate``, and with
+    `mpscale.skip_spikes`, ``spike`` and ``spikes`` (`mpscale.metrics.StepMetrics`).
 
   Raises:
     ValueError: for a mesh without ``data_axis``; ``shard_optimizer_state`` without a
-      mesh; and, when ``step`` traces, a batch whose size is not divisible by the
-      data-parallel size times ``num_microbatches``.
+      mesh; a ``grad_reduce_dtype`` other than ``None`` or float32 (an
+      `mpscale.ArgumentError` naming it); and, when ``step`` traces, a batch whose
+      size is not divisible by the data-parallel size times ``num_microbatches``.
     TypeError: when ``step`` traces, for a ``loss_fn`` returning the wrong structure.
 
   Example:
@@ -815,9 +980,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   pipeline = loss_fn if isinstance(loss_fn, pipeline_lib.Pipeline) else None
   if pipeline is not None:
     num_microbatches = _check_pipeline(pipeline, mesh, num_microbatches)
+  reduce_dtype = gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype)
   layout = _Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline)
   gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
-                               per_token_loss)
+                               per_token_loss, reduce_dtype)
   model = pipeline.apply if pipeline is not None else loss_fn
   data_size = sharding_lib.axis_size(mesh, data_axes)
 
@@ -830,6 +996,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         params_or_state, "model_state", None) is not None):
       raise ValueError("model_state: a Pipeline carries no model state (its stages "
                        "are pure functions of the layers and activations)")
+    if _sums_in_float32(policy, reduce_dtype) and (model_state is not None or getattr(
+        params_or_state, "model_state", None) is not None):
+      raise _refuse_model_state()
     return _init_state(optimizer, policy, layout, params_or_state, model_state, rng,
                        model_state_dtype)
 
@@ -841,7 +1010,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     key = None if state.rng is None else keys_lib.step_key(state.rng, state.step)
     (grads, loss, num_tokens), model_state = gradients(
         state.params, batch, scale, key, state.model_state)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # The unscaled loss, for a skip_spikes inside (optax drops it for a
+    # transformation that takes no extra arguments).
+    updates, opt_state = optax.with_extra_args_support(tx).update(
+        grads, state.opt_state, state.params, loss=loss)
     params = optax.apply_updates(state.params, updates)
     if model_state is not None:
       # A skipped step's statistics may hold the overflow's Inf/NaN: keep the old.

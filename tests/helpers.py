@@ -7,6 +7,7 @@ import socket
 import chex
 import jax
 import numpy as np
+import optax
 
 
 def bits(tree):
@@ -41,3 +42,16 @@ def steps_saved(run_dir) -> list[int]:
   ckpt = os.path.join(run_dir, "checkpoints")
   return sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) if os.path.isdir(
       ckpt) else []
+
+
+def recording_inner():
+  """An inner transformation that records the extra arguments its ``update`` gets:
+  ``(transformation, seen)``."""
+  seen = {}
+
+  def update(updates, state, params=None, **extra):
+    seen.update(extra)
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
+                                               update), seen

@@ -21,7 +21,8 @@ def write(tmp_path, text, name="run.yaml"):
 def test_shipped_configs_exist():
   names = {os.path.basename(p) for p in CONFIGS}
   for required in ("tiny_lm_fp32.yaml", "tiny_lm_fp16.yaml", "tiny_lm_fp16_noscale.yaml",
-                   "tiny_lm_bf16.yaml", "tiny_lm_dp_pp.yaml", "tiny_lm_fp32_adamw.yaml"):
+                   "tiny_lm_bf16.yaml", "tiny_lm_dp_pp.yaml", "tiny_lm_fp32_adamw.yaml",
+                   "tiny_lm_bpe.yaml"):
     assert required in names
 
 

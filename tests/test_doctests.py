@@ -23,8 +23,8 @@ MODULES = sorted(info.name for info in pkgutil.walk_packages(mpscale.__path__, "
 runs the command line only as ``__main__``), so none is skipped."""
 
 WITH_EXAMPLES = ("mpscale.came", "mpscale.hlo", "mpscale.loss_scale", "mpscale.norms",
-                 "mpscale.policy", "mpscale.schedules", "mpscale.train_step",
-                 "mpscale.trainer.config", "mpscale.trainer.lm")
+                 "mpscale.policy", "mpscale.schedules", "mpscale.spikes",
+                 "mpscale.train_step", "mpscale.trainer.config", "mpscale.trainer.lm")
 """Modules whose docstrings have examples today: deleting them all fails a test."""
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -195,6 +195,25 @@ ENTRY %main (a: f32[64,128]) -> f32[64,128] {
   assert hlo.collectives(text) == {
       "all-reduce": {"count": 2, "bytes": 64 * 128 * 2 + 64 * 128 * 4},
       "reduce-scatter": {"count": 1, "bytes": 64 * 128 * 2}}
+  # sums: each one with the width the program gave it.
+  assert hlo.sums(text) == [
+      hlo.Sum("all-reduce", "f32", True, 64 * 128 * 2, "main"),
+      hlo.Sum("reduce-scatter", "f32", True, 64 * 128 * 2, "main"),
+      hlo.Sum("all-reduce", "f32", False, 64 * 128 * 4, "main")]
+
+
+@pytest.mark.parametrize("dtype, widened", [("bfloat16", True), ("float32", False)])
+def test_sums_say_which_dtype_a_compiled_program_sums_in(dtype, widened):
+  """A bfloat16 psum compiles (on CPU) to a widened float32 all-reduce; a float32 one
+  to a float32 all-reduce that is not widened. Gathers and permutes are no sums."""
+  def fn(a):
+    return jax.lax.psum(a, "x") + jax.lax.ppermute(a, "x", RING)
+
+  (found,) = hlo.sums(_compiled(fn, P("x"), dtype, rows=64, cols=128))
+  assert (found.kind, found.widened) == ("all-reduce", widened)
+  assert found.bytes == 64 * 128 * (2 if dtype == "bfloat16" else 4)
+  if jax.devices()[0].platform == "cpu":
+    assert found.dtype == "f32"
 
 
 def test_text_without_an_entry_reads_as_nothing():

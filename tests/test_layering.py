@@ -14,7 +14,7 @@ import sys
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mpscale"
 LIBRARY = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__main__.py")
 TRAINER_ONLY = ("mpscale.trainer", "yaml", "orbax", "grain", "tensorboardX", "rich",
-                "matplotlib")
+                "matplotlib", "tokenizers")
 """The trainer and the libraries only it uses."""
 
 
@@ -68,9 +68,10 @@ def test_importing_the_library_loads_no_trainer_module():
 TRAINER = PACKAGE / "trainer"
 TRAINER_LAYERS = (
     ("schema", "data", "devices", "progress", "metrics_log", "checkpoints",
-     "token_files"),
-    ("lm", "models", "loader", "plots", "tokens"),
+     "token_files", "samples"),
+    ("lm", "models", "loader", "plots", "tokens", "tokenizing"),
     ("builders",),
+    ("corpora",),
     ("config",),
     ("distributed",),
     ("loop",),

@@ -129,7 +129,8 @@ def test_generate_continues_the_prompt_past_the_window():
   params = model.init(jax.random.key(0))
   prompt = np.frombuffer(b"hello", np.uint8)
   out = model.generate(params, prompt, 20, rng=jax.random.key(1), temperature=0.0)
-  assert out.dtype == np.uint8 and len(out) == 25 and bytes(out[:5]) == b"hello"
+  assert out.dtype == np.int32 and len(out) == 25  # ids of any vocabulary
+  assert bytes(out[:5].astype(np.uint8)) == b"hello"
   # Greedy: each written token is the argmax given the (windowed) text before it.
   text = list(out)
   for i in (5, 12, 24):
@@ -139,5 +140,14 @@ def test_generate_continues_the_prompt_past_the_window():
     logits = model.logits_fn(params, model.hidden_fn(params, {"inputs": tokens[None]}))
     assert int(np.argmax(logits[0, len(context) - 1])) == text[i]
   assert len(model.generate(params, np.zeros(0, np.uint8), 3, rng=jax.random.key(2))) == 3
+  # An empty prompt is conditioned on ``start`` (a corpus's end of document).
+  first = lambda start: int(model.generate(params, np.zeros(0, np.int32), 1,
+                                           rng=jax.random.key(3), temperature=0.0,
+                                           start=start)[0])
+  for start in (10, 200):
+    tokens = np.zeros(8, np.int32)
+    tokens[0] = start
+    logits = model.logits_fn(params, model.hidden_fn(params, {"inputs": tokens[None]}))
+    assert first(start) == int(np.argmax(logits[0, 0]))
   with pytest.raises(ValueError, match="num_tokens"):
     model.generate(params, prompt, 0, rng=jax.random.key(0))

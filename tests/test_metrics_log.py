@@ -25,8 +25,8 @@ def _interval(evaluation=None, **more):
           _step(3.0, False, 1, 256.0, 0.5, {"a": 0.25, "b": 0.75}, **more),
           _step(2.0, True, 2, 128.0, math.inf, {"a": 1.0, "b": math.inf}, **more),
           _step(1.0, False, 2, 128.0, 2.0, {"a": 1.5, "b": 0.5}, **more)],
-      evaluation=evaluation, overflow_total=5, tokens_per_step=64, seconds=0.5,
-      wall_s=7.25)
+      evaluation=evaluation, overflow_total=5, tokens=3 * 64, consumed_samples=96,
+      seconds=0.5, wall_s=7.25)
 
 
 def test_a_row_is_each_column_of_the_interval():
@@ -35,12 +35,14 @@ def test_a_row_is_each_column_of_the_interval():
       ["accuracy", "top5"])
   assert row == {
       "step": 12,
+      "consumed_samples": 96,
       "loss": 2.0,  # the interval's mean
       "eval_loss": 1.25,
       "loss_scale": 128.0,  # the last step's
       "overflows": 1,
       "overflow_total": 6,  # the run's before, plus the interval's
       "skipped": 2,
+      "spikes": None,  # no skip_spikes: not watched
       "global_norm": 2.0,
       "learning_rate": 0.125,
       "tokens_per_s": 3 * 64 / 0.5,
@@ -54,6 +56,11 @@ def test_a_row_is_each_column_of_the_interval():
   assert list(row) == metrics_log.csv_fields(["accuracy", "top5"], ["a", "b"])
 
 
+def test_the_spikes_column_is_the_last_steps_total():
+  row = metrics_log.csv_row(_interval(spike=np.bool_(False), spikes=np.int32(3)), [])
+  assert row["spikes"] == 3 and isinstance(row["spikes"], int)
+
+
 def test_a_row_without_evaluation_or_learning_rate():
   row = metrics_log.csv_row(_interval(), ["accuracy"])
   assert row["eval_loss"] is None and row["eval_accuracy"] is None
@@ -62,8 +69,9 @@ def test_a_row_without_evaluation_or_learning_rate():
 
 def test_the_header_is_the_columns_then_evaluation_then_groups(tmp_path):
   assert metrics_log.CSV_FIELDS == (
-      "step", "loss", "eval_loss", "loss_scale", "overflows", "overflow_total",
-      "skipped", "global_norm", "learning_rate", "tokens_per_s", "wall_s")
+      "step", "consumed_samples", "loss", "eval_loss", "loss_scale", "overflows",
+      "overflow_total", "skipped", "spikes", "global_norm", "learning_rate",
+      "tokens_per_s", "wall_s")
   log = metrics_log.MetricsLog(str(tmp_path), ["a", "b"], 0, eval_names=["accuracy"])
   log.write(metrics_log.csv_row(_interval({"loss": 1.0, "accuracy": 0.5}),
                                 ["accuracy"]))
@@ -72,3 +80,14 @@ def test_the_header_is_the_columns_then_evaluation_then_groups(tmp_path):
   assert list(rows[0]) == [*metrics_log.CSV_FIELDS, "eval_accuracy", "norm/a",
                            "norm/b"]
   assert rows[0]["overflow_total"] == "6" and rows[0]["eval_accuracy"] == "0.5"
+
+
+def test_parameter_groups_learning_rates_are_columns_after_the_norms():
+  interval = _interval(learning_rate=np.float32(0.5),
+                       group_learning_rates={"embed": np.float32(0.05),
+                                             "no_decay": np.float32(0.5)})
+  row = metrics_log.csv_row(interval, [])
+  assert row["lr/embed"] == np.float32(0.05) and row["lr/no_decay"] == 0.5
+  fields = metrics_log.csv_fields([], ["a", "b"], ["embed", "no_decay"])
+  assert fields[-4:] == ["norm/a", "norm/b", "lr/embed", "lr/no_decay"]
+  assert list(row) == fields

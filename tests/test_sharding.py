@@ -553,6 +553,10 @@ def _sweep_transforms():
           optax.sgd(0.1), 8.0, skip_nonfinite=False),
       "no_loss_scale(clip, adamw)": lambda: mpscale.no_loss_scale(
           optax.chain(mpscale.clip_by_global_norm(1.0, groups=1), adamw())),
+      # The check is on from step 2 (these updates pass no loss: the norm only).
+      "dynamic(skip_spikes(clip, adamw))": lambda: mpscale.dynamic_loss_scale(
+          mpscale.skip_spikes(optax.chain(mpscale.clip_by_global_norm(1.0), adamw()),
+                              window=2, watch="global_norm"), init_scale=4.0),
       "clip_by_global_norm": lambda: mpscale.clip_by_global_norm(0.5),
       "dynamic(clip, came)": lambda: mpscale.dynamic_loss_scale(
           optax.chain(mpscale.clip_by_global_norm(1.0), mpscale.came(1e-2)),

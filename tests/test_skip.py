@@ -60,13 +60,7 @@ def test_finite_step_equals_inner_step():
 
 
 def test_extra_args_reach_the_inner_transformation():
-  seen = {}
-
-  def update(updates, state, params=None, **extra):
-    seen.update(extra)
-    return updates, state
-
-  inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+  inner, seen = helpers.recording_inner()
   tx = mpscale.skip_nonfinite(inner)
   params = _params()
   tx.update(params, tx.init(params), params, value=jnp.ones(()))

@@ -8,7 +8,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
-from mpscale.pipeline import _cast_varying
+from mpscale.sharding import cast_varying
 
 STEPS, POISON_RATE, REPLICAS = 10_000, 0.05, 8
 MIN_SCALE, MAX_SCALE = 2.0**-4, 2.0**12
@@ -62,12 +62,12 @@ def _run(step_ids, plan):
       carry = (params, state, bad_param | ~finite,
                jnp.minimum(lo, state.loss_scale), jnp.maximum(hi, state.loss_scale))
       # The agreed skip decision comes out replica-invariant; the carry stays varying.
-      return _cast_varying(carry, ("data",)), None
+      return cast_varying(carry, ("data",)), None
 
     state = tx.init(params)
     init = (params, state, jnp.zeros((), bool), state.loss_scale, state.loss_scale)
     # Each replica carries its own copy (the gradients differ where poisoned).
-    init = _cast_varying(init, ("data",))
+    init = cast_varying(init, ("data",))
     (params, state, bad_param, lo, hi), _ = jax.lax.scan(body, init, xs)
     return jax.tree.map(lambda x: x[None], (params, state.skip_state.skipped, bad_param,
                                             lo, hi))

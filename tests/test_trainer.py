@@ -274,3 +274,23 @@ def test_provider_settings_parse_and_take_set_overrides():
   again = config_lib.config_from_dict(
       config_lib.parse_yaml(config_lib.dump_config(cfg)), "<dump>")
   assert again == cfg
+
+
+def test_skip_spikes_by_config_fills_the_spikes_column(tmp_path):
+  """Two corrupted examples (targets x 1000) in an unshuffled regression: the
+  batches holding them spike and are skipped; metrics.csv counts them."""
+  data = _regression()
+  for i in (200, 250):  # batches 12 and 15 of each epoch (16 batches of 16)
+    data[i] = {"x": data[i]["x"], "y": 1000.0 * data[i]["y"]}
+  cfg = {**CONFIG, "data": {**CONFIG["data"], "shuffle": False},
+         "train": {**CONFIG["train"], "log_every": 1},
+         "skip": {"spikes": {"window": 8}}}
+  mpscale.trainer.run(cfg, model=_linear_model(), data={"train": data},
+                      out_dir=str(tmp_path / "spikes"), verbose=False, progress=False)
+  table = rows(tmp_path / "spikes")
+  spikes = [int(r["spikes"]) for r in table]
+  # Rows are numbered by steps done: batches 12, 15 and 16 + 12 of 30.
+  assert [int(r["step"]) for r, new in zip(table, np.diff([0] + spikes)) if new] == [
+      13, 16, 29]
+  assert all(int(r["skipped"]) == s for r, s in zip(table, spikes))
+  assert all(r["overflows"] == "0" for r in table)

@@ -8,6 +8,8 @@ and data (`run`), or a config can name (``model.provider``, ``data.provider``):
 - `models` and `data`: the model (the built-in `TinyLM`, or a user's Flax NNX, linen or
   plain model) and the data (the embedded corpus, a text file, or a user's source,
   through a `grain` loader whose position is checkpointed);
+- `token_files`, `tokens`, `tokenizing`, `corpora`: token corpora (Megatron's indexed
+  datasets, flat token files, blends; ``mpscale tokenize``) as a run's data;
 - `loop`: prepare, restore, train (log, evaluate, checkpoint), finish;
 - `checkpoints`, `metrics_log`, `plots`, `progress`: what a run writes and shows;
 - `distributed`: one run across processes (hosts) on JAX's distributed runtime;

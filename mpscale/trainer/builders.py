@@ -7,6 +7,7 @@ once, with `check`, when it loads a config::
   policy    = get_policy(precision.policy)
   optimizer = <loss_scale.kind>_loss_scale(chain(clip_by_global_norm(clip.max_norm),
                                                  <optimizer.name>(lr_schedule, wd)))
+              # skip.spikes: skip_spikes(chain(...)) inside the loss scaling
   mesh      = Mesh(devices, ("data", "fsdp", "stage", "tensor"))   # axes > 1, and data
   model     = TinyLM.from_sizes(model, remat=train.remat)
   specs     = model.param_specs(mesh)            # tensor and FSDP splits, if any
@@ -37,12 +38,16 @@ import optax
 from mpscale.trainer import schema as config_lib
 from mpscale.trainer import lm as lm_lib
 from mpscale.trainer import models as models_lib
+from mpscale.trainer import samples as samples_lib
+from mpscale import gradients as gradients_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib
+from mpscale import parameter_groups as param_groups_lib
 from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
 from mpscale import schedules as schedules_lib
 from mpscale import sharding as sharding_lib
+from mpscale import spikes as spikes_lib
 from mpscale import train_step as train_step_lib
 from mpscale import validation
 from mpscale.came import came
@@ -101,6 +106,14 @@ def build_policy(cfg: config_lib.RunConfig) -> policy_lib.Policy:
                 lambda: policy_lib.get_policy(cfg.precision.policy))
 
 
+def build_grad_reduce_dtype(cfg: config_lib.RunConfig) -> Any:
+  """``precision.grad_reduce_dtype``, checked: ``None`` or float32
+  (`mpscale.gradients.check_grad_reduce_dtype`)."""
+  return _keyed("precision.grad_reduce_dtype",
+                lambda: gradients_lib.check_grad_reduce_dtype(
+                    cfg.precision.grad_reduce_dtype))
+
+
 def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
                ) -> lm_lib.TinyLM:
   """The tiny LM with ``model`` sizes and ``train.remat``; on a mesh with ``fsdp`` or
@@ -143,14 +156,82 @@ def build_param_specs(cfg: config_lib.RunConfig, model: lm_lib.TinyLM,
   return _keyed("mesh", lambda: model.param_specs(mesh), _fields("model", cfg.model))
 
 
+def build_batch_sizes(cfg: config_lib.RunConfig) -> samples_lib.BatchSizes:
+  """The global batch size of each step: ``data.batch_size``, after
+  ``data.rampup_batch_size``'s ramp-up (`mpscale.trainer.samples.BatchSizes`).
+
+  Raises:
+    ArgumentError: naming ``data.rampup_batch_size`` for a ramp that does not climb
+      to ``data.batch_size`` in whole increments, or one without ``train.samples``
+      (as Megatron-LM, which ramps up sample-based runs only).
+  """
+  data = cfg.data
+  if data.rampup_batch_size is not None and cfg.train.samples is None:
+    raise validation.ArgumentError(
+        ("data.rampup_batch_size", "train.samples"), "{0} needs {1}: a ramp-up is "
+        "counted in samples, so the run is too (set {1}; train.steps follows)")
+  return _keyed("data.rampup_batch_size", lambda: samples_lib.BatchSizes(
+      data.batch_size, data.rampup_batch_size),
+                {"batch_size": "data.batch_size", "rampup": "data.rampup_batch_size"})
+
+
+def train_steps(cfg: config_lib.RunConfig) -> int:
+  """The steps of the run: ``train.steps``, or with ``train.samples`` the steps
+  that consume them (`mpscale.trainer.samples.BatchSizes.steps_for`).
+
+  Raises:
+    ArgumentError: naming ``train.samples`` (or the batch keys, `build_batch_sizes`).
+  """
+  if cfg.train.samples is None:
+    return cfg.train.steps
+  sizes = build_batch_sizes(cfg)
+  return _keyed("train.samples", lambda: sizes.steps_for(cfg.train.samples),
+                {"samples": "train.samples"})
+
+
+def counts_samples(cfg: config_lib.RunConfig) -> bool:
+  """Whether the learning rate is a function of the samples consumed:
+  ``train.samples``, ``schedule.warmup_samples`` or ``schedule.decay_samples`` set
+  (Megatron's sample-based training)."""
+  s = cfg.schedule
+  return (cfg.train.samples is not None or s.warmup_samples is not None
+          or s.decay_samples is not None)
+
+
+def _sample_schedule_keys(cfg: config_lib.RunConfig) -> None:
+  """A schedule counted in samples takes no step counts (Megatron refuses
+  ``lr_warmup_iters``/``lr_decay_iters`` in sample-based training)."""
+  s = cfg.schedule
+  mode = next(key for key, value in (
+      ("schedule.warmup_samples", s.warmup_samples),
+      ("schedule.decay_samples", s.decay_samples), ("train.samples", cfg.train.samples))
+              if value is not None)
+  for key, given, instead in (
+      ("schedule.warmup_steps", s.warmup_steps != 0, "schedule.warmup_samples"),
+      ("schedule.decay_steps", s.decay_steps is not None, "schedule.decay_samples")):
+    if given:
+      raise validation.ArgumentError(
+          (key, mode), f"{{0}} counts steps, but {{1}} makes the schedule count "
+          f"samples: give {instead} instead")
+  if s.warmup_samples is not None and s.warmup_fraction is not None:
+    raise validation.ArgumentError(
+        ("schedule.warmup_samples", "schedule.warmup_fraction"),
+        "give {0} or {1}, not both")
+
+
 def build_lr_schedule(cfg: config_lib.RunConfig) -> Optional[optax.Schedule]:
   """``schedule`` applied to ``optimizer.learning_rate`` (`mpscale.lr_schedule`);
   ``None`` for CAME without a learning rate (``optimizer.learning_rate: null``: its
   relative step, `mpscale.came`'s ``relative_step``).
 
+  Counted in samples (`counts_samples`), it is Megatron's sample-based schedule:
+  ``lr_schedule(peak, warmup_steps=warmup_samples, decay_steps=decay_samples)``
+  of the samples consumed before the update (`mpscale.trainer.samples.in_samples`
+  with `build_batch_sizes`), so a batch-size ramp-up warms up by samples, not steps.
+
   Raises:
     ArgumentError: naming ``optimizer.learning_rate`` when it is null for an
-      optimizer other than CAME.
+      optimizer other than CAME; naming a step key and a sample key that are mixed.
   """
   if cfg.optimizer.learning_rate is None:
     if cfg.optimizer.name == "came":
@@ -160,6 +241,8 @@ def build_lr_schedule(cfg: config_lib.RunConfig) -> Optional[optax.Schedule]:
         "{0} is null, which only CAME takes (with optimizer.came.relative_step: "
         f"true); {{1}} {cfg.optimizer.name!r} needs a learning rate")
   s = cfg.schedule
+  if counts_samples(cfg):
+    return _sample_schedule(cfg)
   decay_steps = cfg.train.steps if s.decay_steps is None else s.decay_steps
   keys = _fields("schedule", s, peak="optimizer.learning_rate")
   if s.decay_steps is None:
@@ -170,8 +253,29 @@ def build_lr_schedule(cfg: config_lib.RunConfig) -> Optional[optax.Schedule]:
       min_lr=s.min_lr), keys)
 
 
+def _sample_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
+  """`build_lr_schedule` counted in samples."""
+  _sample_schedule_keys(cfg)
+  s, sizes = cfg.schedule, build_batch_sizes(cfg)
+  keys = _fields("schedule", s, peak="optimizer.learning_rate",
+                 warmup_steps="schedule.warmup_samples",
+                 decay_steps="schedule.decay_samples")
+  decay = s.decay_samples
+  if decay is None:  # Megatron's lr_decay_samples default: train_samples
+    decay = (cfg.train.samples if cfg.train.samples is not None
+             else sizes.consumed_at(cfg.train.steps))
+    keys["decay_steps"] = ("train.samples" if cfg.train.samples is not None
+                           else "train.steps")
+  schedule = _keyed("schedule", lambda: schedules_lib.lr_schedule(
+      cfg.optimizer.learning_rate, warmup_steps=s.warmup_samples or 0,
+      warmup_fraction=s.warmup_fraction, decay_steps=decay, style=s.style,
+      min_lr=s.min_lr), keys)
+  return samples_lib.in_samples(schedule, sizes)
+
+
 def build_weight_decay(cfg: config_lib.RunConfig) -> Any:
-  """``optimizer.weight_decay``, or a schedule to ``schedule.weight_decay_end``."""
+  """``optimizer.weight_decay``, or a schedule to ``schedule.weight_decay_end``
+  over ``train.steps`` (counted in steps, in a sample-counted run too)."""
   start, end = cfg.optimizer.weight_decay, cfg.schedule.weight_decay_end
   if end is None:
     return validation.non_negative_float("optimizer.weight_decay", start)
@@ -197,8 +301,10 @@ def _scheduled(value: Any) -> Callable[[Any], Any]:
   return value if callable(value) else (lambda count: value)
 
 
-def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
-  """The optimizer named by ``optimizer.name``, with its schedules (no clip or scale).
+def optimizer_factory(cfg: config_lib.RunConfig) -> Callable[..., Any]:
+  """``make(learning_rate, weight_decay, mask)``: the optimizer ``optimizer.name``
+  with its sub-section's settings (no clip or scale); its errors name the library's
+  arguments (`build_inner_optimizer` renames them to keys).
 
   The weight decay is decoupled and multiplied by the learning rate for all three
   (``p -= lr * (update + wd * p)``); Adafactor's own ``weight_decay_rate`` is not, so
@@ -208,43 +314,92 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
   AdamW's ``eps`` of 1e-8 would round to 0 and divide 0 by 0).
   """
   opt = cfg.optimizer
+  if opt.name == "came":
+    c = opt.came
+
+    def make(learning_rate, weight_decay, mask):
+      return came(
+          learning_rate, eps=c.eps, clip_threshold=c.clip_threshold,
+          decay_rate=c.decay_rate, beta1=c.beta1, beta2=c.beta2, beta3=c.beta3,
+          weight_decay=weight_decay, scale_parameter=c.scale_parameter,
+          relative_step=c.relative_step, warmup_init=c.warmup_init,
+          compression=c.compression, mask=mask)
+    return make
+  if opt.name == "adamw":
+    adamw = opt.adamw
+
+    def make(learning_rate, weight_decay, mask):
+      return optax.inject_hyperparams(
+          optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
+              learning_rate=learning_rate, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
+              weight_decay=weight_decay, mask=mask)
+    return make
+  if opt.name == "adafactor":
+    adafactor = opt.adafactor
+
+    def make(learning_rate, weight_decay, mask):
+      lr_fn, wd_fn = _scheduled(learning_rate), _scheduled(weight_decay)
+      return optax.inject_hyperparams(
+          optax.adafactor, static_args=(
+              "min_dim_size_to_factor", "multiply_by_parameter_scale", "momentum",
+              "dtype_momentum", "factored", "weight_decay_mask"),
+          hyperparam_dtype=jnp.float32)(
+              learning_rate=learning_rate,
+              min_dim_size_to_factor=adafactor.min_dim_size_to_factor,
+              decay_rate=adafactor.decay_rate,
+              multiply_by_parameter_scale=adafactor.multiply_by_parameter_scale,
+              clipping_threshold=adafactor.clipping_threshold,
+              momentum=adafactor.momentum, eps=adafactor.eps,
+              weight_decay_rate=lambda n: lr_fn(n) * wd_fn(n),
+              weight_decay_mask=mask)
+    return make
+  raise validation.fail("optimizer.name", f": unknown optimizer {opt.name!r}")
+
+
+def _param_groups(cfg: config_lib.RunConfig) -> list[param_groups_lib.ParamGroup]:
+  """``optimizer.groups`` as `mpscale.ParamGroup`s: a group that sets its weight
+  decay applies it to every parameter it holds (no ``weight_decay_mask``)."""
+  groups = []
+  for i, g in enumerate(cfg.optimizer.groups):
+    if not g.match:
+      raise validation.fail(f"optimizer.groups[{i}].match", " is missing: each group "
+                            "needs a regular expression of the parameters it holds")
+    groups.append(param_groups_lib.ParamGroup(
+        g.match, lr_mult=g.lr_mult, weight_decay=g.weight_decay, name=g.name,
+        options={} if g.weight_decay is None else {"mask": None}))
+  return groups
+
+
+def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
+  """The optimizer named by ``optimizer.name``, with its schedules (no clip or scale)
+  (`optimizer_factory`), and ``optimizer.groups`` (`mpscale.param_groups`)."""
+  opt = cfg.optimizer
   lr = build_lr_schedule(cfg)
   wd = build_weight_decay(cfg)
   mask = weight_decay_mask(opt.weight_decay_mask)
-  if opt.name == "came":
-    came_cfg = opt.came
-    keys = _fields("optimizer.came", came_cfg, learning_rate="optimizer.learning_rate",
-                   weight_decay="optimizer.weight_decay")
-    return _keyed("optimizer.came", lambda: came(
-        lr, eps=came_cfg.eps, clip_threshold=came_cfg.clip_threshold,
-        decay_rate=came_cfg.decay_rate, beta1=came_cfg.beta1, beta2=came_cfg.beta2,
-        beta3=came_cfg.beta3, weight_decay=wd,
-        scale_parameter=came_cfg.scale_parameter,
-        relative_step=came_cfg.relative_step, warmup_init=came_cfg.warmup_init,
-        compression=came_cfg.compression, mask=mask), keys)
-  if opt.name == "adamw":
-    adamw = opt.adamw
-    return _keyed("optimizer.adamw", lambda: optax.inject_hyperparams(
-        optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
-            learning_rate=lr, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
-            weight_decay=wd, mask=mask))
-  if opt.name == "adafactor":
-    adafactor = opt.adafactor
-    wd_fn = _scheduled(wd)
-    return _keyed("optimizer.adafactor", lambda: optax.inject_hyperparams(
-        optax.adafactor, static_args=(
-            "min_dim_size_to_factor", "multiply_by_parameter_scale", "momentum",
-            "dtype_momentum", "factored", "weight_decay_mask"),
-        hyperparam_dtype=jnp.float32)(
-                learning_rate=lr,
-                min_dim_size_to_factor=adafactor.min_dim_size_to_factor,
-                decay_rate=adafactor.decay_rate,
-                multiply_by_parameter_scale=adafactor.multiply_by_parameter_scale,
-                clipping_threshold=adafactor.clipping_threshold,
-                momentum=adafactor.momentum, eps=adafactor.eps,
-                weight_decay_rate=lambda n: lr(n) * wd_fn(n),
-                weight_decay_mask=mask))
-  raise validation.fail("optimizer.name", f": unknown optimizer {opt.name!r}")
+  make = optimizer_factory(cfg)
+  section = f"optimizer.{opt.name}"
+  keys = _fields(section, getattr(opt, opt.name),
+                 learning_rate="optimizer.learning_rate",
+                 weight_decay="optimizer.weight_decay", mask="optimizer.weight_decay_mask",
+                 groups="optimizer.groups")
+  if not opt.groups:
+    return _keyed(section, lambda: make(lr, wd, mask), keys)
+  groups = _param_groups(cfg)
+  return _keyed(section, lambda: param_groups_lib.param_groups(
+      make, groups, learning_rate=lr, weight_decay=wd, mask=mask), keys)
+
+
+def check_param_groups(cfg: config_lib.RunConfig, param_shapes: Any) -> None:
+  """Each of ``optimizer.groups`` matches some parameter of ``param_shapes``.
+
+  Raises:
+    ArgumentError: naming ``optimizer.groups[i].match`` of one that matches none.
+  """
+  if cfg.optimizer.groups:
+    groups = _param_groups(cfg)
+    _keyed("optimizer.groups", lambda: param_groups_lib.labels(param_shapes, groups),
+           {"groups": "optimizer.groups"})
 
 
 def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
@@ -257,12 +412,20 @@ def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
 
 
 def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
-  """Loss scaling around ``chain(clip_by_global_norm, optimizer)``."""
+  """Loss scaling around ``chain(clip_by_global_norm, optimizer)``, with
+  ``skip_spikes`` between the two when ``skip.spikes`` is set (it judges the
+  unscaled, unclipped gradients and the loss)."""
   groups = build_groups(cfg)
   inner = build_inner_optimizer(cfg)
   if cfg.clip.max_norm:  # null or 0: no clipping
     inner = optax.chain(_keyed("clip", lambda: norms_lib.clip_by_global_norm(
         cfg.clip.max_norm, groups=groups), _fields("clip", cfg.clip)), inner)
+  spikes = cfg.skip.spikes
+  if spikes is not None:
+    inner = _keyed("skip.spikes", lambda: spikes_lib.skip_spikes(
+        inner, window=spikes.window, threshold=spikes.threshold,
+        warmup=spikes.warmup, watch=spikes.watch, reset_after=spikes.reset_after),
+                   _fields("skip.spikes", spikes))
   scaling = cfg.loss_scale
   keys = _fields("loss_scale", scaling, scale="loss_scale.init_scale")
   if scaling.kind == "dynamic":
@@ -337,8 +500,12 @@ def check(cfg: config_lib.RunConfig) -> None:
       whose ``names`` are the config keys at fault.
   """
   build_policy(cfg)
+  build_grad_reduce_dtype(cfg)
   if cfg.model.provider is None:
-    build_loss(cfg, build_model(cfg))
+    model = build_model(cfg)
+    build_loss(cfg, model)
+    if cfg.optimizer.groups:
+      check_param_groups(cfg, jax.eval_shape(model.init, jax.random.key(cfg.seed)))
   else:  # imported now, called when the run is prepared
     models_lib.load_object(cfg.model.provider, "model.provider")
     for key in ("loss", "metrics"):
@@ -346,7 +513,24 @@ def check(cfg: config_lib.RunConfig) -> None:
         models_lib.load_object(getattr(cfg.model, key), f"model.{key}")
   if cfg.data.provider is not None:
     models_lib.load_object(cfg.data.provider, "data.provider")
+  build_batch_sizes(cfg)
+  check_train_steps(cfg)
   build_optimizer(cfg)
+
+
+def check_train_steps(cfg: config_lib.RunConfig) -> None:
+  """With ``train.samples``, ``train.steps`` is the step count it takes
+  (`train_steps`; `mpscale.trainer.config.load_config` sets it so).
+
+  Raises:
+    ArgumentError: naming ``train.steps`` and ``train.samples`` when they disagree.
+  """
+  steps = train_steps(cfg)
+  if steps != cfg.train.steps:
+    raise validation.ArgumentError(
+        ("train.steps", "train.samples"), f"{{0}} ({cfg.train.steps}) disagrees with "
+        f"{{1}} ({cfg.train.samples}), which takes {steps} steps: leave {{0}} out "
+        "(it is derived from {1})")
 
 
 class Setup(NamedTuple):
@@ -431,14 +615,26 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
     loss, evaluate_fn, per_token = model.loss_fn, model.evaluate, True
     specs = user_param_specs(cfg, model, mesh)
     init_params_fn = functools.partial(model.init, jax.random.key(cfg.seed))
+  if cfg.optimizer.groups:
+    check_param_groups(cfg, jax.eval_shape(init_params_fn))
   pipelined = cfg.mesh.stage > 1
+  reduce_dtype = build_grad_reduce_dtype(cfg)
+  init_state = getattr(model, "init_state", None)
+  if (reduce_dtype is not None and init_state is not None
+      and jnp.finfo(policy.compute_dtype).bits < 32):
+    # make_train_step's init would refuse the model state: say so by key, now.
+    raise validation.ArgumentError(
+        ("precision.grad_reduce_dtype", "model.provider"),
+        "{0}: float32 sums each data replica's own gradient, but the model of {1} "
+        "keeps a state (synchronized BatchNorm statistics), which makes every "
+        "micro-batch's gradient span all replicas' rows; set {0}: null")
   make_init, step = _keyed("train", lambda: train_step_lib.make_train_step(
       loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
       num_microbatches=1 if pipelined else cfg.train.num_microbatches,
       per_token_loss=per_token,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
-      param_specs=specs))
-  init_state = getattr(model, "init_state", None)
+      param_specs=specs, grad_reduce_dtype=reduce_dtype),
+      {"grad_reduce_dtype": "precision.grad_reduce_dtype"})
   stochastic = getattr(model, "stochastic", False)
   metrics_fn = getattr(model, "metrics", None)
 

@@ -7,8 +7,9 @@ resumed run reads the very batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 
 class CheckpointError(ValueError):
@@ -46,13 +47,28 @@ def from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
   return jax.tree_util.tree_unflatten(treedef, [restored(p, x) for p, x in flat])
 
 
-def save(manager: Any, step: int, state: Any, data_state: Any) -> None:
+def save(manager: Any, step: int, state: Any, data_state: Any, *,
+         consumed_samples: Optional[int] = None) -> None:
   """Saves ``state`` and the data iterator's ``data_state`` as checkpoint ``step`` of
-  the orbax ``manager`` (asynchronously: ``manager.wait_until_finished()``)."""
+  the orbax ``manager`` (asynchronously: ``manager.wait_until_finished()``), with
+  the samples trained on by then (``consumed_samples``, Megatron's
+  ``consumed_train_samples``) beside them, in a JSON item ``meta``."""
   import orbax.checkpoint as ocp
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(checkpoint_tree(state)),
-      data=ocp.args.JsonSave(data_state)))
+  items = dict(state=ocp.args.StandardSave(checkpoint_tree(state)),
+               data=ocp.args.JsonSave(data_state))
+  if consumed_samples is not None:
+    items["meta"] = ocp.args.JsonSave({"consumed_samples": int(consumed_samples)})
+  manager.save(step, args=ocp.args.Composite(**items))
+
+
+def consumed_samples(ckpt_dir: str, step: int) -> Optional[int]:
+  """The samples checkpoint ``step`` in ``ckpt_dir`` was trained on (`save`'s
+  ``consumed_samples``), or ``None`` when it records none."""
+  path = os.path.join(ckpt_dir, str(step), "meta", "metadata")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return int(json.load(f)["consumed_samples"])
 
 
 def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True

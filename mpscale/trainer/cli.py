@@ -9,6 +9,8 @@
                   [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
   mpscale eval runs/NAME [--devices N]
   mpscale sample runs/NAME [--prompt TEXT] [--tokens N] [--devices N]
+  mpscale tokenize INPUT... | --embedded  --out PREFIX  (--vocab-size N | --tokenizer
+                   tokenizer.json) [--key text] [--format indexed|flat]
 
 A run writes into its own folder (default ``runs/<config name>``)::
 
@@ -49,7 +51,10 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from mpscale import validation
 from mpscale.trainer import config as config_lib
+from mpscale.trainer import corpora
+from mpscale.trainer import tokenizing
 from mpscale.trainer.checkpoints import CheckpointError
 from mpscale.trainer.compare import compare
 from mpscale.trainer import distributed
@@ -218,15 +223,63 @@ def _parser() -> argparse.ArgumentParser:
   sample_cmd.add_argument("run", help="the run's folder")
   sample_cmd.add_argument("--prompt", default="",
                           help="text to continue (default: none)")
-  sample_cmd.add_argument("--tokens", type=int, default=200, help="bytes to write")
+  sample_cmd.add_argument("--tokens", type=int, default=200, help=(
+      "tokens to write: bytes, or the tokenizer's tokens for a token corpus"))
   sample_cmd.add_argument("--temperature", type=float, default=0.8,
-                          help="sampling temperature; 0 picks the likeliest byte")
+                          help="sampling temperature; 0 picks the likeliest token")
   sample_cmd.add_argument("--seed", type=int, default=0)
   for command in (evaluate_cmd, sample_cmd):
     command.add_argument("--devices", type=int, metavar="N", help=(
         "use at most N devices, simulating them on CPU (default: the devices JAX "
         "has); a run whose mesh needs more is rebuilt on one device"))
+  tokenize_cmd = sub.add_parser("tokenize", help=(
+      "turn text or JSON-lines into a token dataset (data.tokens) with a Hugging "
+      "Face tokenizer"))
+  tokenize_cmd.add_argument("inputs", nargs="*", metavar="INPUT", help=(
+      "text files (one document each), JSON-lines files (.jsonl: one document per "
+      "line) or folders of them"))
+  tokenize_cmd.add_argument("--embedded", action="store_true", help=(
+      "tokenize the embedded corpus (one document per module)"))
+  tokenize_cmd.add_argument("--out", required=True, metavar="PREFIX", help=(
+      "the indexed dataset's prefix (PREFIX.bin + PREFIX.idx), or the flat file"))
+  vocabulary = tokenize_cmd.add_mutually_exclusive_group(required=True)
+  vocabulary.add_argument("--tokenizer", metavar="JSON",
+                          help="encode with this Hugging Face tokenizer.json")
+  vocabulary.add_argument("--vocab-size", type=int, metavar="N", help=(
+      "train a byte-level BPE of N ids on the input, saved as tokenizer.json beside "
+      "the output"))
+  tokenize_cmd.add_argument("--key", default="text",
+                            help="the text field of a JSON-lines record (default text)")
+  tokenize_cmd.add_argument("--format", choices=tokenizing.FORMATS, default="indexed",
+                            help="Megatron's indexed dataset (default) or a flat file")
+  tokenize_cmd.add_argument("--eod-token", default=tokenizing.EOD_TOKEN, help=(
+      "the end-of-document token appended to each document (default "
+      f"{tokenizing.EOD_TOKEN})"))
+  tokenize_cmd.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                            default=None,
+                            help="show a progress bar (default: on a terminal)")
   return parser
+
+
+_TOKENIZE_FLAGS = {"inputs": "INPUT", "out": "--out", "tokenizer": "--tokenizer",
+                   "vocab_size": "--vocab-size", "key": "--key", "fmt": "--format",
+                   "eod_token": "--eod-token"}
+"""`mpscale.trainer.tokenizing.tokenize`'s arguments as the command's flags."""
+
+
+def _tokenize(args: argparse.Namespace) -> None:
+  """``mpscale tokenize``: writes the corpus, prints what it wrote."""
+  try:
+    made = tokenizing.tokenize(
+        args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        key=args.key, fmt=args.format, eod_token=args.eod_token,
+        embedded=args.embedded, progress=args.progress)
+  except validation.ArgumentError as e:
+    raise config_lib.ConfigError(str(e.renamed(
+        lambda n: _TOKENIZE_FLAGS.get(n, n)))) from None
+  except OSError as e:
+    raise config_lib.ConfigError(f"tokenize: {e}") from None
+  print(made.text())
 
 
 def _initialize(args: argparse.Namespace) -> None:
@@ -242,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command; returns the exit status (2 for a config or run-folder error)."""
   args = _parser().parse_args(argv)
   try:
-    set_host_device_count(args.devices)
+    set_host_device_count(getattr(args, "devices", None))  # tokenize has none
     _initialize(args)
   except ValueError as e:
     print(f"mpscale: error: {e}", file=sys.stderr)
@@ -265,7 +318,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(planned.to_json() if args.json else planned.text())
     elif args.command == "eval":
       loss, step = evaluate_run(args.run, args.devices)
-      print(f"{args.run}: eval loss {loss:.4f} nats/byte at step {step}")
+      unit = corpora.loss_unit(config_lib.load_config(
+          os.path.join(args.run, "config.yaml")))
+      print(f"{args.run}: eval loss {loss:.4f} nats/{unit} at step {step}")
+    elif args.command == "tokenize":
+      _tokenize(args)
     elif args.command == "sample":
       if args.tokens < 1 or args.temperature < 0:
         raise config_lib.ConfigError("--tokens must be >= 1 and --temperature >= 0")

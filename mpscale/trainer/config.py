@@ -25,10 +25,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from mpscale import sharding
 from mpscale import validation
 from mpscale.trainer import builders
+from mpscale.trainer import corpora
 from mpscale.trainer.schema import (  # noqa: F401 (re-exported)
-    AdafactorConfig, AdamWConfig, CameConfig, ClipConfig, ConfigError,
+    AdafactorConfig, AdamWConfig, BlendConfig, CameConfig, ClipConfig, ConfigError,
     ConfigTypeError, DataConfig, LossScaleConfig, MeshConfig, ModelConfig,
-    OptimizerConfig, PrecisionConfig, RunConfig, ScheduleConfig, TrainConfig,
+    OptimizerConfig, ParamGroupConfig, PrecisionConfig, RunConfig, ScheduleConfig,
+    TokenizeConfig, TrainConfig,
     apply_overrides, dump_config, parse_override, parse_yaml, read_config, to_dict)
 
 
@@ -95,7 +97,7 @@ def check(cfg: RunConfig) -> None:
   # decay_steps, when the warm-up outlasts the run.
   schedule = cfg.schedule
   if (schedule.decay_steps is None and schedule.warmup_steps
-      and schedule.warmup_steps >= train.steps):
+      and schedule.warmup_steps >= train.steps and not builders.counts_samples(cfg)):
     raise ConfigError(f"train.steps ({train.steps}) must be > schedule.warmup_steps "
                       f"({schedule.warmup_steps}): the learning rate decays over "
                       "train.steps after the warm-up; lower schedule.warmup_steps "
@@ -104,6 +106,7 @@ def check(cfg: RunConfig) -> None:
                       ("train.steps", "schedule.warmup_steps"))
   # Each section's own rules, checked by the constructors it feeds.
   _checked(builders.check, cfg)
+  _checked(corpora.check, cfg)
   if model.provider is None:
     _check_model_sizes(cfg)
   try:
@@ -115,16 +118,67 @@ def check(cfg: RunConfig) -> None:
     raise ConfigError(str(e.renamed(keys.get)), ("data.batch_size", "mesh.data",
                                                  "mesh.fsdp", "train.num_microbatches")
                       ) from None
+  _check_rampup_sizes(cfg)
   if model.provider is None and mesh.stage > 1 and not train.per_token_loss:
     raise ConfigError("train.per_token_loss must be true with mesh.stage > 1 (the "
                       "pipeline's head returns a loss sum and a token count)",
                       ("train.per_token_loss", "mesh.stage"))
 
 
+def _check_rampup_sizes(cfg: RunConfig) -> None:
+  """Every batch size of ``data.rampup_batch_size``'s ramp-up splits over the data
+  replicas and micro-batches (`mpscale.sharding.check_batch_size`), as
+  ``data.batch_size`` must; each process's rows then scale with it (a process holds
+  a whole number of the ``mesh.data x mesh.fsdp`` shards)."""
+  mesh, train = cfg.mesh, cfg.train
+  sizes = _checked(builders.build_batch_sizes, cfg).sizes()
+  for size in sizes[:-1]:
+    try:
+      sharding.check_batch_size(size, mesh.data * mesh.fsdp, train.num_microbatches)
+    except validation.ArgumentError as e:
+      keys = {"batch_size": "a batch size of data.rampup_batch_size",
+              "data_size": "mesh.data x mesh.fsdp",
+              "num_microbatches": "train.num_microbatches"}
+      raise ConfigError(
+          f"{e.renamed(keys.get)}: every size of the ramp-up "
+          f"({', '.join(map(str, sizes))}) must split as data.batch_size does; "
+          "make its start and increment multiples of that", (
+              "data.rampup_batch_size", "mesh.data", "mesh.fsdp",
+              "train.num_microbatches")) from None
+
+
+def steps_from_samples(cfg: RunConfig, explicit_steps: bool = False) -> RunConfig:
+  """``cfg`` with ``train.steps`` derived from ``train.samples`` when that is set
+  (`mpscale.trainer.builders.train_steps`), so every reader of ``train.steps``
+  sees the run's step count; ``cfg`` itself without it.
+
+  Args:
+    cfg: the config as read.
+    explicit_steps: whether ``train.steps`` was given (in the file or by ``--set``);
+      it must then be the derived count (a dumped config gives it, equal).
+
+  Raises:
+    ConfigError: naming ``train.steps`` and ``train.samples`` when an explicit
+      ``train.steps`` differs, or the keys of a bad ``train.samples`` or ramp-up.
+  """
+  if cfg.train.samples is None:
+    if cfg.train.steps is None:
+      raise ConfigError("train.steps is null: give train.steps or train.samples",
+                        ("train.steps", "train.samples"))
+    return cfg
+  steps = _checked(builders.train_steps, cfg)
+  if explicit_steps and cfg.train.steps is not None and cfg.train.steps != steps:
+    raise ConfigError(
+        f"train.steps ({cfg.train.steps}) disagrees with train.samples "
+        f"({cfg.train.samples}), which takes {steps} steps: leave train.steps out "
+        "(it is derived from train.samples)", ("train.steps", "train.samples"))
+  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+
+
 def _check_model_sizes(cfg: RunConfig) -> None:
   """The built-in model's sizes against the data and the mesh."""
   model, mesh, train = cfg.model, cfg.mesh, cfg.train
-  if model.vocab_size < 256:
+  if model.vocab_size < 256 and not corpora.uses_tokens(cfg.data):
     raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
                       f"{model.vocab_size}", ("model.vocab_size",))
   chunks = mesh.stage * mesh.virtual_stages
@@ -171,7 +225,8 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
                      overrides: Sequence[str] = (), default_name: str = "run",
                      base_dir: Optional[str] = None) -> RunConfig:
   """A checked `RunConfig` from a parsed mapping plus ``--set`` overrides: read by
-  `mpscale.trainer.schema.read_config` (same arguments), then `check`.
+  `mpscale.trainer.schema.read_config` (same arguments), ``train.steps`` derived
+  from ``train.samples`` (`steps_from_samples`), then `check`.
 
   Returns:
     The frozen `RunConfig`.
@@ -181,7 +236,11 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
       ``source`` and the key, with ``(set by --set)`` for an overridden key.
   """
   cfg, touched = read_config(raw, source, overrides, default_name, base_dir)
+  train = (raw or {}).get("train") if isinstance(raw, Mapping) else None
+  explicit_steps = "train.steps" in touched or (isinstance(train, Mapping)
+                                               and "steps" in train)
   try:
+    cfg = steps_from_samples(cfg, explicit_steps)
     check(cfg)
   except ConfigError as e:
     raise e.located(source, touched) from None

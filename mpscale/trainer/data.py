@@ -78,13 +78,10 @@ def _docstrings(source: bytes) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def stdlib_corpus() -> bytes:
-  """The embedded corpus: standard-library docstrings as UTF-8 bytes (cached).
-
-  Returns:
-    The docstrings of `STDLIB_MODULES` (those present in this Python), each module's
-    introduced by a ``# module NAME`` line, separated by blank lines.
-  """
+def stdlib_documents() -> tuple[str, ...]:
+  """The embedded corpus as documents, one per module of `STDLIB_MODULES` present in
+  this Python: a ``# module NAME`` line, then its docstrings, separated by blank
+  lines (cached). The token corpora's documents (`mpscale.trainer.tokenizing`)."""
   root = sysconfig.get_paths()["stdlib"]
   parts = []
   for module in STDLIB_MODULES:
@@ -97,7 +94,17 @@ def stdlib_corpus() -> bytes:
       parts.append(f"# module {module}\n\n" + "\n\n".join(docs))
   if not parts:
     raise RuntimeError(f"no standard-library sources found under {root}")
-  return ("\n\n".join(parts) + "\n").encode("utf-8")
+  return tuple(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_corpus() -> bytes:
+  """The embedded corpus: standard-library docstrings as UTF-8 bytes (cached).
+
+  Returns:
+    The `stdlib_documents` separated by blank lines.
+  """
+  return ("\n\n".join(stdlib_documents()) + "\n").encode("utf-8")
 
 
 def read_text(path: Union[str, os.PathLike]) -> bytes:

@@ -363,8 +363,9 @@ class TinyLM:
     return self.head_fn(params, self.hidden_fn(params, batch), batch)
 
   def generate(self, params: Params, prompt: np.ndarray, num_tokens: int, *,
-               rng: jax.Array, temperature: float = 1.0) -> np.ndarray:
-    """``prompt`` followed by ``num_tokens`` sampled bytes.
+               rng: jax.Array, temperature: float = 1.0,
+               start: Optional[int] = None) -> np.ndarray:
+    """``prompt`` followed by ``num_tokens`` sampled tokens.
 
     One compiled forward pass over a window of ``seq_len`` tokens (right-padded; the
     attention is causal, so padding never reaches the position read), slid along as
@@ -376,9 +377,11 @@ class TinyLM:
       num_tokens: how many tokens to write, >= 1.
       rng: a JAX random key.
       temperature: softmax temperature; 0 picks the likeliest token every time.
+      start: the token an empty prompt is conditioned on (not returned); default a
+        newline byte (10). A token corpus's end-of-document id starts a document.
 
     Returns:
-      A 1-D ``uint8`` array: the prompt, then the written tokens.
+      A 1-D ``int32`` array: the prompt, then the written tokens.
     """
     validation.positive_int("num_tokens", num_tokens)
     validation.non_negative_float("temperature", temperature)
@@ -393,15 +396,15 @@ class TinyLM:
       return jax.random.categorical(key, logits / temperature)
 
     text = [int(t) for t in np.asarray(prompt).reshape(-1)]
-    start = len(text)
+    begin = len(text)
     if not text:
-      text = [ord("\n")]  # something to condition on
+      text = [ord("\n") if start is None else int(start)]  # to condition on
     for key in jax.random.split(rng, num_tokens):
       context = text[-window:]
       tokens = np.zeros(window, np.int32)
       tokens[:len(context)] = context
       text.append(int(next_token(params, jnp.asarray(tokens), len(context), key)))
-    return np.asarray(text[-(start + num_tokens):] if start else text[1:], np.uint8)
+    return np.asarray(text[-(begin + num_tokens):] if begin else text[1:], np.int32)
 
   def mean_loss_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
     """The mean cross-entropy per token of ``batch`` (for ``per_token_loss=False``)."""

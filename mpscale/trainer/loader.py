@@ -14,6 +14,10 @@ beside the model, so ``--resume`` continues at the very next batch.
   "eval": source}``. Training shuffles it with ``seed`` (anew each epoch; ``data.shuffle:
   false`` keeps its order), repeats it, and batches it; evaluation reads the first
   ``data.eval_batches`` full batches of ``eval`` in order.
+- **Token corpora** (``data.tokens``, ``data.blend``, ``data.tokenize``;
+  `mpscale.trainer.corpora`): Megatron's GPT samples (`mpscale.trainer.tokens`),
+  already shuffled by ``seed``, read as a user's source without another shuffle; a
+  blend's share of each corpus is counted per step (`SourceShares`) for the log.
 
 Across processes (`mpscale.trainer.distributed`) each process reads only its rows
 ``[start, stop)`` of each global batch (``rows``), the ones its devices hold: the
@@ -21,39 +25,71 @@ text's windows for those rows, or a user source's examples ``i * batch_size + st
 to ``i * batch_size + stop``, batched as blocks of ``stop - start`` and strided
 (``ds.batch(stop - start)[start // size :: batch_size // size]``), so the processes
 together read exactly the batches one process would.
+
+With a **batch-size ramp-up** (``data.rampup_batch_size``, `mpscale.trainer.samples`)
+step ``i``'s global batch has ``n = size_at(i)`` rows: the text's windows of
+``(seed, i, n)``, or the next ``n`` examples of the stream, ``consumed_at(i)``
+onward (`RampedBatches`); a process reads the same share of it as of a full batch,
+rows ``[start * n / batch_size, stop * n / batch_size)`` (`rows_of`). The position
+is still the step, so a resumed run reads the very batches of an uninterrupted one.
+Without a ramp-up the batches are the ones above.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import (Any, Callable, Iterable, Iterator, Mapping, Optional,
+                    Sequence)
 
 import grain
 import numpy as np
 
 from mpscale import validation
 from mpscale.trainer import data as data_lib
+from mpscale.trainer import samples as samples_lib
 
 _READ = dict(num_threads=1, prefetch_buffer_size=2)
 """One background thread reads up to two batches ahead of the step."""
 
 
+def rows_of(rows: tuple[int, int], batch_size: int, size: int) -> tuple[int, int]:
+  """A process's rows of a global batch of ``size`` rows, given its ``rows`` of one
+  of ``batch_size``: the same share at the same place, ``[start * size /
+  batch_size, stop * size / batch_size)``.
+
+  Raises:
+    ValueError: naming ``data.rampup_batch_size`` when ``size`` does not split so
+      (the config's batch rule prevents it).
+  """
+  start, stop = rows
+  if (start * size) % batch_size or (stop * size) % batch_size:
+    raise validation.fail("data.rampup_batch_size", f": its batch size {size} does "
+                          f"not split as rows {rows} of {batch_size} do")
+  return start * size // batch_size, stop * size // batch_size
+
+
 class TrainBatches:
   """The training batches of a `TextData`, as a random-access grain source: item
-  ``step`` is ``text.train_batch(seed, step, batch_size, seq_len)``."""
+  ``step`` is ``text.train_batch(seed, step, size, seq_len)``, ``size`` =
+  ``batch_size`` or with a ramp-up ``sizes.size_at(step)``."""
 
   def __init__(self, text: data_lib.TextData, seed: int, batch_size: int,
-               seq_len: int, rows: Optional[tuple[int, int]] = None):
+               seq_len: int, rows: Optional[tuple[int, int]] = None,
+               sizes: Optional[samples_lib.BatchSizes] = None):
     self.text, self.seed = text, seed
     self.batch_size, self.seq_len = batch_size, seq_len
     self.rows = slice(*rows) if rows is not None else slice(None)
+    self.sizes = sizes if sizes is not None and sizes.ramped else None
 
   def __len__(self) -> int:
     return 2**62  # endless: steps, not epochs
 
   def __getitem__(self, step: int) -> data_lib.Batch:
-    return self.text.train_batch(self.seed, int(step), self.batch_size, self.seq_len,
-                                 self.rows)
+    step, size, rows = int(step), self.batch_size, self.rows
+    if self.sizes is not None:
+      size = self.sizes.size_at(step)
+      rows = slice(*rows_of(rows.indices(self.batch_size)[:2], self.batch_size, size))
+    return self.text.train_batch(self.seed, step, size, self.seq_len, rows)
 
   def __repr__(self) -> str:
     return (f"TrainBatches({self.text.source!r}, seed={self.seed}, "
@@ -72,11 +108,37 @@ class Data:
   source: str
   """Where the data comes from, for the summary."""
   tokens_per_step: int
-  """Tokens (or rows) in one global training batch, for the tokens/s figure."""
+  """Tokens (or rows) in one global training batch of ``batch_size`` rows (a full
+  one, after a ramp-up), for the tokens/s figure."""
   batch_size: int
   """Rows of a global batch."""
   rows: tuple[int, int]
   """The rows ``[start, stop)`` of each global batch that this process reads."""
+  shares: Optional["SourceShares"] = None
+  """A blend's realised share of each source (``data.blend``), for the log;
+  ``None`` for one source."""
+  tokenizer: Optional[str] = None
+  """The ``tokenizer.json`` its tokens decode with; ``None``: bytes (or unknown)."""
+  sizes: Optional[samples_lib.BatchSizes] = None
+  """The global batch size of each step (a ramp-up's); ``None``: ``batch_size``."""
+
+  def size_at(self, step: int) -> int:
+    """Rows of the global batch of ``step``."""
+    return self.batch_size if self.sizes is None else self.sizes.size_at(step)
+
+  def rows_at(self, step: int) -> tuple[int, int]:
+    """The rows of the global batch of ``step`` that this process reads."""
+    return rows_of(self.rows, self.batch_size, self.size_at(step))
+
+  def consumed_at(self, step: int) -> int:
+    """Samples (rows of global batches) trained on before ``step``."""
+    return (step * self.batch_size if self.sizes is None
+            else self.sizes.consumed_at(step))
+
+  def tokens_between(self, start: int, stop: int) -> int:
+    """Tokens (or rows) of the global batches of steps ``start .. stop - 1``."""
+    rows = self.consumed_at(stop) - self.consumed_at(start)
+    return rows * self.tokens_per_step // self.batch_size
 
   def iterator(self, state: Optional[Mapping[str, Any]] = None) -> Iterator:
     """A grain iterator over `train` from its start, or from ``state`` (a saved
@@ -96,6 +158,57 @@ def _tokens(batch: Mapping[str, Any]) -> int:
   return int(len(next(iter(batch.values()))))
 
 
+class SourceShares:
+  """The share of each source among the examples of a run's first steps, from the
+  source of each example (a blend's ``dataset_index``): ``fractions(step)``.
+
+  The counts per step are summed once, so a log point costs a lookup.
+
+  Args:
+    names: the sources' names.
+    source_index: the source of each example, in training order (at least the
+      samples of ``steps`` steps).
+    batch_size: examples per step.
+    steps: the steps to count.
+    sizes: with a batch-size ramp-up, the examples of each step (its
+      ``consumed_at``); default: ``batch_size`` each.
+  """
+
+  def __init__(self, names: Sequence[str], source_index: np.ndarray, batch_size: int,
+               steps: int, sizes: Optional[samples_lib.BatchSizes] = None):
+    self.names = tuple(names)
+    self.batch_size = batch_size
+    if sizes is None:
+      sizes = samples_lib.BatchSizes(batch_size)
+    self.consumed = np.array([sizes.consumed_at(s) for s in range(steps + 1)],
+                             np.int64)
+    """int64 ``[steps + 1]``: examples of the first ``step`` steps."""
+    per_step = np.zeros((steps, len(self.names)), np.int64)
+    phases = sizes.phases()
+    for phase, following in zip(phases, phases[1:] + (None,)):
+      first = phase.first_step  # a phase's steps are a block of its size
+      last = steps if following is None else min(following.first_step, steps)
+      if first >= last:
+        break
+      block = np.asarray(source_index[phase.consumed:phase.consumed + (
+          last - first) * phase.size]).reshape(last - first, phase.size)
+      for d in range(len(self.names)):
+        per_step[first:last, d] = np.count_nonzero(block == d, axis=1)
+    counts = np.zeros((steps + 1, len(self.names)), np.int64)
+    np.cumsum(per_step, axis=0, out=counts[1:])
+    self.counts = counts
+    """int64 ``[steps + 1, sources]``: examples of each source in the first
+    ``step`` steps."""
+
+  def fractions(self, step: int) -> dict[str, float]:
+    """Each source's share (by name) of the examples of steps ``0 .. step - 1``;
+    NaN before the first step."""
+    step = min(int(step), len(self.counts) - 1)
+    total = int(self.consumed[step])
+    return {name: (float(self.counts[step, d]) / total if total else float("nan"))
+            for d, name in enumerate(self.names)}
+
+
 def _check_rows(rows: Optional[tuple[int, int]], batch_size: int) -> tuple[int, int]:
   if rows is None:
     return 0, batch_size
@@ -109,19 +222,59 @@ def _check_rows(rows: Optional[tuple[int, int]], batch_size: int) -> tuple[int, 
 
 def text_data(text: data_lib.TextData, cfg: Any,
               rows: Optional[tuple[int, int]] = None) -> Data:
-  """`Data` of the tiny LM's corpus, batched as ``cfg`` says; ``rows`` of each
-  batch (default: all)."""
+  """`Data` of the tiny LM's corpus, batched as ``cfg`` says (with its ramp-up, if
+  any); ``rows`` of each batch (default: all)."""
   bs, seq_len = cfg.data.batch_size, cfg.model.seq_len
   start, stop = _check_rows(rows, bs)
+  sizes = batch_sizes(cfg)
   train = grain.MapDataset.source(TrainBatches(text, cfg.seed, bs, seq_len,
-                                               (start, stop)))
+                                               (start, stop), sizes))
 
   def eval_batches():
     for batch in text.eval_batches(bs, seq_len, cfg.data.eval_batches):
       yield {k: v[start:stop] for k, v in batch.items()}
 
   return Data(train=train, eval_batches=eval_batches, source=text.source,
-              tokens_per_step=bs * seq_len, batch_size=bs, rows=(start, stop))
+              tokens_per_step=bs * seq_len, batch_size=bs, rows=(start, stop),
+              sizes=sizes)
+
+
+def batch_sizes(cfg: Any) -> Optional[samples_lib.BatchSizes]:
+  """The batch sizes of ``data.rampup_batch_size``'s ramp-up (the config checked
+  them); ``None`` without one."""
+  rampup = getattr(cfg.data, "rampup_batch_size", None)
+  sizes = (None if rampup is None
+           else samples_lib.BatchSizes(cfg.data.batch_size, rampup))
+  return sizes if sizes is not None and sizes.ramped else None
+
+
+class RampedBatches:
+  """The training batches of a stream of examples under a batch-size ramp-up, as a
+  random-access grain source: item ``step`` is examples ``consumed_at(step) +
+  [start, stop)`` of ``examples`` (a process's `rows_of` the step's batch), batched
+  as grain batches them.
+
+  Args:
+    examples: the examples in training order, endless (``ds.repeat()``).
+    sizes: the batch size of each step.
+    rows: the rows ``[start, stop)`` of a full batch this process reads.
+  """
+
+  def __init__(self, examples: Any, sizes: samples_lib.BatchSizes,
+               rows: tuple[int, int]):
+    self.examples, self.sizes, self.rows = examples, sizes, rows
+
+  def __len__(self) -> int:
+    return 2**62  # endless: steps, not epochs
+
+  def __getitem__(self, step: int) -> Any:
+    step = int(step)
+    first = self.sizes.consumed_at(step)
+    start, stop = rows_of(self.rows, self.sizes.batch_size, self.sizes.size_at(step))
+    return self.examples[first + start:first + stop].batch(stop - start)[0]
+
+  def __repr__(self) -> str:
+    return f"RampedBatches({self.sizes!r}, rows={self.rows})"
 
 
 def _source(obj: Any, key: str) -> Any:
@@ -164,9 +317,12 @@ def _process_batches(ds: Any, batch_size: int, rows: tuple[int, int]) -> Any:
 
 
 def user_data(obj: Any, cfg: Any, key: str = "data.provider",
-              rows: Optional[tuple[int, int]] = None) -> Data:
+              rows: Optional[tuple[int, int]] = None, *,
+              shuffle: Optional[bool] = None) -> Data:
   """`Data` of a user's source (see the module docstring); ``rows`` of each batch
-  (default: all).
+  (default: all). ``shuffle`` (default ``data.shuffle``): shuffle the training
+  examples with ``seed``; a source already in training order (token samples) is
+  read as it is.
 
   Raises:
     TypeError, ValueError: naming ``key``, for something that is not a source, a
@@ -186,9 +342,13 @@ def user_data(obj: Any, cfg: Any, key: str = "data.provider",
   _check_examples(train, "train", bs, key)
   if held_out is not None:
     _check_examples(held_out, "eval", bs, key)
-  if cfg.data.shuffle:
+  if cfg.data.shuffle if shuffle is None else shuffle:
     train = train.shuffle(seed=cfg.seed)
-  train = _process_batches(train.repeat(), bs, rows)
+  sizes = batch_sizes(cfg)
+  if sizes is None:
+    train = _process_batches(train.repeat(), bs, rows)
+  else:
+    train = grain.MapDataset.source(RampedBatches(train.repeat(), sizes, rows))
 
   def eval_batches():
     if held_out is None:
@@ -199,7 +359,7 @@ def user_data(obj: Any, cfg: Any, key: str = "data.provider",
     batches = _process_batches(held_out, bs, rows)
     return (batches[i] for i in range(count))
 
-  local_tokens = _tokens(train[0])
+  first_rows = rows if sizes is None else rows_of(rows, bs, sizes.size_at(0))
   return Data(train=train, eval_batches=eval_batches, source=repr(obj)[:200],
-              tokens_per_step=local_tokens * bs // (rows[1] - rows[0]),
-              batch_size=bs, rows=rows)
+              tokens_per_step=_tokens(train[0]) * bs // (first_rows[1] - first_rows[0]),
+              batch_size=bs, rows=rows, sizes=sizes)

@@ -23,12 +23,14 @@ from mpscale.train_step import TrainState
 from mpscale.trainer import builders
 from mpscale.trainer import checkpoints
 from mpscale.trainer import config as config_lib
+from mpscale.trainer import corpora
 from mpscale.trainer import data as data_lib
 from mpscale.trainer import distributed
 from mpscale.trainer import lm as lm_lib
 from mpscale.trainer import loader
 from mpscale.trainer import metrics_log
 from mpscale.trainer import models
+from mpscale.trainer import tokenizing
 from mpscale.trainer.metrics_log import MetricsLog, read_rows, to_float
 from mpscale.trainer.plots import plot_runs
 from mpscale.trainer.progress import fmt, make_progress, progress_info, scale_text
@@ -147,8 +149,8 @@ def _is_model_object(obj: Any) -> bool:
 
 
 def _load_data(cfg: config_lib.RunConfig, given: Any) -> loader.Data:
-  """The run's data: a user's source, or the text; across processes, this process's
-  rows of each batch."""
+  """The run's data: a user's source, a token corpus, or the text; across
+  processes, this process's rows of each batch."""
   rows = distributed.process_rows(builders.batch_sharding(builders.build_mesh(cfg)),
                                   cfg.data.batch_size)
   source, key = _provided(given, cfg.data.provider, "data.provider", cfg)
@@ -157,6 +159,10 @@ def _load_data(cfg: config_lib.RunConfig, given: Any) -> loader.Data:
     if given is None:
       data.source = cfg.data.provider
     return data
+  if corpora.uses_tokens(cfg.data):
+    # data.tokenize's first use tokenizes: a bar on the main process's terminal.
+    return corpora.token_data(cfg, rows,
+                              progress=None if jax.process_index() == 0 else False)
   try:
     text = data_lib.load_data(cfg.data.path, cfg.data.eval_fraction)
   except (OSError, ValueError) as e:
@@ -257,8 +263,11 @@ class _Logger:
 
   def __init__(self, run: _Run, start: int, progress: Optional[bool], verbose: bool):
     self.run, self.start, self.verbose = run, start, verbose
-    self.log = MetricsLog(run.out_dir, sorted(run.metric_shapes["group_norms"]),
-                          start, run.main_process, eval_names=run.eval_names)
+    self.log = MetricsLog(
+        run.out_dir, sorted(run.metric_shapes["group_norms"]), start,
+        run.main_process, eval_names=run.eval_names,
+        lr_groups=list(run.metric_shapes.get("group_learning_rates", {})),
+        data_names=run.data.shares.names if run.data.shares else ())
     previous = to_float(self.log.last.get("overflow_total")) if start else math.nan
     self.overflow_total = 0 if math.isnan(previous) else int(previous)
     self.console = Console(stderr=True)
@@ -332,8 +341,12 @@ class _Logger:
     row = metrics_log.csv_row(metrics_log.Interval(
         step=done, metrics=host, evaluation=self.eval_values if evaluating else None,
         overflow_total=self.overflow_total,
-        tokens_per_step=self.run.data.tokens_per_step, seconds=now - self.t_mark,
+        tokens=self.run.data.tokens_between(done - len(host), done),
+        consumed_samples=self.run.data.consumed_at(done), seconds=now - self.t_mark,
         wall_s=now - self.t_run), self.run.eval_names)
+    if self.run.data.shares is not None:  # a blend: each corpus's share so far
+      row.update({metrics_log.DATA_PREFIX + name: share for name, share
+                  in self.run.data.shares.fractions(done).items()})
     self.overflow_total = row["overflow_total"]
     self.log.write(row)
     row["interval"] = len(host)
@@ -366,7 +379,8 @@ def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
   manager = ocp.CheckpointManager(run.ckpt_dir, options=ocp.CheckpointManagerOptions(
       max_to_keep=train_cfg.keep_checkpoints, create=True))
   batches = run.data.iterator(run.data_state)
-  save = lambda done: checkpoints.save(manager, done, state, batches.get_state())
+  save = lambda done: checkpoints.save(manager, done, state, batches.get_state(),
+                                      consumed_samples=run.data.consumed_at(done))
   due = lambda done, every: done == steps or (every > 0 and done % every == 0)
   try:
     with logger:
@@ -412,6 +426,7 @@ def _finish(run: _Run, state: TrainState, start: int,
   train_loss = to_float(rows[-1]["loss"]) if rows else math.nan
   summary = {
       "name": cfg.name, **builders.describe(cfg), "steps": final_step,
+      "consumed_samples": run.data.consumed_at(final_step),
       "final_train_loss": train_loss, "final_eval_loss": logger.eval_loss,
       **{f"final_eval_{n}": logger.eval_values.get(n, math.nan)
          for n in run.eval_names},
@@ -422,6 +437,8 @@ def _finish(run: _Run, state: TrainState, start: int,
           logger.seconds if final_step > start else 0.0),
       "resumed_from": start, "data": run.data.source, "out_dir": out_dir,
   }
+  if run.data.shares is not None:  # a blend: the share of each corpus trained on
+    summary["data_fractions"] = run.data.shares.fractions(final_step)
   if run.main_process:
     with open(run.summary_path, "w") as f:
       json.dump(summary, f, indent=2)
@@ -482,6 +499,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   if resume:
     run.state, start, run.data_state = checkpoints.restore_latest(run.ckpt_dir,
                                                                   run.state)
+    _check_consumed(run, start, source)
   if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
     # Nothing to train: say so, and leave the finished run's files as they are.
     with open(run.summary_path) as f:
@@ -501,6 +519,20 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     # A Flax NNX module given here is updated in place (its export does that).
     export(*jax.device_get((state.params, state.model_state)))
   return summary
+
+
+def _check_consumed(run: _Run, start: int, source: str) -> None:
+  """The checkpoint a run resumes from was trained on as many samples as this
+  config's batch sizes say its steps take: else its data position and sample-counted
+  schedule would silently shift (``data.batch_size`` or ``data.rampup_batch_size``
+  changed since)."""
+  saved = checkpoints.consumed_samples(run.ckpt_dir, start) if start else None
+  if saved is not None and saved != run.data.consumed_at(start):
+    raise config_lib.ConfigError(
+        f"{source}: data.batch_size, data.rampup_batch_size: the checkpoint of step "
+        f"{start} in {run.ckpt_dir} was trained on {saved} samples, but this config's "
+        f"batch sizes make {run.data.consumed_at(start)} by that step; resume with "
+        "the batch sizes it was trained with")
 
 
 def _kind(obj: Any) -> Optional[str]:
@@ -638,21 +670,35 @@ def evaluate_run(out_dir: str, devices: Optional[int] = None) -> tuple[float, in
 
 def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,
                seed: int = 0, devices: Optional[int] = None) -> str:
-  """Text the run's latest checkpoint writes after ``prompt`` (byte level; the tiny
-  LM only), on the run's mesh or, with fewer ``devices`` than it needs, on one
-  (`load_run`).
+  """Text the run's latest checkpoint writes after ``prompt`` (the tiny LM only),
+  on the run's mesh or, with fewer ``devices`` than it needs, on one (`load_run`):
+  ``num_tokens`` bytes, or with a token corpus ``num_tokens`` tokens encoded and
+  decoded with its tokenizer (``data.tokenizer``, or ``data.tokenize``'s); an empty
+  prompt then starts a document (after its end-of-document token).
 
   Raises:
-    RunDirError: for a run of a user's model.
+    RunDirError: for a run of a user's model, or of tokens without a tokenizer.
   """
   run, _ = load_run(out_dir, devices)
   if not isinstance(run.setup.model, lm_lib.TinyLM):
     raise RunDirError(f"{out_dir}: sample writes text with the built-in tiny LM; this "
                       "run trained a user's model (model.provider)")
-  tokens = run.setup.model.generate(run.setup.policy.cast_to_compute(run.state.params),
-                                    data_lib.tokenize(prompt), num_tokens,
-                                    rng=jax.random.key(seed), temperature=temperature)
-  return data_lib.detokenize(tokens)
+  params = run.setup.policy.cast_to_compute(run.state.params)
+  key = jax.random.key(seed)
+  if not corpora.uses_tokens(run.cfg.data):
+    return data_lib.detokenize(run.setup.model.generate(
+        params, data_lib.tokenize(prompt), num_tokens, rng=key,
+        temperature=temperature))
+  if run.data.tokenizer is None:
+    raise RunDirError(f"{out_dir}: this run's tokens have no tokenizer to write text "
+                      "with; set data.tokenizer (a tokenizer.json) in its config.yaml")
+  tokenizer = tokenizing.load_tokenizer(run.data.tokenizer, "data.tokenizer")
+  eod = run.cfg.data.eod
+  eod = tokenizing.eod_id(tokenizer, name=None) if eod is None else eod
+  tokens = run.setup.model.generate(params, tokenizing.encode(tokenizer, prompt),
+                                    num_tokens, rng=key, temperature=temperature,
+                                    start=eod)
+  return tokenizing.decode(tokenizer, tokens)
 
 
 def load(out_dir: str, devices: Optional[int] = None) -> Any:

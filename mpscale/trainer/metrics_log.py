@@ -20,6 +20,12 @@ EVAL_PREFIX = "eval_"
 """Names the column of a model's evaluation metric: ``eval_<name>``."""
 NORM_PREFIX = "norm/"
 """Names the column of a group's gradient norm: ``norm/<group>``."""
+LR_PREFIX = "lr/"
+"""Names the column of a parameter group's learning rate: ``lr/<group>``
+(``optimizer.groups``, `mpscale.param_groups`)."""
+DATA_PREFIX = "data/"
+"""Names the column of a blended corpus's realised share of the samples trained on:
+``data/<name>`` (``data.blend``, `mpscale.trainer.corpora`)."""
 
 
 class Interval(NamedTuple):
@@ -34,8 +40,12 @@ class Interval(NamedTuple):
   ``None`` when this row does not evaluate."""
   overflow_total: int
   """Overflowed steps of the run before this interval (a resumed run's included)."""
-  tokens_per_step: int
-  """Tokens (or rows) in one global batch."""
+  tokens: int
+  """Tokens (or rows) the interval's steps trained on: their global batches, whose
+  size may change from step to step (a batch-size ramp-up)."""
+  consumed_samples: int
+  """Samples (rows of global batches) trained on by the end of ``step``, the run's
+  before it included (Megatron's ``consumed_samples``)."""
   seconds: float
   """Seconds the interval's steps took."""
   wall_s: float
@@ -61,6 +71,7 @@ class Column(NamedTuple):
 
 COLUMNS = (
     Column("step", lambda i: i.step),
+    Column("consumed_samples", lambda i: i.consumed_samples),
     # The mean over the interval: the steps between rows are not lost.
     Column("loss",
            lambda i: sum(float(m["loss"]) for m in i.metrics) / len(i.metrics)),
@@ -69,35 +80,46 @@ COLUMNS = (
     Column("overflows", _overflows),
     Column("overflow_total", lambda i: i.overflow_total + _overflows(i)),
     Column("skipped", _last("skipped", int)),
+    # Empty without skip.spikes: not watched, rather than none seen.
+    Column("spikes", lambda i: (int(i.metrics[-1]["spikes"])
+                                if "spikes" in i.metrics[-1] else None)),
     Column("global_norm", _last("global_norm", float)),
     Column("learning_rate",
            lambda i: float(i.metrics[-1].get("learning_rate", math.nan))),
-    Column("tokens_per_s", lambda i: (len(i.metrics) * i.tokens_per_step
-                                      / max(i.seconds, 1e-9))),
+    Column("tokens_per_s", lambda i: i.tokens / max(i.seconds, 1e-9)),
     Column("wall_s", lambda i: i.wall_s),
 )
 """The fixed columns of ``metrics.csv``, in order, each computed from an `Interval`:
-the interval's mean loss and overflow count, the last step's loss scale, skipped
-total, global norm and learning rate (NaN when the optimizer records none), the
+the samples consumed by the row's step, the interval's mean loss and overflow count, the last step's loss scale, skipped
+total, spike total (empty without spike skipping; the skipped total counts them
+too), global norm and learning rate (NaN when the optimizer records none), the
 evaluation's loss (empty when the row does not evaluate), the throughput and the
 time."""
 
 CSV_FIELDS = tuple(column.name for column in COLUMNS)
 """The names of `COLUMNS`; the model's evaluation metrics follow as ``eval_<name>``,
-then the group norms as ``norm/<group>``."""
+then the group norms as ``norm/<group>`` and the parameter groups' learning rates as
+``lr/<group>``."""
 
 
-def csv_fields(eval_names: Sequence[str], group_names: Sequence[str]) -> list[str]:
+def csv_fields(eval_names: Sequence[str], group_names: Sequence[str],
+               lr_groups: Sequence[str] = (),
+               data_names: Sequence[str] = ()) -> list[str]:
   """Every column of ``metrics.csv``: `CSV_FIELDS`, ``eval_<name>`` for each of the
-  model's evaluation metrics, ``norm/<group>`` for each group."""
+  model's evaluation metrics, ``norm/<group>`` for each group of the norms,
+  ``lr/<group>`` for each parameter group (``lr_groups``) and ``data/<name>`` for
+  each corpus of a blend (``data_names``)."""
   return (list(CSV_FIELDS) + [EVAL_PREFIX + n for n in eval_names]
-          + [NORM_PREFIX + g for g in group_names])
+          + [NORM_PREFIX + g for g in group_names]
+          + [LR_PREFIX + g for g in lr_groups]
+          + [DATA_PREFIX + n for n in data_names])
 
 
 def csv_row(interval: Interval, eval_names: Sequence[str]) -> dict[str, Any]:
   """The row of ``metrics.csv`` for ``interval``: `COLUMNS`, then each of the model's
   evaluation metrics ``eval_names`` (``None`` when the row does not evaluate, NaN for
-  one the evaluation lacks), then the last step's group norms."""
+  one the evaluation lacks), then the last step's group norms and parameter groups'
+  learning rates."""
   row = {column.name: column.value(interval) for column in COLUMNS}
   evaluation = interval.evaluation
   row.update({EVAL_PREFIX + n: (None if evaluation is None
@@ -105,6 +127,8 @@ def csv_row(interval: Interval, eval_names: Sequence[str]) -> dict[str, Any]:
               for n in eval_names})
   row.update({NORM_PREFIX + g: float(v)
               for g, v in interval.metrics[-1]["group_norms"].items()})
+  row.update({LR_PREFIX + g: float(v) for g, v in
+              interval.metrics[-1].get("group_learning_rates", {}).items()})
   return row
 
 
@@ -126,14 +150,16 @@ class MetricsLog:
   """``metrics.csv`` and TensorBoard events of one run (on the main process only)."""
 
   def __init__(self, out_dir: str, group_names: Sequence[str], start_step: int,
-               enabled: bool = True, eval_names: Sequence[str] = ()):
+               enabled: bool = True, eval_names: Sequence[str] = (),
+               lr_groups: Sequence[str] = (), data_names: Sequence[str] = ()):
     """Opens ``out_dir/metrics.csv`` (the rows of a resumed run up to
     ``start_step`` kept) and the TensorBoard events; with ``enabled`` false, only
     reads the kept rows. ``eval_names`` are the model's evaluation metrics (without
-    the ``eval_`` prefix)."""
+    the ``eval_`` prefix), ``lr_groups`` the parameter groups, ``data_names`` the
+    corpora of a blend."""
     self.enabled = enabled
     self.path = os.path.join(out_dir, "metrics.csv")
-    self.fields = csv_fields(eval_names, group_names)
+    self.fields = csv_fields(eval_names, group_names, lr_groups, data_names)
     kept = [r for r in read_rows(self.path) if int(r["step"]) <= start_step]
     self.last = kept[-1] if kept else {}
     if not enabled:
@@ -159,6 +185,8 @@ class MetricsLog:
           or not math.isfinite(float(value))):
         continue
       tag = (f"norms/{key.removeprefix(NORM_PREFIX)}" if key.startswith(NORM_PREFIX)
+             else f"learning_rate/{key.removeprefix(LR_PREFIX)}"
+             if key.startswith(LR_PREFIX)
              else f"eval/{key.removeprefix(EVAL_PREFIX)}"
              if key.startswith(EVAL_PREFIX) else f"train/{key}")
       self.tb.add_scalar(tag, float(value), step)

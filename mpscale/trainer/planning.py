@@ -19,7 +19,9 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
 - each collective in the compiled HLO (all-reduce, all-gather, reduce-scatter,
   collective-permute, all-to-all) with its count and bytes per step, loops counted
   by their trip counts, a bfloat16 sum at bfloat16's bytes (the CPU compile widens
-  it to float32; a GPU or TPU does not): `mpscale.hlo.collectives`;
+  it to float32; a GPU or TPU does not) and a float32 one at float32's (with
+  ``precision.grad_reduce_dtype: float32``, twice a bfloat16 gradient sum's):
+  `mpscale.hlo.collectives`;
 
 plus the pipeline bubble of the config's schedule and the tokens per step.
 

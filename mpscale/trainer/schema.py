@@ -111,6 +111,31 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BlendConfig:
+  """One token corpus of ``data.blend`` and its weight
+  (`mpscale.trainer.corpora`)."""
+  path: str = ""
+  """A Megatron indexed dataset's prefix (``<path>.bin`` + ``<path>.idx``) or a flat
+  token file; relative to the config file."""
+  weight: Optional[float] = None
+  """Its share of the training samples, > 0 (the weights are normalized)."""
+  name: Optional[str] = None
+  """Names it in the log (``data/<name>``); default: the file's name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeConfig:
+  """Tokenizing the text of ``data.path`` (or the embedded corpus) once, into a
+  cache, and training on its tokens (`mpscale.trainer.tokenizing`)."""
+  vocab_size: Optional[int] = None
+  """Train a byte-level BPE of this many ids on the text; ``null``: encode with
+  ``data.tokenizer``."""
+  cache_dir: Optional[str] = None
+  """Where the tokenized copy goes (relative to the config file); ``null``:
+  ``$MPSCALE_CACHE_DIR``, else ``~/.cache/mpscale``, under ``tokens/``."""
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where the data comes from and how it is batched (`mpscale.trainer.loader`)."""
   provider: Optional[str] = None
@@ -125,11 +150,51 @@ class DataConfig:
   """A text file or a folder of them; ``null`` for the embedded corpus (docstrings of
   the Python standard library)."""
   eval_fraction: float = 0.1
-  """Share of the corpus held out for evaluation, in (0, 1) (the built-in data)."""
+  """Share of the corpus held out for evaluation, in (0, 1) (the built-in data: of
+  its text; a token corpus: of its documents, the last ones, as Megatron's
+  ``split``)."""
   batch_size: int = 16
-  """Sequences per step (global, over all data-parallel replicas)."""
+  """Sequences per step (global, over all data-parallel replicas); after
+  ``rampup_batch_size``'s ramp-up, if any."""
+  rampup_batch_size: Optional[tuple[int, int, int]] = None
+  """Megatron's ``--rampup-batch-size``, ``[start, increment, ramp_samples]``: the
+  global batch starts at ``start`` rows and grows by ``increment`` over the first
+  ``ramp_samples`` samples to ``batch_size`` (`mpscale.trainer.samples`); needs
+  ``train.samples``. Every size must split over the data replicas and micro-batches
+  as ``batch_size`` does; the train step compiles once per size."""
   eval_batches: int = 8
   """Batches of the held-out split per evaluation; 0 for all of it."""
+  tokens: Optional[str] = None
+  """A token corpus (`mpscale.trainer.corpora`): a Megatron indexed dataset's prefix
+  (``<tokens>.bin`` + ``<tokens>.idx``) or a flat token file (nanoGPT's
+  ``train.bin``), relative to the config file; exclusive with ``path``,
+  ``provider`` and ``blend``."""
+  blend: tuple[BlendConfig, ...] = ()
+  """Several token corpora drawn by weight, Megatron's ``BlendedDataset`` rule, e.g.
+  ``[{path: a, weight: 0.7}, {path: b, weight: 0.3}]``; exclusive with ``tokens``."""
+  token_dtype: Optional[str] = None
+  """A flat token file's dtype (``uint16``, ``uint32``, ``int32``...); ``null``:
+  ``uint16``. An indexed dataset names its own: leave it ``null``."""
+  eod: Optional[int] = None
+  """The end-of-document token id: where a flat file's documents end, and what
+  ``eod_mask_loss`` masks; ``null``: ``data.tokenizer``'s ``<|endoftext|>``, if it
+  has one."""
+  eod_mask_loss: bool = False
+  """Do not predict the token after an end of document (Megatron's
+  ``--eod-mask-loss``)."""
+  reset_position_ids: bool = False
+  """Add ``position_ids`` restarting after each end of document to the batches (a
+  user's model may read them; the tiny LM reads none and refuses it)."""
+  reset_attention_mask: bool = False
+  """Add ``segment_ids`` that change after each end of document to the batches (a
+  user's model may mask attention with them; the tiny LM refuses it)."""
+  tokenizer: Optional[str] = None
+  """A Hugging Face ``tokenizer.json`` (relative to the config file): ``mpscale
+  sample``/``eval`` decode with it, and ``model.vocab_size`` must hold its
+  vocabulary."""
+  tokenize: Optional[TokenizeConfig] = None
+  """Tokenize the text (``path``, or the embedded corpus) once into a cache and train
+  on the tokens, e.g. ``{vocab_size: 1024}``; ``null``: bytes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +202,10 @@ class PrecisionConfig:
   """The precision policy (`mpscale.get_policy`)."""
   policy: str = "O0"
   """A preset (``O0``..``O3``, ``bf16``), a dtype, or ``params=..,compute=..,output=..``."""
+  grad_reduce_dtype: Optional[str] = None
+  """``float32``: under a 16-bit compute dtype, sum the gradients across data replicas
+  and micro-batches in float32 (Megatron-LM's default; twice the bytes of a 16-bit
+  all-reduce); ``null``: where XLA places the sums (`mpscale.make_train_step`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +243,31 @@ class ClipConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpikesConfig:
+  """Skipping loss and gradient-norm spikes (`mpscale.skip_spikes`): a step whose
+  watched value exceeds the mean of the window by ``threshold`` standard deviations
+  changes nothing."""
+  window: int = 128
+  """Accepted steps the mean and standard deviation cover; >= 2."""
+  threshold: float = 6.0
+  """Standard deviations above the mean that make a spike."""
+  warmup: Optional[int] = None
+  """Accepted steps before the check starts; ``null``: half the window."""
+  watch: tuple[Literal["loss", "global_norm"], ...] = ("loss", "global_norm")
+  """What to watch: ``loss``, ``global_norm`` or both (a list)."""
+  reset_after: int = 16
+  """Spikes in a row after which the window starts over (the level has moved)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipConfig:
+  """Steps to skip beside the non-finite ones (which the loss-scale wrapper always
+  skips)."""
+  spikes: Optional[SpikesConfig] = None
+  """``null``: off; ``{}`` for the defaults (OLMo-core's: window 128, 6 sigma)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class CameConfig:
   """Options of `mpscale.came` (learning rate and weight decay are in `optimizer`)."""
   eps: tuple[float, float, float] = (1e-30, 1e-3, 1e-16)
@@ -208,6 +302,22 @@ class AdafactorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParamGroupConfig:
+  """One parameter group (`mpscale.ParamGroup`): the parameters whose key path
+  ``match`` finds, and their learning-rate multiplier and weight decay."""
+  match: str = ""
+  """A regular expression searched in each parameter's ``/``-joined key path (e.g.
+  ``blocks/ln1/scale``); a parameter belongs to the first group that matches it."""
+  lr_mult: float = 1.0
+  """Multiplies the learning rate (schedule included); 0 freezes the group."""
+  weight_decay: Optional[float] = None
+  """The group's weight decay, applied to all its parameters (``weight_decay_mask``
+  does not apply); ``null``: the default's, with its mask."""
+  name: Optional[str] = None
+  """Names the group in the logs (``lr/<name>``); default: ``match``."""
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   """The optimizer; only the sub-section named by ``name`` is used."""
   name: Literal["came", "adamw", "adafactor"] = "adamw"
@@ -219,6 +329,10 @@ class OptimizerConfig:
   """Decoupled weight decay (the start value with a weight-decay schedule)."""
   weight_decay_mask: Literal["matrices", "all"] = "matrices"
   """Decay only weight matrices (not biases, norms), or every parameter."""
+  groups: tuple[ParamGroupConfig, ...] = ()
+  """Parameter groups (`mpscale.param_groups`), e.g. ``[{match: "norm|bias",
+  weight_decay: 0}, {match: "embed", lr_mult: 0.1}]``; the parameters none matches
+  keep the settings above. A pattern that matches no parameter is an error."""
   came: CameConfig = dataclasses.field(default_factory=CameConfig)
   adamw: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
   adafactor: AdafactorConfig = dataclasses.field(default_factory=AdafactorConfig)
@@ -235,6 +349,18 @@ class ScheduleConfig:
   defaults to ``train.steps``); exclusive with ``warmup_steps``."""
   decay_steps: Optional[int] = None
   """Steps of warmup plus decay; ``null``: ``train.steps``."""
+  warmup_samples: Optional[int] = None
+  """Warm-up counted in samples (Megatron's ``lr_warmup_samples``): the learning
+  rate is then a function of the samples consumed (``consumed_samples``), as in
+  Megatron's sample-based training; exclusive with ``warmup_steps`` and
+  ``warmup_fraction``."""
+  decay_samples: Optional[int] = None
+  """Samples of warm-up plus decay (Megatron's ``lr_decay_samples``); ``null`` in a
+  sample-counted schedule: ``train.samples`` (else the run's samples, ``train.steps
+  x data.batch_size``); exclusive with ``decay_steps``. With ``train.samples``,
+  ``warmup_samples`` or ``decay_samples`` set the schedule counts samples, and
+  ``warmup_fraction`` is a share of ``decay_samples``; the weight-decay schedule
+  still counts steps (``train.steps``)."""
   min_lr: float = 0.0
   weight_decay_end: Optional[float] = None
   """``null``: constant weight decay; else decay from ``optimizer.weight_decay`` to this."""
@@ -283,7 +409,15 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """The training loop."""
-  steps: int = 300
+  steps: Optional[int] = 300
+  """Steps to train; derived from ``samples`` when that is set (then leave it out,
+  give the same count, or ``null``: a config file's count overridden by ``--set
+  train.steps=null --set train.samples=N``)."""
+  samples: Optional[int] = None
+  """Train on this many samples (rows of global batches; Megatron's
+  ``train_samples``): the run ends at the first step whose samples reach it, and
+  ``steps`` is that step count (`mpscale.trainer.samples.BatchSizes.steps_for`).
+  Megatron-LM instead drops a partial last batch and may stop short of it."""
   num_microbatches: int = 1
   """Gradient accumulation, or the pipeline's micro-batches when ``mesh.stage`` > 1."""
   per_token_loss: bool = True
@@ -310,6 +444,7 @@ class RunConfig:
   precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
   loss_scale: LossScaleConfig = dataclasses.field(default_factory=LossScaleConfig)
   clip: ClipConfig = dataclasses.field(default_factory=ClipConfig)
+  skip: SkipConfig = dataclasses.field(default_factory=SkipConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -370,7 +505,14 @@ def _describe(tp: Any) -> str:
     return " or ".join(_describe(a) for a in typing.get_args(tp))
   if origin is tuple:
     args = typing.get_args(tp)
-    return f"a list of {len(args)} {_describe(args[0])}s"
+    if len(args) == 2 and args[1] is Ellipsis:
+      item = _describe(args[0])
+      if item.startswith(("a ", "an ")):  # a list of mappings, of floats
+        return "a list of " + item.split(" ", 1)[1] + "s"
+      return f"a list, each {item}"
+    item = _describe(args[0])
+    item = item.split(" ", 1)[1] if item.startswith(("a ", "an ")) else item
+    return f"a list of {len(args)} {item}s"
   if tp is type(None):
     return "null"
   if dataclasses.is_dataclass(tp) or tp is dict:
@@ -411,6 +553,8 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if not isinstance(value, (list, tuple)):
       raise ConfigTypeError(f"{key}: expected {_describe(tp)}, got {value!r} "
                             f"({_type_name(value)})", (key,))
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
     if len(value) != len(args):
       raise ConfigError(f"{key}: expected {_describe(tp)}, got {len(value)} items",
                         (key,))
@@ -570,7 +714,30 @@ def _absolute_providers(cfg: RunConfig, base_dir: Optional[str]) -> RunConfig:
       metrics=_absolute_file(cfg.model.metrics, base_dir))
   data = dataclasses.replace(cfg.data,
                              provider=_absolute_file(cfg.data.provider, base_dir))
-  return dataclasses.replace(cfg, model=model, data=data)
+  return dataclasses.replace(cfg, model=model, data=_absolute_token_paths(data,
+                                                                          base_dir))
+
+
+def _absolute_path(path: Optional[str], base_dir: Optional[str]) -> Optional[str]:
+  """``path`` relative to ``base_dir`` (default: the working directory), absolute."""
+  if path is None or path == "":
+    return path
+  return os.path.abspath(os.path.join(base_dir or os.getcwd(),
+                                      os.path.expanduser(path)))
+
+
+def _absolute_token_paths(data: DataConfig, base_dir: Optional[str]) -> DataConfig:
+  """The token corpora's, tokenizer's and cache's paths made absolute (relative to
+  ``base_dir``), as the providers' are."""
+  tokenize = data.tokenize
+  if tokenize is not None:
+    tokenize = dataclasses.replace(
+        tokenize, cache_dir=_absolute_path(tokenize.cache_dir, base_dir))
+  return dataclasses.replace(
+      data, tokens=_absolute_path(data.tokens, base_dir),
+      tokenizer=_absolute_path(data.tokenizer, base_dir), tokenize=tokenize,
+      blend=tuple(dataclasses.replace(b, path=_absolute_path(b.path, base_dir))
+                  for b in data.blend))
 
 
 

@@ -519,7 +519,8 @@ class BlendedSamples:
 
 def blend(corpora: Sequence[Any], weights: Sequence[float], seq_len: int,
           num_samples: int, seed: int = 0, *, surplus: float = 0.005,
-          **options: Any) -> BlendedSamples:
+          documents: Optional[Sequence[Any]] = None, **options: Any
+          ) -> BlendedSamples:
   """A `BlendedSamples` of ``num_samples`` over `GPTSamples` of each corpus (a
   ``data.blend`` of corpora).
 
@@ -534,6 +535,8 @@ def blend(corpora: Sequence[Any], weights: Sequence[float], seq_len: int,
     num_samples: examples in the blend.
     seed: the seed of every corpus's shuffles.
     surplus: the share of extra samples built per corpus.
+    documents: the sequence numbers to use of each corpus (a train/validation
+      split), one array (or ``None``: all) per corpus; default all of each.
     **options: the other arguments of `GPTSamples` (``eod_mask_loss``,
       ``cache_dir``...), the same for every corpus.
 
@@ -548,6 +551,11 @@ def blend(corpora: Sequence[Any], weights: Sequence[float], seq_len: int,
   surplus = validation.non_negative_float("surplus", surplus)
   sizes = [int(math.ceil(math.ceil(num_samples * w) * (1 + surplus)))
            for w in normalized.tolist()]
-  samples = [GPTSamples(corpus, seq_len, seed, size, **options)
-             for corpus, size in zip(corpora, sizes)]
+  if documents is None:
+    documents = [None] * len(corpora)
+  elif isinstance(documents, (str, bytes)) or len(documents) != len(corpora):
+    raise validation.ArgumentError(("documents", "corpora"), "{0} must hold one array "
+                                   "of sequence numbers (or None) per corpus of {1}")
+  samples = [GPTSamples(corpus, seq_len, seed, size, documents=docs, **options)
+             for corpus, size, docs in zip(corpora, sizes, documents)]
   return BlendedSamples(samples, weights, num_samples)
