@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a ``stage`` mesh axis: GPipe (interleaved) and 1F1B.
+"""Pipeline parallelism over a ``stage`` mesh axis: GPipe and 1F1B, both interleaved.
 
 A pipelined model is three functions::
 
@@ -29,22 +29,26 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
            y = layers of chunk c (x); head(y) if s == S - 1 and c == v - 1
            send y to stage s + 1 (mod S)      # one ppermute per tick
 
-  1f1b:  for t, row in enumerate(schedule_table("1f1b", S, M)):
-           op, m = row[s]                     # F(m), B(m) or idle, PipeDream-flush
-           F(m): x = embed(m) if s == 0 else inbox_f[m % K]; saved[m % K] = x
-                 send stage(x) up             # the last stage sends nothing
-           B(m): dp, dx = vjp(stage [+ head if s == S - 1], saved[m % K],
-                              inbox_b[m % K]); grads += dp; send dx down
-         (S - 1 - s warm-up forwards, then one forward and one backward alternately,
-         then the remaining backwards; B recomputes the stage from its saved input,
-         so at most K <= S inputs per stage are alive: memory stays flat in M while
-         GPipe's grows with M.)
+  1f1b:  for t, row in enumerate(_schedule("1f1b", S, M, v)):
+           op, m, c = row[s]                  # F, B of chunk c of micro-batch m, or idle
+           k = slots[s, c, m]                 # its buffer slot (_slots)
+           F: x = embed(m) if (s, c) == (0, 0) else inbox_f[k]; saved[k] = x
+              send chunk c's layers (x) up    # the last virtual stage sends nothing
+           B: dp, dx = vjp(chunk c [+ head if last], saved[k], inbox_b[k])
+              grads += dp; send dx down       # and into embed after virtual stage 0
+         (Megatron's order, `_device_ops`: (S - 1 - s) * 2 + (v - 1) * S warm-up
+         forwards, S - 1 - s without virtual stages, then one forward and one backward
+         alternately, then the remaining backwards. B recomputes the chunk from its
+         saved input, so the inputs alive per device stay within the warm-up plus one,
+         at most (v + 1) S - 1 (S for v = 1) whatever M, while GPipe keeps v M.)
 
-The bubble fraction is (S - 1) / (v M + S - 1) (``v = 1`` for 1F1B). With ``v > 1``
-(Megatron's interleaved schedule, ``num_layers_per_virtual_pipeline_stage``) device
-``s`` holds chunks ``s, s + S, ...``; the layers are stored in model order, so the step
-permutes the stacked layers into that order (one all-to-all of the stage parameters,
-and of their gradients back) and ``M`` must be a multiple of ``S``. Bubble ticks never
+The bubble fraction is (S - 1) / (v M + S - 1) for both. With ``v > 1`` (Megatron's
+interleaved schedule, ``num_layers_per_virtual_pipeline_stage``) device ``s`` holds
+chunks ``s, s + S, ...``, virtual stages ``c S + s``, and activations go round the
+ring: device ``S - 1``'s chunk ``c`` feeds device 0's chunk ``c + 1``. The layers are
+stored in model order, so the step permutes the stacked layers into that order (one
+all-to-all of the stage parameters, and of their gradients back) and ``M`` must be a
+multiple of ``S``. Bubble ticks never
 compute on their garbage: a stage's input on a bubble tick is replaced by zeros before
 use (GPipe) or the tick runs no op at all (1F1B), so nothing from a bubble reaches a
 gradient. Replicated values are cast to device-varying before the loop, so the only
@@ -58,11 +62,11 @@ The code reads the same way::
       loss, count, grads = _gpipe(run, params) or _one_f_one_b(run, params)
       grads: reduce-scattered (scatter_split), summed where invariant (_sum_invariant)
   gpipe: jax.grad of objective, a lax.scan of tick(carry, t) over v * M + S - 1
-  1f1b:  lax.scan(run.tick, carry, schedule_table("1f1b", S, M)), carry holding
-         saved, inbox_f, inbox_b (K = _live_slots(table) slots each) and the sums
-         F(m) = run.forward (run.embed, run.stage_layers)
-         B(m) = run.backward (vjp of run.stage_and_head on the last stage, else of
-                run.stage_layers; then of run.embed on the first)
+  1f1b:  lax.scan(run.tick, carry, _schedule("1f1b", S, M, v)), carry holding
+         saved, inbox_f, inbox_b (K slots each, _slots) and the sums
+         F(m, c) = run.forward (run.embed, run.stage_layers of chunk c)
+         B(m, c) = run.backward (vjp of run.stage_and_head on the last virtual stage,
+                   else of run.stage_layers; then of run.embed on the first)
 
 References:
   Huang et al., "GPipe", NeurIPS 2019. https://arxiv.org/abs/1811.06965
@@ -105,63 +109,103 @@ def schedule_table(schedule: str, num_stages: int, num_microbatches: int,
   ``table[t, s] = (op, m)`` with ``op`` one of ``IDLE``, ``FWD``, ``BWD`` and ``m`` the
   micro-batch. Built by running every stage's op list in lock step: an op starts when its
   input arrived at an earlier tick (``ppermute`` takes one tick). With
-  ``virtual_stages=v`` (GPipe only) a tick runs one of a device's ``v`` layer chunks:
-  the forward takes ``v M + S - 1`` ticks, and the backward mirrors it.
+  ``virtual_stages=v`` a tick runs one of a device's ``v`` layer chunks
+  (`schedule_chunks` says which): GPipe's forward takes ``v M + S - 1`` ticks and its
+  backward mirrors it; interleaved 1F1B runs Megatron's order (`_device_ops`).
   """
+  return _schedule(schedule, num_stages, num_microbatches, virtual_stages)[..., :2]
+
+
+def schedule_chunks(schedule: str, num_stages: int, num_microbatches: int,
+                    virtual_stages: int = 1) -> np.ndarray:
+  """The layer chunk of each op of `schedule_table`, ``[ticks, stages]`` (0 for an
+  idle tick, and always 0 without virtual stages): stage ``s``'s chunk ``c`` is
+  virtual stage ``c S + s``."""
+  return _schedule(schedule, num_stages, num_microbatches, virtual_stages)[..., 2]
+
+
+def _device_ops(schedule: str, S: int, M: int, v: int, s: int
+               ) -> list[tuple[int, int, int]]:
+  """Device ``s``'s ops in order, ``(op, m, chunk)``.
+
+  1F1B (Megatron-LM's ``forward_backward_pipelining_with_interleaving`` order; with
+  ``v = 1`` PipeDream-flush): forward item ``k`` is chunk ``k % (S v) // S`` of
+  micro-batch ``k // (S v) * S + k % S``, backward item ``k`` the same micro-batch in
+  the reverse chunk ``v - 1 - k % (S v) // S``. ``(S - 1 - s) * 2 + (v - 1) * S``
+  warm-up forwards (``S - 1 - s`` without virtual stages), then one forward and one
+  backward alternately, then the remaining backwards.
+  """
+  total = v * M
+
+  def item(k, backward):
+    chunk = k % (S * v) // S
+    return k // (S * v) * S + k % S, (v - 1 - chunk) if backward else chunk
+
+  if schedule == "gpipe":
+    fwd = [(FWD, *item(k, False)) for k in range(total)]
+    return fwd + [(BWD, m, c) for _, m, c in reversed(fwd)]
+  warmup = min((S - 1 - s) * 2 + (v - 1) * S if v > 1 else S - 1 - s, total)
+  ops = [(FWD, *item(k, False)) for k in range(warmup)]
+  f, b = warmup, 0
+  while f < total:
+    ops += [(FWD, *item(f, False)), (BWD, *item(b, True))]
+    f, b = f + 1, b + 1
+  return ops + [(BWD, *item(k, True)) for k in range(b, total)]
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(schedule: str, num_stages: int, num_microbatches: int,
+              virtual_stages: int = 1) -> np.ndarray:
+  """`schedule_table` with each op's chunk: ``[ticks, stages, 3]`` of ``(op, m,
+  chunk)`` (read-only; cached)."""
   validation.one_of("schedule", schedule, SCHEDULES)
   S, M, v = num_stages, num_microbatches, virtual_stages
-  if v > 1:
-    if schedule != "gpipe":
-      raise ValueError("virtual_stages > 1 needs the gpipe schedule")
+  if v > 1 and M % S:
+    raise ValueError(f"virtual_stages={v} needs num_microbatches ({M}) divisible by "
+                     f"the {S} stages")
+  if schedule == "gpipe" and v > 1:
+    # Every stage forwards its items back to back (each waits for the stage before);
+    # the backward mirrors the forward.
     forward = []
     for t in range(v * M + S - 1):
       row = []
       for s in range(S):
-        item = t - s
-        within = item % (S * v)
-        m = item // (S * v) * S + within % S
-        row.append((FWD, m) if 0 <= item < v * M else (IDLE, 0))
+        k = t - s
+        chunk = k % (S * v) // S
+        m = k // (S * v) * S + k % S
+        row.append((FWD, m, chunk) if 0 <= k < v * M else (IDLE, 0, 0))
       forward.append(row)
-    backward = [[(BWD, m) if op == FWD else (IDLE, 0) for op, m in row]
+    backward = [[(BWD, m, c) if op == FWD else (IDLE, 0, 0) for op, m, c in row]
                 for row in forward[::-1]]
-    return np.asarray(forward + backward, np.int32)
-  order = []
-  for s in range(S):
-    if schedule == "gpipe":
-      ops = [(FWD, m) for m in range(M)] + [(BWD, m) for m in reversed(range(M))]
-    else:
-      warmup = min(S - 1 - s, M)
-      ops = [(FWD, m) for m in range(warmup)]
-      f, b = warmup, 0
-      while f < M:
-        ops += [(FWD, f), (BWD, b)]
-        f, b = f + 1, b + 1
-      ops += [(BWD, m) for m in range(b, M)]
-    order.append(ops)
-  done: dict[tuple[int, int, int], int] = {}
+    table = np.asarray(forward + backward, np.int32)
+    table.flags.writeable = False
+    return table
+  order = [_device_ops(schedule, S, M, v, s) for s in range(S)]
+  last = S * v - 1
+  done: dict[tuple[int, int, int], int] = {}   # (op, virtual stage, m) -> tick
   pos, rows, t = [0] * S, [], 0
-  while any(p < 2 * M for p in pos):
+  while any(p < 2 * v * M for p in pos):
     row = []
     for s in range(S):
-      if pos[s] == 2 * M:
-        row.append((IDLE, 0))
+      if pos[s] == 2 * v * M:
+        row.append((IDLE, 0, 0))
         continue
-      op, m = order[s][pos[s]]
-      dep = (FWD, s - 1, m) if op == FWD else (BWD, s + 1, m)
-      edge = s == 0 if op == FWD else s == S - 1
-      if op == BWD and edge:
-        dep = (FWD, s, m)
-      if edge and op == FWD or done.get(dep, t) < t:
-        row.append((op, m))
+      op, m, c = order[s][pos[s]]
+      vs = c * S + s
+      if op == FWD:
+        ready = vs == 0 or done.get((FWD, vs - 1, m), t) < t
       else:
-        row.append((IDLE, 0))
-    for s, (op, m) in enumerate(row):
+        ready = done.get((BWD, vs + 1, m) if vs < last else (FWD, vs, m), t) < t
+      row.append((op, m, c) if ready else (IDLE, 0, 0))
+    for s, (op, m, c) in enumerate(row):
       if op != IDLE:
-        done[(op, s, m)] = t
+        done[(op, c * S + s, m)] = t
         pos[s] += 1
     rows.append(row)
     t += 1
-  return np.asarray(rows, np.int32)
+  table = np.asarray(rows, np.int32)
+  table.flags.writeable = False
+  return table
 
 
 def bubble_fraction(table: np.ndarray) -> float:
@@ -223,8 +267,11 @@ class Pipeline:
     stage_axis: the mesh axis the stages are split over.
     stages_key: the key of ``params`` holding the stacked layers.
     virtual_stages: layer chunks per device (``v``, Megatron's interleaved schedule,
-      GPipe only): device ``s`` runs chunks ``s, s + S, ...``, shrinking the bubble to
-      ``(S - 1) / (v M + S - 1)``; ``M`` must be a multiple of ``S``.
+      ``num_layers_per_virtual_pipeline_stage``): device ``s`` runs chunks ``s, s +
+      S, ...``, shrinking the bubble to ``(S - 1) / (v M + S - 1)``; ``M`` must be a
+      multiple of ``S``. Interleaved GPipe keeps ``v M`` stage inputs alive per device;
+      interleaved 1F1B at most ``(v + 1) S - 1`` whatever ``M`` (Megatron's warm-up,
+      ``2 (S - 1) + (v - 1) S`` forwards, plus one).
   """
   embed_fn: Callable
   stage_fn: Callable
@@ -243,11 +290,6 @@ class Pipeline:
     validation.positive_int("virtual_stages", self.virtual_stages)
     validation.one_of("schedule", self.schedule, SCHEDULES)
     validation.boolean("remat", self.remat)
-    if self.virtual_stages > 1 and self.schedule != "gpipe":
-      raise validation.ArgumentError(
-          ("virtual_stages", "schedule"),
-          f"{{0}}={self.virtual_stages} needs {{1}}='gpipe' (interleaved 1F1B is not "
-          f"implemented); got {self.schedule!r}")
 
   # ---- the unpipelined model (reference, and the single-stage path)
   def _layers(self, layer_params: Any, x: jax.Array,
@@ -570,51 +612,74 @@ class _PipelineRun:
     return self.pipeline.embed_fn(self.cast(p), self.micro_batch(m),
                                   **embed_kw).astype(dtype)
 
-  def stage_layers(self, m: jax.Array, p: Any, x: jax.Array) -> jax.Array:
-    """``stage(x)``: this device's layers on micro-batch ``m``'s activations."""
-    _, layer_keys, _ = self.micro_keys(m, self.layer_ids())
-    return self.pipeline._layers(  # pylint: disable=protected-access
-        self.cast(p)[self.pipeline.stages_key], x, layer_keys)
+  def chunk_of(self, tree: Any, chunk: Any) -> Any:
+    """Chunk ``chunk`` (traced) of this device's stacked layers (or layer ids): the
+    ``v`` chunks are contiguous blocks (`_interleave_order`)."""
+    v = self.pipeline.virtual_stages
+    if v == 1:
+      return tree
+    return jax.tree_util.tree_map(lambda x: lax.dynamic_index_in_dim(
+        x.reshape((v, x.shape[0] // v) + x.shape[1:]), chunk, keepdims=False), tree)
 
-  def stage_and_head(self, m: jax.Array, p: Any, x: jax.Array
+  def stage_layers(self, m: jax.Array, p: Any, x: jax.Array, chunk: Any = 0
+                  ) -> jax.Array:
+    """``stage(x)``: this device's layers (of chunk ``chunk``) on micro-batch ``m``'s
+    activations."""
+    ids = self.layer_ids()
+    _, layer_keys, _ = self.micro_keys(m, None if ids is None
+                                       else self.chunk_of(ids, chunk))
+    return self.pipeline._layers(  # pylint: disable=protected-access
+        self.chunk_of(self.cast(p)[self.pipeline.stages_key], chunk), x, layer_keys)
+
+  def stage_and_head(self, m: jax.Array, p: Any, x: jax.Array, chunk: Any = 0
                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """The last stage's layers, then ``head_fn``: ``(scale * loss, (loss, count))``."""
-    y = self.stage_layers(m, p, x)
+    """The last stage's layers (its last chunk), then ``head_fn``: ``(scale * loss,
+    (loss, count))``."""
+    y = self.stage_layers(m, p, x, chunk)
     _, _, head_kw = self.micro_keys(m, self.layer_ids())
     loss, count = self.head_terms(self.cast(p), y, self.micro_batch(m), **head_kw)
     return self.scale * loss, (loss, count)
 
-  def forward(self, p: Any, x_in: jax.Array, m: jax.Array
+  def first(self, chunk: Any) -> jax.Array:
+    """Whether this device's chunk ``chunk`` is virtual stage 0 (after the embedding)."""
+    return (self.stage() == 0) & (chunk == 0)
+
+  def last(self, chunk: Any) -> jax.Array:
+    """Whether this device's chunk ``chunk`` is the last virtual stage (the head's)."""
+    return ((self.stage() == self.S - 1)
+            & (chunk == self.pipeline.virtual_stages - 1))
+
+  def forward(self, p: Any, x_in: jax.Array, m: jax.Array, chunk: Any = 0
              ) -> tuple[jax.Array, jax.Array]:
-    """``F(m)``: ``(x, y)``, the stage's input (to save) and its output (to send up;
-    the last stage's goes nowhere, its layers run in `backward`)."""
-    stage = self.stage()
-    x = lax.cond(stage == 0, functools.partial(self.embed, m, x_in.dtype, p),
+    """``F(m)`` of chunk ``chunk``: ``(x, y)``, the chunk's input (to save) and its
+    output (to send up; the last virtual stage's goes nowhere, its layers run in
+    `backward`)."""
+    x = lax.cond(self.first(chunk), functools.partial(self.embed, m, x_in.dtype, p),
                  lambda: x_in)
-    y = lax.cond(stage == self.S - 1, lambda: x,
-                 functools.partial(self.stage_layers, m, p, x))
+    y = lax.cond(self.last(chunk), lambda: x,
+                 functools.partial(self.stage_layers, m, p, x, chunk))
     return x, y
 
-  def backward(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array
-              ) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
-    """``B(m)``: ``(dp, dx, loss, count)`` through the stage recomputed from its saved
-    input ``x`` (and the head on the last stage, the embedding on the first)."""
-    stage = self.stage()
+  def backward(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array,
+               chunk: Any = 0) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    """``B(m)`` of chunk ``chunk``: ``(dp, dx, loss, count)`` through the chunk
+    recomputed from its saved input ``x`` (and the head after the last virtual stage,
+    the embedding before the first)."""
     dp, dx, loss, count = lax.cond(
-        stage == self.S - 1, functools.partial(self._through_head, p, x, m),
-        functools.partial(self._through_stage, p, x, ct, m))
-    dp = lax.cond(stage == 0, functools.partial(self._into_embed, p, dp, dx, m),
-                  lambda: dp)
+        self.last(chunk), functools.partial(self._through_head, p, x, m, chunk),
+        functools.partial(self._through_stage, p, x, ct, m, chunk))
+    dp = lax.cond(self.first(chunk),
+                  functools.partial(self._into_embed, p, dp, dx, m), lambda: dp)
     return dp, dx, loss, count
 
-  def _through_head(self, p, x, m):
-    _, vjp, (loss, count) = jax.vjp(functools.partial(self.stage_and_head, m), p, x,
-                                    has_aux=True)
+  def _through_head(self, p, x, m, chunk):
+    _, vjp, (loss, count) = jax.vjp(
+        lambda p, x: self.stage_and_head(m, p, x, chunk), p, x, has_aux=True)
     dp, dx = vjp(self.vary(jnp.ones((), jnp.float32)))
     return dp, dx, loss, count
 
-  def _through_stage(self, p, x, ct, m):
-    _, vjp = jax.vjp(functools.partial(self.stage_layers, m), p, x)
+  def _through_stage(self, p, x, ct, m, chunk):
+    _, vjp = jax.vjp(lambda p, x: self.stage_layers(m, p, x, chunk), p, x)
     dp, dx = vjp(ct)
     return dp, dx, self.zero(), self.zero()
 
@@ -627,37 +692,45 @@ class _PipelineRun:
     return self.vary(jax.tree_util.tree_map(
         lambda x: jnp.zeros(x.shape, jnp.float32), params))
 
-  def tick(self, params: Any, K: int, carry: tuple, row: jax.Array
+  def tick(self, params: Any, slots: jax.Array, carry: tuple, row: jax.Array
           ) -> tuple[tuple, None]:
-    """One tick of the 1F1B table: this stage's op of ``row``, then the sends.
+    """One tick of the 1F1B table: this stage's op of ``row`` (``[S, 3]`` of ``(op,
+    m, chunk)``, `_schedule`), then the sends.
 
     ``carry`` is ``(saved, inbox_f, inbox_b, grads, loss, count)``: ``K`` slots of
-    saved stage inputs, of activations received from below and of cotangents from
-    above (micro-batch ``m`` in slot ``m % K``), and the sums so far.
+    saved chunk inputs, of activations received from below and of cotangents from
+    above, and the sums so far. Item ``(m, chunk)`` of stage ``s`` keeps slot
+    ``slots[s, chunk, m]`` from its input's arrival to its backward (`_slots`).
     """
     saved, inbox_f, inbox_b, grads, loss, count = carry
-    S, stage = self.S, self.stage()
-    op, m = row[stage, 0], row[stage, 1]
-    slot = m % K
+    S, v, stage = self.S, self.pipeline.virtual_stages, self.stage()
+    op, m, chunk = row[stage, 0], row[stage, 1], row[stage, 2]
+    slot = slots[stage, chunk, m]
     x, y, dx, dp, l, c = lax.switch(op, (
         functools.partial(self._op_idle, params, inbox_f[slot]),
-        functools.partial(self._op_forward, params, inbox_f[slot], m),
-        functools.partial(self._op_backward, params, saved, inbox_b, slot, m)))
+        functools.partial(self._op_forward, params, inbox_f[slot], m, chunk),
+        functools.partial(self._op_backward, params, saved, inbox_b, slot, m, chunk)))
     saved = saved.at[slot].set(jnp.where(op == FWD, x, saved[slot]))
     grads = jax.tree_util.tree_map(jnp.add, grads, dp)
-    if S > 1:
+    if S > 1 or v > 1:
+      # Up the ring (device S - 1's chunk c feeds device 0's chunk c + 1) and down.
+      pairs = range(S) if v > 1 else range(S - 1)
       from_prev = lax.ppermute(y, self.pipeline.stage_axis,
-                               [(i, i + 1) for i in range(S - 1)])
+                               [(i, (i + 1) % S) for i in pairs])
       from_next = lax.ppermute(dx, self.pipeline.stage_axis,
-                               [(i + 1, i) for i in range(S - 1)])
-      prev_op, prev_m = row[jnp.maximum(stage - 1, 0)]
-      next_op, next_m = row[jnp.minimum(stage + 1, S - 1)]
-      got_f = (stage > 0) & (prev_op == FWD)
-      got_b = (stage < S - 1) & (next_op == BWD)
-      inbox_f = inbox_f.at[prev_m % K].set(
-          jnp.where(got_f, from_prev, inbox_f[prev_m % K]))
-      inbox_b = inbox_b.at[next_m % K].set(
-          jnp.where(got_b, from_next, inbox_b[next_m % K]))
+                               [((i + 1) % S, i) for i in pairs])
+      prev, next_ = (stage - 1) % S, (stage + 1) % S
+      prev_op, prev_m, prev_c = row[prev, 0], row[prev, 1], row[prev, 2]
+      next_op, next_m, next_c = row[next_, 0], row[next_, 1], row[next_, 2]
+      got_f = (prev_op == FWD) & ~((prev == S - 1) & (prev_c == v - 1))
+      got_b = (next_op == BWD) & ~((next_ == 0) & (next_c == 0))
+      if v == 1:  # no ring: the ends receive nothing
+        got_f, got_b = got_f & (stage > 0), got_b & (stage < S - 1)
+      f_chunk = jnp.minimum(prev_c + (stage == 0), v - 1)
+      b_chunk = jnp.maximum(next_c - (stage == S - 1), 0)
+      f_slot, b_slot = slots[stage, f_chunk, prev_m], slots[stage, b_chunk, next_m]
+      inbox_f = inbox_f.at[f_slot].set(jnp.where(got_f, from_prev, inbox_f[f_slot]))
+      inbox_b = inbox_b.at[b_slot].set(jnp.where(got_b, from_next, inbox_b[b_slot]))
     return (saved, inbox_f, inbox_b, grads, loss + l, count + c), None
 
   # Each op gives (x to save, y to send up, dx to send down, dp, loss, count).
@@ -665,12 +738,12 @@ class _PipelineRun:
     z = jnp.zeros_like(x_in)
     return z, z, z, self.zero_grads(params), self.zero(), self.zero()
 
-  def _op_forward(self, params, x_in, m):
-    x, y = self.forward(params, x_in, m)
+  def _op_forward(self, params, x_in, m, chunk):
+    x, y = self.forward(params, x_in, m, chunk)
     return x, y, jnp.zeros_like(y), self.zero_grads(params), self.zero(), self.zero()
 
-  def _op_backward(self, params, saved, inbox_b, slot, m):
-    dp, dx, l, c = self.backward(params, saved[slot], inbox_b[slot], m)
+  def _op_backward(self, params, saved, inbox_b, slot, m, chunk):
+    dp, dx, l, c = self.backward(params, saved[slot], inbox_b[slot], m, chunk)
     dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
     return (saved[slot], jnp.zeros_like(dx), dx.astype(saved.dtype), dp, l, c)
 
@@ -736,14 +809,57 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   return loss, count, grads
 
 
+def _slots(table: np.ndarray, v: int, M: int) -> tuple[np.ndarray, int]:
+  """Buffer slots for a 1F1B ``table`` (``[ticks, S, 3]``, `_schedule`): item ``(m,
+  chunk)`` of stage ``s`` holds one slot of each buffer (received input, saved input,
+  received cotangent) from the tick its input arrives (the tick the stage below
+  forwarded it, or its own forward after the embedding) until its backward; a slot
+  freed by a backward is taken again from that tick on (the tick reads before it
+  writes). Returns ``(slots [S, v, M], K)``, ``K`` the slots a stage needs: at most
+  the items alive at once (`_live_slots`) plus one."""
+  S = table.shape[1]
+  fwd_tick, bwd_tick = {}, {}
+  for t, row in enumerate(table):
+    for s, (op, m, c) in enumerate(row):
+      if op == FWD:
+        fwd_tick[(s, c, m)] = t
+      elif op == BWD:
+        bwd_tick[(s, c, m)] = t
+  slots = np.zeros((S, v, M), np.int32)
+  most = 1
+  for s in range(S):
+    items = []
+    for c in range(v):
+      for m in range(M):
+        vs = c * S + s
+        arrive = (fwd_tick[(s, c, m)] if vs == 0
+                  else fwd_tick[((s - 1) % S, c - (s == 0), m)])
+        items.append((arrive, bwd_tick[(s, c, m)], c, m))
+    free, busy = [], []   # busy: (end tick, slot)
+    for arrive, end, c, m in sorted(items):
+      busy.sort()
+      while busy and busy[0][0] <= arrive:
+        free.append(busy.pop(0)[1])
+      slot = min(free) if free else len(busy)
+      if free:
+        free.remove(slot)
+      slots[s, c, m] = slot
+      busy.append((end, slot))
+      most = max(most, len(busy))
+  return slots, most
+
+
 def _one_f_one_b(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
-  """1F1B from `schedule_table`: each tick one forward, one backward or nothing
-  (`_PipelineRun.tick`). Returns ``(loss sum, count sum, grads)`` of this device."""
-  table = schedule_table("1f1b", run.S, run.M)
-  K = _live_slots(table)
+  """1F1B, interleaved over ``virtual_stages`` chunks, from its table (`_schedule`):
+  each tick one forward, one backward or nothing (`_PipelineRun.tick`). Returns
+  ``(loss sum, count sum, grads)`` of this device."""
+  v = run.pipeline.virtual_stages
+  table = _schedule("1f1b", run.S, run.M, v)
+  slots, K = _slots(table, v, run.M)
   x_shape = run.embed_shape(params)
   buf = run.vary(jnp.full((K,) + x_shape.shape, _BUBBLE_FILL, x_shape.dtype))
   carry = (buf, buf, buf, run.zero_grads(params), run.zero(), run.zero())
   (_, _, _, grads, loss, count), _ = lax.scan(
-      functools.partial(run.tick, params, K), carry, jnp.asarray(table))
+      functools.partial(run.tick, params, jnp.asarray(slots)), carry,
+      jnp.asarray(table))
   return loss, count, grads

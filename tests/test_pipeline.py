@@ -12,6 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
 from tests import helpers
+from mpscale import opt_state as opt_state_lib
 from mpscale import pipeline as pl
 
 LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
@@ -34,12 +35,12 @@ def mean_head_fn(p, x, b):
   return jnp.mean((x @ p["head"] - b["y"]) ** 2)
 
 
-def make_params(seed=0):
+def make_params(seed=0, layers=LAYERS):
   rng = np.random.default_rng(seed)
   f32 = lambda *s, scale=1.0: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)
   return {"embed": f32(FEATURES, WIDTH, scale=0.5),
-          "stages": {"w": f32(LAYERS, WIDTH, WIDTH, scale=0.4),
-                     "b": f32(LAYERS, WIDTH, scale=0.1)},
+          "stages": {"w": f32(layers, WIDTH, WIDTH, scale=0.4),
+                     "b": f32(layers, WIDTH, scale=0.1)},
           "head": f32(WIDTH, 2)}
 
 
@@ -256,9 +257,10 @@ def test_no_all_reduce_inside_the_pipeline_loop(schedule):
   assert "all-reduce" in hlo  # the gradient sums do happen, after the loop
 
 
-def _temp_bytes_and_size(schedule, micro):
+def _temp_bytes_and_size(schedule, micro, virtual=1):
   batch = make_batch(size=4 * micro)  # fixed micro-batch size, growing M
-  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule,
+                      virtual_stages=virtual)
   mesh = mesh_of(1, 4)
   compiled = jax.jit(lambda p, b: model.value_and_grad(
       p, b, mesh=mesh, per_token_loss=True)).lower(make_params(), batch).compile()
@@ -271,33 +273,59 @@ def test_1f1b_memory_stays_flat_while_gpipe_grows():
   assert gpipe[1][0] > 1.6 * gpipe[0][0]
   assert ofob[1][0] < 1.1 * ofob[0][0]
   assert ofob[1][0] < gpipe[1][0]
+  # Interleaved (v = 2): 1F1B's buffers stop at (v + 1) S - 1 = 11 inputs.
+  interleaved = [_temp_bytes_and_size("1f1b", m, virtual=2) for m in (8, 32)]
+  assert interleaved[1][0] < 1.1 * interleaved[0][0]
+  assert interleaved[1][0] < _temp_bytes_and_size("gpipe", 32, virtual=2)[0]
   # A scan, not an unrolled loop: the program does not grow with M.
   for (_, small), (_, large) in (gpipe, ofob):
     assert large < 1.05 * small
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages, micro", [(1, 1), (2, 3), (4, 8), (4, 1), (3, 7)])
-def test_schedule_table_is_a_valid_pipeline(schedule, stages, micro):
-  table = pl.schedule_table(schedule, stages, micro)
+@pytest.mark.parametrize("stages, micro, virtual", [
+    (1, 1, 1), (2, 3, 1), (4, 8, 1), (4, 1, 1), (3, 7, 1),
+    (2, 2, 2), (2, 4, 4), (2, 8, 2), (4, 4, 2), (4, 16, 2), (4, 8, 4), (3, 6, 3)])
+def test_schedule_table_is_a_valid_pipeline(schedule, stages, micro, virtual):
+  """Every virtual stage c S + s runs F and B of every micro-batch once, after its
+  inputs (the virtual stage below, the one above), one tick per hop; the bubble is
+  Megatron's; the inputs alive per device stay within the schedule's bound."""
+  S, M, v = stages, micro, virtual
+  table = pl.schedule_table(schedule, S, M, v)
+  chunks = pl.schedule_chunks(schedule, S, M, v)
   when = {}
   for t, row in enumerate(table):
     for s, (op, m) in enumerate(row):
       if op != pl.IDLE:
-        assert (op, s, m) not in when
-        when[(op, s, m)] = t
-  assert len(when) == 2 * stages * micro
-  for (op, s, m), t in when.items():
-    if op == pl.FWD and s > 0:
-      assert when[(pl.FWD, s - 1, m)] < t
+        key = (op, chunks[t, s] * S + s, m)
+        assert key not in when
+        when[key] = t
+  assert len(when) == 2 * S * v * M
+  last = S * v - 1
+  for (op, vs, m), t in when.items():
+    if op == pl.FWD and vs > 0:
+      assert when[(pl.FWD, vs - 1, m)] < t
     if op == pl.BWD:
-      assert when[(pl.FWD, s, m)] < t
-      if s < stages - 1:
-        assert when[(pl.BWD, s + 1, m)] < t
-  S, M = stages, micro
-  assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (M + S - 1))
+      assert when[(pl.FWD, vs, m)] < t
+      if vs < last:
+        assert when[(pl.BWD, vs + 1, m)] < t
+  assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
   live = pl._live_slots(table)
-  assert live <= (min(S, M) if schedule == "1f1b" else M)
+  if schedule == "gpipe":
+    assert live == v * M
+  else:  # Megatron's warm-up plus one, whatever M
+    assert live <= (min(S, M) if v == 1 else (v + 1) * S - 1)
+
+
+def test_interleaved_1f1b_keeps_its_inputs_bounded_as_m_grows():
+  """From the tables: interleaved 1F1B's inputs alive stop growing at (v + 1) S - 1
+  while interleaved GPipe's grow as v M."""
+  for S, v in ((2, 2), (4, 2), (4, 4)):
+    bound = (v + 1) * S - 1
+    lives = [pl._live_slots(pl.schedule_table("1f1b", S, M, v))
+             for M in (S, 2 * S, 4 * S, 8 * S)]
+    assert max(lives) <= bound and lives[-1] == lives[-2]
+    assert pl._live_slots(pl.schedule_table("gpipe", S, 8 * S, v)) == 8 * S * v
 
 
 def test_clear_errors():
@@ -373,6 +401,57 @@ def test_interleaved_stages_equal_unpipelined(virtual, micro):
   assert_close(grads, want_grads)
 
 
+INTERLEAVED_1F1B = [(S, v, k * S) for S in (2, 4) for v in (2, 4) for k in (1, 2, 4)]
+"""Stages x virtual stages x micro-batches (S, 2S, 4S); 16 layers hold 4 x 4."""
+
+
+@pytest.mark.parametrize("stages, virtual, micro", [
+    pytest.param(*case, marks=[] if case in ((2, 2, 4), (4, 2, 4), (4, 4, 8))
+                 else [pytest.mark.slow]) for case in INTERLEAVED_1F1B])
+def test_interleaved_1f1b_equals_unpipelined(stages, virtual, micro):
+  params, batch = make_params(layers=16), make_batch()
+  want_loss, want_grads = reference(params, batch)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule="1f1b",
+                      virtual_stages=virtual)
+  grads, loss, tokens = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(8 // stages, stages), per_token_loss=True))(params, batch)
+  assert float(tokens) == float(batch["mask"].sum())
+  assert_close(loss, want_loss)
+  assert_close(grads, want_grads)
+
+
+@pytest.mark.parametrize("virtual", [2, 4])
+def test_interleaved_1f1b_trains_as_the_plain_step_and_skips_a_poisoned_batch(
+    virtual):
+  """Five steps equal the unpipelined step's (params, optimizer state, metrics); a
+  batch with a NaN in one micro-batch is skipped everywhere: no parameter or state
+  moves on any stage."""
+  params, batch = make_params(layers=16), make_batch()
+  tx = _optimizer(4 * virtual)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule="1f1b",
+                      virtual_stages=virtual)
+  init, step = mpscale.make_train_step(model, tx, mesh=mesh_of(2, 2),
+                                       per_token_loss=True)
+  ref_init, ref_step = mpscale.make_train_step(model.apply, tx, per_token_loss=True)
+  state, ref_state = init(params), ref_init(params)
+  for _ in range(5):
+    state, metrics = step(state, batch)
+    ref_state, ref_metrics = ref_step(ref_state, batch)
+  assert_close(state.params, ref_state.params)
+  assert_close(state.opt_state, ref_state.opt_state)
+  for key in ("loss", "num_tokens", "global_norm", "loss_scale"):
+    assert_close(metrics[key], ref_metrics[key])
+  poisoned = dict(batch, x=batch["x"].at[BATCH // 2 + 3].set(jnp.nan))
+  before = jax.device_get(state)
+  state, metrics = step(state, poisoned)
+  assert bool(metrics["overflow"]) and int(metrics["skipped"]) == 1
+  chex.assert_trees_all_equal(jax.device_get(state.params), before.params)
+  chex.assert_trees_all_equal(
+      opt_state_lib.find(jax.device_get(state.opt_state),
+                             optax.ScaleByAdamState),
+      opt_state_lib.find(before.opt_state, optax.ScaleByAdamState))
+
+
 @pytest.mark.parametrize("stages, virtual, micro", [(4, 2, 4), (2, 4, 6), (4, 1, 8),
                                                     (3, 3, 3)])
 def test_interleaved_bubble_is_megatrons(stages, virtual, micro):
@@ -389,8 +468,6 @@ def test_interleaved_bubble_is_megatrons(stages, virtual, micro):
 
 def test_interleaved_clear_errors():
   params, batch = make_params(), make_batch()
-  with pytest.raises(ValueError, match="needs schedule='gpipe'"):
-    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule="1f1b", virtual_stages=2)
   with pytest.raises(ValueError, match="virtual_stages must be"):
     pl.Pipeline(embed_fn, stage_fn, head_fn, 4, virtual_stages=0)
   with pytest.raises(ValueError, match="num_microbatches .6. divisible by the 4"):

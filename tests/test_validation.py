@@ -119,9 +119,6 @@ def test_renaming_rewrites_the_names_only_never_the_text():
                                  decay_steps=10), ("warmup_steps", "warmup_fraction")),
     (lambda: mpscale.weight_decay_schedule(0.1, 0.2, 10, style="constant"),
      ("style", "start", "end")),
-    (lambda: mpscale.Pipeline(lambda p, b: b, lambda p, x: x, lambda p, x, b: 0.0, 2,
-                              schedule="1f1b", virtual_stages=2),
-     ("virtual_stages", "schedule")),
 ])
 def test_constructors_name_every_argument_a_rule_spans(build, names):
   with pytest.raises(mpscale.ArgumentError) as err:

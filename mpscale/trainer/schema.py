@@ -383,12 +383,16 @@ class MeshConfig:
   (Megatron's column- and row-parallel layers); must divide ``model.num_heads``,
   ``model.d_ff`` and ``model.vocab_size``."""
   virtual_stages: int = 1
-  """Layer chunks per pipeline stage (interleaved schedule, gpipe only): a smaller
-  bubble, ``(stage - 1) / (virtual_stages x num_microbatches + stage - 1)``."""
+  """Layer chunks per pipeline stage (Megatron's interleaved schedule, with either
+  ``pipeline_schedule``): a smaller bubble, ``(stage - 1) / (virtual_stages x
+  num_microbatches + stage - 1)``. Interleaved 1F1B keeps at most ``(virtual_stages +
+  1) x stage - 1`` chunk inputs alive per device whatever ``num_microbatches``;
+  interleaved GPipe keeps ``virtual_stages x num_microbatches``."""
   sequence_parallel: bool = False
   """With ``tensor`` > 1: layer norms and residual adds on a slice of the sequence."""
   pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
-  """Used when ``stage`` > 1."""
+  """Used when ``stage`` > 1: ``gpipe`` (all forwards, then all backwards) or
+  ``1f1b`` (PipeDream-flush; interleaved as Megatron's with ``virtual_stages``)."""
   shard_optimizer_state: bool = False
   """ZeRO-1: the optimizer state also split over the ``data`` axis."""
 
