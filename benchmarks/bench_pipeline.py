@@ -1,16 +1,24 @@
-"""Pipeline schedules: bubble, compile time, temp memory and step time vs micro-batches.
+"""Pipeline schedules side by side: bubble, inputs alive, memory, compile and step time.
 
-For S stages (default 4) and M micro-batches, each schedule is compiled on a mesh of
-(data=1, stage=S) devices and timed. Prints, per (schedule, M): the counted bubble
-fraction of the executed tick table next to the ideal (S - 1) / (M + S - 1), the compile
+For S stages (default 4) and M micro-batches, every schedule runs the same model: GPipe,
+1F1B, ZB-H1 (``zb_h1``, one chunk per stage), and GPipe and 1F1B interleaved over
+``--virtual`` layer chunks per device (default 2; the layers must divide into S * v
+chunks, and an interleaved schedule needs M a multiple of S, so its rows start at
+M = S). Each is compiled on a mesh of (data=1, stage=S) devices and timed. Prints, per
+(M, schedule): the counted bubble fraction of the executed tick table next to the ideal,
+(S - 1) / (v M + S - 1) for GPipe and 1F1B and (S - 1) / (3 M + S - 1) for ZB-H1, whose
+tick runs one of F, B (input gradient) or W (weight gradient), at equal costs a third of
+a 1F1B forward-and-backward pair (1F1B's backward is B and W in one tick); the most
+stage inputs alive per device (``pipeline._live_slots`` of the table: GPipe v M, 1F1B
+and ZB-H1 min(S, M), interleaved 1F1B at most (v + 1) S - 1 whatever M), the compile
 time, the compiled temp bytes per device (``memory_analysis``), and the median step time
 (value-and-grad of the pipelined model, with the micro-batch size held fixed, so the
-global batch grows with M). Step time per micro-batch is reported too: it falls as the
-bubble shrinks.
+global batch grows with M) and per micro-batch. ZB-H1's B and W each recompute the stage
+from its saved input: one forward more per micro-batch than 1F1B.
 
 On a CPU-only machine run with fake devices (the script sets the flag if absent):
 
-  python benchmarks/bench_pipeline.py [--stages 4] [--max-micro 32] [--quick]
+  python benchmarks/bench_pipeline.py [--stages 4] [--virtual 2] [--max-micro 32] [--quick]
 """
 
 import argparse
@@ -55,9 +63,20 @@ def params_for(layers, width, features, seed=0):
           "head": f(width, 8)}
 
 
+def schedules(virtual):
+  """``(label, schedule, v)`` of every schedule compared: plain, then interleaved."""
+  plain = [("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("zb_h1", "zb_h1", 1)]
+  if virtual == 1:
+    return plain
+  return plain + [(f"gpipe v{virtual}", "gpipe", virtual),
+                  (f"1f1b v{virtual}", "1f1b", virtual)]
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--stages", type=int, default=4)
+  ap.add_argument("--virtual", type=int, default=2,
+                  help="layer chunks per device of the interleaved rows (1: none)")
   ap.add_argument("--layers-per-stage", type=int, default=2)
   ap.add_argument("--width", type=int, default=256)
   ap.add_argument("--micro-batch", type=int, default=16, help="rows per micro-batch")
@@ -67,7 +86,10 @@ def main():
   args = ap.parse_args()
   if args.quick:
     args.width, args.max_micro, args.reps = 64, 8, 3
-  S = args.stages
+  S, V = args.stages, args.virtual
+  if V < 1 or args.layers_per_stage % V:
+    raise SystemExit(f"--virtual {V} must divide --layers-per-stage "
+                     f"{args.layers_per_stage} (the layers split into S * v chunks)")
   features = 32
   mesh = Mesh(np.array(jax.devices()[:S]).reshape(1, S), ("data", "stage"))
   embed_fn, stage_fn, head_fn = model(args.width, features)
@@ -75,18 +97,25 @@ def main():
   micro_counts = [m for m in (1, 2, 4, 8, 16, 32) if m <= args.max_micro]
   print(f"devices: {jax.devices()[0].platform} x {len(jax.devices())}; S={S}, "
         f"{args.layers_per_stage} layers/stage, width {args.width}, micro-batch "
-        f"{args.micro_batch} rows")
-  print(f"{'schedule':8} {'M':>3} {'bubble':>7} {'ideal':>7} {'compile s':>9} "
-        f"{'temp KiB':>9} {'step ms':>8} {'ms/micro':>8}")
-  for schedule in ("gpipe", "1f1b"):
-    for M in micro_counts:
-      rng = np.random.default_rng(M)
-      rows = M * args.micro_batch
-      batch = {"x": jnp.asarray(rng.normal(size=(rows, features)), jnp.float32),
-               "y": jnp.asarray(rng.normal(size=(rows, 8)), jnp.float32)}
-      pipe = pl.Pipeline(embed_fn, stage_fn, head_fn, M, schedule=schedule)
-      fn = jax.jit(lambda p, b: pipe.value_and_grad(p, b, mesh=mesh,
-                                                    per_token_loss=True))
+        f"{args.micro_batch} rows; interleaved rows: v={V}, M a multiple of S")
+  print("ideal: (S-1)/(vM+S-1); zb_h1: (S-1)/(3M+S-1), a zb_h1 tick is one of F, B, W "
+        "(at equal costs a third of a 1f1b F+B pair, whose B is B and W in one); zb_h1's "
+        "B and W each recompute the stage from its input: one forward per micro-batch "
+        "more than 1f1b")
+  print(f"{'schedule':9} {'M':>3} {'bubble':>7} {'ideal':>7} {'alive':>5} "
+        f"{'compile s':>9} {'temp KiB':>9} {'step ms':>8} {'ms/micro':>8}")
+  for M in micro_counts:
+    rng = np.random.default_rng(M)
+    rows = M * args.micro_batch
+    batch = {"x": jnp.asarray(rng.normal(size=(rows, features)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(rows, 8)), jnp.float32)}
+    for label, schedule, v in schedules(V):
+      if v > 1 and M % S:
+        continue
+      pipe = pl.Pipeline(embed_fn, stage_fn, head_fn, M, schedule=schedule,
+                         virtual_stages=v)
+      fn = jax.jit(lambda p, b, pipe=pipe: pipe.value_and_grad(p, b, mesh=mesh,
+                                                               per_token_loss=True))
       sharded = pipe.shard_params(params, mesh)
       t0 = time.perf_counter()
       compiled = fn.lower(sharded, batch).compile()
@@ -99,10 +128,12 @@ def main():
         jax.block_until_ready(compiled(sharded, batch))
         times.append(time.perf_counter() - t0)
       step_ms = 1e3 * float(np.median(times))
-      bubble = pl.bubble_fraction(pl.schedule_table(schedule, S, M))
-      print(f"{schedule:8} {M:3d} {bubble:7.3f} {(S - 1) / (M + S - 1):7.3f} "
-            f"{compile_s:9.2f} {temp / 1024:9.1f} {step_ms:8.1f} {step_ms / M:8.2f}",
-            flush=True)
+      table = pl.schedule_table(schedule, S, M, v)
+      bubble, alive = pl.bubble_fraction(table), pl._live_slots(table)  # pylint: disable=protected-access
+      work = 3 * M if schedule == "zb_h1" else v * M  # the ideal's (S-1)/(work+S-1)
+      print(f"{label:9} {M:3d} {bubble:7.3f} {(S - 1) / (work + S - 1):7.3f} "
+            f"{alive:5d} {compile_s:9.2f} {temp / 1024:9.1f} {step_ms:8.1f} "
+            f"{step_ms / M:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Pipeline parallelism over a ``stage`` mesh axis: GPipe and 1F1B, both interleaved.
+"""Pipeline parallelism over a ``stage`` mesh axis: GPipe, 1F1B (both interleaved), ZB-H1.
 
 A pipelined model is three functions::
 
@@ -42,7 +42,19 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
          saved input, so the inputs alive per device stay within the warm-up plus one,
          at most (v + 1) S - 1 (S for v = 1) whatever M, while GPipe keeps v M.)
 
-The bubble fraction is (S - 1) / (v M + S - 1) for both. With ``v > 1`` (Megatron's
+  zb_h1: the 1f1b loop over _schedule("zb_h1", S, M), the backward split in two
+         (Qi et al.'s zero-bubble ZB-H1; one chunk per stage):
+           B: dx = vjp_x(stage [+ head if last], saved[k], inbox_b[k]); send dx down
+           W: grads += vjp_p(the same, saved[k], inbox_b[k])  # [+ embed on the first]
+         (S - s warm-up forwards, then B, F and the W of s micro-batches back; the
+         deferred W's fill the cool-down where 1F1B waits: a bubble of (S - 1) op
+         times a stage against 1F1B's 3 (S - 1), at the same S inputs alive. Each of
+         B and W recomputes the stage from its saved input: one forward more than
+         1F1B per micro-batch, the price of the split without keeping residuals.)
+
+The bubble fraction is (S - 1) / (v M + S - 1) for GPipe and 1F1B, and (S - 1) /
+(3 M + S - 1) for ZB-H1, whose ticks are a third of a 1F1B backward each (F, B and
+W taken as equal). With ``v > 1`` (Megatron's
 interleaved schedule, ``num_layers_per_virtual_pipeline_stage``) device ``s`` holds
 chunks ``s, s + S, ...``, virtual stages ``c S + s``, and activations go round the
 ring: device ``S - 1``'s chunk ``c`` feeds device 0's chunk ``c + 1``. The layers are
@@ -70,6 +82,8 @@ The code reads the same way::
 
 References:
   Huang et al., "GPipe", NeurIPS 2019. https://arxiv.org/abs/1811.06965
+  Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024.
+  https://arxiv.org/abs/2401.10241
   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM" (1F1B, interleaved stages), SC 2021.
   https://arxiv.org/abs/2104.04473
@@ -93,8 +107,11 @@ from mpscale import sharding as sharding_lib
 from mpscale import validation
 from mpscale.gradients import Gradients, check_grad_reduce_dtype
 
-SCHEDULES = ("gpipe", "1f1b")
-IDLE, FWD, BWD = 0, 1, 2
+SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+LAYER_ORDERS = ("model", "device")
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3
+"""The ops of a schedule table; ``WGT`` (the weight gradient, split from ``BWD``) only
+in ``zb_h1``'s."""
 _BUBBLE_FILL = 0.0
 """What the activation buffers hold before any stage wrote them: what a bubble tick
 would compute on. Tests set it to NaN to show that nothing from a bubble reaches a
@@ -144,6 +161,8 @@ def _device_ops(schedule: str, S: int, M: int, v: int, s: int
   if schedule == "gpipe":
     fwd = [(FWD, *item(k, False)) for k in range(total)]
     return fwd + [(BWD, m, c) for _, m, c in reversed(fwd)]
+  if schedule == "zb_h1":
+    return _zb_h1_ops(S, M, s)
   warmup = min((S - 1 - s) * 2 + (v - 1) * S if v > 1 else S - 1 - s, total)
   ops = [(FWD, *item(k, False)) for k in range(warmup)]
   f, b = warmup, 0
@@ -153,6 +172,35 @@ def _device_ops(schedule: str, S: int, M: int, v: int, s: int
   return ops + [(BWD, *item(k, True)) for k in range(b, total)]
 
 
+def _zb_h1_ops(S: int, M: int, s: int) -> list[tuple[int, int, int]]:
+  """Stage ``s``'s ops in ZB-H1 (Qi et al., 2023): the backward split into ``B``
+  (input gradient, on the critical path) and ``W`` (weight gradient, anywhere after
+  ``B``). ``S - s`` warm-up forwards, one more than 1F1B's; then ``B``, a ``W``
+  once ``s`` of them wait, and ``F``, repeated; the remaining ``B``s and the
+  deferred ``W``s fill what is 1F1B's cool-down bubble. At most ``S`` inputs are
+  alive per stage (1F1B's peak), and with ``F``, ``B`` and ``W`` of one time unit
+  each the bubble is ``S - 1`` units a stage against 1F1B's ``3 (S - 1)``."""
+  warmup = min(S - s, M)
+  ops = [(FWD, m, 0) for m in range(warmup)]
+  f, b, w = warmup, 0, 0
+
+  def backward():
+    nonlocal b, w
+    ops.append((BWD, b, 0))
+    b += 1
+    if b - w > s:
+      ops.append((WGT, w, 0))
+      w += 1
+
+  while f < M:
+    backward()
+    ops.append((FWD, f, 0))
+    f += 1
+  while b < M:
+    backward()
+  return ops + [(WGT, m, 0) for m in range(w, M)]
+
+
 @functools.lru_cache(maxsize=64)
 def _schedule(schedule: str, num_stages: int, num_microbatches: int,
               virtual_stages: int = 1) -> np.ndarray:
@@ -160,6 +208,9 @@ def _schedule(schedule: str, num_stages: int, num_microbatches: int,
   chunk)`` (read-only; cached)."""
   validation.one_of("schedule", schedule, SCHEDULES)
   S, M, v = num_stages, num_microbatches, virtual_stages
+  if v > 1 and schedule == "zb_h1":
+    raise ValueError("the zb_h1 schedule runs one layer chunk per stage "
+                     f"(virtual_stages=1); got virtual_stages={v}")
   if v > 1 and M % S:
     raise ValueError(f"virtual_stages={v} needs num_microbatches ({M}) divisible by "
                      f"the {S} stages")
@@ -184,16 +235,18 @@ def _schedule(schedule: str, num_stages: int, num_microbatches: int,
   last = S * v - 1
   done: dict[tuple[int, int, int], int] = {}   # (op, virtual stage, m) -> tick
   pos, rows, t = [0] * S, [], 0
-  while any(p < 2 * v * M for p in pos):
+  while any(p < len(ops) for p, ops in zip(pos, order)):
     row = []
     for s in range(S):
-      if pos[s] == 2 * v * M:
+      if pos[s] == len(order[s]):
         row.append((IDLE, 0, 0))
         continue
       op, m, c = order[s][pos[s]]
       vs = c * S + s
       if op == FWD:
         ready = vs == 0 or done.get((FWD, vs - 1, m), t) < t
+      elif op == WGT:
+        ready = done.get((BWD, vs, m), t) < t
       else:
         ready = done.get((BWD, vs + 1, m) if vs < last else (FWD, vs, m), t) < t
       row.append((op, m, c) if ready else (IDLE, 0, 0))
@@ -214,26 +267,38 @@ def bubble_fraction(table: np.ndarray) -> float:
 
 
 def _live_slots(table: np.ndarray) -> int:
-  """Most micro-batches whose stage input must be kept at once, over stages and ticks."""
+  """Most micro-batches whose stage input must be kept at once, over stages and ticks:
+  from its forward to its backward (to its weight gradient, with ``WGT`` ops)."""
   S = table.shape[1]
+  frees = WGT if (table[..., 0] == WGT).any() else BWD
   most = 1
   for s in range(S):
     live = 0
     for op, _ in table[:, s]:
-      live += 1 if op == FWD else -1 if op == BWD else 0
+      live += 1 if op == FWD else -1 if op == frees else 0
       most = max(most, live)
   return most
 
 
 # --------------------------------------------------------------------------- groups
-def stage_groups(num_stages: int, stages_key: str = "stages") -> Callable:
+def stage_groups(num_stages: int, stages_key: str = "stages", *,
+                 virtual_stages: int = 1, layer_order: str = "model") -> Callable:
   """Groups with one entry per pipeline stage (mindformers' ``local_norm``).
 
-  The stacked layers under ``stages_key`` are split into ``num_stages`` groups
-  ``stage_0 ... stage_{S-1}``; every other top-level key is its own group. Pass it as
-  ``groups=`` to a loss-scale wrapper or `mpscale.clip_by_global_norm`.
+  The stacked layers under ``stages_key`` are split into ``num_stages x
+  virtual_stages`` equal groups, named by the (virtual) stage that runs them:
+  ``stage_0 ... stage_{S v - 1}``, ``stage_i`` holding model layers ``[i n, (i + 1)
+  n)``; every other top-level key is its own group. With ``layer_order="device"``
+  the layers are stored as `Pipeline.to_device_order` puts them, and the names follow
+  them there. Pass it as ``groups=`` to a loss-scale wrapper or
+  `mpscale.clip_by_global_norm`.
   """
-  names = tuple(f"stage_{i}" for i in range(num_stages))
+  validation.one_of("layer_order", layer_order, LAYER_ORDERS)
+  S, v = num_stages, virtual_stages
+  if layer_order == "model":
+    names = tuple(f"stage_{i}" for i in range(S * v))
+  else:  # position s v + c holds virtual stage c S + s
+    names = tuple(f"stage_{(p % v) * S + p // v}" for p in range(S * v))
 
   def groups(path):
     top = norms_lib.path_str(path[:1]) if path else "params"
@@ -261,7 +326,7 @@ class Pipeline:
     head_fn: ``(params, x, batch) -> loss`` (a scalar mean), or with per-token loss
       ``(loss_sum, num_tokens)``.
     num_microbatches: micro-batches per data replica and step (``M``).
-    schedule: ``"gpipe"`` or ``"1f1b"``.
+    schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb_h1"`` (the module docstring).
     remat: recompute each stage's activations in the backward pass (GPipe; 1F1B always
       recomputes a stage from its saved input).
     stage_axis: the mesh axis the stages are split over.
@@ -272,6 +337,15 @@ class Pipeline:
       multiple of ``S``. Interleaved GPipe keeps ``v M`` stage inputs alive per device;
       interleaved 1F1B at most ``(v + 1) S - 1`` whatever ``M`` (Megatron's warm-up,
       ``2 (S - 1) + (v - 1) S`` forwards, plus one).
+    layer_order: how ``params[stages_key]`` is stored. ``"model"``: layer ``l`` at
+      index ``l``; with ``v > 1`` each step then permutes the stacked layers into
+      device order and their gradients back (an all-to-all of the stage parameters
+      each way). ``"device"``: in the order the devices run them (`to_device_order`;
+      device ``s``'s chunks ``s, s + S, ...`` contiguous), so the step moves no
+      parameter; `apply` and `to_model_order` give model order back. Needs
+      ``num_stages``. The same as ``"model"`` when ``v = 1``.
+    num_stages: the stage-axis size ``S`` the device order is for (checked against
+      the mesh); ``None`` with ``layer_order="model"``.
   """
   embed_fn: Callable
   stage_fn: Callable
@@ -282,6 +356,8 @@ class Pipeline:
   stage_axis: str = "stage"
   stages_key: str = "stages"
   virtual_stages: int = 1
+  layer_order: str = "model"
+  num_stages: Optional[int] = None
 
   def __post_init__(self):
     for name in ("embed_fn", "stage_fn", "head_fn"):
@@ -290,6 +366,56 @@ class Pipeline:
     validation.positive_int("virtual_stages", self.virtual_stages)
     validation.one_of("schedule", self.schedule, SCHEDULES)
     validation.boolean("remat", self.remat)
+    validation.one_of("layer_order", self.layer_order, LAYER_ORDERS)
+    if self.schedule == "zb_h1" and self.virtual_stages > 1:
+      raise validation.ArgumentError(
+          ("schedule", "virtual_stages"), "{0}='zb_h1' runs one layer chunk per "
+          f"stage: {{1}} must be 1; got {self.virtual_stages}")
+    if self.num_stages is not None:
+      validation.positive_int("num_stages", self.num_stages)
+    if self.layer_order == "device" and self.num_stages is None:
+      raise validation.ArgumentError(
+          ("layer_order", "num_stages"), "{0}='device' needs {1}: the device order "
+          "depends on the number of stages")
+
+  # ---- the order the stacked layers are stored in
+  def _device_permutation(self, tree: Any) -> Optional[np.ndarray]:
+    """Model index of each device-order position, or ``None`` when they agree."""
+    if self.num_stages is None:
+      return None
+    num_layers = jax.tree_util.tree_leaves(tree[self.stages_key])[0].shape[0]
+    return _interleave_order(num_layers, self.num_stages, self.virtual_stages)
+
+  def to_device_order(self, tree: Any) -> Any:
+    """``tree`` (params, or a state holding params-shaped trees such as an optimizer
+    state or a `mpscale.TrainState`) with every stacked-layer leaf (under a
+    ``stages_key`` dict key, leading axis the layers) put in device order:
+    position ``(s v + c) n + k`` holds model layer ``(c S + s) n + k`` (``n``
+    layers a chunk). Other leaves are left as they are."""
+    return self._permute(tree, inverse=False)
+
+  def to_model_order(self, tree: Any) -> Any:
+    """The inverse of `to_device_order`."""
+    return self._permute(tree, inverse=True)
+
+  def _permute(self, tree: Any, inverse: bool) -> Any:
+    if self.num_stages is None or self.virtual_stages == 1:
+      return tree
+    key = jax.tree_util.DictKey(self.stages_key)
+    found = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+             if key in p and np.ndim(x)]
+    if not found:
+      return tree
+    num_layers = np.shape(found[0][1])[0]
+    order = _interleave_order(num_layers, self.num_stages, self.virtual_stages)
+    if inverse:
+      order = np.argsort(order)
+
+    def permute(path, x):
+      if key in path and np.ndim(x) and np.shape(x)[0] == num_layers:
+        return x[order]
+      return x
+    return jax.tree_util.tree_map_with_path(permute, tree)
 
   # ---- the unpipelined model (reference, and the single-stage path)
   def _layers(self, layer_params: Any, x: jax.Array,
@@ -312,8 +438,10 @@ class Pipeline:
     With ``rng`` (a key) each function is called with ``rng=`` as well: ``embed_fn``
     with ``fold_in(rng, 0)``, layer ``l`` with ``fold_in(rng, 1 + l)`` and ``head_fn``
     with ``fold_in(rng, 1 + num_layers)`` (`Pipeline.keys`), so a layer draws the same
-    masks on whichever stage it runs.
+    masks on whichever stage it runs. ``params`` are stored in ``layer_order``.
     """
+    if self.layer_order == "device":
+      params = self.to_model_order(params)
     if rng is None:
       x = self.embed_fn(params, batch)
       x = self._layers(params[self.stages_key], x)
@@ -350,6 +478,9 @@ class Pipeline:
       raise ValueError(f"params must be a dict with the stacked layers under "
                        f"{self.stages_key!r}")
     S, v = mesh.shape[self.stage_axis], self.virtual_stages
+    if self.num_stages is not None and self.num_stages != S:
+      raise ValueError(f"num_stages={self.num_stages} (the device order of the "
+                       f"stacked layers) but the mesh has {S} stages")
     layers = {np.shape(x)[0] if np.ndim(x) else None
               for x in jax.tree_util.tree_leaves(params[self.stages_key])}
     if len(layers) != 1 or None in layers:
@@ -453,6 +584,8 @@ class Pipeline:
     S, M = mesh.shape[self.stage_axis], self.num_microbatches
     num_layers = jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
     interleave = _interleave_order(num_layers, S, self.virtual_stages)
+    # Stored in device order, the layers are where the devices run them already.
+    permute = interleave is not None and self.layer_order == "model"
     in_param_specs = jax.tree_util.tree_map(
         lambda spec: sharding_lib.only_axes(spec, axes), specs,
         is_leaf=sharding_lib.is_spec)
@@ -470,7 +603,7 @@ class Pipeline:
         keys = sharding_lib.cast_varying(_replica_keys(keys, data_axes, D), axes)
       run = _PipelineRun(self, S, M, per_token_loss, cast, axes, num_layers, micro,
                          scale, keys, float32_sums)
-      executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b
+      executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b  # or zb_h1
       loss, count, grads = executor(run, varying)
       grads = sharding_lib.scatter_split(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
@@ -498,12 +631,12 @@ class Pipeline:
                   jax.tree_util.tree_map(lambda _: batch_spec, batch), P(),
                   None if keys is None else (P(), P(self.stage_axis))),
         out_specs=(in_param_specs, P(), P()), axis_names=set(axes))
-    if interleave is not None:
+    if permute:
       # Device s must hold its chunks s, s + S, ...: one all-to-all of the layers.
       params = {**params, self.stages_key: jax.tree_util.tree_map(
           lambda x: x[interleave], params[self.stages_key])}
     grads, loss, count = fn(params, batch, jnp.asarray(loss_scale, jnp.float32), keys)
-    if interleave is not None:
+    if permute:
       back = np.argsort(interleave)
       grads = {**grads, self.stages_key: jax.tree_util.tree_map(
           lambda g: g[back], grads[self.stages_key])}
@@ -672,6 +805,50 @@ class _PipelineRun:
                   functools.partial(self._into_embed, p, dp, dx, m), lambda: dp)
     return dp, dx, loss, count
 
+  def backward_input(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """ZB-H1's ``B(m)``: ``(dx, loss, count)``, the input gradient only (through the
+    head on the last stage, which gives the loss). The first stage's goes nowhere
+    (its ``W`` takes the embedding's gradient), so it computes none."""
+    def through_head():
+      _, vjp, (loss, count) = jax.vjp(lambda x: self.stage_and_head(m, p, x), x,
+                                      has_aux=True)
+      (dx,) = vjp(self.vary(jnp.ones((), jnp.float32)))
+      return dx, loss, count
+
+    def through_stage():
+      _, vjp = jax.vjp(lambda x: self.stage_layers(m, p, x), x)
+      (dx,) = vjp(ct)
+      return dx, self.zero(), self.zero()
+
+    stage = self.stage()
+    return lax.cond(stage == self.S - 1, through_head,
+                    lambda: lax.cond(stage == 0, lambda: (jnp.zeros_like(x),
+                                                          self.zero(), self.zero()),
+                                     through_stage))
+
+  def backward_weights(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array
+                      ) -> Any:
+    """ZB-H1's ``W(m)``: the parameters' gradient of the stage recomputed from its
+    saved input ``x`` and the cotangent ``ct`` it received (the head's on the last
+    stage); on the first stage through the embedding as well."""
+    def of(fn, ct):
+      def weights():
+        _, vjp = jax.vjp(lambda p: fn(p, x), p)
+        return vjp(ct)[0]
+
+      def with_embedding():
+        _, vjp = jax.vjp(fn, p, x)
+        dp, dx = vjp(ct)
+        return self._into_embed(p, dp, dx, m)
+      return lax.cond(self.stage() == 0, with_embedding, weights)
+
+    head = lambda p, x: self.stage_and_head(m, p, x)[0]  # noqa: E731
+    layers = lambda p, x: self.stage_layers(m, p, x)  # noqa: E731
+    return lax.cond(self.stage() == self.S - 1,
+                    lambda: of(head, self.vary(jnp.ones((), jnp.float32))),
+                    lambda: of(layers, ct))
+
   def _through_head(self, p, x, m, chunk):
     _, vjp, (loss, count) = jax.vjp(
         lambda p, x: self.stage_and_head(m, p, x, chunk), p, x, has_aux=True)
@@ -706,10 +883,17 @@ class _PipelineRun:
     S, v, stage = self.S, self.pipeline.virtual_stages, self.stage()
     op, m, chunk = row[stage, 0], row[stage, 1], row[stage, 2]
     slot = slots[stage, chunk, m]
-    x, y, dx, dp, l, c = lax.switch(op, (
+    branches = [
         functools.partial(self._op_idle, params, inbox_f[slot]),
-        functools.partial(self._op_forward, params, inbox_f[slot], m, chunk),
-        functools.partial(self._op_backward, params, saved, inbox_b, slot, m, chunk)))
+        functools.partial(self._op_forward, params, inbox_f[slot], m, chunk)]
+    if self.pipeline.schedule == "zb_h1":
+      branches += [
+          functools.partial(self._op_input_grad, params, saved, inbox_b, slot, m),
+          functools.partial(self._op_weight_grad, params, saved, inbox_b, slot, m)]
+    else:
+      branches.append(functools.partial(self._op_backward, params, saved, inbox_b,
+                                        slot, m, chunk))
+    x, y, dx, dp, l, c = lax.switch(op, branches)
     saved = saved.at[slot].set(jnp.where(op == FWD, x, saved[slot]))
     grads = jax.tree_util.tree_map(jnp.add, grads, dp)
     if S > 1 or v > 1:
@@ -742,10 +926,47 @@ class _PipelineRun:
     x, y = self.forward(params, x_in, m, chunk)
     return x, y, jnp.zeros_like(y), self.zero_grads(params), self.zero(), self.zero()
 
+  def _op_input_grad(self, params, saved, inbox_b, slot, m):
+    dx, l, c = self.backward_input(params, saved[slot], inbox_b[slot], m)
+    return (saved[slot], jnp.zeros_like(dx), dx.astype(saved.dtype),
+            self.zero_grads(params), l, c)
+
+  def _op_weight_grad(self, params, saved, inbox_b, slot, m):
+    dp = self.backward_weights(params, saved[slot], inbox_b[slot], m)
+    dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
+    z = jnp.zeros_like(saved[slot])
+    return saved[slot], z, z, dp, self.zero(), self.zero()
+
   def _op_backward(self, params, saved, inbox_b, slot, m, chunk):
     dp, dx, l, c = self.backward(params, saved[slot], inbox_b[slot], m, chunk)
     dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
     return (saved[slot], jnp.zeros_like(dx), dx.astype(saved.dtype), dp, l, c)
+
+
+def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array,
+                     keys: Optional[jax.Array]) -> jax.Array:
+  """``pipe._layers`` over chunk ``chunk`` of ``layers`` (leaves ``[v, n, ...]``).
+
+  Each layer's parameters are picked from the stack inside a rematerialized body
+  that saves only the outputs of its matrix products (``dots_saveable``): autodiff
+  of the tick loop would otherwise keep the picked parameters for every tick (``v M
+  + S - 1`` copies of a chunk's, memory growing with ``M``), where the stack itself
+  is loop-invariant and kept once; the backward picks them again and recomputes the
+  elementwise work. With ``remat`` nothing of the body is saved, as in
+  `Pipeline._layers`.
+  """
+  n = jax.tree_util.tree_leaves(layers)[0].shape[1]
+
+  def body(h, l):
+    lp = jax.tree_util.tree_map(lambda a: a[chunk, l], layers)
+    if keys is None:
+      return pipe.stage_fn(lp, h), None
+    return pipe.stage_fn(lp, h, rng=jax.random.wrap_key_data(keys[l])), None
+
+  policy = (jax.checkpoint_policies.nothing_saveable if pipe.remat else
+            jax.checkpoint_policies.dots_saveable)
+  h, _ = lax.scan(jax.checkpoint(body, policy=policy), x, jnp.arange(n))
+  return h
 
 
 def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
@@ -782,10 +1003,8 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       chunk = within // S
       m = item // (S * v) * S + within % S
       mb = run.micro_batch(m)
-      chunk_layers, chunk_ids = (layers, layer_ids) if v == 1 else (
-          jax.tree_util.tree_map(
-              lambda x: lax.dynamic_index_in_dim(x, chunk, keepdims=False),
-              (layers, layer_ids)))
+      chunk_ids = layer_ids if v == 1 or layer_ids is None else (
+          lax.dynamic_index_in_dim(layer_ids, chunk, keepdims=False))
       embed_kw, layer_keys, head_kw = run.micro_keys(m, chunk_ids)
       starts = (stage == 0) & (chunk == 0)
       x = lax.cond(starts,
@@ -793,7 +1012,8 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
                    lambda: received)
       # A bubble's input is garbage: replace it before any arithmetic touches it.
       x = jnp.where(valid, x, jnp.zeros_like(x))
-      y = pipe._layers(chunk_layers, x, layer_keys)  # pylint: disable=protected-access
+      y = (pipe._layers(layers, x, layer_keys)  # pylint: disable=protected-access
+           if v == 1 else _layers_of_chunk(pipe, layers, chunk, x, layer_keys))
       ends = valid & (stage == S - 1) & (chunk == v - 1)
       l, c = lax.cond(ends, lambda: run.head_terms(p, y, mb, **head_kw),
                       lambda: (run.zero(), run.zero()))
@@ -818,12 +1038,13 @@ def _slots(table: np.ndarray, v: int, M: int) -> tuple[np.ndarray, int]:
   writes). Returns ``(slots [S, v, M], K)``, ``K`` the slots a stage needs: at most
   the items alive at once (`_live_slots`) plus one."""
   S = table.shape[1]
+  frees = WGT if (table[..., 0] == WGT).any() else BWD  # ZB-H1: its W reads them
   fwd_tick, bwd_tick = {}, {}
   for t, row in enumerate(table):
     for s, (op, m, c) in enumerate(row):
       if op == FWD:
         fwd_tick[(s, c, m)] = t
-      elif op == BWD:
+      elif op == frees:
         bwd_tick[(s, c, m)] = t
   slots = np.zeros((S, v, M), np.int32)
   most = 1
@@ -854,7 +1075,7 @@ def _one_f_one_b(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, 
   each tick one forward, one backward or nothing (`_PipelineRun.tick`). Returns
   ``(loss sum, count sum, grads)`` of this device."""
   v = run.pipeline.virtual_stages
-  table = _schedule("1f1b", run.S, run.M, v)
+  table = _schedule(run.pipeline.schedule, run.S, run.M, v)
   slots, K = _slots(table, v, run.M)
   x_shape = run.embed_shape(params)
   buf = run.vary(jnp.full((K,) + x_shape.shape, _BUBBLE_FILL, x_shape.dtype))

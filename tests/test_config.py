@@ -96,7 +96,10 @@ def test_wrong_type_is_a_type_error_naming_key_and_file(tmp_path, text, key):
     ("model:\n  num_layers: 4\nmesh:\n  stage: 2\n  virtual_stages: 4\n",
      ["model.num_layers (4)", "mesh.stage (2)", "mesh.virtual_stages (4)"]),
     ("mesh:\n  stage: 2\n  pipeline_schedule: zb\n",
-     ["mesh.pipeline_schedule", "'gpipe'", "'1f1b'"]),
+     ["mesh.pipeline_schedule", "'gpipe'", "'1f1b'", "'zb_h1'"]),
+    ("model:\n  num_layers: 4\nmesh:\n  stage: 2\n  virtual_stages: 2\n"
+     "  pipeline_schedule: zb_h1\n", ["mesh.pipeline_schedule='zb_h1'",
+                                       "mesh.virtual_stages must be 1"]),
     ("model:\n  num_layers: 4\nmesh:\n  stage: 2\n  virtual_stages: 2\n"
      "train:\n  num_microbatches: 3\n",
      ["train.num_microbatches (3)", "mesh.stage (2)"]),

@@ -73,7 +73,8 @@ def assert_close(a, b, tol=1e-5):
   helpers.assert_close(a, b, tol)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [
+    "gpipe", "1f1b", pytest.param("zb_h1", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("data, stage", [(1, 8), (2, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("micro", [1, 2, 4, 8])
 def test_loss_and_grads_equal_unpipelined(schedule, data, stage, micro):
@@ -102,7 +103,7 @@ def test_mean_loss_and_loss_scale(schedule):
 
 
 @pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_nan_filled_bubbles_never_reach_gradients(schedule, monkeypatch):
   params, batch = make_params(), make_batch()
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, 2, schedule=schedule)
@@ -349,7 +350,7 @@ def test_clear_errors():
         params, batch, mesh=mesh_of(2, 4), per_token_loss=True)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_make_train_step_with_a_pipeline_matches_the_plain_step(schedule):
   params, batch = make_params(), make_batch()
   tx = _optimizer(4)
@@ -476,3 +477,166 @@ def test_interleaved_clear_errors():
   with pytest.raises(ValueError, match="not divisible by 4 stages x 4 virtual"):
     pl.Pipeline(embed_fn, stage_fn, head_fn, 4, virtual_stages=4).value_and_grad(
         params, batch, mesh=mesh_of(2, 4), per_token_loss=True)
+
+
+# ------------------------------------------------------------------ layer order
+
+
+def _collective_kinds(hlo):
+  return set(re.findall(r"(all-to-all|all-gather|collective-permute|all-reduce|"
+                        r"reduce-scatter)(?:-start)?\(", hlo))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_layers_stored_in_device_order_move_no_parameter(schedule):
+  """Model order: the step gathers the stage parameters into device order (an
+  all-gather here, an all-to-all elsewhere) and their gradients back. Device order:
+  no such collective, the same gradients (in device order)."""
+  params, batch = make_params(layers=16), make_batch()
+  want_loss, want_grads = reference(params, batch)
+  mesh = mesh_of(2, 4)
+  kinds = {}
+  for order in ("model", "device"):
+    model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule=schedule,
+                        virtual_stages=2, layer_order=order,
+                        num_stages=4 if order == "device" else None)
+    stored = model.shard_params(
+        model.to_device_order(params) if order == "device" else params, mesh)
+    fn = jax.jit(lambda p, b: model.value_and_grad(p, b, mesh=mesh,
+                                                   per_token_loss=True))
+    kinds[order] = _collective_kinds(fn.lower(stored, batch).compile().as_text())
+    grads, loss, _ = fn(stored, batch)
+    assert_close(loss, want_loss)
+    assert_close(model.to_model_order(grads) if order == "device" else grads,
+                 want_grads)
+    out = model.apply(stored, batch)  # apply reads the stored order
+    assert_close(out[0] / out[1], want_loss)
+  assert kinds["model"] & {"all-gather", "all-to-all"}
+  assert not kinds["device"] & {"all-gather", "all-to-all"}
+  assert "collective-permute" in kinds["device"]  # the activations still move
+
+
+def test_device_order_round_trips_a_state_and_names_its_groups():
+  S, v = 2, 2
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 2, virtual_stages=v,
+                      layer_order="device", num_stages=S)
+  params = make_params()
+  state = {"params": params, "opt": optax.adam(1e-3).init(params),
+           "nested": {"copy": params}}
+  stored = model.to_device_order(state)
+  chex.assert_trees_all_equal(model.to_model_order(stored), state)
+  # Device s holds its chunks s, s + S contiguous: position (s v + c) n + k holds
+  # model layer (c S + s) n + k, n = 2 layers a chunk.
+  w = np.asarray(params["stages"]["w"])
+  got = np.asarray(stored["params"]["stages"]["w"])
+  for s in range(S):
+    for c in range(v):
+      for k in range(2):
+        np.testing.assert_array_equal(got[(s * v + c) * 2 + k], w[(c * S + s) * 2 + k])
+  # Any params-shaped tree inside the state moves alike (an optimizer's moments).
+  chex.assert_trees_all_equal(stored["nested"]["copy"], stored["params"])
+  chex.assert_trees_all_equal(stored["params"]["embed"], params["embed"])
+  # The groups keep the virtual stages' names wherever their layers are stored.
+  by_model, _ = mpscale.group_norms(params, pl.stage_groups(S * v))
+  by_device, _ = mpscale.group_norms(
+      model.to_device_order(params),
+      pl.stage_groups(S, virtual_stages=v, layer_order="device"))
+  assert_close(by_device, by_model)
+
+
+def test_layer_order_errors_name_the_argument():
+  with pytest.raises(mpscale.ArgumentError, match="layer_order='device' needs "
+                     "num_stages") as err:
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, virtual_stages=2,
+                layer_order="device")
+  assert err.value.names == ("layer_order", "num_stages")
+  with pytest.raises(ValueError, match="layer_order"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, layer_order="stage")
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, virtual_stages=2,
+                      layer_order="device", num_stages=2)
+  with pytest.raises(ValueError, match="num_stages=2 .* the mesh has 4 stages"):
+    model.value_and_grad(make_params(), make_batch(), mesh=mesh_of(2, 4),
+                         per_token_loss=True)
+
+
+# ------------------------------------------------------------------ ZB-H1
+
+
+@pytest.mark.parametrize("stages, micro", [(1, 1), (2, 1), (2, 2), (3, 7), (4, 3),
+                                           (4, 8), (4, 16), (8, 32)])
+def test_zb_h1_table_splits_the_backward_and_fills_1f1bs_bubble(stages, micro):
+  """Every stage runs F, B (input gradient) and W (weight gradient) of every
+  micro-batch once, B after the stage above's B, W after its own B; the bubble is
+  ZB-H1's (S - 1)/(3M + S - 1) once M >= S, below 1F1B's whenever S > 1, with no
+  more inputs alive than 1F1B's peak."""
+  S, M = stages, micro
+  table = pl.schedule_table("zb_h1", S, M)
+  when = {}
+  for t, row in enumerate(table):
+    for s, (op, m) in enumerate(row):
+      if op != pl.IDLE:
+        assert (op, s, m) not in when
+        when[(op, s, m)] = t
+  assert len(when) == 3 * S * M
+  for (op, s, m), t in when.items():
+    if op == pl.FWD and s > 0:
+      assert when[(pl.FWD, s - 1, m)] < t
+    if op == pl.BWD:
+      assert when[(pl.BWD, s + 1, m) if s < S - 1 else (pl.FWD, s, m)] < t
+    if op == pl.WGT:
+      assert when[(pl.BWD, s, m)] < t
+  zb = pl.bubble_fraction(table)
+  ofob = pl.bubble_fraction(pl.schedule_table("1f1b", S, M))
+  if M >= S:
+    assert zb == pytest.approx((S - 1) / (3 * M + S - 1))
+  assert zb < ofob if S > 1 else zb == ofob == 0
+  assert pl._live_slots(table) <= min(S, M)
+
+
+@pytest.mark.parametrize("data, stage, micro", [(2, 4, 4), (1, 8, 8), (4, 2, 1)])
+def test_zb_h1_equals_unpipelined(data, stage, micro):
+  params, batch = make_params(), make_batch()
+  want_loss, want_grads = reference(params, batch)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule="zb_h1")
+  grads, loss, tokens = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(data, stage), per_token_loss=True))(params, batch)
+  assert float(tokens) == float(batch["mask"].sum())
+  assert_close(loss, want_loss)
+  assert_close(grads, want_grads)
+
+
+def test_zb_h1_runs_one_chunk_per_stage():
+  with pytest.raises(mpscale.ArgumentError, match="zb_h1.* virtual_stages must be 1"
+                     ) as err:
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule="zb_h1", virtual_stages=2)
+  assert err.value.names == ("schedule", "virtual_stages")
+  with pytest.raises(ValueError, match="virtual_stages=1"):
+    pl.schedule_table("zb_h1", 2, 4, virtual_stages=2)
+
+
+def test_interleaved_gpipe_keeps_the_stacked_layers_once_not_per_tick():
+  """Autodiff of the tick loop kept each tick's chunk of the stacked parameters
+  (v M + S - 1 copies); the chunk is now picked again in the backward. With wide
+  layers (a chunk's parameters 4 MiB a device) the compiled temp memory grows far
+  less than 4 MiB per extra tick from M = 8 to M = 32."""
+  width, S, v = 256, 4, 2
+
+  def wide_stage(lp, x):
+    return x + jnp.tanh(x @ lp["w1"]) @ lp["w2"]
+
+  rng = np.random.default_rng(0)
+  layers = S * v * 2
+  params = {"embed": jnp.asarray(rng.normal(size=(FEATURES, width)) * 0.1, jnp.float32),
+            "stages": {"w1": jnp.zeros((layers, width, 4 * width), jnp.float32),
+                       "w2": jnp.zeros((layers, 4 * width, width), jnp.float32)},
+            "head": jnp.zeros((width, 2), jnp.float32)}
+  mesh = mesh_of(1, S)
+  temp = {}
+  for micro in (8, 32):
+    batch = make_batch(size=4 * micro)
+    model = pl.Pipeline(embed_fn, wide_stage, head_fn, micro, virtual_stages=v)
+    temp[micro] = jax.jit(lambda p, b: model.value_and_grad(
+        p, b, mesh=mesh, per_token_loss=True)).lower(params, batch).compile(
+        ).memory_analysis().temp_size_in_bytes
+  chunk_bytes = 2 * 2 * width * 4 * width * 4  # 2 layers of w1 and w2, float32
+  assert temp[32] - temp[8] < 0.1 * 24 * v * chunk_bytes

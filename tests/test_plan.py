@@ -78,6 +78,39 @@ def test_collectives_of_data_parallel_and_pipeline_steps():
   assert ticks * activation <= permutes["bytes"] < ticks * activation + 1024
 
 
+def test_a_pipelined_plan_shows_every_schedule_side_by_side():
+  """Interleaved 1F1B (S = 4, M = 8, v = 2): the plan lists GPipe and 1F1B, plain and
+  interleaved, with each table's bubble and stage inputs alive, its own marked, in the
+  text and the dict."""
+  from mpscale import pipeline as pl
+  S, M, v = 4, 8, 2
+  planned = plan_lib.plan(_cfg("mesh.data=2", f"mesh.stage={S}", "model.num_layers=8",
+                               f"train.num_microbatches={M}", "train.per_token_loss=true",
+                               "mesh.pipeline_schedule=1f1b", f"mesh.virtual_stages={v}"))
+  want = []
+  for vs in (1, v):
+    for schedule in ("gpipe", "1f1b") + (("zb_h1",) if vs == 1 else ()):
+      table = pl.schedule_table(schedule, S, M, vs)
+      want.append({"schedule": schedule, "virtual_stages": vs,
+                   "bubble": pl.bubble_fraction(table),
+                   "inputs_alive": pl._live_slots(table),  # pylint: disable=protected-access
+                   "config": schedule == "1f1b" and vs == v})
+  assert planned.schedules == want
+  # M, min(S, M), min(S, M), vM, (v+1)S-1
+  assert [r["inputs_alive"] for r in planned.schedules] == [8, 4, 4, 16, 11]
+  # ZB-H1's bubble (S-1)/(3M+S-1) is 1F1B's (S-1)/(M+S-1) with the weight gradients
+  # filling it.
+  assert planned.schedules[2]["bubble"] == pytest.approx((S - 1) / (3 * M + S - 1))
+  assert planned.bubble == pytest.approx((S - 1) / (v * M + S - 1))
+  assert planned.to_dict()["schedules"] == want
+  shown = [line.split() for line in planned.text().splitlines()]
+  for row in want:
+    name = [row["schedule"]] + ([f"v{v}"] if row["virtual_stages"] > 1 else [])
+    mark = ["<-", "config"] if row["config"] else []
+    assert name + [f"{row['bubble']:.1%}", str(row["inputs_alive"])] + mark in shown, (
+        row, planned.text())
+
+
 def test_a_layout_that_cannot_work_gets_the_training_error():
   cfg = _cfg("mesh.data=16")
   with pytest.raises(ValueError, match="mesh: data 16 needs 16 devices, but 8 are"):

@@ -388,8 +388,13 @@ def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
   for x, y in zip(jax.tree_util.tree_leaves(restored),
                   jax.tree_util.tree_leaves(fresh)):
     assert x.sharding == y.sharding  # laid out for mesh B
-  for x, y in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # Every saved leaf comes back (the reported group norms are not saved: the next
+  # step recomputes them).
+  saved, back = checkpoints.checkpoint_tree(state), checkpoints.checkpoint_tree(restored)
+  assert saved.keys() == back.keys()
+  assert not [k for k in saved if "group_norms" in k or "group_sizes" in k]
+  for key in saved:
+    np.testing.assert_array_equal(np.asarray(back[key]), np.asarray(saved[key]))
   # And the run goes on the same on either mesh.
   on_a, _ = step_a(state, make_batch(1))
   on_b, _ = step_b(restored, make_batch(1))
@@ -519,7 +524,9 @@ def test_the_all_axes_config_trains_like_one_device():
     for step in range(3):
       batch = text.train_batch(c.seed, step, c.data.batch_size, c.model.seq_len)
       state, metrics = setup.step(state, batch)
-    runs.append((jax.device_get(state.params), jax.device_get(metrics)))
+    # The pipelined state stores its layers in device order.
+    runs.append((jax.device_get(setup.to_model_order(state.params)),
+                 jax.device_get(metrics)))
   (sharded, m_sharded), (one, m_one) = runs
   assert set(m_sharded["group_norms"]) == {"embed", "head"} | {
       f"stage_{i}" for i in range(4)}  # one group per virtual stage

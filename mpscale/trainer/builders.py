@@ -406,8 +406,10 @@ def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
   """The groups of the logged norms: ``clip.groups`` depth, or per pipeline stage."""
   if cfg.clip.groups is not None:
     return cfg.clip.groups
-  if cfg.mesh.stage > 1:  # one group per (virtual) stage
-    return pipeline_lib.stage_groups(cfg.mesh.stage * cfg.mesh.virtual_stages)
+  if cfg.mesh.stage > 1:  # one group per (virtual) stage, stored in device order
+    return pipeline_lib.stage_groups(cfg.mesh.stage,
+                                     virtual_stages=cfg.mesh.virtual_stages,
+                                     layer_order="device")
   return None
 
 
@@ -474,7 +476,9 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   """What `make_train_step` differentiates: the model's loss, or a `Pipeline`.
 
   With ``mesh.stage > 1`` this is ``mpscale.Pipeline(model.embed_fn, model.stage_fn,
-  model.head_fn, train.num_microbatches, mesh.pipeline_schedule, train.remat)``; else
+  model.head_fn, train.num_microbatches, mesh.pipeline_schedule, train.remat)``, its
+  layers stored in device order (``layer_order="device"``: no all-to-all of the stage
+  parameters with ``mesh.virtual_stages`` > 1; `Setup.to_device_order`); else
   ``model.loss_fn`` (``(loss_sum, num_tokens)``) with ``train.per_token_loss``, or
   ``model.mean_loss_fn``.
   """
@@ -485,7 +489,8 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
-        stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages), keys)
+        stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages,
+        layer_order="device", num_stages=cfg.mesh.stage), keys)
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
 
 
@@ -550,6 +555,13 @@ class Setup(NamedTuple):
   the model's metrics."""
   init_params: Callable[[], Any]
   """``init_params()``: the model's float32 initial parameters, from ``seed``."""
+  to_model_order: Callable[[Any], Any] = lambda tree: tree
+  """A state (or params) as the model orders its layers: a pipeline's stacked layers
+  are stored in device order in the `TrainState` (``layer_order="device"``), in
+  model order in checkpoints and for evaluation, sampling and export; the same
+  shardings. The identity without one."""
+  to_device_order: Callable[[Any], Any] = lambda tree: tree
+  """The inverse of ``to_model_order``."""
 
 
 def user_param_specs(cfg: config_lib.RunConfig, model: models_lib.Model,
@@ -640,20 +652,47 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
 
   key = run_key(cfg)
 
+  pipeline = loss if isinstance(loss, pipeline_lib.Pipeline) else None
+  to_model = _placed_alike(pipeline.to_model_order if pipeline else None)
+  to_device = _placed_alike(pipeline.to_device_order if pipeline else None)
+
   def init(params):
     model_state = None if init_state is None else init_state(key)
+    if pipeline is not None and not _is_abstract(params):
+      params = pipeline.to_device_order(params)
     return make_init(params, model_state=model_state, rng=key if stochastic else None)
 
   @jax.jit
   def evaluate(state, batch):
     kw = {} if state.model_state is None else {"model_state": state.model_state}
-    params = policy.cast_to_compute(state.params)
+    params = policy.cast_to_compute(
+        state.params if pipeline is None else pipeline.to_model_order(state.params))
     out = {"loss": evaluate_fn(params, batch, **kw)}
     if metrics_fn is not None:
       out.update(metrics_fn(params, batch, **kw))
     return out
 
-  return Setup(model, policy, optimizer, mesh, init, step, evaluate, init_params_fn)
+  return Setup(model, policy, optimizer, mesh, init, step, evaluate, init_params_fn,
+               to_model, to_device)
+
+
+def _is_abstract(tree: Any) -> bool:
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+  """``permute`` (a pipeline's layer order) with its result placed as its input
+  (each leaf's sharding kept); the identity for ``None``."""
+  if permute is None:
+    return lambda tree: tree
+
+  def placed(tree):
+    out = permute(tree)
+    return jax.tree_util.tree_map(
+        lambda new, old: (jax.device_put(new, old.sharding)
+                          if isinstance(old, jax.Array) and new is not old else new),
+        out, tree)
+  return placed
 
 
 def run_key(cfg: config_lib.RunConfig) -> jax.Array:

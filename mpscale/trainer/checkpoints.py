@@ -21,13 +21,24 @@ def _checkpoint_key(path: Any) -> str:
   return jax.tree_util.keystr(tuple(path), simple=True, separator=".")
 
 
+_REPORTED = ("group_norms", "group_sizes")
+"""State fields that only report the last step (each step recomputes them): not
+saved, so that a checkpoint restores under another grouping of the norms (a
+pipeline's stages x virtual stages)."""
+
+
+def _saved(key: str) -> bool:
+  return not any(part in _REPORTED for part in key.split("."))
+
+
 def checkpoint_tree(state: Any) -> dict[str, Any]:
   """``state`` as a flat dict ``"opt_state.skip_state...kernel" -> array`` without its
-  zero-size leaves (CAME keeps empty placeholders, which orbax refuses to save)."""
+  zero-size leaves (CAME keeps empty placeholders, which orbax refuses to save) and
+  the per-group norms and sizes the wrappers report (`_REPORTED`)."""
   import jax
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  return {_checkpoint_key(path): leaf for path, leaf in flat
-          if getattr(leaf, "size", 1) > 0}
+  return {key: leaf for key, leaf in ((_checkpoint_key(p), x) for p, x in flat)
+          if getattr(leaf, "size", 1) > 0 and _saved(key)}
 
 
 def from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
@@ -101,10 +112,11 @@ def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True
     wanted = {key: leaf for key, leaf in checkpoint_tree(state).items()
               if opt_state or not key.startswith("opt_state.")}
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, wanted)
-    state_args = ocp.args.StandardRestore(abstract) if opt_state else (
-        ocp.args.PyTreeRestore(
-            abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
-                abstract), partial_restore=True))
+    # Partial: a checkpoint written before the reported norms were left out holds
+    # them too, and they are taken from ``state``.
+    state_args = ocp.args.PyTreeRestore(
+        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True)
     try:
       saved = reader.restore(latest, args=ocp.args.Composite(
           state=state_args, data=ocp.args.JsonRestore()))

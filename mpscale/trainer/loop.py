@@ -379,7 +379,9 @@ def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
   manager = ocp.CheckpointManager(run.ckpt_dir, options=ocp.CheckpointManagerOptions(
       max_to_keep=train_cfg.keep_checkpoints, create=True))
   batches = run.data.iterator(run.data_state)
-  save = lambda done: checkpoints.save(manager, done, state, batches.get_state(),
+  # Checkpoints hold the layers in model order: any mesh and schedule restores them.
+  save = lambda done: checkpoints.save(manager, done, run.setup.to_model_order(state),
+                                      batches.get_state(),
                                       consumed_samples=run.data.consumed_at(done))
   due = lambda done, every: done == steps or (every > 0 and done % every == 0)
   try:
@@ -497,8 +499,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss)
   start = 0
   if resume:
-    run.state, start, run.data_state = checkpoints.restore_latest(run.ckpt_dir,
-                                                                  run.state)
+    run.state, start, run.data_state = _restore(run)
     _check_consumed(run, start, source)
   if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
     # Nothing to train: say so, and leave the finished run's files as they are.
@@ -517,8 +518,18 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   export = getattr(run.setup.model, "export", None)
   if model is not None and export is not None:
     # A Flax NNX module given here is updated in place (its export does that).
-    export(*jax.device_get((state.params, state.model_state)))
+    export(*jax.device_get((run.setup.to_model_order(state.params),
+                            state.model_state)))
   return summary
+
+
+def _restore(run: _Run, opt_state: bool = True) -> tuple[TrainState, int, Any]:
+  """`checkpoints.restore_latest` into ``run.state``: the checkpoint's layers are in
+  model order, the state's as the step stores them (`builders.Setup.to_model_order`).
+  """
+  restored, step, data_state = checkpoints.restore_latest(
+      run.ckpt_dir, run.setup.to_model_order(run.state), opt_state=opt_state)
+  return run.setup.to_device_order(restored), step, data_state
 
 
 def _check_consumed(run: _Run, start: int, source: str) -> None:
@@ -652,8 +663,7 @@ def load_run(out_dir: str, devices: Optional[int] = None) -> tuple[_Run, int]:
     raise RunDirError(f"{out_dir}: its mesh ({saved.mesh.shape_text}) needs "
                       f"{saved.mesh.num_devices} devices, {available} here, and it "
                       f"cannot be rebuilt on one: {e}") from None
-  run.state, step, run.data_state = checkpoints.restore_latest(
-      run.ckpt_dir, run.state, opt_state=own_mesh)
+  run.state, step, run.data_state = _restore(run, opt_state=own_mesh)
   if step == 0:
     raise RunDirError(f"{out_dir} holds no checkpoint yet")
   if not own_mesh:
@@ -683,7 +693,8 @@ def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float
   if not isinstance(run.setup.model, lm_lib.TinyLM):
     raise RunDirError(f"{out_dir}: sample writes text with the built-in tiny LM; this "
                       "run trained a user's model (model.provider)")
-  params = run.setup.policy.cast_to_compute(run.state.params)
+  params = run.setup.policy.cast_to_compute(
+      run.setup.to_model_order(run.state.params))
   key = jax.random.key(seed)
   if not corpora.uses_tokens(run.cfg.data):
     return data_lib.detokenize(run.setup.model.generate(
@@ -720,7 +731,8 @@ def load(out_dir: str, devices: Optional[int] = None) -> Any:
     RunDirError: if ``out_dir`` holds no run or no checkpoint.
   """
   run_, _ = load_run(out_dir, devices)
-  state = jax.device_get(run_.state)
+  state = jax.device_get(run_.state._replace(
+      params=run_.setup.to_model_order(run_.state.params)))
   export = getattr(run_.setup.model, "export", None)
   if export is not None:
     return export(state.params, state.model_state)

@@ -23,7 +23,12 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
   ``precision.grad_reduce_dtype: float32``, twice a bfloat16 gradient sum's):
   `mpscale.hlo.collectives`;
 
-plus the pipeline bubble of the config's schedule and the tokens per step.
+plus the pipeline bubble of the config's schedule and the tokens per step. A pipelined
+config (``mesh.stage > 1``) also gets every schedule side by side for its stages,
+micro-batches and virtual stages (`Plan.schedules`): GPipe and 1F1B, and both
+interleaved when ``mesh.virtual_stages > 1``, each with its bubble and the most stage
+inputs it keeps alive per device, read from the schedules' tick tables
+(`mpscale.schedule_table`; nothing more is compiled).
 
 A user's model (``model.provider``: a Flax NNX module, a linen module or a
 `mpscale.trainer.Model`) is planned as the trainer would train it: its data provider
@@ -53,6 +58,7 @@ from typing import Any, Optional
 import jax
 
 from mpscale import hlo as hlo_lib
+from mpscale import pipeline as pipeline_lib
 from mpscale import sharding as sharding_lib
 from mpscale import validation
 from mpscale.trainer import builders
@@ -127,6 +133,11 @@ class Plan:
   bubble: float
   compile_seconds: float
   device_memory: Optional[int] = None
+  schedules: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  """A pipelined config's schedules side by side (`schedule_rows`), for its stages,
+  micro-batches and virtual stages: ``schedule``, ``virtual_stages``, ``bubble``,
+  ``inputs_alive`` (the most stage inputs a device keeps at once) and ``config``
+  (whether it is the config's own); empty without a pipeline."""
 
   @property
   def flops_per_step(self) -> float:
@@ -169,6 +180,7 @@ class Plan:
         f"  FLOPs per step    {self.flops_per_device:12.3e}  (all devices "
         f"{self.flops_per_step:.3e}{model_flops})",
         f"pipeline bubble     {self.bubble:12.1%}",
+        *self._schedule_lines(),
         "collectives per step (per device):",
     ]
     if not self.collectives:
@@ -176,6 +188,44 @@ class Plan:
     for kind, c in sorted(self.collectives.items()):
       lines.append(f"  {kind:<18} {c['count']:>6} x  {_fmt_bytes(c['bytes']):>12}")
     return "\n".join(lines)
+
+  def _schedule_lines(self) -> list[str]:
+    if not self.schedules:
+      return []
+    lines = [f"  {'schedule':<18}{'bubble':>12}  {'inputs alive':>12}"]
+    for row in self.schedules:
+      name = row["schedule"] + (f" v{row['virtual_stages']}"
+                                if row["virtual_stages"] > 1 else "")
+      lines.append(f"  {name:<18}{row['bubble']:12.1%}  {row['inputs_alive']:12d}"
+                   + ("  <- config" if row["config"] else ""))
+    return lines
+
+
+def schedule_rows(num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                  schedule: Optional[str] = None) -> list[dict[str, Any]]:
+  """Every pipeline schedule for ``S`` stages and ``M`` micro-batches, side by side.
+
+  GPipe, 1F1B and ZB-H1, then, with ``virtual_stages`` ``v > 1``, GPipe and 1F1B
+  interleaved over ``v`` chunks: each a dict of ``schedule``, ``virtual_stages``,
+  ``bubble`` (`mpscale.bubble_fraction` of its tick table; ZB-H1's ticks are a third
+  of a 1F1B backward, so the fractions compare at equal forward, input-gradient and
+  weight-gradient costs), ``inputs_alive`` (the most stage inputs a device keeps at
+  once: GPipe ``v M``, 1F1B ``min(S, M)``, ZB-H1 ``min(S, M)``, interleaved 1F1B at
+  most ``(v + 1) S - 1``) and ``config`` (``schedule`` with ``virtual_stages``:
+  the config's own). Read from the tables alone; nothing is compiled.
+  """
+  # pylint: disable=protected-access
+  rows = []
+  for v in sorted({1, virtual_stages}):
+    for name in pipeline_lib.SCHEDULES:
+      if name == "zb_h1" and v > 1:
+        continue  # one chunk per stage
+      table = pipeline_lib.schedule_table(name, num_stages, num_microbatches, v)
+      rows.append({"schedule": name, "virtual_stages": v,
+                   "bubble": pipeline_lib.bubble_fraction(table),
+                   "inputs_alive": int(pipeline_lib._live_slots(table)),
+                   "config": name == schedule and v == virtual_stages})
+  return rows
 
 
 def _model_flops(cfg: Any, params: Any, tokens: int) -> float:
@@ -291,6 +341,10 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
   else:
     loss = builders.build_loss(cfg, setup.model)
   bubble = loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0
+  schedules = []
+  if cfg.mesh.stage > 1 and isinstance(loss, pipeline_lib.Pipeline):
+    schedules = schedule_rows(cfg.mesh.stage, loss.num_microbatches,
+                              loss.virtual_stages, loss.schedule)
   return Plan(
       name=cfg.name, devices=devices,
       mesh={} if mesh is None else dict(mesh.shape),
@@ -306,4 +360,4 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
       xla_flops_per_device=float(cost.get("flops", math.nan)),
       model_flops=None if provided else _model_flops(cfg, params, tokens),
       collectives=hlo_lib.collectives(hlo), bubble=bubble,
-      compile_seconds=seconds, device_memory=memory)
+      compile_seconds=seconds, device_memory=memory, schedules=schedules)

@@ -390,9 +390,11 @@ class MeshConfig:
   interleaved GPipe keeps ``virtual_stages x num_microbatches``."""
   sequence_parallel: bool = False
   """With ``tensor`` > 1: layer norms and residual adds on a slice of the sequence."""
-  pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"
-  """Used when ``stage`` > 1: ``gpipe`` (all forwards, then all backwards) or
-  ``1f1b`` (PipeDream-flush; interleaved as Megatron's with ``virtual_stages``)."""
+  pipeline_schedule: Literal["gpipe", "1f1b", "zb_h1"] = "gpipe"
+  """Used when ``stage`` > 1: ``gpipe`` (all forwards, then all backwards), ``1f1b``
+  (PipeDream-flush; interleaved as Megatron's with ``virtual_stages``) or ``zb_h1``
+  (zero-bubble ZB-H1: the backward split into input and weight gradients, the
+  weight gradients filling 1F1B's bubble; ``virtual_stages`` 1)."""
   shard_optimizer_state: bool = False
   """ZeRO-1: the optimizer state also split over the ``data`` axis."""
 
