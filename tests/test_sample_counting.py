@@ -20,6 +20,7 @@ import mpscale.trainer
 from mpscale.trainer import builders, checkpoints, config as config_lib, loader
 from mpscale.trainer import data as data_lib
 from mpscale.trainer.samples import BatchSizes
+from tests.test_schedules import megatron_lr
 
 RAMP = {"train": {"samples": 2000}, "data": {"batch_size": 32,
                                              "rampup_batch_size": [8, 8, 480]}}
@@ -107,9 +108,14 @@ def test_the_learning_rate_is_a_function_of_the_samples_consumed():
   by_samples = mpscale.lr_schedule(cfg.optimizer.learning_rate, warmup_steps=320,
                                    decay_steps=2000, style="cosine", min_lr=1e-4)
   sizes = BatchSizes(32, (8, 8, 480))
-  for count in (0, 1, 19, 20, 33, 40, 60, 84):
+  for count in range(86):  # every step of the run, and one past it
+    consumed = sizes.consumed_at(count)
     np.testing.assert_allclose(float(schedule(count)),
-                               float(by_samples(sizes.consumed_at(count))), rtol=1e-6)
+                               float(by_samples(consumed)), rtol=1e-6)
+    # Megatron-LM's OptimizerParamScheduler.get_lr with num_steps = consumed samples.
+    np.testing.assert_allclose(float(schedule(count)), megatron_lr(
+        consumed, peak=cfg.optimizer.learning_rate, warmup=320, decay_steps=2000,
+        style="cosine", min_lr=1e-4), rtol=1e-5)
   # The warm-up ends after 320 samples: 20 steps of 8 then 10 of 16.
   assert sizes.consumed_at(30) == 320
   assert float(schedule(29)) < 0.99 * cfg.optimizer.learning_rate
