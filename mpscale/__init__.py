@@ -35,8 +35,8 @@ from mpscale.norms import (
     group_norms,
 )
 from mpscale.parameter_groups import ParamGroup, ParamGroupsState, param_groups
-from mpscale.pipeline import (Pipeline, bubble_fraction, schedule_chunks, schedule_table,
-                              stage_groups)
+from mpscale.pipeline import (Pipeline, SplitPipeline, bubble_fraction, schedule_chunks,
+                              schedule_table, stage_groups)
 from mpscale.schedules import lr_schedule, weight_decay_schedule
 from mpscale.sharding import flax_specs, fsdp_specs, logical_specs
 from mpscale.policy import Policy, default_keep_fp32, get_policy, keep_fp32_by_name
@@ -60,6 +60,7 @@ __all__ = [
     "ScaleByCameState",
     "SkipNonfiniteState",
     "SkipSpikesState",
+    "SplitPipeline",
     "TrainState",
     "accumulate_gradients",
     "bubble_fraction",

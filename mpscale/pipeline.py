@@ -53,8 +53,9 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
          1F1B per micro-batch, the price of the split without keeping residuals.)
 
 The bubble fraction is (S - 1) / (v M + S - 1) for GPipe and 1F1B, and (S - 1) /
-(3 M + S - 1) for ZB-H1, whose ticks are a third of a 1F1B backward each (F, B and
-W taken as equal). With ``v > 1`` (Megatron's
+(3 M + S - 1) for ZB-H1, each of whose ticks is one of F, B and W: with the three
+taken as equal, a 1F1B forward tick is one of them and its backward tick two, and
+the fractions compare as times. With ``v > 1`` (Megatron's
 interleaved schedule, ``num_layers_per_virtual_pipeline_stage``) device ``s`` holds
 chunks ``s, s + S, ...``, virtual stages ``c S + s``, and activations go round the
 ring: device ``S - 1``'s chunk ``c`` feeds device 0's chunk ``c + 1``. The layers are
@@ -527,6 +528,12 @@ class Pipeline:
                                           self.num_microbatches, self.virtual_stages))
 
   # ---- gradients
+  def _num_layers(self, params: Any) -> int:
+    return jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
+
+  def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any]]:
+    return _gpipe if self.schedule == "gpipe" else _one_f_one_b  # or zb_h1
+
   def value_and_grad(self, params: Any, batch: Any, *, mesh: Mesh,
                      data_axis: Any = "data", loss_scale: Any = 1.0,
                      per_token_loss: bool = False,
@@ -582,7 +589,7 @@ class Pipeline:
     axes = data_axes + (self.stage_axis,)
     D = sharding_lib.axis_size(mesh, data_axes)
     S, M = mesh.shape[self.stage_axis], self.num_microbatches
-    num_layers = jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
+    num_layers = self._num_layers(params)
     interleave = _interleave_order(num_layers, S, self.virtual_stages)
     # Stored in device order, the layers are where the devices run them already.
     permute = interleave is not None and self.layer_order == "model"
@@ -603,8 +610,7 @@ class Pipeline:
         keys = sharding_lib.cast_varying(_replica_keys(keys, data_axes, D), axes)
       run = _PipelineRun(self, S, M, per_token_loss, cast, axes, num_layers, micro,
                          scale, keys, float32_sums)
-      executor = _gpipe if self.schedule == "gpipe" else _one_f_one_b  # or zb_h1
-      loss, count, grads = executor(run, varying)
+      loss, count, grads = self._executor()(run, varying)
       grads = sharding_lib.scatter_split(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
@@ -1083,4 +1089,225 @@ def _one_f_one_b(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, 
   (_, _, _, grads, loss, count), _ = lax.scan(
       functools.partial(run.tick, params, jnp.asarray(slots)), carry,
       jnp.asarray(table))
+  return loss, count, grads
+
+
+# --------------------------------------------------------------------------- split
+@dataclasses.dataclass(frozen=True)
+class SplitPipeline(Pipeline):
+  """An encoder-decoder model split over the stages (Megatron-LM's
+  ``pipeline_model_parallel_split_rank``, as in T5): the first ``split`` stages run
+  the stacked encoder layers, the others the stacked decoder layers, which also read
+  the encoder's output::
+
+    x = embed_fn(params, batch)                       # stage 0
+    x = stage_fn(encoder_layer, x)                    # each encoder layer (stages < split)
+    y = decoder_embed_fn(params, batch)               # stage split
+    y = decoder_fn(decoder_layer, y, x)               # each decoder layer (stages >= split)
+    loss = head_fn(params, y, batch)                  # last stage
+
+  Each tick a stage sends the pair ``(x, y)`` up (the encoder stages' ``y`` is zeros;
+  the decoder stages pass the encoder's ``x`` on unchanged, as Megatron sends the
+  encoder's output along the decoder stages), with the GPipe schedule; autodiff
+  runs it backward, so the gradient of the encoder's output sums over every decoder
+  layer that read it.
+
+  **Storage.** SPMD gives every device arrays of one shape, so both stacks are
+  stored padded to one slice a stage (`to_device_order`): ``params[stages_key]``
+  holds ``S x n_e`` encoder layers (``n_e = L_e / split``), the slices of stages
+  ``>= split`` zeros, and ``params[decoder_key]`` ``S x n_d`` decoder layers
+  (``n_d = L_d / (S - split)``), the slices of stages ``< split`` zeros. A device
+  thus keeps one unused slice of the other stack (and its optimizer state): up to
+  twice the layers' memory of Megatron's MPMD split, the price of one program. The
+  padding gets zero gradients and stays zero under any optimizer whose update of a
+  zero gradient is zero (SGD, Adam, CAME without weight decay on it...;
+  decoupled weight decay keeps zeros at zero too). `to_model_order` drops it.
+
+  Attributes (beyond `Pipeline`'s; ``stage_fn`` is one encoder layer):
+    decoder_embed_fn: ``(params, batch) -> y``, run on stage ``split``.
+    decoder_fn: ``(layer_params, y, memory) -> y``, one decoder layer; ``memory`` is
+      the encoder's output.
+    split: the stages that run the encoder, ``1 <= split < S``.
+    decoder_key: the key of ``params`` holding the stacked decoder layers.
+
+  Only the GPipe schedule, without virtual stages or random keys, for now.
+  """
+  stages_key: str = "encoder"
+  decoder_embed_fn: Optional[Callable] = None
+  decoder_fn: Optional[Callable] = None
+  split: Optional[int] = None
+  decoder_key: str = "decoder"
+
+  def __post_init__(self):
+    super().__post_init__()
+    for name in ("decoder_embed_fn", "decoder_fn"):
+      validation.function(name, getattr(self, name))
+    validation.positive_int("split", self.split)
+    validation.positive_int("num_stages", self.num_stages)
+    if self.split >= self.num_stages:
+      raise validation.ArgumentError(
+          ("split", "num_stages"), f"{{0}}={self.split} leaves the decoder no stage "
+          f"of {{1}}={self.num_stages}: it must be below it")
+    if self.schedule != "gpipe" or self.virtual_stages != 1:
+      raise validation.ArgumentError(
+          ("schedule", "virtual_stages"), "a SplitPipeline runs {0}='gpipe' with "
+          f"{{1}}=1; got {self.schedule!r}, {self.virtual_stages}")
+    if self.stages_key == self.decoder_key:
+      raise validation.ArgumentError(("stages_key", "decoder_key"),
+                                     "{0} and {1} must differ")
+
+  def _stacks(self) -> tuple[tuple[str, int, int], ...]:
+    """``(key, first stage, stages)`` of each stack."""
+    S, k = self.num_stages, self.split
+    return (self.stages_key, 0, k), (self.decoder_key, k, S - k)
+
+  # ---- storage: each stack padded to a slice a stage
+  def to_device_order(self, tree: Any) -> Any:
+    """``tree`` (params, or a state holding params-shaped trees) with each stack's
+    leaves padded with zeros to ``S`` slices, its own stages' slices in place (the
+    class docstring)."""
+    return self._stored(tree, pad=True)
+
+  def to_model_order(self, tree: Any) -> Any:
+    """The inverse of `to_device_order`: each stack's own slices only."""
+    return self._stored(tree, pad=False)
+
+  def _stored(self, tree: Any, pad: bool) -> Any:
+    S = self.num_stages
+    stacks = {jax.tree_util.DictKey(key): (first, count)
+              for key, first, count in self._stacks()}
+
+    def convert(path, x):
+      key = next((k for k in path if k in stacks), None)
+      if key is None or not np.ndim(x):
+        return x
+      first, count = stacks[key]
+      if pad:
+        n = np.shape(x)[0] // count
+        widths = [(first * n, (S - first - count) * n)] + [(0, 0)] * (np.ndim(x) - 1)
+        return jnp.pad(x, widths)
+      n = np.shape(x)[0] // S
+      return x[first * n:(first + count) * n]
+
+    return jax.tree_util.tree_map_with_path(convert, tree)
+
+  # ---- the unpipelined model
+  def apply(self, params: Any, batch: Any, rng: Optional[jax.Array] = None) -> Any:
+    """The whole model on one device, from stored (padded) ``params``."""
+    if rng is not None:
+      raise ValueError("rng: a SplitPipeline takes no random keys yet")
+    params = self.to_model_order(params)
+    x = self.embed_fn(params, batch)
+    x = self._layers(params[self.stages_key], x)
+    y = self.decoder_embed_fn(params, batch)
+    y = _decoder_layers(self, params[self.decoder_key], y, x)
+    return self.head_fn(params, y, batch)
+
+  # ---- layout
+  def check(self, params: Any, mesh: Mesh, data_axis: Any = "data", batch: Any = None
+           ) -> None:
+    """`Pipeline.check` for two stacks: the mesh's stages are ``num_stages`` and each
+    stored stack splits into a slice a stage."""
+    if mesh is None or self.stage_axis not in mesh.axis_names:
+      raise ValueError(f"mesh has no stage axis {self.stage_axis!r}; its axes are "
+                       f"{None if mesh is None else mesh.axis_names}")
+    S = mesh.shape[self.stage_axis]
+    if S != self.num_stages:
+      raise ValueError(f"num_stages={self.num_stages} but the mesh has {S} stages")
+    for key, _, _ in self._stacks():
+      if not isinstance(params, dict) or key not in params:
+        raise ValueError(f"params must be a dict with stacked layers under {key!r}")
+      sizes = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(params[key])}
+      if len(sizes) != 1 or next(iter(sizes)) % S:
+        raise ValueError(f"params[{key!r}]: every leaf needs the same leading (layer) "
+                         f"axis, padded to a slice for each of the {S} stages "
+                         f"(SplitPipeline.to_device_order); got {sorted(sizes)}")
+    if batch is not None:
+      data_size = sharding_lib.axis_size(
+          mesh, sharding_lib.data_axes(mesh, data_axis))
+      sharding_lib.batch_rows(batch, data_size, self.num_microbatches, pipelined=True)
+
+  def param_specs(self, params: Any, specs: Any = None) -> Any:
+    """PartitionSpecs: both stacks' leading axis over the stage axis."""
+    if specs is None:
+      specs = jax.tree_util.tree_map(lambda _: P(), params)
+    out = dict(specs)
+    for key, _, _ in self._stacks():
+      out[key] = Pipeline.param_specs(dataclasses.replace(
+          self, stages_key=key, decoder_key=key + "_"), {key: params[key]},
+          {key: specs[key]})[key]
+    return out
+
+  # ---- gradients
+  def _num_layers(self, params: Any) -> int:
+    return 0  # no interleaving, no layer keys
+
+  def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any]]:
+    return _gpipe_split
+
+  def value_and_grad(self, params: Any, batch: Any, **kwargs: Any) -> Gradients:
+    """`Pipeline.value_and_grad` of the split model, from stored (padded)
+    ``params``; its gradients are stored alike (zero on the padding)."""
+    if kwargs.get("rng") is not None:
+      raise ValueError("rng: a SplitPipeline takes no random keys yet")
+    return super().value_and_grad(params, batch, **kwargs)
+
+
+def _decoder_layers(pipe: SplitPipeline, layers: Any, y: jax.Array,
+                    memory: jax.Array) -> jax.Array:
+  """The stacked decoder layers in order, each reading ``memory``."""
+  layer = lambda p, h: pipe.decoder_fn(p, h, memory)  # noqa: E731
+  body = jax.checkpoint(layer) if pipe.remat else layer
+  y, _ = lax.scan(lambda h, p: (body(p, h), None), y, layers)
+  return y
+
+
+def _gpipe_split(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
+  """GPipe over a `SplitPipeline`: each tick stage ``s`` runs its encoder slice on
+  ``x`` (``s < split``) or its decoder slice on ``y`` reading ``x``, and sends ``(x,
+  y)`` up. Returns ``(loss sum, count sum, grads)`` of this device."""
+  pipe, S, M = run.pipeline, run.S, run.M
+  stage = run.stage()
+  first = jax.tree_util.tree_map(lambda x: x[0], run.micro)
+  cast = lambda p: run.cast(p)  # noqa: E731
+  x_shape = jax.eval_shape(lambda p, b: pipe.embed_fn(cast(p), b), params, first)
+  y_shape = jax.eval_shape(lambda p, b: pipe.decoder_embed_fn(cast(p), b), params,
+                           first)
+  ring = [(i, i + 1) for i in range(S - 1)]
+
+  def objective(params):
+    p = cast(params)
+    encoder, decoder = p[pipe.stages_key], p[pipe.decoder_key]
+
+    def tick(carry, t):
+      (x_in, y_in), loss, count = carry
+      m = t - stage
+      valid = (m >= 0) & (m < M)
+      m = jnp.clip(m, 0, M - 1)
+      mb = run.micro_batch(m)
+      x = lax.cond(stage == 0,
+                   lambda: pipe.embed_fn(p, mb).astype(x_shape.dtype), lambda: x_in)
+      y = lax.cond(stage == pipe.split,
+                   lambda: pipe.decoder_embed_fn(p, mb).astype(y_shape.dtype),
+                   lambda: y_in)
+      # A bubble's inputs are garbage: replace them before any arithmetic.
+      x, y = jnp.where(valid, x, jnp.zeros_like(x)), jnp.where(valid, y,
+                                                               jnp.zeros_like(y))
+      x, y = lax.cond(
+          stage < pipe.split,
+          lambda: (pipe._layers(encoder, x), y),  # pylint: disable=protected-access
+          lambda: (x, _decoder_layers(pipe, decoder, y, x)))
+      ends = valid & (stage == S - 1)
+      l, c = lax.cond(ends, lambda: run.head_terms(p, y, mb),
+                      lambda: (run.zero(), run.zero()))
+      sent = lax.ppermute((x, y), pipe.stage_axis, ring) if S > 1 else (x, y)
+      return (sent, loss + l, count + c), None
+
+    init = run.vary((jnp.full(x_shape.shape, _BUBBLE_FILL, x_shape.dtype),
+                     jnp.full(y_shape.shape, _BUBBLE_FILL, y_shape.dtype)))
+    (_, loss, count), _ = lax.scan(tick, (init, run.zero(), run.zero()),
+                                   jnp.arange(M + S - 1))
+    return run.scale * loss, (loss, count)
+
+  grads, (loss, count) = jax.grad(objective, has_aux=True)(params)
   return loss, count, grads

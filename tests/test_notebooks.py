@@ -85,8 +85,32 @@ def _check_02(s):
 
 
 def _check_03(s):
-  assert s["bubble_S4_M8"] == {"gpipe": 0.273, "1f1b": 0.273}
-  assert s["peak_inputs_kept_M32"] == {"gpipe": 32, "1f1b": 4}
+  # The numbers the markdown states, and the same recomputed from the schedule tables
+  # (S = 4 stages, M = 8 micro-batches, v = 2 virtual stages in the interleaved ones).
+  from mpscale import pipeline as pl
+  S, M, v = 4, 8, 2
+
+  def bubble(schedule, m, vs=1):
+    return round(pl.bubble_fraction(pl.schedule_table(schedule, S, m, vs)), 3)
+
+  def alive(schedule, m, vs=1):
+    table = pl.schedule_table(schedule, S, m, vs)
+    return int(pl._live_slots(table))  # pylint: disable=protected-access
+
+  plain = ("gpipe", "1f1b")
+  assert s["bubble_S4_M8"] == {"gpipe": 0.273, "1f1b": 0.273} == {
+      k: bubble(k, M) for k in plain}
+  assert s["peak_inputs_kept_M32"] == {"gpipe": 32, "1f1b": 4} == {
+      k: alive(k, 32) for k in plain}
+  assert s["bubble_S4_M8_v2"] == {"gpipe": 0.158, "1f1b": 0.158} == {
+      k: bubble(k, M, v) for k in plain}
+  assert s["peak_inputs_kept_M32_v2"] == {"gpipe": 64, "1f1b": 11} == {
+      k: alive(k, 32, v) for k in plain}
+  # ZB-H1: (S - 1) / (3 M + S - 1) = 3 / 27, with 1F1B's min(S, M) inputs alive.
+  assert s["bubble_S4_M8_zb_h1"] == bubble("zb_h1", M) == round(
+      (S - 1) / (3 * M + S - 1), 3) == 0.111
+  assert s["bubble_S4_M8_zb_h1"] < s["bubble_S4_M8"]["1f1b"]
+  assert s["peak_inputs_kept_M32_zb_h1"] == alive("zb_h1", 32) == min(S, 32) == 4
   assert s["max_loss_difference"] < 1e-4 and s["max_gradient_difference"] < 1e-4
 
 

@@ -640,3 +640,136 @@ def test_interleaved_gpipe_keeps_the_stacked_layers_once_not_per_tick():
         ).memory_analysis().temp_size_in_bytes
   chunk_bytes = 2 * 2 * width * 4 * width * 4  # 2 layers of w1 and w2, float32
   assert temp[32] - temp[8] < 0.1 * 24 * v * chunk_bytes
+
+
+# ------------------------------------------------------------------ encoder-decoder
+
+SRC, TGT = 5, 3
+
+
+def enc_embed_fn(p, b):
+  return b["src"] @ p["embed"]
+
+
+def enc_layer_fn(lp, x):
+  return x + jnp.tanh(x @ lp["w"] + lp["b"])
+
+
+def dec_embed_fn(p, b):
+  return b["tgt"] @ p["dec_embed"]
+
+
+def dec_layer_fn(lp, y, memory):
+  return y + jnp.tanh(y @ lp["w"] + jnp.mean(memory, axis=1, keepdims=True) @ lp["m"])
+
+
+def seq2seq_head_fn(p, y, b):
+  err = jnp.sum((y @ p["head"] - b["out"]) ** 2, axis=-1)
+  return jnp.sum(err * b["mask"]), jnp.sum(b["mask"])
+
+
+def seq2seq_params(encoder_layers, decoder_layers, seed=0):
+  rng = np.random.default_rng(seed)
+  f32 = lambda *s, scale=0.3: jnp.asarray(rng.normal(size=s) * scale, jnp.float32)
+  return {"embed": f32(FEATURES, WIDTH), "dec_embed": f32(FEATURES, WIDTH),
+          "head": f32(WIDTH, 2),
+          "encoder": {"w": f32(encoder_layers, WIDTH, WIDTH),
+                      "b": f32(encoder_layers, WIDTH, scale=0.1)},
+          "decoder": {"w": f32(decoder_layers, WIDTH, WIDTH),
+                      "m": f32(decoder_layers, WIDTH, WIDTH)}}
+
+
+def seq2seq_batch(rows=16, seed=1):
+  rng = np.random.default_rng(seed)
+  f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  return {"src": f32(rows, SRC, FEATURES), "tgt": f32(rows, TGT, FEATURES),
+          "out": f32(rows, TGT, 2),
+          "mask": jnp.asarray((rng.random((rows, TGT)) < 0.7).astype(np.float32))}
+
+
+def seq2seq_reference(params, batch):
+  """The encoder-decoder by hand, layer by layer."""
+  def loss(p):
+    x = enc_embed_fn(p, batch)
+    for i in range(p["encoder"]["w"].shape[0]):
+      x = enc_layer_fn(jax.tree.map(lambda a: a[i], p["encoder"]), x)
+    y = dec_embed_fn(p, batch)
+    for i in range(p["decoder"]["w"].shape[0]):
+      y = dec_layer_fn(jax.tree.map(lambda a: a[i], p["decoder"]), y, x)
+    total, count = seq2seq_head_fn(p, y, batch)
+    return total / count
+  return jax.value_and_grad(loss)(params)
+
+
+def split_model(split, stages, micro):
+  return pl.SplitPipeline(enc_embed_fn, enc_layer_fn, seq2seq_head_fn, micro,
+                          decoder_embed_fn=dec_embed_fn, decoder_fn=dec_layer_fn,
+                          split=split, num_stages=stages)
+
+
+@pytest.mark.parametrize("data, stages, split, micro", [
+    (2, 4, 1, 2), (2, 4, 2, 4), (1, 4, 3, 4), (4, 2, 1, 1)])
+def test_an_encoder_decoder_split_equals_its_unpipelined_model(data, stages, split,
+                                                                micro):
+  """The first ``split`` stages run the encoder (2 layers a stage), the rest the
+  decoder (2 layers a stage), reading the encoder's output."""
+  params = seq2seq_params(2 * split, 2 * (stages - split))
+  batch = seq2seq_batch()
+  want_loss, want_grads = seq2seq_reference(params, batch)
+  model = split_model(split, stages, micro)
+  stored = model.to_device_order(params)
+  # Each stack padded to a slice a stage, the other stages' slices zero.
+  assert stored["encoder"]["w"].shape[0] == 2 * stages
+  assert not np.asarray(stored["encoder"]["w"][2 * split:]).any()
+  assert not np.asarray(stored["decoder"]["w"][:2 * split]).any()
+  grads, loss, tokens = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(data, stages), per_token_loss=True))(stored, batch)
+  assert float(tokens) == float(batch["mask"].sum())
+  assert_close(loss, want_loss)
+  assert_close(model.to_model_order(grads), want_grads)
+  assert not np.asarray(grads["encoder"]["w"][2 * split:]).any()  # padding: zero
+  assert not np.asarray(grads["decoder"]["w"][:2 * split]).any()
+  out = model.apply(stored, batch)
+  assert_close(out[0] / out[1], want_loss)
+  chex.assert_trees_all_equal(model.to_model_order(stored), params)
+
+
+def test_an_encoder_decoder_split_trains_as_the_unpipelined_step():
+  params, batch = seq2seq_params(2, 6), seq2seq_batch()
+  model = split_model(1, 4, 2)
+  tx = mpscale.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**8)
+  init, step = mpscale.make_train_step(model, tx, mesh=mesh_of(2, 4),
+                                       per_token_loss=True)
+  ref_init, ref_step = mpscale.make_train_step(model.apply, tx, per_token_loss=True)
+  state = init(model.to_device_order(params))
+  ref_state = ref_init(model.to_device_order(params))
+  for _ in range(3):
+    state, metrics = step(state, batch)
+    ref_state, ref_metrics = ref_step(ref_state, batch)
+  assert_close(state.params, ref_state.params)
+  assert_close(metrics["loss"], ref_metrics["loss"])
+  assert float(metrics["loss"]) < float(seq2seq_reference(params, batch)[0])
+
+
+@pytest.mark.parametrize("kwargs, names, message", [
+    (dict(split=4, num_stages=4), ("split", "num_stages"),
+     "split=4 leaves the decoder no stage"),
+    (dict(split=0, num_stages=4), ("split",), "split must be"),
+    (dict(split=1, num_stages=4, schedule="1f1b"), ("schedule", "virtual_stages"),
+     "runs schedule='gpipe'"),
+])
+def test_a_bad_split_names_the_argument(kwargs, names, message):
+  with pytest.raises(mpscale.ArgumentError, match=message) as err:
+    pl.SplitPipeline(enc_embed_fn, enc_layer_fn, seq2seq_head_fn, 2,
+                     decoder_embed_fn=dec_embed_fn, decoder_fn=dec_layer_fn, **kwargs)
+  assert err.value.names == names
+
+
+def test_a_split_stack_that_does_not_fit_the_stages_is_refused():
+  model = split_model(1, 4, 2)
+  with pytest.raises(ValueError, match="padded to a slice for each of the 4 stages"):
+    model.value_and_grad(seq2seq_params(2, 6), seq2seq_batch(), mesh=mesh_of(2, 4),
+                         per_token_loss=True)  # not padded: 2 and 6 layers
+  with pytest.raises(ValueError, match="num_stages=4 but the mesh has 2 stages"):
+    model.value_and_grad(model.to_device_order(seq2seq_params(2, 6)), seq2seq_batch(),
+                         mesh=mesh_of(4, 2), per_token_loss=True)
