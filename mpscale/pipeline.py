@@ -1123,7 +1123,9 @@ class SplitPipeline(Pipeline):
   zero gradient is zero (SGD, Adam, CAME without weight decay on it...;
   decoupled weight decay keeps zeros at zero too). `to_model_order` drops it.
 
-  Attributes (beyond `Pipeline`'s; ``stage_fn`` is one encoder layer):
+  Its attributes are `Pipeline`'s (``stage_fn`` is one encoder layer) and these.
+
+  Attributes:
     decoder_embed_fn: ``(params, batch) -> y``, run on stage ``split``.
     decoder_fn: ``(layer_params, y, memory) -> y``, one decoder layer; ``memory`` is
       the encoder's output.

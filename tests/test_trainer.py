@@ -294,3 +294,60 @@ def test_skip_spikes_by_config_fills_the_spikes_column(tmp_path):
       13, 16, 29]
   assert all(int(r["skipped"]) == s for r, s in zip(table, spikes))
   assert all(r["overflows"] == "0" for r in table)
+
+
+# ------------------------------------------------------------------ encoder-decoder
+
+T5_CONFIG = os.path.join(ROOT, "examples", "t5_split", "config.yaml")
+T5_SMALL = ["model.args.d_model=16", "model.args.encoder_layers=3",
+            "model.args.decoder_layers=3", "data.batch_size=8", "data.eval_batches=1",
+            "data.args.train_size=512", "train.steps=6", "train.log_every=1",
+            "train.eval_every=6", "train.checkpoint_every=3", "train.keep_checkpoints=5",
+            "schedule.warmup_steps=1", "mesh.stage=2", "mesh.data=2",
+            "train.num_microbatches=2", "mesh.pipeline_split=1"]
+
+
+@pytest.mark.slow  # three runs of a pipeline: about a minute on 2 cores
+def test_an_encoder_decoder_trains_split_over_the_stages(tmp_path):
+  """examples/t5_split (3 encoder and 3 decoder layers): ``mesh.pipeline_split``
+  puts the encoder on the first stages. On 4 stages, splits 1 and 3 are the same
+  model placed otherwise: the same losses. A checkpoint saved on 4 stages (padded
+  stacks in the state, model order saved) resumes on 2 stages split at 1 and goes
+  on with the same losses."""
+  def train(out, *overrides, resume=False):
+    assert cli.main(["train", "--config", T5_CONFIG, "--out", str(out), "--quiet",
+                     "--no-progress", "--devices", "4", *(["--resume"] if resume
+                                                          else []),
+                     *sets(T5_SMALL + list(overrides))]) == 0
+    return [float(r["loss"]) for r in rows(out)]
+
+  split1 = train(tmp_path / "split1", "mesh.stage=4", "mesh.data=1",
+                 "mesh.pipeline_split=1")
+  split3 = train(tmp_path / "split3", "mesh.stage=4", "mesh.data=1",
+                 "mesh.pipeline_split=3")
+  assert len(split1) == 6 and split1[-1] < split1[0]
+  np.testing.assert_allclose(split3, split1, rtol=1e-5)
+  import shutil
+  shutil.copytree(tmp_path / "split1", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")
+  resumed = train(tmp_path / "resumed", "mesh.stage=2", "mesh.data=2",
+                  "mesh.pipeline_split=1", resume=True)
+  np.testing.assert_allclose(resumed, split1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.pipeline_split=2"], "mesh.pipeline_split (2) must be below mesh.stage (2)"),
+    (["mesh.pipeline_split=0"], "mesh.pipeline_split must be"),
+])
+def test_a_bad_split_is_refused_by_key(overrides, message, capsys):
+  assert cli.main(["train", "--config", T5_CONFIG, "--quiet", "--no-progress",
+                   *sets(T5_SMALL + overrides)]) != 0
+  assert message in capsys.readouterr().err
+
+
+def test_a_split_needs_an_encoder_decoder_model():
+  with pytest.raises(config_lib.ConfigError,
+                     match="mesh.pipeline_split splits an encoder-decoder; the "
+                     "built-in tiny LM is decoder-only"):
+    config_lib.config_from_dict({"mesh": {"stage": 2, "pipeline_split": 1},
+                                 "train": {"per_token_loss": True}}, "<test>")

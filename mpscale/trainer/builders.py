@@ -507,6 +507,11 @@ def check(cfg: config_lib.RunConfig) -> None:
   build_policy(cfg)
   build_grad_reduce_dtype(cfg)
   if cfg.model.provider is None:
+    if cfg.mesh.pipeline_split is not None:
+      raise validation.ArgumentError(
+          ("mesh.pipeline_split", "model.provider"), "{0} splits an encoder-decoder; "
+          "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
+          "model (examples/t5_split)")
     model = build_model(cfg)
     build_loss(cfg, model)
     if cfg.optimizer.groups:
@@ -582,6 +587,14 @@ def user_param_specs(cfg: config_lib.RunConfig, model: models_lib.Model,
     raise validation.ArgumentError(
         "mesh.stage", "{0}: the model's loss_fn is an mpscale.Pipeline, which needs "
         "{0} > 1")
+  split = getattr(model.loss_fn, "split", None) if pipelined else None
+  if split != cfg.mesh.pipeline_split:
+    raise validation.ArgumentError(
+        ("mesh.pipeline_split", "model.provider"),
+        f"{{0}} is {cfg.mesh.pipeline_split}, but the model of {{1}} "
+        + ("has no encoder-decoder split (its loss_fn is not an mpscale.SplitPipeline)"
+           if split is None else f"splits its pipeline at {split}")
+        + "; they must agree (the provider reads config.mesh.pipeline_split)")
   specs = model.param_specs
   if callable(specs) and mesh is not None:
     specs = _keyed("mesh", lambda: specs(mesh))
@@ -658,8 +671,9 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
 
   def init(params):
     model_state = None if init_state is None else init_state(key)
-    if pipeline is not None and not _is_abstract(params):
-      params = pipeline.to_device_order(params)
+    if pipeline is not None:
+      params = (jax.eval_shape(pipeline.to_device_order, params)
+                if _is_abstract(params) else pipeline.to_device_order(params))
     return make_init(params, model_state=model_state, rng=key if stochastic else None)
 
   @jax.jit
@@ -682,7 +696,8 @@ def _is_abstract(tree: Any) -> bool:
 
 def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], Any]:
   """``permute`` (a pipeline's layer order) with its result placed as its input
-  (each leaf's sharding kept); the identity for ``None``."""
+  (each leaf's sharding kept where its shape is: a `mpscale.SplitPipeline`'s padding
+  changes the stacks' shapes); the identity for ``None``."""
   if permute is None:
     return lambda tree: tree
 
@@ -690,7 +705,8 @@ def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], An
     out = permute(tree)
     return jax.tree_util.tree_map(
         lambda new, old: (jax.device_put(new, old.sharding)
-                          if isinstance(old, jax.Array) and new is not old else new),
+                          if isinstance(old, jax.Array) and new is not old
+                          and new.shape == old.shape else new),
         out, tree)
   return placed
 

@@ -86,6 +86,13 @@ def check(cfg: RunConfig) -> None:
   if mesh.virtual_stages > 1 and mesh.stage == 1:
     raise ConfigError("mesh.virtual_stages > 1 needs mesh.stage > 1",
                       ("mesh.virtual_stages", "mesh.stage"))
+  if mesh.pipeline_split is not None:
+    _checked(validation.positive_int, "mesh.pipeline_split", mesh.pipeline_split)
+    if mesh.pipeline_split >= mesh.stage:
+      raise ConfigError(
+          f"mesh.pipeline_split ({mesh.pipeline_split}) must be below mesh.stage "
+          f"({mesh.stage}): the encoder takes the first pipeline_split stages and the "
+          "decoder the rest, each at least one", ("mesh.pipeline_split", "mesh.stage"))
   if mesh.sequence_parallel and mesh.tensor == 1:
     raise ConfigError("mesh.sequence_parallel needs mesh.tensor > 1 (it splits the "
                       "sequence over the tensor axis)",

@@ -529,7 +529,11 @@ def _restore(run: _Run, opt_state: bool = True) -> tuple[TrainState, int, Any]:
   """
   restored, step, data_state = checkpoints.restore_latest(
       run.ckpt_dir, run.setup.to_model_order(run.state), opt_state=opt_state)
-  return run.setup.to_device_order(restored), step, data_state
+  placed = jax.tree_util.tree_map(
+      lambda new, old: (jax.device_put(new, old.sharding)
+                        if isinstance(old, jax.Array) else new),
+      run.setup.to_device_order(restored), run.state)
+  return placed, step, data_state
 
 
 def _check_consumed(run: _Run, start: int, source: str) -> None:

@@ -395,6 +395,11 @@ class MeshConfig:
   (PipeDream-flush; interleaved as Megatron's with ``virtual_stages``) or ``zb_h1``
   (zero-bubble ZB-H1: the backward split into input and weight gradients, the
   weight gradients filling 1F1B's bubble; ``virtual_stages`` 1)."""
+  pipeline_split: Optional[int] = None
+  """An encoder-decoder's split (Megatron-LM's ``pipeline_model_parallel_split_rank``):
+  the first ``pipeline_split`` stages run the encoder, the others the decoder. Needs
+  ``stage`` > 1 and a ``model.provider`` whose loss is an `mpscale.SplitPipeline`
+  with that ``split`` (it reads this key; examples/t5_split)."""
   shard_optimizer_state: bool = False
   """ZeRO-1: the optimizer state also split over the ``data`` axis."""
 
