@@ -1,5 +1,6 @@
-"""The trainer's grain data loader against the direct batch function it replaced: cost
-per batch, and as a share of a tiny-LM train step.
+"""The trainer's grain data loader against the direct batch function it replaced, and
+a token corpus on disk read through it: cost per batch, and as a share of a tiny-LM
+train step.
 
 Measured per batch (or per step), in microseconds, for batches of ``B x T`` tokens
 (default 16 x 64). Variants (each has a letter; the ratios are named by them):
@@ -19,9 +20,24 @@ Measured per batch (or per step), in microseconds, for batches of ``B x T`` toke
   f  the trainer's loop fed by a: next batch, dispatch the step, wait for the previous
      step (one step in flight, as `mpscale.trainer.loop` does with a progress bar)
   g  the same loop fed by the grain loader (a second iterator like b's)
+  h  the same loop fed by a token corpus on disk: ``corpora.token_data(cfg)
+     .iterator()`` with ``data.tokens`` naming a Megatron indexed dataset (uint16,
+     written once to a temporary folder by ``token_files.write_indexed``) of the
+     embedded corpus's bytes, one document per module (``data.stdlib_documents()``,
+     as ``data.tokenize`` splits it; ``--token-documents paragraphs``: one per
+     blank-line-separated paragraph, ~110 bytes, so over half the samples span two or
+     more documents), each ended by ``data.eod`` 0 (no NUL byte occurs in the text, so
+     ``model.vocab_size`` stays 256 and the step is the very one f and g compile),
+     with ``data.eod_mask_loss``: Megatron GPT samples of T + 1 tokens, read by grain
+     a batch per item (``corpora.SampleBatches``: the batch's samples gathered at
+     once from the memory-mapped tokens by ``GPTSamples.examples``; checked to have
+     the text batches' keys, dtypes and shapes)
+  i  ``next(it)`` of that token loader alone (a second iterator, like b)
+     (diagnostic: the token corpus's cost per batch)
 
 Timing is round-robin: each round times every variant once, in a shuffled order, as a
-block of ``--batches`` calls (``--steps`` for d, f, g), with the garbage collector off.
+block of ``--batches`` calls (``--steps`` for d, f, g, h), with the garbage collector
+off.
 Each ratio is formed within a round; the median over ``--rounds`` rounds is printed
 with its interquartile range:
 
@@ -32,15 +48,22 @@ with its interquartile range:
   (c-a)/d     the same for a user's source
   g/f         the same measured in the loop, where the read-ahead thread overlaps the
               step (on a 2-core CPU it competes with XLA's threads instead)
+  h/f         the loop fed by the token corpus on disk against the loop fed by the
+              in-memory direct function (target: <= 1.05)
+  h/g         the same against the loop fed by the grain text loader
+  i/a         the token loader's cost per batch against the direct function
+  (i-a)/d     its extra cost as a share of a step, as if nothing overlapped (compare
+              h/f - 1)
 
-Compilation and one warm-up call per variant are excluded. Before each block of b, c
-and g, the batches read ahead while other variants ran are taken untimed, so a block
-does not start with a full buffer.
+Compilation and one warm-up call per variant are excluded. Before each block of b, c,
+g, h and i, the batches read ahead while other variants ran are taken untimed, so a
+block does not start with a full buffer.
 
 Usage::
 
-    python benchmarks/bench_data.py            # 11 rounds x 400 batches / 20 steps: ~75 s
-    python benchmarks/bench_data.py --quick    # 5 rounds x 100 batches / 8 steps, ~35 s
+    python benchmarks/bench_data.py            # 11 rounds x 400 batches / 20 steps: ~45 s
+    python benchmarks/bench_data.py --quick    # 5 rounds x 100 batches / 8 steps: ~20 s
+    python benchmarks/bench_data.py --quick --token-documents paragraphs
     python benchmarks/bench_data.py --batch-size 32 --seq-len 128 --examples 8192
 """
 
@@ -54,6 +77,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable, NamedTuple, Optional
 
@@ -63,14 +87,17 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from mpscale.trainer import builders, config as config_lib  # noqa: E402
-from mpscale.trainer import data as data_lib, loader  # noqa: E402
+from mpscale.trainer import builders, config as config_lib, corpora  # noqa: E402
+from mpscale.trainer import data as data_lib, loader, token_files  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
 CHECK_STEPS = 4
 """The grain loader's first batches checked equal to the direct function's."""
 READ_AHEAD = loader._READ["prefetch_buffer_size"]  # noqa: SLF001 -- the loader's own
 """Batches the loader's background thread reads ahead (drained before each block)."""
+EOD = 0
+"""The token corpus's end-of-document id: a byte the embedded text never holds, so the
+tiny LM's 256 ids hold it."""
 
 
 class Variant(NamedTuple):
@@ -98,13 +125,20 @@ def _time_block(v: Variant) -> float:
   return (time.perf_counter() - start) / v.per_block * 1e6
 
 
-def _check_same(got: data_lib.Batch, want: data_lib.Batch, step: int) -> None:
-  assert set(got) == set(want), f"step {step}: keys {sorted(got)} != {sorted(want)}"
+def _check_like(got: data_lib.Batch, want: data_lib.Batch, what: str) -> None:
+  """``got`` has ``want``'s keys, dtypes and shapes (the same compiled step)."""
+  assert set(got) == set(want), f"{what}: keys {sorted(got)} != {sorted(want)}"
   for k in want:
     g, w = np.asarray(got[k]), want[k]
     assert g.dtype == w.dtype and g.shape == w.shape, (
-        f"step {step}: {k} is {g.dtype}{list(g.shape)}, want {w.dtype}{list(w.shape)}")
-    assert np.array_equal(g, w), f"step {step}: {k} differs from train_batch's"
+        f"{what}: {k} is {g.dtype}{list(g.shape)}, want {w.dtype}{list(w.shape)}")
+
+
+def _check_same(got: data_lib.Batch, want: data_lib.Batch, step: int) -> None:
+  _check_like(got, want, f"step {step}")
+  for k in want:
+    assert np.array_equal(np.asarray(got[k]), want[k]), (
+        f"step {step}: {k} differs from train_batch's")
 
 
 def _user_examples(text: data_lib.TextData, count: int, seq_len: int,
@@ -118,6 +152,19 @@ def _user_examples(text: data_lib.TextData, count: int, seq_len: int,
           for w in windows]
 
 
+def _token_documents(split: str) -> list[np.ndarray]:
+  """The embedded corpus's bytes as documents, each ended by `EOD`: one per module
+  (``split="modules"``, the corpus's own documents) or per paragraph."""
+  if split == "modules":
+    texts = [d.encode("utf-8") for d in data_lib.stdlib_documents()]
+  else:
+    texts = [p for d in data_lib.stdlib_documents()
+             for p in d.encode("utf-8").split(b"\n\n") if p.strip()]
+  docs = [np.append(np.frombuffer(t, np.uint8), EOD).astype(np.uint16) for t in texts]
+  assert all(np.count_nonzero(d == EOD) == 1 for d in docs), "the text holds EOD"
+  return docs
+
+
 RATIOS = [
     ("b/a", "grain loader / direct", lambda t: t["b"] / t["a"]),
     ("c/a", "user source / direct", lambda t: t["c"] / t["a"]),
@@ -127,6 +174,13 @@ RATIOS = [
     ("(c-a)/d", "user source's extra cost, share of a step",
      lambda t: (t["c"] - t["a"]) / t["d"]),
     ("g/f", "loop with grain / loop with direct", lambda t: t["g"] / t["f"]),
+    ("h/f", "loop with token corpus / loop with direct (target <= 1.05)",
+     lambda t: t["h"] / t["f"]),
+    ("h/g", "loop with token corpus / loop with grain text",
+     lambda t: t["h"] / t["g"]),
+    ("i/a", "token loader / direct", lambda t: t["i"] / t["a"]),
+    ("(i-a)/d", "token loader's extra cost, share of a step",
+     lambda t: (t["i"] - t["a"]) / t["d"]),
 ]
 """(name, meaning, ratio of one round's per-call times)."""
 
@@ -140,17 +194,21 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true",
-                  help="5 rounds x 100 batches / 8 steps (about 35 s on 2 CPU cores)")
+                  help="5 rounds x 100 batches / 8 steps (about 20 s on 2 CPU cores)")
   ap.add_argument("--rounds", type=int, default=None,
                   help="rounds (default 11; quick 5)")
   ap.add_argument("--batches", type=int, default=None,
-                  help="batches per block of a, b, c, e (default 400; quick 100)")
+                  help="batches per block of a, b, c, e, i (default 400; quick "
+                  "100)")
   ap.add_argument("--steps", type=int, default=None,
-                  help="steps per block of d, f, g (default 20; quick 8)")
+                  help="steps per block of d, f, g, h (default 20; quick 8)")
   ap.add_argument("--batch-size", type=int, default=16, help="B, rows per batch (16)")
   ap.add_argument("--seq-len", type=int, default=64, help="T, tokens per row (64)")
   ap.add_argument("--examples", type=int, default=4096,
                   help="examples in c's user source (4096)")
+  ap.add_argument("--token-documents", choices=("modules", "paragraphs"),
+                  default="modules", help="the token corpus's documents: one per "
+                  "module (default) or per paragraph")
   ap.add_argument("--seed", type=int, default=0, help="seed of the round order")
   args = ap.parse_args(argv)
 
@@ -166,6 +224,20 @@ def main(argv=None) -> int:
   text_data = loader.text_data(text, cfg)
   user = loader.user_data(_user_examples(text, args.examples, seq_len, cfg.seed), cfg)
 
+  # (h, i) the token corpus on disk, and the same config reading it. The folder (with
+  # the sample indices GPTSamples caches in it) is removed at the end.
+  folder = tempfile.TemporaryDirectory(prefix="bench_data_")
+  documents = _token_documents(args.token_documents)
+  prefix = token_files.write_indexed(os.path.join(folder.name, "stdlib"), documents,
+                                     np.uint16)
+  token_cfg = config_lib.load_config(CONFIG, [
+      f"data.batch_size={bs}", f"model.seq_len={seq_len}", f"data.tokens={prefix}",
+      f"data.eod={EOD}", "data.eod_mask_loss=true"])
+  assert token_cfg.model == cfg.model, "the token config changed the model"
+  t0 = time.perf_counter()
+  token_data = corpora.token_data(token_cfg)
+  token_open_s = time.perf_counter() - t0
+
   dev = jax.devices()[0]
   print(f"jax {jax.__version__}  grain {getattr(grain, '__version__', '?')}  "
         f"numpy {np.__version__}  python {platform.python_version()}")
@@ -174,6 +246,9 @@ def main(argv=None) -> int:
         f"training tokens; user source: {args.examples} examples; step: "
         f"{os.path.relpath(CONFIG, ROOT)} ({cfg.precision.policy}, "
         f"{cfg.optimizer.name}, loss scale {cfg.loss_scale.kind})")
+  print(f"token corpus: {len(documents)} documents ({args.token_documents}), "
+        f"{sum(map(len, documents))} uint16 tokens, indexed dataset on disk; "
+        f"opened (sample indices built) in {token_open_s * 1e3:.0f} ms")
   print(f"timing: {rounds} rounds, {batches} batches / {steps} steps per block, "
         "shuffled order each round")
 
@@ -194,6 +269,14 @@ def main(argv=None) -> int:
   first = next(user_it)
   for k in ("inputs", "targets", "mask"):
     assert first[k].shape == (bs, seq_len), f"user batch {k}: {first[k].shape}"
+
+  # (i) the token loader, its batches shaped as the text's (the same compiled step).
+  token_it = token_data.iterator()
+  want = text.train_batch(cfg.seed, 0, bs, seq_len)
+  for step in range(CHECK_STEPS):
+    _check_like(next(token_it), want, f"token batch {step}")
+  print(f"check: the token loader's first {CHECK_STEPS} batches have the text "
+        "batches' keys, dtypes and shapes")
 
   # (e) random access, consecutive steps.
   access_steps = itertools.count()
@@ -227,6 +310,7 @@ def main(argv=None) -> int:
     box["pending"] = None
 
   loop_it = text_data.iterator()
+  token_loop_it = token_data.iterator()
 
   def drain(it) -> Callable[[], None]:
     """Takes the batches read ahead while other variants ran (untimed)."""
@@ -235,9 +319,11 @@ def main(argv=None) -> int:
         next(it)
     return prepare
 
-  def prepare_loop() -> None:
-    settle()
-    drain(loop_it)()
+  def prepare_loop(it) -> Callable[[], None]:
+    def prepare() -> None:
+      settle()
+      drain(it)()
+    return prepare
 
   variants = [
       Variant("a", "direct: text.train_batch(seed, step, B, T)", direct, batches),
@@ -251,7 +337,12 @@ def main(argv=None) -> int:
       Variant("f", "loop: direct batch + step", loop_call(direct), steps,
               prepare=settle, finish=settle),
       Variant("g", "loop: grain batch + step", loop_call(lambda: next(loop_it)), steps,
-              prepare=prepare_loop, finish=settle),
+              prepare=prepare_loop(loop_it), finish=settle),
+      Variant("h", "loop: token-corpus batch + step",
+              loop_call(lambda: next(token_loop_it)), steps,
+              prepare=prepare_loop(token_loop_it), finish=settle),
+      Variant("i", "token corpus: next(corpora.token_data(cfg).iterator())",
+              lambda: next(token_it), batches, prepare=drain(token_it)),
   ]
   for v in variants:  # warm-up, untimed
     v.call()
@@ -286,6 +377,7 @@ def main(argv=None) -> int:
   for name, label, ratio in RATIOS:
     med, lo, hi = _quartiles([ratio(t) for t in by_round])
     print(f"  {name:<8} {med:8.4f}   (IQR {lo:.4f}-{hi:.4f})   {label}")
+  folder.cleanup()
   return 0
 
 

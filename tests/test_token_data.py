@@ -10,6 +10,7 @@ end-of-document id 0, unless a test numbers its tokens to tell samples apart.
 import csv
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -17,8 +18,8 @@ import numpy as np
 import pytest
 
 import mpscale.trainer
-from mpscale.trainer import cli, config as config_lib, corpora, tokenizing
-from mpscale.trainer.token_files import IndexedDataset, write_indexed
+from mpscale.trainer import cli, config as config_lib, corpora, loader, tokenizing
+from mpscale.trainer.token_files import FlatTokens, IndexedDataset, write_indexed
 from mpscale.trainer.tokens import GPTSamples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,6 +153,154 @@ def test_each_process_reads_disjoint_rows_whose_union_is_the_global_batch(
   assert set(np.concatenate(want_eval).ravel().tolist()) <= held_tokens
   assert not seen & held_tokens  # training never reads a held-out token
   assert len(seen) > 0.9 * (starts[22] * (2 if blend else 1))  # but all the others
+
+
+# ------------------------------------------------------------------ batches at once
+#
+# One corpus without a ramp-up is read as corpora.SampleBatches (a batch per grain
+# item, gathered by GPTSamples.examples); the per-example path it replaces is
+# loader.user_data over the GPTSamples, which blends and ramp-ups still take.
+
+
+def _per_example(samples, cfg, rows=None):
+  """The batches grain makes of ``samples`` example by example (the reference)."""
+  return loader.user_data({"train": samples}, cfg, "data.tokens", rows,
+                          shuffle=False).train
+
+
+def _assert_same_batch(got, want, what):
+  assert list(got) == list(want), what  # the keys, in order
+  for key in want:
+    assert got[key].dtype == want[key].dtype, (what, key)
+    np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what} {key}")
+
+
+def _sample_corpora(tmp_path):
+  """An indexed corpus with empty documents and a flat file of the same tokens:
+  documents of 0 to 40 tokens, so most samples of 16 span two or more."""
+  docs = _documents(10, count=60, low=0, high=40)
+  docs[3] = docs[17] = np.zeros(0, np.int64)  # an indexed corpus may hold empty ones
+  return {"indexed": IndexedDataset(_indexed(tmp_path / "c", docs)),
+          "flat": FlatTokens(_flat(tmp_path / "c.flat", docs), np.uint16, EOD)}
+
+
+@pytest.mark.parametrize("kind", ["indexed", "flat"])
+@pytest.mark.parametrize("options", [
+    {}, {"eod_mask_loss": True},
+    {"eod_mask_loss": True, "reset_position_ids": True, "reset_attention_mask": True},
+    {"reset_position_ids": True}])
+def test_sample_batches_equal_the_per_example_batches(tmp_path, kind, options):
+  corpus = _sample_corpora(tmp_path)[kind]
+  cfg = _cfg({})  # 8 rows of 16 tokens
+  bs = cfg.data.batch_size
+  # Three epochs of indices (the documents repeated and shuffled, the last epoch
+  # apart), read from the cache as the trainer reads them (memory-mapped); the
+  # batches run past the last sample into the first again, mid-batch (the samples
+  # are not a multiple of 8).
+  make = lambda: GPTSamples(corpus, 16, 3, 200, eod=EOD, cache_dir=tmp_path / "idx",
+                            **options)
+  make()
+  samples = make()
+  assert samples.cache_hit and samples.epochs == 3 and len(samples) % bs
+  end = len(samples) // bs
+  steps = [0, 1, 2, end - 1, end, end + 1, end + 2, 2 * end + 1, 10**6]
+  for rows in (None, (0, 4), (4, 8), (2, 4)):
+    want, got = _per_example(samples, cfg, rows), corpora.SampleBatches(
+        samples, bs, rows)
+    for step in steps:
+      _assert_same_batch(got[step], want[step], f"rows {rows} step {step}")
+  # Two processes' rows: together the whole batch, in order.
+  halves = [corpora.SampleBatches(samples, bs, r) for r in ((0, 4), (4, 8))]
+  whole = corpora.SampleBatches(samples, bs)
+  for step in steps:
+    for key, value in whole[step].items():
+      np.testing.assert_array_equal(
+          np.concatenate([h[step][key] for h in halves]), value, err_msg=key)
+  # The reset options' arrays, as Megatron makes them, on a batch with eods.
+  batch = whole[end]
+  if options.get("reset_position_ids"):
+    assert (batch["inputs"][:, :-1] == EOD).any()
+    assert batch["position_ids"].min() == 0 and (batch["position_ids"][:, 0] == 0).all()
+  # Every example of the epoch, in any order, negative ones too, and none.
+  ids = np.concatenate([np.arange(-len(samples), len(samples)), [5, 5, 0]])
+  got = samples.examples(ids)
+  for key, value in got.items():
+    assert value.shape[0] == len(ids) and value.flags.c_contiguous
+  for j in range(0, len(ids), 7):
+    _assert_same_batch({k: v[j] for k, v in got.items()},
+                       dict(sorted(samples[int(ids[j])].items())), f"example {ids[j]}")
+  assert {k: v.shape for k, v in samples.examples([]).items()} == {
+      k: (0, 16) for k in got}
+  with pytest.raises(IndexError):
+    samples.examples([len(samples)])
+
+
+def test_a_corpus_read_only_through_get_is_gathered_row_by_row(tmp_path):
+  class Wrapped:  # the corpus interface GPTSamples needs, no memory-mapped file
+    def __init__(self, corpus):
+      self.corpus, self.sequence_lengths = corpus, corpus.sequence_lengths
+
+    def __len__(self):
+      return len(self.corpus)
+
+    def get(self, i, offset=0, length=None):
+      return self.corpus.get(i, offset, length)
+
+  corpus = _sample_corpora(tmp_path)["indexed"]
+  fast = GPTSamples(corpus, 16, 1, 200, eod=EOD, eod_mask_loss=True, cache=False)
+  slow = GPTSamples(Wrapped(corpus), 16, 1, 200, eod=EOD, eod_mask_loss=True,
+                    cache=False)
+  assert slow._gather() is None and fast._gather() is not None
+  ids = np.arange(len(fast))
+  _assert_same_batch(slow.examples(ids), fast.examples(ids), "all")
+  # Pickled (as grain may, to a worker process) it maps the corpus anew.
+  fast.examples([0])
+  again = pickle.loads(pickle.dumps(fast))
+  assert "_gathered" not in again.__dict__
+  _assert_same_batch(again.examples(ids), fast.examples(ids), "unpickled")
+
+
+@pytest.mark.parametrize("kind", ["indexed", "flat"])
+def test_token_data_reads_one_corpus_a_batch_at_a_time_and_resumes(tmp_path, kind):
+  path = str(_sample_corpora(tmp_path)[kind].path)
+  data = {"tokens": path, "eod": EOD, "eod_mask_loss": True}
+  if kind == "flat":
+    data["token_dtype"] = "uint16"
+  cfg = _cfg(data, train={"steps": 35})
+  run = corpora.token_data(cfg)
+  assert "SampleBatches" in str(run.train)  # not grain's batches of examples
+  # The reference: the same GPTSamples (the training documents, the run's sample
+  # count) batched example by example.
+  corpus = (IndexedDataset(path) if kind == "indexed"
+            else FlatTokens(path, np.uint16, EOD))
+  train, _ = corpora.split_documents(len(corpus), cfg.data.eval_fraction)
+  samples = GPTSamples(corpus, cfg.model.seq_len, cfg.seed, 35 * 8, documents=train,
+                       eod=EOD, eod_mask_loss=True, cache=False)
+  want = _per_example(samples, cfg)
+  end = len(samples) // 8  # its last batch runs into its first samples again
+  assert samples.epochs > 2 and len(samples) % 8
+  it = run.iterator()
+  for step in range(end + 3):
+    _assert_same_batch(next(it), want[step], f"step {step}")
+  # Mid-epoch, past the samples' end: the position is the step, as grain's own
+  # batches of examples record it, and a new iterator from it goes on alike.
+  state = it.get_state()
+  reference = iter(want.to_iter_dataset())
+  for _ in range(end + 3):
+    next(reference)
+  assert state == reference.get_state() == {"next_index": end + 3}
+  resumed = run.iterator(state)
+  for step in range(end + 3, end + 8):
+    batch = next(it)
+    _assert_same_batch(next(resumed), batch, f"resumed step {step}")
+    _assert_same_batch(batch, want[step], f"step {step}")
+  # A ramp-up keeps grain's batches of examples (its batches change size).
+  raw = _config({**data, "rampup_batch_size": [4, 4, 32]},
+                train={"steps": None, "samples": 200})
+  raw["schedule"] = {"warmup_samples": 8}  # a ramp-up counts the run in samples
+  ramped = corpora.token_data(config_lib.config_from_dict(raw, "<test>"))
+  assert "SampleBatches" not in str(ramped.train)
+  assert [len(ramped.train[step]["inputs"]) for step in (0, 7, 8)] == [4, 4, 8]
 
 
 def _blend_rule(weights, size):

@@ -14,6 +14,8 @@ From the config to the loader::
                data.eval_batches * data.batch_size, or with 0 the samples the held-out
                documents hold                                          # data.blend
   batches  = loader.user_data({"train": train, "eval": eval}, shuffle=False)
+             # one corpus, no ramp-up: train read as SampleBatches(train), the same
+             # batches gathered a batch at a time
 
 - **Order**: the samples come shuffled by ``seed`` (`mpscale.trainer.tokens`: the
   documents, then the samples, as Megatron's ``GPTDataset``), and a blend draws from
@@ -54,6 +56,7 @@ import dataclasses
 import os
 from typing import Any, Optional
 
+import grain
 import numpy as np
 
 from mpscale import validation
@@ -372,6 +375,37 @@ def _samples(cfg: schema.RunConfig, corpora: list[_Corpus], eod: Optional[int],
       documents=[part(c) for c in corpora], **options), _sample_keys("data.blend"))
 
 
+class SampleBatches:
+  """The training batches of one corpus's samples, as a random-access grain source:
+  item ``step`` is this process's ``rows`` ``[start, stop)`` of the global batch of
+  ``step``, examples ``step * batch_size + r`` (``start <= r < stop``, modulo
+  ``len(samples)``) stacked, read at once by `tokens.GPTSamples.examples`.
+
+  The very batches (and the same iterator position, the step) that
+  ``loader.user_data`` makes of ``samples`` without a shuffle
+  (``ds.repeat().batch(...)`` and its row striding), without grain's and
+  ``GPTSamples.__getitem__``'s cost per example. Without a batch-size ramp-up only.
+  """
+
+  def __init__(self, samples: tokens_lib.GPTSamples, batch_size: int,
+               rows: Optional[tuple[int, int]] = None):
+    self.samples, self.batch_size = samples, batch_size
+    self.rows = (0, batch_size) if rows is None else tuple(rows)
+    self._offsets = np.arange(self.rows[0], self.rows[1], dtype=np.int64)
+
+  def __len__(self) -> int:
+    return 2**62  # endless: steps, not epochs
+
+  def __getitem__(self, step: int) -> dict[str, np.ndarray]:
+    n = len(self.samples)
+    first = (int(step) * self.batch_size) % n
+    return self.samples.examples((first + self._offsets) % n)
+
+  def __repr__(self) -> str:
+    return (f"SampleBatches({self.samples!r}, batch_size={self.batch_size}, "
+            f"rows={self.rows})")
+
+
 def token_data(cfg: schema.RunConfig, rows: Optional[tuple[int, int]] = None, *,
                progress: Optional[bool] = False) -> loader.Data:
   """The run's `mpscale.trainer.loader.Data` from its token corpora (the module
@@ -411,6 +445,9 @@ def token_data(cfg: schema.RunConfig, rows: Optional[tuple[int, int]] = None, *,
                               shuffle=False)
   run_data.source = source
   run_data.tokenizer = tokenizer
+  if not data.blend and run_data.sizes is None:  # the same batches, read at once
+    run_data.train = grain.MapDataset.source(SampleBatches(train, data.batch_size,
+                                                           run_data.rows))
   if data.blend:
     run_data.shares = loader.SourceShares([c.name for c in corpora],
                                           train.dataset_index, data.batch_size,

@@ -3,7 +3,7 @@
 `GPTSamples` turns a corpus (`mpscale.trainer.token_files`: a Megatron indexed
 dataset or a flat token file) into a random-access source of training examples, each
 ``seq_len + 1`` consecutive tokens as ``inputs``/``targets``/``mask``: the tiny LM's
-batch rows. It builds the same three indices as Megatron-Core's ``GPTDataset`` (for
+batch rows (`GPTSamples.examples` reads a batch of them at once). It builds the same three indices as Megatron-Core's ``GPTDataset`` (for
 the same corpus, ``seq_len``, seed and ``num_samples`` they are equal, and so are the
 samples)::
 
@@ -394,8 +394,102 @@ class GPTSamples:
         example["segment_ids"] = segment_ids
     return example
 
+  def examples(self, indices: Any) -> dict[str, np.ndarray]:
+    """Examples ``indices`` stacked (``[len(indices), seq_len]`` each): the batch
+    ``grain`` makes of ``[self[i] for i in indices]``, the same arrays (and keys, in
+    its sorted order), read in one vectorized pass (the loader's batches of one corpus,
+    `mpscale.trainer.corpora.SampleBatches`).
+
+    Each row is the ``seq_len + 1`` tokens of the stream from its sample's start
+    (``sample_index``): the documents it spans are found by a ``searchsorted`` over
+    their ends, and the tokens gathered from the corpus's memory-mapped file at once.
+    A corpus other than `token_files.IndexedDataset` or ``FlatTokens`` is read row
+    by row (`tokens`).
+    """
+    ids = np.asarray(indices, dtype=np.int64).reshape(-1)
+    n = len(self)
+    if ids.size and (ids.min() < -n or ids.max() >= n):
+      raise IndexError(f"examples {ids.min()}..{ids.max()} out of range for {n} "
+                       "samples")
+    ids %= n
+    gather = self._gather()
+    if gather is None:
+      windows = (np.stack([self.tokens(int(i)) for i in ids]) if ids.size
+                 else np.zeros((0, self.seq_len + 1), np.int32))
+    else:
+      windows = self._windows(ids, *gather)
+    inputs = np.ascontiguousarray(windows[:, :-1])
+    targets = np.ascontiguousarray(windows[:, 1:])
+    mask = (inputs != self.eod if self.eod_mask_loss
+            else np.ones(inputs.shape, bool)).astype(np.float32)
+    batch = {"inputs": inputs, "targets": targets, "mask": mask}
+    if self.reset_position_ids or self.reset_attention_mask:
+      starts = np.zeros(inputs.shape, bool)  # a segment starts after each eod
+      starts[:, 1:] = inputs[:, :-1] == self.eod
+      if self.reset_position_ids:
+        steps = np.arange(self.seq_len, dtype=np.int32)
+        first = np.maximum.accumulate(np.where(starts, steps, 0), axis=1)
+        batch["position_ids"] = (steps - first).astype(np.int32)
+      if self.reset_attention_mask:
+        batch["segment_ids"] = np.cumsum(starts, axis=1, dtype=np.int32)
+    return dict(sorted(batch.items()))  # grain's batch orders the keys so
+
+  def _gather(self) -> Optional[tuple[np.ndarray, ...]]:
+    """What `_windows` reads, opened once: the corpus's whole token array
+    (memory-mapped), the position in it of each sequence's first token, the
+    sequence lengths (int64), and the three indices (plain arrays, not memory maps:
+    faster to index); ``None`` for a corpus read only through ``get``."""
+    if "_gathered" not in self.__dict__:  # set once, whole (the loader's thread)
+      corpus, tokens, gathered = self.corpus, None, None
+      if isinstance(corpus, token_files.FlatTokens):
+        tokens, first = corpus.tokens, np.asarray(corpus.sequence_starts, np.int64)
+      elif isinstance(corpus, token_files.IndexedDataset):
+        itemsize = corpus.dtype.itemsize
+        pointers = np.asarray(corpus.sequence_pointers, np.int64)
+        path = token_files.data_file(corpus.path)
+        count = os.path.getsize(path) // itemsize
+        if count and not np.any(pointers % itemsize):
+          tokens = np.memmap(path, dtype=corpus.dtype, mode="r", shape=(count,))
+          first = pointers // itemsize
+      if tokens is not None:
+        gathered = (np.asarray(tokens), first,
+                    np.asarray(corpus.sequence_lengths, np.int64),
+                    *(np.asarray(getattr(self, name)) for name in _INDICES))
+      self._gathered = gathered
+    return self._gathered
+
+  def _windows(self, ids: np.ndarray, tokens: np.ndarray, first_token: np.ndarray,
+               sizes: np.ndarray, document_index: np.ndarray,
+               sample_index: np.ndarray, shuffle_index: np.ndarray) -> np.ndarray:
+    """int32 ``[len(ids), seq_len + 1]``: the tokens of examples ``ids``
+    (``0 <= ids < len``), as `tokens` reads them, gathered at once."""
+    width = self.seq_len + 1
+    span = np.arange(width, dtype=np.int64)
+    k = shuffle_index[ids].astype(np.int64)
+    first, offset = sample_index[k].astype(np.int64).T  # where each starts
+    last = sample_index[k + 1, 0]  # the document it ends in
+    if np.array_equal(first, last):  # each in one document
+      docs = document_index[first]
+      return tokens[(first_token[docs] + offset)[:, None] + span].astype(np.int32)
+    # The documents (positions in document_index) each row spans, back to back.
+    count = last - first + 1
+    head = np.cumsum(count) - count  # each row's first piece in the list
+    docs = document_index[np.arange(head[-1] + count[-1])
+                          + np.repeat(first - head, count)]
+    lengths = sizes[docs]
+    before = np.cumsum(lengths) - lengths
+    # Each piece's start relative to its row's first token; its end, cut to the
+    # window, plus row * width: non-decreasing, so one searchsorted finds, for
+    # token t of row r (r * width + t), the piece that holds it.
+    start = before - np.repeat(before[head] + offset, count)
+    rows = np.arange(0, len(ids) * width, width, dtype=np.int64)
+    ends = np.minimum(start + lengths, width) + np.repeat(rows, count)
+    piece = np.searchsorted(ends, rows[:, None] + span, side="right")
+    return tokens[(first_token[docs] - start)[piece] + span].astype(np.int32)
+
   def __getstate__(self) -> dict[str, Any]:
     state = dict(self.__dict__)
+    state.pop("_gathered", None)  # the memory map: opened again when read
     if self.cache_files:  # pickled without the indices: read again from the cache
       state.update(dict.fromkeys(_INDICES))
     return state
