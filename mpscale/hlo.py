@@ -11,6 +11,9 @@ Two readings are built on it, each summed over what one step runs:
   bytes each device moves (the larger of operands and result);
 - `matmul_flops`: the FLOPs of the matrix products (``dot``).
 
+`collectives_over` splits `collectives` by the mesh axes each one spans (read from
+its replica groups, or a permute's source-target pairs): what prices it on a link.
+
 `sums` lists each all-reduce and reduce-scatter with the dtype it sums in (whether
 the gradients are summed in float32 or in the compute dtype).
 
@@ -295,3 +298,107 @@ def matmul_flops(hlo: Union[str, Module]) -> float:
     return {"flops": 2.0 * math.prod(_dims(ins.result)) * contracted}
 
   return _per_step(module, cost).get("flops", 0.0)
+
+
+_GROUPS = re.compile(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[0-9,]+\]<=\[[0-9,]+\]"
+                     r"(?:T\([0-9,]+\))?)")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
+
+
+def replica_groups(ins: Instruction, num_devices: int) -> list[list[int]]:
+  """The device groups of a collective: its ``replica_groups``, written out
+  (``{{0,2},{1,3}}``) or in XLA's iota form (``[2,2]<=[4]``, ``[4,2]<=[2,2,2]T(1,0,2)``:
+  ``iota(prod(dims)).reshape(dims).transpose(perm).reshape(groups, size)``); a
+  collective-permute's source-target pairs, each a group of two; one group of every
+  device when none are given. Ids are positions in the program's device assignment
+  (a mesh's devices in row-major order)."""
+  pairs = _PAIRS.search(ins.rest)
+  if pairs:
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+  m = _GROUPS.search(ins.rest)
+  if m is None or m.group(1) == "{}":
+    return [list(range(num_devices))]
+  text = m.group(1)
+  if text.startswith("{"):
+    return [[int(i) for i in g.split(",") if i]
+            for g in re.findall(r"\{([0-9,]*)\}", text[1:-1])]
+  shape, rest = text.split("<=")
+  groups, size = (int(d) for d in shape.strip("[]").split(","))
+  dims = [int(d) for d in rest.split("]")[0].strip("[").split(",")]
+  perm = re.search(r"T\(([0-9,]+)\)", rest)
+  order = [int(p) for p in perm.group(1).split(",")] if perm else list(range(len(dims)))
+  ids = _transposed_iota(dims, order)
+  return [ids[g * size:(g + 1) * size] for g in range(groups)]
+
+
+def _transposed_iota(dims: list[int], order: list[int]) -> list[int]:
+  """``iota(prod(dims)).reshape(dims).transpose(order).flatten()``, without numpy."""
+  strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+  shape = [dims[o] for o in order]
+  out = []
+  for flat in range(math.prod(shape)):
+    index, rem = [], flat
+    for n in reversed(shape):
+      index.append(rem % n)
+      rem //= n
+    index.reverse()
+    out.append(sum(index[k] * strides[order[k]] for k in range(len(order))))
+  return out
+
+
+def group_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+  """The mesh axes (in mesh order) along which the devices of some group differ:
+  the axes a collective over ``groups`` spans, device ``i`` at row-major position
+  ``i`` of a mesh of ``mesh_shape`` (``{axis: size}``, in order)."""
+  names, sizes = list(mesh_shape), list(mesh_shape.values())
+
+  def coords(i: int) -> list[int]:
+    out = []
+    for n in reversed(sizes):
+      out.append(i % n)
+      i //= n
+    return out[::-1]
+
+  spans = set()
+  for group in groups:
+    points = [coords(i) for i in group]
+    spans.update(k for k in range(len(names))
+                 if len({p[k] for p in points}) > 1)
+  return tuple(names[k] for k in sorted(spans))
+
+
+def collectives_over(hlo: Union[str, Module], mesh_shape: dict[str, int]
+                    ) -> dict[str, dict[str, int]]:
+  """`collectives` split by the mesh axes each spans: ``{"<kind> over <axes>":
+  {"bytes": ..., "count": ...}}``, ``<axes>`` the spanned axes joined by ``,`` (see
+  `group_axes`; ``-`` for a collective within one device). Counted per step as
+  `collectives` counts (loops by their trip counts, a conditional's costliest
+  branch, a widened bfloat16 sum at bfloat16's bytes).
+
+  Example:
+
+    >>> from mpscale import hlo
+    >>> text = '''HloModule m
+    ... ENTRY %main (a: f32[64,128]) -> f32[64,128] {
+    ...   %a = f32[64,128]{1,0} parameter(0)
+    ...   ROOT %r = f32[64,128]{1,0} all-reduce(%a), channel_id=1, replica_groups={{0,2},{1,3}}, use_global_device_ids=true, to_apply=%add
+    ... }'''
+    >>> hlo.collectives_over(text, {"data": 2, "tensor": 2})
+    {'all-reduce over data': {'bytes': 32768, 'count': 1}}
+  """
+  module = _as_module(hlo)
+  devices = math.prod(mesh_shape.values())
+
+  def cost(name: str, ins: Instruction) -> dict[str, float]:
+    kind = _kind(ins)
+    if kind not in COLLECTIVES:
+      return {}
+    axes = ",".join(group_axes(replica_groups(ins, devices), mesh_shape)) or "-"
+    key = f"{kind} over {axes}"
+    return {f"{key}/count": 1, f"{key}/bytes": _moved(module, name, ins)}
+
+  out: dict[str, dict[str, int]] = {}
+  for key, value in sorted(_per_step(module, cost).items()):
+    kind, field = key.rsplit("/", 1)
+    out.setdefault(kind, {})[field] = int(value)
+  return out

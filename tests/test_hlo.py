@@ -220,3 +220,63 @@ def test_text_without_an_entry_reads_as_nothing():
   assert hlo.parse("").entry is None
   assert hlo.collectives("HloModule m\n") == {}
   assert hlo.matmul_flops("HloModule m\n") == 0.0
+
+
+# ------------------------------------------------------------------ by mesh axis
+
+
+def test_each_collective_is_read_with_the_mesh_axes_it_spans():
+  """A weight split over fsdp x tensor and a batch over data x fsdp on a 2x2x2 mesh:
+  the forward gathers the weight over fsdp; the backward sums its gradient over the
+  batch's axes, data and fsdp (together with the reduce-scatter back to fsdp, as
+  XLA arranges it), and nothing runs over tensor, which splits the output columns."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+  shape = dict(mesh.shape)
+  placed = lambda a, spec: jax.device_put(  # noqa: E731
+      a, jax.sharding.NamedSharding(mesh, spec))
+  x = placed(jnp.ones((16, 32)), P(("data", "fsdp")))
+  w = placed(jnp.ones((32, 64)), P("fsdp", "tensor"))
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w)), argnums=1))
+  text = grad.lower(x, w).compile().as_text()
+  over = hlo.collectives_over(text, shape)
+  assert {k.split(" over ")[1] for k in over} <= {"fsdp", "data,fsdp", "data"}
+  assert "all-gather over fsdp" in over
+  assert not [k for k in over if "tensor" in k]
+  # The split agrees with the totals by kind.
+  totals = hlo.collectives(text)
+  for kind, cost in totals.items():
+    mine = [v for k, v in over.items() if k.startswith(kind + " over")]
+    assert sum(v["bytes"] for v in mine) == cost["bytes"]
+    assert sum(v["count"] for v in mine) == cost["count"]
+
+
+def test_a_pipelines_permutes_span_the_stage_axis():
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "stage"))
+  fn = jax.jit(jax.shard_map(
+      lambda x: jax.lax.ppermute(x, "stage", [(i, (i + 1) % 4) for i in range(4)]),
+      mesh=mesh, in_specs=P("data", "stage"), out_specs=P("data", "stage")))
+  text = fn.lower(jnp.ones((2, 4))).compile().as_text()
+  assert list(hlo.collectives_over(text, dict(mesh.shape))) == [
+      "collective-permute over stage"]
+
+
+@pytest.mark.parametrize("groups, want", [
+    ("replica_groups={{0,1},{2,3},{4,5},{6,7}}", ("c",)),
+    ("replica_groups={{0,2},{1,3},{4,6},{5,7}}", ("b",)),
+    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", ("a",)),
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}", ("b", "c")),
+    ("replica_groups={}", ("a", "b", "c")),
+    # XLA's iota form: iota(8).reshape(2,2,2).transpose(1,0,2).reshape(4,2) =
+    # {0,1},{4,5},{2,3},{6,7}: along c.
+    ("replica_groups=[4,2]<=[2,2,2]T(1,0,2)", ("c",)),
+    # iota(8).reshape(2,4).transpose(1,0).reshape(4,2) = {0,4},{1,5},...: along a.
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", ("a",)),
+    ("replica_groups=[2,4]<=[8]", ("b", "c")),
+    ("source_target_pairs={{0,2},{2,0},{5,7}}", ("b",)),
+])
+def test_replica_groups_map_to_mesh_axes(groups, want):
+  line = f"%r = f32[4]{{0}} all-reduce(%a), channel_id=1, {groups}, to_apply=%add"
+  module = hlo.parse(f"HloModule m\nENTRY %main (a: f32[4]) -> f32[4] {{\n"
+                     f"  %a = f32[4]{{0}} parameter(0)\n  ROOT {line}\n}}")
+  (ins,) = [i for i in module.computations[module.entry] if i.op == "all-reduce"]
+  assert hlo.group_axes(hlo.replica_groups(ins, 8), {"a": 2, "b": 2, "c": 2}) == want
