@@ -69,7 +69,7 @@ TRAINER = PACKAGE / "trainer"
 TRAINER_LAYERS = (
     ("schema", "data", "devices", "progress", "metrics_log", "checkpoints",
      "token_files", "samples"),
-    ("lm", "models", "loader", "plots", "tokens", "tokenizing"),
+    ("lm", "models", "loader", "plots", "tokens", "tokenizing", "hardware"),
     ("builders",),
     ("corpora",),
     ("config",),
