@@ -181,26 +181,41 @@ def write_markdown(rows: list[dict], path: str, seeds, seconds: float) -> None:
     f.write("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def study_parser(description: str, out: str) -> argparse.ArgumentParser:
+  """The options every study takes: seeds, a shorter run, its folder (``out`` by
+  default), no docs, collect only."""
+  parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-  parser.add_argument("--runs", nargs="+", default=[r for r, _ in STUDY],
-                      choices=[r for r, _ in STUDY])
   parser.add_argument("--steps", type=int, help="override train.steps (a shorter study)")
-  parser.add_argument("--out", default=os.path.join(ROOT, "runs", "fidelity"))
+  parser.add_argument("--out", default=out)
   parser.add_argument("--no-docs", action="store_true",
                       help="print the table only; do not write docs/")
   parser.add_argument("--collect-only", action="store_true",
                       help="do not train; tabulate the runs already in --out")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def train_seeds(args: argparse.Namespace, run) -> float:
+  """Runs ``run(seed)`` for each of ``args.seeds`` (unless ``--collect-only``);
+  returns the seconds all the seeds' runs took, as each recorded."""
   if not args.collect_only:
     for seed in args.seeds:
-      seconds = run_seed(seed, args.runs, args.out, args.steps)
+      seconds = run(seed)
       print(f"seed {seed}: done in {seconds:.0f} s", flush=True)
   seconds = 0.0
   for seed in args.seeds:
     with open(os.path.join(args.out, f"seed{seed}", "seconds.txt")) as f:
       seconds += float(f.read())
+  return seconds
+
+
+def main(argv=None) -> None:
+  parser = study_parser(__doc__, os.path.join(ROOT, "runs", "fidelity"))
+  parser.add_argument("--runs", nargs="+", default=[r for r, _ in STUDY],
+                      choices=[r for r, _ in STUDY])
+  args = parser.parse_args(argv)
+  seconds = train_seeds(args, lambda seed: run_seed(seed, args.runs, args.out,
+                                                    args.steps))
   records = collect(args.out, args.seeds, args.runs)
   rows = table(records)
   for r in rows:

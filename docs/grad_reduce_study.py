@@ -14,7 +14,6 @@ seed's initial model on its first 4 batches, under each setting, against float32
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -211,24 +210,10 @@ def write_markdown(records, diffs, errors, path: str, seeds, seconds: float) -> 
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-  parser.add_argument("--steps", type=int,
-                      help="override train.steps (a shorter study)")
-  parser.add_argument("--out", default=os.path.join(ROOT, "runs", "grad_reduce"))
-  parser.add_argument("--no-docs", action="store_true",
-                      help="print the table only; do not write docs/")
-  parser.add_argument("--collect-only", action="store_true",
-                      help="do not train; tabulate the runs already in --out")
-  args = parser.parse_args(argv)
-  if not args.collect_only:
-    for seed in args.seeds:
-      seconds = run_seed(seed, args.out, args.steps)
-      print(f"seed {seed}: done in {seconds:.0f} s", flush=True)
-  seconds = 0.0
-  for seed in args.seeds:
-    with open(os.path.join(args.out, f"seed{seed}", "seconds.txt")) as f:
-      seconds += float(f.read())
+  args = fidelity_study.study_parser(
+      __doc__, os.path.join(ROOT, "runs", "grad_reduce")).parse_args(argv)
+  seconds = fidelity_study.train_seeds(
+      args, lambda seed: run_seed(seed, args.out, args.steps))
   records = collect(args.out, args.seeds)
   diffs = curve_differences(records)
   path = (os.path.join(args.out, "grad_reduce.md") if args.no_docs
