@@ -475,13 +475,23 @@ class Pipeline:
     if mesh is None or self.stage_axis not in mesh.axis_names:
       raise ValueError(f"mesh has no stage axis {self.stage_axis!r}; its axes are "
                        f"{None if mesh is None else mesh.axis_names}")
+    S = mesh.shape[self.stage_axis]
+    if self.num_stages is not None and self.num_stages != S:
+      raise ValueError(f"num_stages={self.num_stages} but the mesh has {S} stages: "
+                       "the stacked layers are stored for num_stages")
+    self._check_layers(params, S)
+    if batch is not None:
+      data_size = sharding_lib.axis_size(
+          mesh, sharding_lib.data_axes(mesh, data_axis))
+      sharding_lib.batch_rows(batch, data_size, self.num_microbatches, pipelined=True)
+
+  def _check_layers(self, params: Any, S: int) -> None:
+    """`check`'s stacked layers: one layer axis, split into ``S`` stages x
+    ``virtual_stages`` chunks (and ``M`` a multiple of ``S`` when interleaved)."""
     if not isinstance(params, dict) or self.stages_key not in params:
       raise ValueError(f"params must be a dict with the stacked layers under "
                        f"{self.stages_key!r}")
-    S, v = mesh.shape[self.stage_axis], self.virtual_stages
-    if self.num_stages is not None and self.num_stages != S:
-      raise ValueError(f"num_stages={self.num_stages} (the device order of the "
-                       f"stacked layers) but the mesh has {S} stages")
+    v = self.virtual_stages
     layers = {np.shape(x)[0] if np.ndim(x) else None
               for x in jax.tree_util.tree_leaves(params[self.stages_key])}
     if len(layers) != 1 or None in layers:
@@ -494,10 +504,6 @@ class Pipeline:
     if v > 1 and self.num_microbatches % S:
       raise ValueError(f"virtual_stages={v} needs num_microbatches "
                        f"({self.num_microbatches}) divisible by the {S} stages")
-    if batch is not None:
-      data_size = sharding_lib.axis_size(
-          mesh, sharding_lib.data_axes(mesh, data_axis))
-      sharding_lib.batch_rows(batch, data_size, self.num_microbatches, pipelined=True)
 
   def param_specs(self, params: Any, specs: Any = None) -> Any:
     """PartitionSpecs: the stacked layers' leading axis over the stage axis, on top of
@@ -1206,16 +1212,9 @@ class SplitPipeline(Pipeline):
     return self.head_fn(params, y, batch)
 
   # ---- layout
-  def check(self, params: Any, mesh: Mesh, data_axis: Any = "data", batch: Any = None
-           ) -> None:
-    """`Pipeline.check` for two stacks: the mesh's stages are ``num_stages`` and each
-    stored stack splits into a slice a stage."""
-    if mesh is None or self.stage_axis not in mesh.axis_names:
-      raise ValueError(f"mesh has no stage axis {self.stage_axis!r}; its axes are "
-                       f"{None if mesh is None else mesh.axis_names}")
-    S = mesh.shape[self.stage_axis]
-    if S != self.num_stages:
-      raise ValueError(f"num_stages={self.num_stages} but the mesh has {S} stages")
+  def _check_layers(self, params: Any, S: int) -> None:
+    """`Pipeline.check`'s stacked layers, for two stacks: each stored stack splits
+    into a slice a stage."""
     for key, _, _ in self._stacks():
       if not isinstance(params, dict) or key not in params:
         raise ValueError(f"params must be a dict with stacked layers under {key!r}")
@@ -1224,10 +1223,6 @@ class SplitPipeline(Pipeline):
         raise ValueError(f"params[{key!r}]: every leaf needs the same leading (layer) "
                          f"axis, padded to a slice for each of the {S} stages "
                          f"(SplitPipeline.to_device_order); got {sorted(sizes)}")
-    if batch is not None:
-      data_size = sharding_lib.axis_size(
-          mesh, sharding_lib.data_axes(mesh, data_axis))
-      sharding_lib.batch_rows(batch, data_size, self.num_microbatches, pipelined=True)
 
   def param_specs(self, params: Any, specs: Any = None) -> Any:
     """PartitionSpecs: both stacks' leading axis over the stage axis."""
