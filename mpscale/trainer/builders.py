@@ -694,21 +694,22 @@ def _is_abstract(tree: Any) -> bool:
   return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree))
 
 
+def place_like(tree: Any, like: Any) -> Any:
+  """``tree`` with each array leaf put in the sharding of ``like``'s leaf, where that
+  is an array of the same shape (a `mpscale.SplitPipeline`'s padding changes the
+  stacks' shapes: those leaves are left as they are)."""
+  return jax.tree_util.tree_map(
+      lambda new, old: (jax.device_put(new, old.sharding)
+                        if isinstance(old, jax.Array) and new.shape == old.shape
+                        else new), tree, like)
+
+
 def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], Any]:
   """``permute`` (a pipeline's layer order) with its result placed as its input
-  (each leaf's sharding kept where its shape is: a `mpscale.SplitPipeline`'s padding
-  changes the stacks' shapes); the identity for ``None``."""
+  (`place_like`); the identity for ``None``."""
   if permute is None:
     return lambda tree: tree
-
-  def placed(tree):
-    out = permute(tree)
-    return jax.tree_util.tree_map(
-        lambda new, old: (jax.device_put(new, old.sharding)
-                          if isinstance(old, jax.Array) and new is not old
-                          and new.shape == old.shape else new),
-        out, tree)
-  return placed
+  return lambda tree: place_like(permute(tree), tree)
 
 
 def run_key(cfg: config_lib.RunConfig) -> jax.Array:

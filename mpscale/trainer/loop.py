@@ -529,11 +529,8 @@ def _restore(run: _Run, opt_state: bool = True) -> tuple[TrainState, int, Any]:
   """
   restored, step, data_state = checkpoints.restore_latest(
       run.ckpt_dir, run.setup.to_model_order(run.state), opt_state=opt_state)
-  placed = jax.tree_util.tree_map(
-      lambda new, old: (jax.device_put(new, old.sharding)
-                        if isinstance(old, jax.Array) else new),
-      run.setup.to_device_order(restored), run.state)
-  return placed, step, data_state
+  return (builders.place_like(run.setup.to_device_order(restored), run.state), step,
+          data_state)
 
 
 def _check_consumed(run: _Run, start: int, source: str) -> None:
