@@ -86,13 +86,15 @@ class Module(NamedTuple):
   """The entry computation's name (``None`` if the text has none)."""
 
 
-def _shape_bytes(text: str) -> int:
+def _shape_bytes(text: str, float32_bytes: int = 4) -> int:
   """Bytes of every array shape written in ``text`` (``f32[8,16]{1,0}`` is 512; a
-  tuple's shapes are summed); dtypes it does not know count nothing."""
+  tuple's shapes are summed), a float32 element at ``float32_bytes``; dtypes it does
+  not know count nothing."""
   total = 0
   for dtype, dims in _SHAPE.findall(text):
     if dtype in _DTYPE_BYTES:
-      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+      size = float32_bytes if dtype == "f32" else _DTYPE_BYTES[dtype]
+      total += size * math.prod(int(d) for d in dims.split(",") if d)
   return total
 
 
@@ -302,19 +304,27 @@ def matmul_flops(hlo: Union[str, Module]) -> float:
 
 _GROUPS = re.compile(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[0-9,]+\]<=\[[0-9,]+\]"
                      r"(?:T\([0-9,]+\))?)")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?|"
+    r"[0-9,]+)\))?\s*\{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
 
 
 def replica_groups(ins: Instruction, num_devices: int) -> list[list[int]]:
   """The device groups of a collective: its ``replica_groups``, written out
-  (``{{0,2},{1,3}}``) or in XLA's iota form (``[2,2]<=[4]``, ``[4,2]<=[2,2,2]T(1,0,2)``:
-  ``iota(prod(dims)).reshape(dims).transpose(perm).reshape(groups, size)``); a
+  (``{{0,2},{1,3}}``), in XLA's iota form (``[2,2]<=[4]``, ``[4,2]<=[2,2,2]T(1,0,2)``:
+  ``iota(prod(dims)).reshape(dims).transpose(perm).reshape(groups, size)``) or in its
+  mesh form (``mesh['axis_0'=4,'axis_1'=2] {'axis_0'}``: the devices that differ
+  along the braced axes, `_mesh_groups`); a
   collective-permute's source-target pairs, each a group of two; one group of every
   device when none are given. Ids are positions in the program's device assignment
   (a mesh's devices in row-major order)."""
   pairs = _PAIRS.search(ins.rest)
   if pairs:
     return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+  mesh = _MESH_GROUPS.search(ins.rest)
+  if mesh:
+    return _mesh_groups(*mesh.groups())
   m = _GROUPS.search(ins.rest)
   if m is None or m.group(1) == "{}":
     return [list(range(num_devices))]
@@ -329,6 +339,34 @@ def replica_groups(ins: Instruction, num_devices: int) -> list[list[int]]:
   order = [int(p) for p in perm.group(1).split(",")] if perm else list(range(len(dims)))
   ids = _transposed_iota(dims, order)
   return [ids[g * size:(g + 1) * size] for g in range(groups)]
+
+
+def _mesh_groups(axes_text: str, ids_text: Optional[str], over_text: str
+                 ) -> list[list[int]]:
+  """The groups of XLA's mesh form, ``mesh['a'=4,'b'=2] {'a'}`` (optionally with
+  ``device_ids=([2,4]T(1,0))`` or a list, the device at each mesh position in
+  row-major order): the devices that differ only along the braced axes."""
+  axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", axes_text)]
+  names, sizes = [a for a, _ in axes], [n for _, n in axes]
+  over = set(re.findall(r"'([^']+)'", over_text))
+  total = math.prod(sizes)
+  if ids_text is None:
+    ids = list(range(total))
+  elif ids_text.startswith("["):
+    dims = [int(d) for d in ids_text[1:ids_text.index("]")].split(",")]
+    perm = re.search(r"T\(([0-9,]+)\)", ids_text)
+    order = ([int(p) for p in perm.group(1).split(",")] if perm
+             else list(range(len(dims))))
+    ids = _transposed_iota(dims, order)
+  else:
+    ids = [int(i) for i in ids_text.split(",") if i]
+  strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for position in range(total):
+    coords = [(position // strides[k]) % sizes[k] for k in range(len(sizes))]
+    key = tuple(c for k, c in enumerate(coords) if names[k] not in over)
+    groups.setdefault(key, []).append(ids[position])
+  return list(groups.values())
 
 
 def _transposed_iota(dims: list[int], order: list[int]) -> list[int]:
@@ -402,3 +440,176 @@ def collectives_over(hlo: Union[str, Module], mesh_shape: dict[str, int]
     kind, field = key.rsplit("/", 1)
     out.setdefault(kind, {})[field] = int(value)
   return out
+
+
+# ------------------------------------------------------------------ kernels
+
+_FREE = frozenset((
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+    "conditional", "call", "after-all", "partition-id", "replica-id", "opt-barrier",
+    "add-dependency", "domain", "copy-done", "send-done", "recv-done", "iota"))
+"""Ops that move no array through memory of their own: bookkeeping, control flow
+(its bodies are counted), a constant baked into the program, the second half of an
+asynchronous pair."""
+
+
+def _fused(module: Module) -> set[str]:
+  """Computations that run inside another instruction (a fusion's body, a reducer,
+  a while condition, a sort's comparator): their instructions are not kernels."""
+  out = set()
+  for instructions in module.computations.values():
+    for ins in instructions:
+      for role, callee in _callees(ins):
+        if role == "condition" or (role == "call" and ins.op != "call"):
+          out.add(callee)
+  return out
+
+
+def _users(instructions: list[Instruction]) -> dict[str, list[tuple[Instruction, int]]]:
+  """Each name's users in a computation, with the operand position it takes."""
+  out: dict[str, list[tuple[Instruction, int]]] = {}
+  for ins in instructions:
+    for k, operand in enumerate(_operands(ins)):
+      out.setdefault(operand, []).append((ins, k))
+  return out
+
+
+def _accessed(module: Module, name: str, ins: Instruction,
+              float32_bytes: int = 4) -> int:
+  """Bytes a kernel reads and writes once: its operands and result, except that a
+  dynamic slice reads only its slice of a buffer and an in-place dynamic update
+  writes only its update (a scan reading one layer's weights from the stacked ones,
+  or writing one layer's activations into the stack, touches that layer alone)."""
+  types = module.types[name]
+  if ins.op == "dynamic-slice":
+    return 2 * _shape_bytes(ins.result, float32_bytes)
+  if ins.op == "dynamic-update-slice":
+    operands = _operands(ins)
+    return (2 * _shape_bytes(types.get(operands[1], ""), float32_bytes)
+            if len(operands) > 1 else 0)
+  operands = _operands(ins)
+  body = None
+  if ins.op == "fusion":
+    called = [c for r, c in _callees(ins) if c in module.computations]
+    body = called[0] if called else None
+  if body is None:
+    return _shape_bytes(ins.result, float32_bytes) + sum(
+        _shape_bytes(types.get(o, ""), float32_bytes) for o in operands)
+  # A fusion: its parameters as its body reads them, its root as it writes it.
+  inner = module.computations[body]
+  inner_types = module.types[body]
+  users = _users(inner)
+  params = {}
+  for x in inner:
+    if x.op == "parameter":
+      m = re.match(r"\s*(\d+)", x.rest)
+      if m:
+        params[int(m.group(1))] = x
+  by_name = {x.name: x for x in inner}
+  root = inner[-1] if inner else None
+  roots = ([by_name.get(o) for o in _operands(root)]
+           if root is not None and root.op == "tuple" else [root])
+  in_place = {_operands(r)[0] for r in roots
+              if r is not None and r.op == "dynamic-update-slice" and _operands(r)}
+  total = 0
+  for k, operand in enumerate(operands):
+    p = params.get(k)
+    full = _shape_bytes(types.get(operand, ""), float32_bytes)
+    if p is None:
+      total += full
+      continue
+    uses = users.get(p.name, [])
+    if p.name in in_place:
+      continue  # updated in place: the update is counted as the result
+    if uses and all(u.op == "dynamic-slice" and pos == 0 for u, pos in uses):
+      total += sum(_shape_bytes(u.result, float32_bytes) for u, _ in uses)
+    else:
+      total += full
+  for r in roots:
+    if r is None:
+      continue
+    if r.op == "dynamic-update-slice" and len(_operands(r)) > 1:
+      total += _shape_bytes(inner_types.get(_operands(r)[1], ""), float32_bytes)
+    else:
+      total += _shape_bytes(r.result, float32_bytes)
+  return total
+
+
+def _dot_flops(module: Module, name: str, ins: Instruction) -> float:
+  """``2 * prod(result) * prod(contracted dims)`` of one ``dot``."""
+  operands = _operands(ins)
+  lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
+  m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
+  contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (
+      m and lhs) else 1
+  return 2.0 * math.prod(_dims(ins.result)) * contracted
+
+
+class Kernels(NamedTuple):
+  """What one step's kernels do per device, for a roofline (`kernels`)."""
+  dots: list[tuple[float, float, int]]
+  """Each distinct matrix-product kernel as ``(flops, bytes, count)``: the FLOPs and
+  the bytes of one run, and how many runs a step makes (loops by their trip counts).
+  A fusion holding a ``dot`` is one such kernel (its FLOPs the ``dot``'s, its bytes
+  the fusion's)."""
+  bytes: float
+  """Bytes every other kernel (elementwise fusions, reductions, copies, slices)
+  reads and writes per step; collectives excluded (`collectives` counts them)."""
+
+
+def kernels(hlo: Union[str, Module], float32_bytes: int = 4) -> Kernels:
+  """The kernels one step of the compiled HLO ``hlo`` runs per device (text, or
+  `parse`'s `Module`), counted as `collectives` counts (loops by their trip counts,
+  a conditional's costliest branch): the matrix products with their FLOPs and bytes,
+  and the bytes of all the rest (`Kernels`).
+
+  A kernel is an instruction of the entry, of a loop body or of a branch: a fusion
+  runs as one, reading its operands and writing its result once. A dynamic slice
+  reads only its slice and an in-place dynamic update writes only its update, inside
+  a fusion or not (`_accessed`). Collectives and bookkeeping (tuples, bitcasts,
+  parameters, constants) move nothing here. These are the compiling backend's
+  kernels: the CPU backend fuses less than a GPU's and computes 16-bit matrix
+  products in float32, so its bytes are an upper bound for a GPU's. Under a 16-bit
+  compute dtype, ``float32_bytes=2`` counts the float32 arrays of the program at 16
+  bits, as a GPU or TPU would hold the CPU backend's widened ones (the float32 master
+  weights and optimizer moments, a small share of a large step's traffic, are then
+  undercounted by half).
+
+  Example:
+
+    >>> from mpscale import hlo
+    >>> text = '''HloModule m
+    ... ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
+    ...   %a = f32[64,128]{1,0} parameter(0)
+    ...   %b = f32[128,32]{1,0} parameter(1)
+    ...   %d = f32[64,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    ...   ROOT %e = f32[64,32]{1,0} exponential(%d)
+    ... }'''
+    >>> hlo.kernels(text)
+    Kernels(dots=[(524288.0, 57344.0, 1)], bytes=16384.0)
+  """
+  module = _as_module(hlo)
+  fused = _fused(module)
+
+  def cost(name: str, ins: Instruction) -> dict[str, float]:
+    if name in fused or ins.op in _FREE or _kind(ins) in COLLECTIVES or (
+        ins.op.endswith("-done")):
+      return {}
+    moved = _accessed(module, name, ins, float32_bytes)
+    if ins.op == "dot":
+      return {f"dot {_dot_flops(module, name, ins)!r} {moved}": 1}
+    if ins.op == "fusion":
+      flops = sum(_dot_flops(module, c, x)
+                  for _, c in _callees(ins) if c in module.computations
+                  for x in module.computations[c] if x.op == "dot")
+      if flops:
+        return {f"dot {flops!r} {moved}": 1}
+    return {"bytes": moved}
+
+  totals = _per_step(module, cost)
+  dots = []
+  for key, count in sorted(totals.items()):
+    if key.startswith("dot "):
+      _, flops, moved = key.split()
+      dots.append((float(flops), float(moved), int(round(count))))
+  return Kernels(dots, totals.get("bytes", 0.0))

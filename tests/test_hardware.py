@@ -88,7 +88,8 @@ def test_every_builtin_number_is_cited_or_assumed_with_a_reason(name):
   raw = yaml.safe_load(text)
   entries = dict(_numbers(raw))
   expected = ({f"peak_flops.{k}" for k in raw["peak_flops"]}
-              | {"hbm_bandwidth", "hbm_bytes", "devices_per_node"}
+              | {"hbm_bandwidth", "hbm_bytes", "devices_per_node",
+                 "matmul_efficiency", "memory_efficiency"}
               | {f"links[{i}].{f}" for i in range(len(raw["links"]))
                  for f in ("bandwidth", "latency")})
   assert set(entries) == expected
@@ -97,8 +98,8 @@ def test_every_builtin_number_is_cited_or_assumed_with_a_reason(name):
     assert set(entry.get("sources", ())) <= set(raw["sources"]), key
   assert all(set(s) == {"title", "url"} and s["url"].startswith("https://")
              for s in raw["sources"].values())
-  assumed = tuple(k for k, e in entries.items() if e.get("assumed"))
-  assert load_hardware(name).assumed == assumed
+  assumed = {k for k, e in entries.items() if e.get("assumed")}
+  assert set(load_hardware(name).assumed) == assumed
 
 
 def test_the_a100_matches_its_datasheet():
@@ -113,7 +114,8 @@ def test_the_a100_matches_its_datasheet():
   assert hw.devices_per_node == 8
   assert [link.bandwidth for link in hw.links] == [600e9 / 2, 200e9 / 8]
   assert [link.span for link in hw.links] == ["node", "nodes"]
-  assert hw.assumed == ()
+  assert hw.assumed == ("memory_efficiency",)
+  assert hw.matmul_efficiency == pytest.approx(271.2 / 312, abs=1e-3)  # MAMF
 
 
 def test_the_h100_matches_its_datasheet():
@@ -161,7 +163,9 @@ def test_a_users_file_loads(tmp_path):
       hbm_bytes=96e9, devices_per_node=4,
       links=(Link("fast", 4e11, 2e-6, "node"), Link("slow", 5e10, 1e-5, "nodes")),
       sources=("My GPU datasheet <https://example.com/my-gpu.pdf>",),
-      assumed=("links[1].latency",))
+      assumed=("links[1].latency", "matmul_efficiency", "memory_efficiency"))
+  # without efficiencies of its own, a profile gets the defaults, named as assumed
+  assert (hw.matmul_efficiency, hw.memory_efficiency) == (0.8, 0.8)
 
 
 def test_a_users_file_takes_its_name_from_the_file_and_a_path_object(tmp_path):

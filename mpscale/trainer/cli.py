@@ -4,7 +4,8 @@
 
   mpscale train --config configs/tiny_lm_fp16.yaml [--set train.steps=50 ...]
                 [--out runs/NAME] [--resume | --overwrite] [--devices N] [--data PATH]
-  mpscale plan --config configs/x.yaml [--devices N] [--device-memory 80GB] [--json]
+  mpscale plan --config configs/x.yaml [--devices N] [--device-memory 80GB] [--hardware a100-80g] [--json]
+  mpscale plan --config configs/x.yaml --search --devices N --hardware a100-80g [--budget S]
   mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
                   [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
   mpscale eval runs/NAME [--devices N]
@@ -46,10 +47,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from mpscale import validation
 from mpscale.trainer import config as config_lib
@@ -215,6 +217,19 @@ def _parser() -> argparse.ArgumentParser:
       "simulate N devices on CPU (default: the devices JAX has)"))
   plan_cmd.add_argument("--device-memory", metavar="SIZE",
                         help="one device's memory, e.g. 80GB: say whether it fits")
+  plan_cmd.add_argument("--hardware", metavar="NAME|FILE", help=(
+      "estimate the step time on this hardware: a built-in profile (a100-80g, "
+      "h100-80g, tpu-v4) or a profile YAML file; its memory is the device memory"))
+  plan_cmd.add_argument("--search", action="store_true", help=(
+      "rank every layout of the config's model on --devices N of --hardware by "
+      "estimated step time (the config's own mesh is ignored)"))
+  plan_cmd.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
+                        help="--search: stop planning after this long (default 600)")
+  plan_cmd.add_argument("--top", type=int, default=10, metavar="K",
+                        help="--search: print the K fastest layouts (default 10)")
+  plan_cmd.add_argument("--cache", metavar="DIR", help=(
+      "--search: cache compiled plans here (default ~/.cache/mpscale/plans); "
+      "'none' for no cache"))
   plan_cmd.add_argument("--json", action="store_true", help="print JSON")
   evaluate_cmd = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
   evaluate_cmd.add_argument("run", help="the run's folder")
@@ -291,6 +306,31 @@ def _initialize(args: argparse.Namespace) -> None:
       initialization_timeout=get("initialization_timeout"))
 
 
+def _search(args: argparse.Namespace, hardware: Any) -> None:
+  """``mpscale plan --search``: rank the layouts, with a progress bar on a terminal."""
+  from mpscale.trainer import search as search_lib  # noqa: PLC0415
+  if hardware is None or not args.devices:
+    raise config_lib.ConfigError("--search needs --devices N and --hardware NAME")
+  cache = (search_lib.default_cache_dir() if args.cache is None else
+           None if args.cache.lower() == "none" else args.cache)
+  from rich.progress import Progress  # noqa: PLC0415
+  with Progress(transient=True, disable=args.json or not sys.stderr.isatty()) as bar:
+    task = bar.add_task("planning layouts", total=None)
+
+    def progress(done: int, total: int, what: str) -> None:
+      bar.update(task, completed=done, total=total,
+                 description=f"planning layouts (last: {what})")
+
+    try:
+      result = search_lib.search(args.config, args.devices, hardware,
+                                 overrides=tuple(args.set), budget=args.budget,
+                                 cache_dir=cache, progress=progress)
+    except (ValueError, TypeError) as e:
+      raise config_lib.as_config_error(e).located(args.config) from None
+  print(json.dumps(result.to_dict(), indent=2) if args.json
+        else result.text(top=args.top))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command; returns the exit status (2 for a config or run-folder error)."""
   args = _parser().parse_args(argv)
@@ -310,9 +350,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             progress=args.progress, source=args.config, verbose=not args.quiet)
     elif args.command == "plan":
       from mpscale.trainer import planning as plan_lib  # noqa: PLC0415
+      from mpscale.trainer.hardware import load_hardware  # noqa: PLC0415
+      hardware = None if args.hardware is None else load_hardware(args.hardware)
+      if args.search:
+        _search(args, hardware)
+        return 0
       cfg = config_lib.load_config(args.config, args.set)
       try:
-        planned = plan_lib.plan(cfg, device_memory=args.device_memory)
+        planned = plan_lib.plan(cfg, device_memory=args.device_memory,
+                                hardware=hardware)
       except (ValueError, TypeError) as e:
         raise config_lib.as_config_error(e).located(args.config) from None
       print(planned.to_json() if args.json else planned.text())

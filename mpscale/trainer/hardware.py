@@ -79,12 +79,18 @@ _PACKAGE = "mpscale.trainer"
 _FOLDER = "hardware"
 _SUFFIX = ".yaml"
 _TOP_KEYS = ("name", "description", "peak_flops", "hbm_bandwidth", "hbm_bytes",
-             "devices_per_node", "links", "sources")
+             "devices_per_node", "links", "matmul_efficiency", "memory_efficiency",
+             "sources")
 _REQUIRED_TOP = ("peak_flops", "hbm_bandwidth", "hbm_bytes", "devices_per_node",
                  "links")
 _LINK_KEYS = ("name", "span", "bandwidth", "latency")
 _NUMBER_KEYS = ("value", "sources", "assumed", "reason", "note")
 _SOURCE_KEYS = ("title", "url")
+
+DEFAULT_EFFICIENCY = {"matmul_efficiency": 0.8, "memory_efficiency": 0.8}
+"""What a profile without ``matmul_efficiency`` or ``memory_efficiency`` gets: a
+round figure below what large matrix products and streaming kernels reach on recent
+GPUs (the built-in profiles cite theirs); `Hardware.assumed` then names the field."""
 
 
 def _set(obj: Any, field: str, value: Any) -> None:
@@ -147,6 +153,13 @@ class Hardware:
   """Devices in one node (a DGX, a TPU host)."""
   links: tuple[Link, ...]
   """The interconnect's levels, fastest first."""
+  matmul_efficiency: float = DEFAULT_EFFICIENCY["matmul_efficiency"]
+  """The share of `peak` a large matrix product reaches, in (0, 1]: measured peaks
+  fall short of the datasheet's (clocks, tiling); the step-time estimate
+  (`mpscale.trainer.step_time`) runs matrix products at ``peak * matmul_efficiency``."""
+  memory_efficiency: float = DEFAULT_EFFICIENCY["memory_efficiency"]
+  """The share of `hbm_bandwidth` a streaming (memory-bound) kernel reaches, in
+  (0, 1]."""
   sources: tuple[str, ...] = ()
   """The documents the figures come from, ``"title <url>"``."""
   assumed: tuple[str, ...] = ()
@@ -175,6 +188,11 @@ class Hardware:
     _set(self, "devices_per_node",
          validation.positive_int("devices_per_node", self.devices_per_node))
     _set(self, "links", _links(self.links))
+    for field in DEFAULT_EFFICIENCY:
+      value = validation.positive_float(field, getattr(self, field))
+      if value > 1:
+        raise validation.fail(field, f" must be in (0, 1]; got {value:g}")
+      _set(self, field, value)
     for field in ("sources", "assumed"):
       values = getattr(self, field)
       if isinstance(values, str) or not isinstance(values, Sequence):
@@ -355,7 +373,19 @@ class _Reader:
         hbm_bytes=self.number("hbm_bytes", raw["hbm_bytes"]),
         devices_per_node=self.number("devices_per_node", raw["devices_per_node"]),
         links=tuple(self.link(i, link) for i, link in enumerate(links)),
-        sources=sources, assumed=tuple(self.assumed))
+        **self.efficiencies(raw), sources=sources, assumed=tuple(self.assumed))
+
+  def efficiencies(self, raw: Mapping) -> dict[str, Any]:
+    """``matmul_efficiency`` and ``memory_efficiency``: the file's, else
+    `DEFAULT_EFFICIENCY`'s (then listed as assumed)."""
+    out = {}
+    for field, default in DEFAULT_EFFICIENCY.items():
+      if field in raw:
+        out[field] = self.number(field, raw[field])
+      else:
+        out[field] = default
+        self.assumed.append(field)
+    return out
 
   def sources(self, raw: Any) -> tuple[str, ...]:
     """The ``sources:`` mapping (key -> title and url) as ``"title <url>"`` strings;

@@ -23,7 +23,12 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
   ``precision.grad_reduce_dtype: float32``, twice a bfloat16 gradient sum's):
   `mpscale.hlo.collectives`;
 
-plus the pipeline bubble of the config's schedule and the tokens per step. A pipelined
+plus the pipeline bubble of the config's schedule and the tokens per step; for a step
+time on named hardware, the kernels (`mpscale.hlo.kernels`: each matrix product's
+FLOPs and bytes, every other kernel's bytes) and the collectives split by the mesh
+axes they span (`mpscale.hlo.collectives_over`), which
+`mpscale.trainer.step_time.estimate` prices (``plan(cfg, hardware=...)``,
+``mpscale plan --hardware a100-80g``). A pipelined
 config (``mesh.stage > 1``) also gets every schedule side by side for its stages,
 micro-batches and virtual stages (`Plan.schedules`): GPipe and 1F1B, and both
 interleaved when ``mesh.virtual_stages > 1``, each with its bubble and the most stage
@@ -64,6 +69,8 @@ from mpscale import validation
 from mpscale.trainer import builders
 from mpscale.trainer import lm as lm_lib
 from mpscale.trainer import loop
+from mpscale.trainer import step_time as step_time_lib
+from mpscale.trainer.hardware import Hardware, load_hardware
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -133,6 +140,18 @@ class Plan:
   bubble: float
   compile_seconds: float
   device_memory: Optional[int] = None
+  kernels: dict[str, Any] = dataclasses.field(
+      default_factory=lambda: {"dots": [], "bytes": 0.0})
+  """`mpscale.hlo.kernels` of the compiled step: ``dots``, ``[flops, bytes, count]``
+  of each distinct matrix-product kernel, and ``bytes``, every other kernel's bytes
+  per step; float32 at 16 bits under a 16-bit compute dtype (the CPU backend widens
+  16-bit arithmetic to float32; a GPU or TPU does not)."""
+  collectives_over: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+  """`mpscale.hlo.collectives_over`: the collectives by the mesh axes they span."""
+  compute_dtype: str = "float32"
+  """The policy's compute dtype: the peak the matrix products run at."""
+  estimate: Optional[step_time_lib.Estimate] = None
+  """The step time on the hardware given to `plan` (`mpscale.trainer.step_time`)."""
   schedules: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   """A pipelined config's schedules side by side (`schedule_rows`), for its stages,
   micro-batches and virtual stages: ``schedule``, ``virtual_stages``, ``bubble``,
@@ -155,6 +174,13 @@ class Plan:
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    """The `Plan` that `to_dict` wrote (derived keys dropped; an estimate is
+    recomputed with `mpscale.trainer.step_time.estimate`, not read)."""
+    fields = {f.name for f in dataclasses.fields(cls)} - {"estimate"}
+    return cls(**{k: v for k, v in d.items() if k in fields})
 
   def text(self) -> str:
     b = self.bytes
@@ -187,6 +213,8 @@ class Plan:
       lines.append("  none")
     for kind, c in sorted(self.collectives.items()):
       lines.append(f"  {kind:<18} {c['count']:>6} x  {_fmt_bytes(c['bytes']):>12}")
+    if self.estimate is not None:
+      lines.append(self.estimate.text())
     return "\n".join(lines)
 
   def _schedule_lines(self) -> list[str]:
@@ -268,7 +296,7 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
   return model, batch, data.tokens_per_step, data_key
 
 
-def plan(cfg: Any, device_memory: Any = None) -> Plan:
+def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
   """The `Plan` of one train step of ``cfg`` on its mesh (see the module docstring).
 
   For a user's model (``model.provider``) this runs the data and model providers as
@@ -281,7 +309,10 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
       (``model.provider``: a Flax NNX or linen module, or a
       `mpscale.trainer.Model`).
     device_memory: a device's memory (bytes, or text such as ``"80GB"``), to say
-      whether the peak fits.
+      whether the peak fits; default: ``hardware``'s, if given.
+    hardware: a `mpscale.trainer.hardware.Hardware`, or a built-in profile's name or
+      a profile file's path (`load_hardware`): the plan then holds its step-time
+      `Plan.estimate` there.
 
   Returns:
     The `Plan`.
@@ -291,6 +322,10 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
       (a mesh that needs more devices than exist, indivisible dimensions, a provider
       that fails or a batch its model cannot take, ...).
   """
+  if hardware is not None and not isinstance(hardware, Hardware):
+    hardware = load_hardware(hardware)
+  if device_memory is None and hardware is not None:
+    device_memory = int(hardware.hbm_bytes)
   memory = None if device_memory is None else parse_bytes(device_memory)
   provided = cfg.model.provider is not None
   if provided:
@@ -345,7 +380,10 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
   if cfg.mesh.stage > 1 and isinstance(loss, pipeline_lib.Pipeline):
     schedules = schedule_rows(cfg.mesh.stage, loss.num_microbatches,
                               loss.virtual_stages, loss.schedule)
-  return Plan(
+  compute_dtype = jax.numpy.dtype(setup.policy.compute_dtype).name
+  narrow = compute_dtype in ("bfloat16", "float16")
+  work = hlo_lib.kernels(hlo, float32_bytes=2 if narrow else 4)
+  planned = Plan(
       name=cfg.name, devices=devices,
       mesh={} if mesh is None else dict(mesh.shape),
       params=num_params, tokens_per_step=tokens,
@@ -360,4 +398,11 @@ def plan(cfg: Any, device_memory: Any = None) -> Plan:
       xla_flops_per_device=float(cost.get("flops", math.nan)),
       model_flops=None if provided else _model_flops(cfg, params, tokens),
       collectives=hlo_lib.collectives(hlo), bubble=bubble,
-      compile_seconds=seconds, device_memory=memory, schedules=schedules)
+      compile_seconds=seconds, device_memory=memory,
+      kernels={"dots": [list(d) for d in work.dots], "bytes": work.bytes},
+      collectives_over=hlo_lib.collectives_over(hlo, dict(mesh.shape) if mesh is not
+                                                None else {}),
+      compute_dtype=compute_dtype, schedules=schedules)
+  if hardware is not None:
+    planned.estimate = step_time_lib.estimate(planned, hardware)
+  return planned

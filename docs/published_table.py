@@ -1,0 +1,107 @@
+"""Writes docs/published.md: `mpscale plan --hardware` against the per-GPU throughputs
+that others measured (configs/published/runs.yaml), and prints the README's table.
+
+::
+
+  python docs/published_table.py                 # every row, ~10 s each
+  python docs/published_table.py --rows 0 1      # the first two
+
+Each row is planned in its own process (``mpscale plan --devices N --hardware H
+--json``: the number of simulated devices is fixed when JAX starts). A publication's
+TFLOP/s per GPU are its FLOPs a step over its step time; the estimate divides the same
+FLOPs (Megatron-LM's Eq. 3 for ``flops: megatron``) by the estimated step time, so
+``ratio = estimate / published``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = os.path.join(ROOT, "configs", "published", "runs.yaml")
+BAND = (0.75, 1.33)
+"""The agreement aimed at: estimate / published within it."""
+
+
+def megatron_flops(cfg: dict) -> float:
+  """Narayanan et al. (2021) Eq. 3: ``96 B s l h^2 (1 + s / 6h + V / 16lh)``, the
+  matrix products of one step with activation recomputation."""
+  m = cfg["model"]
+  b, s, l, h, v = (cfg["data"]["batch_size"], m["seq_len"], m["num_layers"],
+                   m["d_model"], m["vocab_size"])
+  return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def runs() -> list[dict]:
+  with open(RUNS) as f:
+    return yaml.safe_load(f)["runs"]
+
+
+def plan_row(run: dict) -> dict:
+  """One row: the run, its plan's estimate and the ratio (a subprocess)."""
+  path = os.path.join(ROOT, "configs", "published", run["config"])
+  start = time.perf_counter()
+  out = subprocess.run(
+      [sys.executable, "-m", "mpscale", "plan", "--config", path, "--devices",
+       str(run["devices"]), "--hardware", run["hardware"], "--json"],
+      capture_output=True, text=True, check=True, cwd=ROOT)
+  planned = json.loads(out.stdout)
+  with open(path) as f:
+    cfg = yaml.safe_load(f)
+  if run["flops"] != "megatron":
+    raise ValueError(f"{run['config']}: unknown flops {run['flops']!r}")
+  flops = megatron_flops(cfg)
+  est = planned["estimate"]
+  tflops = flops / est["seconds"] / run["devices"] / 1e12
+  return {"config": run["config"], "devices": run["devices"],
+          "mesh": planned["mesh"], "fits": planned["fits"],
+          "published": run["tflops_per_gpu"], "estimate": round(tflops, 1),
+          "ratio": round(tflops / run["tflops_per_gpu"], 2),
+          "step_seconds": round(est["seconds"], 3),
+          "compute": round(est["compute"], 3), "memory": round(est["memory"], 3),
+          "collectives": round(est["collectives"], 3),
+          "bubble": round(est["bubble"], 3), "dominant": est["dominant"],
+          "plan_seconds": round(time.perf_counter() - start, 1)}
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| run | GPUs | mesh | published TFLOP/s/GPU | estimate | ratio | step (s): "
+           "compute + memory + collectives | dominant |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+    lines.append(
+        f"| {r['config'][:-5]} | {r['devices']} | {mesh} | {r['published']} | "
+        f"{r['estimate']:.1f} | {r['ratio']:.2f} | {r['step_seconds']:.2f}: "
+        f"{r['compute']:.2f} + {r['memory']:.2f} + {r['collectives']:.2f} | "
+        f"{r['dominant']} |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rows", type=int, nargs="*", help="row indices (default all)")
+  parser.add_argument("--json", help="also write the rows as JSON here")
+  args = parser.parse_args()
+  chosen = runs()
+  if args.rows:
+    chosen = [chosen[i] for i in args.rows]
+  rows = []
+  for run in chosen:
+    rows.append(plan_row(run))
+    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+  print(table(rows))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,346 @@
+"""Which layout to run: every layout the trainer can run on N devices, planned and
+ranked by estimated step time on named hardware (``mpscale plan --search``).
+
+`search` enumerates the layouts of a config (`layouts`): every split of the devices
+into ``data x fsdp x stage x tensor``, and with it ZeRO-1 (``shard_optimizer_state``),
+the micro-batches, activation recomputation (``train.remat``), sequence parallelism,
+the pipeline schedule and virtual stages. A layout the trainer would refuse (tensor
+not dividing the heads, stages not dividing the layers, a batch not splitting over
+the replicas and micro-batches) is never built. Then, cheapest first:
+
+1. **The arithmetic bound.** A layout whose parameters, gradients and optimizer state
+   alone (exact per-device bytes from shapes, nothing compiled) exceed the device's
+   memory is dropped.
+2. **Compile and estimate.** Each remaining layout is planned
+   (`mpscale.trainer.planning.plan`: the real step, compiled from shapes) and priced
+   on the hardware (`mpscale.trainer.step_time`); a layout whose compiled peak exceeds
+   the memory is dropped, and the layout's next variant is tried (ZeRO-1, then
+   recomputation, then both; without a pipeline, more micro-batches first): a
+   variant saving memory costs time, so the first that fits is the one ranked.
+   Plans are cached on disk by the config, the device count
+   and the versions of mpscale and JAX, so a second search compiles nothing it has
+   compiled before; the estimate is recomputed from the cached plan (any hardware).
+3. **Rank** the fitting layouts by estimated step time.
+
+A time budget stops the compiling; the layouts left are reported as not planned.
+Layouts are planned in an order that reaches the likely ones first: fewer pipeline
+stages, then less tensor parallelism, then no FSDP, then fewer micro-batches
+(`_order`).
+
+Kept out of the enumeration to keep it to what a user would try (each is stated in
+the result as ``rules``): ``data`` and ``fsdp`` together (hybrid sharding), ``tensor``
+larger than a node, ZeRO-1 without data parallelism, sequence parallelism without
+tensor parallelism, virtual stages other than 1 and 2, and micro-batches other than
+powers of two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+import jax
+
+from mpscale import sharding as sharding_lib
+from mpscale import validation
+from mpscale.trainer import builders
+from mpscale.trainer import config as config_lib
+from mpscale.trainer import planning
+from mpscale.trainer import step_time as step_time_lib
+from mpscale.trainer.hardware import Hardware, load_hardware
+
+CACHE_VERSION = 1
+"""Bumped when what a cached plan holds changes."""
+
+RULES = (
+    "data and fsdp are not combined (no hybrid sharding)",
+    "tensor at most devices_per_node",
+    "ZeRO-1 only with data > 1",
+    "sequence parallelism only with tensor > 1",
+    "virtual stages 1 or 2 (2 only with stage > 1, 1F1B or GPipe)",
+    "micro-batches a power of two, at least the stages when pipelined",
+)
+"""What `layouts` leaves out, said with every result."""
+
+
+def default_cache_dir() -> str:
+  """``$XDG_CACHE_HOME/mpscale/plans`` (``~/.cache/mpscale/plans``)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                          ".cache")
+  return os.path.join(base, "mpscale", "plans")
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int
+            ) -> list[list[dict[str, Any]]]:
+  """Every layout of ``cfg``'s model on ``devices`` devices, as ``--set`` overrides
+  (``{"mesh.data": 4, ...}``), within `RULES`; each one the trainer accepts.
+
+  Returns:
+    One ladder per structure (the mesh, sequence parallelism, the pipeline schedule,
+    virtual stages and, pipelined, the micro-batches): its variants in the order
+    they cost memory savings, each saving more memory and costing more time than the
+    one before: first the plain layout, then with ZeRO-1, then with recomputation,
+    then both; without a pipeline, each with the fewest micro-batches first (more
+    micro-batches only hold fewer activations at once). `search` plans a ladder's
+    variants in order and keeps the first that fits.
+  """
+  m = cfg.model
+  batch = cfg.data.batch_size
+  out = []
+  for tensor in _divisors(devices):
+    if tensor > devices_per_node or m.num_heads % tensor or m.d_ff % tensor or (
+        m.vocab_size % tensor):
+      continue
+    for stage in _divisors(devices // tensor):
+      if m.num_layers % stage:
+        continue
+      rest = devices // (tensor * stage)
+      for data, fsdp in ((rest, 1), (1, rest)) if rest > 1 else ((1, 1),):
+        replicas = data * fsdp
+        if batch % replicas:
+          continue
+        per_replica = batch // replicas
+        micro = [2**k for k in range(0, 20) if 2**k <= per_replica
+                 and per_replica % 2**k == 0 and (stage == 1 or 2**k >= stage)]
+        if stage > 1:
+          micro = micro[:4]  # S, 2S, 4S, 8S (as the batch allows): the bubble shrinks
+        virtual = [1, 2] if stage > 1 and m.num_layers % (2 * stage) == 0 else [1]
+        schedules = ["gpipe", "1f1b", "zb_h1"] if stage > 1 else ["gpipe"]
+        seq_par = [False, True] if tensor > 1 else [False]
+        for v, sched, sp in itertools.product(virtual, schedules, seq_par):
+          if v > 1 and sched == "zb_h1":
+            continue
+          structure = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.stage": stage,
+                       "mesh.tensor": tensor}
+          if stage > 1:
+            structure.update({"mesh.pipeline_schedule": sched,
+                              "mesh.virtual_stages": v})
+          if tensor > 1:
+            structure["mesh.sequence_parallel"] = sp
+          for group in ([[mb] for mb in micro] if stage > 1 else [micro]):
+            ladder = []
+            for remat, zero1 in ((False, False), (False, True), (True, False),
+                                 (True, True)):
+              if zero1 and data == 1:
+                continue
+              for mb in group:
+                ladder.append({**structure, "mesh.shard_optimizer_state": zero1,
+                               "train.num_microbatches": mb, "train.remat": remat})
+            out.append(ladder)
+  return out
+
+
+def _order(ladder: list[dict[str, Any]]) -> tuple:
+  """Planning order of ladders: fewer stages, less tensor parallelism, fewer
+  micro-batches, plainer options first."""
+  layout = ladder[0]
+  return (layout["mesh.stage"], layout["mesh.tensor"], layout["mesh.fsdp"],
+          layout["train.num_microbatches"], layout.get("mesh.virtual_stages", 1),
+          layout.get("mesh.pipeline_schedule", ""),
+          layout.get("mesh.sequence_parallel", False))
+
+
+def set_line(layout: dict[str, Any]) -> str:
+  """The layout as the command line's ``--set`` flags (values as YAML)."""
+  def text(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+  return " ".join(f"--set {k}={text(v)}" for k, v in layout.items())
+
+
+def _overrides(layout: dict[str, Any]) -> list[str]:
+  return [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+          for k, v in layout.items()]
+
+
+def static_bytes(cfg: config_lib.RunConfig) -> int:
+  """Parameters, gradients and optimizer state one device holds under ``cfg``'s
+  layout: exact, from shapes (nothing compiled or allocated)."""
+  setup = builders.build(cfg)
+  params = jax.eval_shape(setup.init_params)
+  state = setup.init(params)
+  param_bytes = sharding_lib.tree_bytes(state.params)
+  return 2 * param_bytes + sharding_lib.tree_bytes(state.opt_state)
+
+
+def _cache_key(cfg: config_lib.RunConfig, devices: int) -> str:
+  import mpscale  # noqa: PLC0415  (the package imports the trainer lazily)
+  blob = json.dumps({"config": dataclasses.asdict(cfg), "devices": devices,
+                     "jax": jax.__version__,
+                     "mpscale": getattr(mpscale, "__version__", ""),
+                     "cache": CACHE_VERSION}, sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cached_plan(cfg: config_lib.RunConfig, devices: int, memory: int,
+                cache_dir: Optional[str]) -> tuple[planning.Plan, bool]:
+  """``cfg``'s `Plan`, from the cache when there, else compiled and cached.
+
+  Returns:
+    ``(plan, hit)``: the plan (its device memory ``memory``, no estimate) and whether
+    it came from the cache."""
+  path = None
+  if cache_dir:
+    path = os.path.join(cache_dir, _cache_key(cfg, devices) + ".json")
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        planned = planning.Plan.from_dict(json.load(f))
+      planned.device_memory = memory
+      return planned, True
+  planned = planning.plan(cfg, device_memory=memory)
+  if path:
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = path + f".{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(planned.to_dict(), f)
+    os.replace(tmp, path)
+  return planned, False
+
+
+@dataclasses.dataclass
+class Result:
+  """What `search` found."""
+  config: str
+  devices: int
+  hardware: str
+  ranked: list[dict[str, Any]]
+  """The fitting layouts, fastest first: ``layout`` (overrides), ``set`` (the
+  ``--set`` line), ``mesh``, ``seconds``, ``tokens_per_second``, ``mfu``,
+  ``dominant``, ``compute``, ``memory``, ``collectives``, ``bubble``, ``peak_bytes``,
+  ``cached``."""
+  candidates: int
+  """Layouts enumerated (ladders: one structure and its memory-saving variants)."""
+  over_memory_bound: int
+  """Variants dropped by the arithmetic bound (state alone over the memory)."""
+  over_memory_compiled: int
+  """Variants compiled, their peak over the memory."""
+  refused: int
+  """Layouts refused by the trainer when built (e.g. an indivisible dimension)."""
+  not_planned: int
+  """Layouts left when the time budget ran out."""
+  seconds: float
+  cache_hits: int
+  rules: tuple[str, ...] = RULES
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def text(self, top: int = 10) -> str:
+    lines = [f"{self.config} on {self.devices} x {self.hardware}: {len(self.ranked)} "
+             f"fitting layouts of {self.candidates} ({self.over_memory_bound} over "
+             f"the memory by their state alone, {self.over_memory_compiled} by their "
+             f"compiled peak, {self.refused} refused, {self.not_planned} not planned "
+             f"in the budget); {self.seconds:.0f} s, {self.cache_hits} from the cache",
+             f"{'#':>3} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9}  "
+             "dominant / --set line"]
+    for i, r in enumerate(self.ranked[:top], 1):
+      mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+      lines.append(f"{i:>3} {r['seconds'] * 1e3:9.1f} {r['tokens_per_second']:11,.0f} "
+                   f"{mfu:>6} {r['peak_bytes'] / 2**30:9.1f}  {r['dominant']}")
+      lines.append(f"      {r['set']}")
+    lines.append("not searched: " + "; ".join(self.rules))
+    return "\n".join(lines)
+
+
+def search(config_path: str, devices: int, hardware: Any, *,
+           overrides: tuple[str, ...] = (), budget: float = 600.0,
+           cache_dir: Optional[str] = None,
+           progress: Optional[Callable[[int, int, str], None]] = None) -> Result:
+  """Rank every layout of a config on ``devices`` devices of ``hardware``.
+
+  Args:
+    config_path: the run's YAML config; its model, batch, precision and optimizer are
+      kept, its layout (mesh, micro-batches, remat) is what is searched.
+    devices: the devices to lay out (JAX must have that many: ``mpscale plan
+      --devices N`` simulates them).
+    hardware: a `Hardware`, a built-in profile's name or a profile file's path.
+    overrides: ``--set`` overrides applied before the layout's own.
+    budget: seconds of planning before the rest is left unplanned.
+    cache_dir: where compiled plans are cached (``None``: no cache).
+    progress: ``progress(done, total, what)``, called as each layout is done.
+
+  Returns:
+    The `Result`.
+
+  Raises:
+    ArgumentError: naming ``--devices`` when JAX has fewer devices or no layout can
+      be built; naming ``--hardware`` for an unknown profile (`load_hardware`);
+      naming ``--search`` when no layout fits in the device's memory (with the
+      smallest state seen).
+  """
+  if not isinstance(hardware, Hardware):
+    hardware = load_hardware(hardware)
+  devices = validation.positive_int("--devices", devices)
+  if jax.device_count() < devices:
+    raise validation.fail("--devices", f": {devices} devices asked, JAX has "
+                          f"{jax.device_count()} (mpscale plan --devices N simulates "
+                          "N on CPU)")
+  budget = validation.positive_float("--budget", budget)
+  base = config_lib.load_config(config_path, list(overrides))
+  memory = int(hardware.hbm_bytes)
+  ladders = sorted(layouts(base, devices, hardware.devices_per_node), key=_order)
+  if not ladders:
+    raise validation.fail("--devices", f": no layout of {base.name} on {devices} "
+                          "devices (tensor must divide the heads, d_ff and the "
+                          "vocabulary, stages the layers, replicas the batch)")
+  start = time.perf_counter()
+  ranked, over_bound, over_compiled, refused, hits = [], 0, 0, 0, 0
+  smallest = math.inf
+  done = 0
+  for ladder in ladders:
+    if time.perf_counter() - start > budget:
+      break
+    done += 1
+    for layout in ladder:
+      try:
+        cfg = config_lib.load_config(config_path,
+                                     list(overrides) + _overrides(layout))
+        state = static_bytes(cfg)
+      except (ValueError, TypeError):
+        refused += 1
+        break
+      smallest = min(smallest, state)
+      if state > memory:
+        over_bound += 1
+        continue
+      try:
+        planned, hit = cached_plan(cfg, devices, memory, cache_dir)
+      except (ValueError, TypeError):
+        refused += 1
+        break
+      hits += hit
+      smallest = min(smallest, planned.bytes["peak"])
+      if not planned.fits:
+        over_compiled += 1
+        continue
+      est = step_time_lib.estimate(planned, hardware)
+      ranked.append({"layout": layout, "set": set_line(layout),
+                     "mesh": planned.mesh, "seconds": est.seconds,
+                     "tokens_per_second": est.tokens_per_second, "mfu": est.mfu,
+                     "dominant": est.dominant, "compute": est.compute,
+                     "memory": est.memory, "collectives": est.collectives,
+                     "bubble": est.bubble, "peak_bytes": planned.bytes["peak"],
+                     "cached": hit})
+      break  # the first variant that fits: the rest of the ladder saves memory only
+    if progress:
+      progress(done, len(ladders), f"{len(ranked)} fit")
+  if not ranked and done == len(ladders):
+    raise validation.fail("--search", f": no layout of {base.name} on {devices} x "
+                          f"{hardware.name} fits in {memory / 1e9:.1f} GB a device "
+                          f"(the smallest needs {smallest / 1e9:.1f} GB); use more "
+                          "devices or a device with more memory")
+  ranked.sort(key=lambda r: r["seconds"])
+  return Result(config=base.name, devices=devices, hardware=hardware.name,
+                ranked=ranked, candidates=len(ladders),
+                over_memory_bound=over_bound, over_memory_compiled=over_compiled,
+                refused=refused, not_planned=len(ladders) - done,
+                seconds=time.perf_counter() - start, cache_hits=hits)

@@ -1,0 +1,229 @@
+"""How long a planned step takes on named hardware: the compiled work, priced.
+
+`estimate` prices what `mpscale.trainer.planning.plan` read from the compiled step
+(per device, per step) on a `mpscale.trainer.hardware.Hardware` profile:
+
+- **compute**: each matrix-product kernel (`mpscale.hlo.kernels`) at the peak of the
+  compute dtype times the profile's ``matmul_efficiency`` (the measured share of the
+  peak a large product reaches; the built-in GPU profiles cite theirs). A product
+  whose bytes take longer at the memory rate than its FLOPs at this rate (a roofline,
+  kernel by kernel) counts that excess as memory time.
+- **memory**: the bytes every other kernel reads and writes (elementwise fusions,
+  reductions, copies) at ``hbm_bandwidth`` times ``memory_efficiency``. The CPU
+  backend that compiles the plan computes 16-bit arithmetic in float32; under a
+  16-bit compute dtype the plan counts float32 arrays at 16 bits, as a GPU holds
+  them. It also fuses less than a GPU backend: the term is an upper bound.
+- **collectives**: each collective over the mesh axes it spans
+  (`mpscale.hlo.collectives_over`), priced on the link level its group needs, with
+  the ring formulas of Thakur et al. (``n`` devices in a group, ``B`` the bytes per
+  device, ``b`` the link's one-way bandwidth, ``a`` its latency)::
+
+    all-reduce          2 (n - 1) / n * B / b + 2 (n - 1) a
+    all-gather          (n - 1) / n * B / b + (n - 1) a      B: the gathered result
+    reduce-scatter      (n - 1) / n * B / b + (n - 1) a      B: the whole operand
+    all-to-all          (n - 1) / n * B / b + (n - 1) a
+    collective-permute  B / b + a                            one hop
+
+- **bubble**: the pipeline's idle share. The compiled program of a pipeline runs
+  every tick of its schedule on every device (SPMD), bubble ticks included, so the
+  compute and memory terms already hold it; the estimate reports the bubble's part
+  of them (``bubble * (compute + memory)``) and does not add it again.
+
+**How mesh axes are laid onto nodes.** The trainer's mesh is ``data x fsdp x stage x
+tensor`` in that order, row-major: device ``i`` of the mesh is device ``i`` of the
+job, and node ``k`` holds devices ``k * devices_per_node`` onward. So ``tensor``
+fills a node first, then ``stage``, ``fsdp`` and ``data`` (Megatron-LM's order:
+tensor parallelism inside a node). A collective's group runs on the fastest link
+whose span holds it: a ``node`` link holds a group whose devices share one node; a
+``slice`` link (a TPU's ICI) holds the whole job (one slice: several slices are not
+modelled); ``nodes`` and ``slices`` links hold any group. A group spanning nodes runs
+at the slower link's per-device bandwidth (each GPU of a DGX has its own adapter).
+
+**Overlap: none.** The step time is ``compute + memory + collectives``: no
+collective is assumed hidden behind computation. This is what Megatron-LM's 2021
+runs did (its tensor-parallel all-reduces block the layer that needs them, and the
+data-parallel gradient all-reduce ran after the backward pass) and an upper bound for
+XLA, whose GPU scheduler can overlap asynchronous collectives with independent work.
+The dominant term is the largest of compute, memory and the collectives of each link
+level.
+
+References:
+  Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+  Operations in MPICH", Int. J. High Perform. Comput. Appl. 19(1), 2005.
+  Williams, Waterman and Patterson, "Roofline: an insightful visual performance model
+  for multicore architectures", Commun. ACM 52(4), 2009.
+  Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM", SC 2021 (arXiv:2104.04473).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from mpscale import validation
+from mpscale.trainer.hardware import Hardware, Link
+
+_RING_STEPS = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
+"""Ring passes of each collective kind: an all-reduce is a reduce-scatter then an
+all-gather."""
+
+_DTYPE_PEAK = {"bfloat16": ("bfloat16",), "float16": ("float16",),
+               "float32": ("tf32", "float32")}
+"""The peak a compute dtype's matrix products get, first listed first: a float32
+product runs on NVIDIA tensor cores as TF32 at XLA's default precision."""
+
+
+@dataclasses.dataclass
+class Estimate:
+  """One step's estimated time on a `Hardware` profile (see the module docstring)."""
+  hardware: str
+  seconds: float
+  """The step: ``compute + memory + collectives`` (no overlap)."""
+  compute: float
+  """Seconds of matrix products at ``peak * matmul_efficiency``."""
+  memory: float
+  """Seconds of memory-bound kernels at ``hbm_bandwidth * memory_efficiency``."""
+  collectives: float
+  """Seconds of collectives, all link levels."""
+  bubble: float
+  """Seconds of pipeline bubble, a part of ``compute + memory`` (not added)."""
+  by_link: dict[str, float]
+  """Seconds of collectives by link level name."""
+  rows: list[dict[str, Any]]
+  """Each collective: ``collective`` (``"<kind> over <axes>"``), ``group`` (its
+  devices), ``link``, ``count``, ``bytes`` (per device, per step) and ``seconds``."""
+  tokens_per_second: float
+  mfu: Optional[float]
+  """The model's FLOPs per step (`Plan.model_flops`) over ``seconds * devices *
+  peak``; ``None`` for a user's model."""
+  peak_flops: float
+  """The peak used (FLOP/s, the compute dtype's, before ``matmul_efficiency``)."""
+  dominant: str
+  """``compute``, ``memory`` or ``collectives on <link>``: the largest term."""
+  assumptions: dict[str, Any]
+
+  def text(self) -> str:
+    lines = [f"estimated step on {self.hardware}: {self.seconds * 1e3:.1f} ms, "
+             f"{self.tokens_per_second:,.0f} tokens/s"
+             + ("" if self.mfu is None else f", MFU {self.mfu:.1%}")
+             + f"; dominant: {self.dominant}",
+             f"  compute           {self.compute * 1e3:10.1f} ms  (at "
+             f"{self.assumptions['matmul_efficiency']:.1%} of "
+             f"{self.peak_flops / 1e12:g} TFLOP/s)",
+             f"  memory            {self.memory * 1e3:10.1f} ms  (at "
+             f"{self.assumptions['memory_efficiency']:.1%} of HBM bandwidth)",
+             f"  collectives       {self.collectives * 1e3:10.1f} ms  (not overlapped)"]
+    for link, seconds in self.by_link.items():
+      lines.append(f"    on {link:<14} {seconds * 1e3:10.1f} ms")
+    if self.bubble:
+      lines.append(f"  of which bubble   {self.bubble * 1e3:10.1f} ms  (in compute "
+                   "and memory)")
+    return "\n".join(lines)
+
+
+def link_for(axes: tuple[str, ...], mesh: dict[str, int], hardware: Hardware
+             ) -> tuple[Link, int]:
+  """The link level a collective over mesh ``axes`` runs on, and its group's size.
+
+  The group of device 0 along ``axes`` (row-major ids, module docstring) stays on
+  node 0 when every member's id is below ``devices_per_node``; its link is then the
+  fastest ``node`` link, else the fastest link of any other span.
+
+  Returns:
+    ``(link, n)``: the `Link` and the devices in one group (the product of the
+    axes' sizes; 1 for no axes).
+  """
+  names = list(mesh)
+  strides = {name: math.prod(list(mesh.values())[k + 1:])
+             for k, name in enumerate(names)}
+  n = math.prod(mesh[a] for a in axes)
+  last = sum((mesh[a] - 1) * strides[a] for a in axes)  # the group's largest id
+  local = last < hardware.devices_per_node
+  for link in hardware.links:
+    if link.span == "node" and local:
+      return link, n
+    if link.span != "node":
+      return link, n
+  return hardware.links[-1], n  # only node links: the slowest of them
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, link: Link) -> float:
+  """Seconds one collective of ``kind`` takes with ``nbytes`` per device over a
+  group of ``n`` devices on ``link`` (ring formulas, module docstring)."""
+  if n <= 1 or nbytes <= 0:
+    return 0.0
+  if kind == "collective-permute":
+    return nbytes / link.bandwidth + link.latency
+  passes = _RING_STEPS.get(kind, 1)
+  return passes * ((n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency)
+
+
+def peak_for(hardware: Hardware, dtype: str) -> float:
+  """The peak FLOP/s of ``dtype``'s matrix products on ``hardware`` (a float32 one
+  at TF32's where the profile lists it)."""
+  for name in _DTYPE_PEAK.get(dtype, (dtype,)):
+    if name in hardware.peak_flops:
+      return hardware.peak(name)
+  return hardware.peak(dtype)  # raises, naming the dtypes the profile lists
+
+
+def estimate(plan: Any, hardware: Hardware) -> Estimate:
+  """The step time of ``plan`` (a `mpscale.trainer.planning.Plan`) on ``hardware``.
+
+  Args:
+    plan: its ``mesh``, ``devices``, ``kernels``, ``collectives_over``,
+      ``compute_dtype``, ``bubble``, ``tokens_per_step`` and ``model_flops`` are read.
+    hardware: the profile.
+
+  Returns:
+    The `Estimate`.
+
+  Raises:
+    ArgumentError: naming ``hardware``, when it is not a `Hardware`, or ``dtype``
+      when the profile lists no peak for the plan's compute dtype.
+  """
+  if not isinstance(hardware, Hardware):
+    raise validation.fail("hardware", " must be a Hardware profile (load_hardware); "
+                          f"got {type(hardware).__name__}", validation.ArgumentTypeError)
+  peak = peak_for(hardware, plan.compute_dtype)
+  flop_rate = peak * hardware.matmul_efficiency
+  byte_rate = hardware.hbm_bandwidth * hardware.memory_efficiency
+  compute = memory = 0.0
+  for flops, nbytes, count in plan.kernels["dots"]:
+    on_flops, on_bytes = flops / flop_rate, nbytes / byte_rate
+    compute += count * on_flops
+    memory += count * max(0.0, on_bytes - on_flops)
+  memory += plan.kernels["bytes"] / byte_rate
+  rows, by_link = [], {}
+  for key, c in sorted(plan.collectives_over.items()):
+    kind, _, axes_text = key.partition(" over ")
+    axes = tuple(a for a in axes_text.split(",") if a in plan.mesh)
+    link, n = link_for(axes, plan.mesh, hardware)
+    if kind == "collective-permute":
+      n = 2 if n > 1 else 1
+    seconds = c["count"] * collective_seconds(kind, c["bytes"] / max(c["count"], 1),
+                                              n, link)
+    rows.append({"collective": key, "group": n, "link": link.name,
+                 "count": c["count"], "bytes": c["bytes"], "seconds": seconds})
+    if seconds:
+      by_link[link.name] = by_link.get(link.name, 0.0) + seconds
+  collectives = sum(by_link.values())
+  total = compute + memory + collectives
+  terms = {"compute": compute, "memory": memory,
+           **{f"collectives on {k}": v for k, v in by_link.items()}}
+  mfu = (None if plan.model_flops is None or total <= 0 else
+         plan.model_flops / (total * plan.devices * peak))
+  return Estimate(
+      hardware=hardware.name, seconds=total, compute=compute, memory=memory,
+      collectives=collectives, bubble=plan.bubble * (compute + memory),
+      by_link=by_link, rows=rows,
+      tokens_per_second=plan.tokens_per_step / total if total > 0 else math.inf,
+      mfu=mfu, peak_flops=peak, dominant=max(terms, key=terms.get),
+      assumptions={"matmul_efficiency": hardware.matmul_efficiency,
+                   "memory_efficiency": hardware.memory_efficiency,
+                   "overlap": "none", "axes_onto_nodes": "row-major, "
+                   + " x ".join(plan.mesh) + f"; {hardware.devices_per_node} devices "
+                   "a node", "compute_dtype": plan.compute_dtype,
+                   "assumed_in_profile": list(hardware.assumed)})
