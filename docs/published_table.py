@@ -1,9 +1,9 @@
-"""Writes docs/published.md: `mpscale plan --hardware` against the per-GPU throughputs
-that others measured (configs/published/runs.yaml), and prints the README's table.
+"""Prints the README's table of `mpscale plan --hardware` against the per-GPU
+throughputs that others measured (configs/published/runs.yaml).
 
 ::
 
-  python docs/published_table.py                 # every row, ~10 s each
+  python docs/published_table.py                 # every run, ~10 s each
   python docs/published_table.py --rows 0 1      # the first two
 
 Each row is planned in its own process (``mpscale plan --devices N --hardware H
@@ -48,9 +48,10 @@ def plan_row(run: dict) -> dict:
   """One row: the run, its plan's estimate and the ratio (a subprocess)."""
   path = os.path.join(ROOT, "configs", "published", run["config"])
   start = time.perf_counter()
+  sets = [x for item in run.get("set", []) for x in ("--set", item)]
   out = subprocess.run(
       [sys.executable, "-m", "mpscale", "plan", "--config", path, "--devices",
-       str(run["devices"]), "--hardware", run["hardware"], "--json"],
+       str(run["devices"]), "--hardware", run["hardware"], "--json", *sets],
       capture_output=True, text=True, check=True, cwd=ROOT)
   planned = json.loads(out.stdout)
   with open(path) as f:
@@ -60,8 +61,13 @@ def plan_row(run: dict) -> dict:
   flops = megatron_flops(cfg)
   est = planned["estimate"]
   tflops = flops / est["seconds"] / run["devices"] / 1e12
-  return {"config": run["config"], "devices": run["devices"],
+  return {"config": run["config"], "set": run.get("set", []),
+          "devices": run["devices"], "in_band": run.get("in_band", True),
+          "why": run.get("why", ""),
           "mesh": planned["mesh"], "fits": planned["fits"],
+          "peak_gib": round(planned["bytes"]["peak"] / 2**30, 1),
+          "schedule": next((r["schedule"] for r in planned["schedules"]
+                            if r["config"]), ""),
           "published": run["tflops_per_gpu"], "estimate": round(tflops, 1),
           "ratio": round(tflops / run["tflops_per_gpu"], 2),
           "step_seconds": round(est["seconds"], 3),
@@ -71,17 +77,22 @@ def plan_row(run: dict) -> dict:
           "plan_seconds": round(time.perf_counter() - start, 1)}
 
 
+def row_name(r: dict) -> str:
+  """``megatron_39.1b 1f1b``: the config's stem and, pipelined, its schedule."""
+  return r["config"][:-5] + (f" {r['schedule']}" if r["schedule"] else "")
+
+
 def table(rows: list[dict]) -> str:
   lines = ["| run | GPUs | mesh | published TFLOP/s/GPU | estimate | ratio | step (s): "
-           "compute + memory + collectives | dominant |",
-           "|---|---|---|---|---|---|---|---|"]
+           "compute + memory + collectives | dominant | peak GiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     lines.append(
-        f"| {r['config'][:-5]} | {r['devices']} | {mesh} | {r['published']} | "
+        f"| {row_name(r)} | {r['devices']} | {mesh} | {r['published']} | "
         f"{r['estimate']:.1f} | {r['ratio']:.2f} | {r['step_seconds']:.2f}: "
         f"{r['compute']:.2f} + {r['memory']:.2f} + {r['collectives']:.2f} | "
-        f"{r['dominant']} |")
+        f"{r['dominant']} | {r['peak_gib']:.0f} |")
   return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """Plain helpers shared by several test modules (fixtures live in conftest.py)."""
 
+import importlib.util
 import os
 import re
 import socket
@@ -55,3 +56,18 @@ def recording_inner():
 
   return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
                                                update), seen
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(*path: str):
+  """A script that is not a package module (``docs/plan_table.py``,
+  ``tests/data/make_came_reference.py``), imported from its path under the
+  repository's root."""
+  full = os.path.join(ROOT, *path)
+  name = os.path.splitext(os.path.basename(full))[0]
+  spec = importlib.util.spec_from_file_location(name, full)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

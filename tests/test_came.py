@@ -1,7 +1,6 @@
 """Tests for mpscale.came: parity with came-pytorch 0.1.3, options, memory, wrappers."""
 
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -16,17 +15,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mpscale
 from mpscale.came import compression_dtype
+from tests.helpers import load_script
 
 _DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 def _load_recipe():
   """tests/data/make_came_reference.py, the one source of params and gradients."""
-  spec = importlib.util.spec_from_file_location(
-      "make_came_reference", os.path.join(_DATA, "make_came_reference.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("tests", "data", "make_came_reference.py")
 
 
 recipe = _load_recipe()

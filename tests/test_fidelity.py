@@ -2,7 +2,6 @@
 configs, its table, and a shortened run that shows the effect it reports."""
 
 import glob
-import importlib.util
 import os
 
 import jax
@@ -13,16 +12,13 @@ import pytest
 from mpscale.trainer import config as config_lib
 from mpscale.trainer import data as data_lib
 from mpscale.trainer import lm
+from tests.helpers import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _study():
-  spec = importlib.util.spec_from_file_location(
-      "fidelity_study", os.path.join(ROOT, "docs", "fidelity_study.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("docs", "fidelity_study.py")
 
 
 def test_every_config_is_in_the_study_and_loads():

@@ -273,6 +273,13 @@ def test_a_pipelines_permutes_span_the_stage_axis():
     ("replica_groups=[4,2]<=[2,4]T(1,0)", ("a",)),
     ("replica_groups=[2,4]<=[8]", ("b", "c")),
     ("source_target_pairs={{0,2},{2,0},{5,7}}", ("b",)),
+    # XLA's mesh form (newer releases): the devices differing along the braced axes
+    ("replica_groups=mesh['x'=2,'y'=2,'z'=2] {'x'}", ("a",)),
+    ("replica_groups=mesh['x'=2,'y'=4] {'y'}", ("b", "c")),
+    ("replica_groups=mesh['x'=4,'y'=1,'z'=2] {'z'}", ("c",)),
+    # with device_ids: mesh position p holds iota(8).reshape(4,2).T.flatten()[p] =
+    # 0,2,4,6,1,3,5,7; along 'y' (size 4) the groups are {0,2,4,6},{1,3,5,7}: a, b
+    ("replica_groups=mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'y'}", ("a", "b")),
 ])
 def test_replica_groups_map_to_mesh_axes(groups, want):
   line = f"%r = f32[4]{{0}} all-reduce(%a), channel_id=1, {groups}, to_apply=%add"
@@ -280,3 +287,87 @@ def test_replica_groups_map_to_mesh_axes(groups, want):
                      f"  %a = f32[4]{{0}} parameter(0)\n  ROOT {line}\n}}")
   (ins,) = [i for i in module.computations[module.entry] if i.op == "all-reduce"]
   assert hlo.group_axes(hlo.replica_groups(ins, 8), {"a": 2, "b": 2, "c": 2}) == want
+
+
+def test_the_mesh_form_of_a_real_compiled_program_is_read():
+  """A data x tensor all-reduce as the installed XLA writes it (iota or mesh form):
+  a sum over the batch's axis only is read as over that axis."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tensor"))
+  placed = lambda a, spec: jax.device_put(  # noqa: E731
+      a, jax.sharding.NamedSharding(mesh, spec))
+  x = placed(jnp.ones((16, 32)), P("data"))
+  w = placed(jnp.ones((32, 64)), P(None, "tensor"))
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w)), argnums=1))
+  over = hlo.collectives_over(grad.lower(x, w).compile().as_text(), dict(mesh.shape))
+  assert list(over) == ["all-reduce over data"], over
+
+
+# ------------------------------------------------------------------ kernels
+
+
+_KERNELS = """HloModule m
+%fused_slice (param_0: f32[10,64,64], param_1: s32[]) -> f32[64,64] {
+  %param_0 = f32[10,64,64]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = f32[1,64,64]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c), dynamic_slice_sizes={1,64,64}
+  ROOT %b = f32[64,64]{1,0} bitcast(%ds)
+}
+%fused_update (param_0: f32[10,8,64], param_1: f32[1,8,64], param_2: s32[]) -> f32[10,8,64] {
+  %param_0 = f32[10,8,64]{2,1,0} parameter(0)
+  %param_1 = f32[1,8,64]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %dus = f32[10,8,64]{2,1,0} dynamic-update-slice(%param_0, %param_1, %param_2, %c, %c)
+}
+%body (p: (s32[], f32[8,64], f32[10,64,64], f32[10,8,64])) -> (s32[], f32[8,64], f32[10,64,64], f32[10,8,64]) {
+  %p = (s32[], f32[8,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,8,64]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,64]{1,0} get-tuple-element(%p), index=1
+  %ws = f32[10,64,64]{2,1,0} get-tuple-element(%p), index=2
+  %acts = f32[10,8,64]{2,1,0} get-tuple-element(%p), index=3
+  %w = f32[64,64]{1,0} fusion(%ws, %i), kind=kLoop, calls=%fused_slice
+  %y = f32[8,64]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %t = f32[8,64]{1,0} tanh(%y)
+  %y3 = f32[1,8,64]{2,1,0} bitcast(%t)
+  %acts2 = f32[10,8,64]{2,1,0} fusion(%acts, %y3, %i), kind=kLoop, calls=%fused_update
+  %one = s32[] constant(1)
+  %i2 = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[8,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,8,64]{2,1,0}) tuple(%i2, %t, %ws, %acts2)
+}
+%cond (p: (s32[], f32[8,64], f32[10,64,64], f32[10,8,64])) -> pred[] {
+  %p = (s32[], f32[8,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,8,64]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(10)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (a: (s32[], f32[8,64], f32[10,64,64], f32[10,8,64])) -> (s32[], f32[8,64], f32[10,64,64], f32[10,8,64]) {
+  %a = (s32[], f32[8,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,8,64]{2,1,0}) parameter(0)
+  ROOT %w = (s32[], f32[8,64]{1,0}, f32[10,64,64]{2,1,0}, f32[10,8,64]{2,1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"10"}}
+}
+"""
+
+
+def test_kernels_of_a_scan_read_one_layer_and_write_one_slice_a_step():
+  """A scan over 10 layers: each trip slices one layer's 64x64 weights from the
+  stack (reads 16 KiB, writes 16 KiB, not the 160 KiB stack), runs an 8x64x64
+  product, a tanh, and writes its 8x64 output into the stacked activations in place
+  (the 2 KiB update read and written, not the 20 KiB stack)."""
+  k = hlo.kernels(_KERNELS)
+  dot_bytes = 4 * (8 * 64 + 64 * 64 + 8 * 64)
+  assert k.dots == [(2.0 * 8 * 64 * 64, float(dot_bytes), 10)]
+  floats = (2 * 4 * 64 * 64       # the slice of one layer: read and written
+            + 2 * 4 * 8 * 64      # tanh: read and written
+            + 2 * 4 * 8 * 64)     # the in-place update: its slice read and written
+  ints = 2 * 4 + 3 * 4            # the two fusions' indices, the counter's add
+  assert k.bytes == 10 * (floats + ints)
+  # float32 counted at 16 bits (a 16-bit program the CPU widened)
+  half = hlo.kernels(_KERNELS, float32_bytes=2)
+  assert half.dots == [(2.0 * 8 * 64 * 64, dot_bytes / 2, 10)]
+  assert half.bytes == 10 * (floats / 2 + ints)
+  # a compiled program's products are all there, with matmul_flops' FLOPs
+  f = jax.jit(lambda x, w: jnp.tanh(x @ w) @ w.T)
+  text = f.lower(jnp.ones((32, 64)), jnp.ones((64, 128))).compile().as_text()
+  got = hlo.kernels(text)
+  assert sum(fl * n for fl, _, n in got.dots) == hlo.matmul_flops(text)
+  assert got.bytes > 0

@@ -261,13 +261,9 @@ def test_the_docs_table_is_what_plan_says():
   """docs/plans.md's exact columns (parameter and optimizer-state bytes per device)
   for GPT-2 124M on 8 devices under FSDP, planned afresh from the same overrides
   docs/plan_table.py uses: a stale table fails here."""
-  import importlib.util
   import os
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location(
-      "plan_table", os.path.join(root, "docs", "plan_table.py"))
-  table = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(table)
+  from tests.helpers import ROOT as root, load_script
+  table = load_script("docs", "plan_table.py")
   with open(os.path.join(root, "docs", "plans.md")) as f:
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in f
             if line.startswith("| gpt2_124m | 8 | FSDP |")]

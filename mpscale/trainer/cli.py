@@ -225,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
       "estimated step time (the config's own mesh is ignored)"))
   plan_cmd.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                         help="--search: stop planning after this long (default 600)")
+  plan_cmd.add_argument("--axes", default="data,fsdp,stage,tensor", help=(
+      "--search: the mesh axes to search, comma-separated (the others stay 1)"))
   plan_cmd.add_argument("--top", type=int, default=10, metavar="K",
                         help="--search: print the K fastest layouts (default 10)")
   plan_cmd.add_argument("--cache", metavar="DIR", help=(
@@ -323,7 +325,9 @@ def _search(args: argparse.Namespace, hardware: Any) -> None:
 
     try:
       result = search_lib.search(args.config, args.devices, hardware,
-                                 overrides=tuple(args.set), budget=args.budget,
+                                 overrides=tuple(args.set),
+                                 axes=tuple(a.strip() for a in args.axes.split(",")),
+                                 budget=args.budget,
                                  cache_dir=cache, progress=progress)
     except (ValueError, TypeError) as e:
       raise config_lib.as_config_error(e).located(args.config) from None

@@ -80,10 +80,14 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int
-            ) -> list[list[dict[str, Any]]]:
+AXES = ("data", "fsdp", "stage", "tensor")
+
+
+def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
+            axes: tuple[str, ...] = AXES) -> list[list[dict[str, Any]]]:
   """Every layout of ``cfg``'s model on ``devices`` devices, as ``--set`` overrides
-  (``{"mesh.data": 4, ...}``), within `RULES`; each one the trainer accepts.
+  (``{"mesh.data": 4, ...}``), within `RULES`; each one the trainer accepts. Mesh
+  axes not in ``axes`` stay 1.
 
   Returns:
     One ladder per structure (the mesh, sequence parallelism, the pipeline schedule,
@@ -97,15 +101,20 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int
   m = cfg.model
   batch = cfg.data.batch_size
   out = []
-  for tensor in _divisors(devices):
+  def sizes(axis: str, n: int) -> list[int]:
+    return _divisors(n) if axis in axes else [1]
+
+  for tensor in sizes("tensor", devices):
     if tensor > devices_per_node or m.num_heads % tensor or m.d_ff % tensor or (
         m.vocab_size % tensor):
       continue
-    for stage in _divisors(devices // tensor):
+    for stage in sizes("stage", devices // tensor):
       if m.num_layers % stage:
         continue
       rest = devices // (tensor * stage)
-      for data, fsdp in ((rest, 1), (1, rest)) if rest > 1 else ((1, 1),):
+      splits = [(d, f) for d, f in ((rest, 1), (1, rest)) if rest == 1 or (
+          (d == 1 or "data" in axes) and (f == 1 or "fsdp" in axes))]
+      for data, fsdp in dict.fromkeys(splits):
         replicas = data * fsdp
         if batch % replicas:
           continue
@@ -252,7 +261,8 @@ class Result:
 
 
 def search(config_path: str, devices: int, hardware: Any, *,
-           overrides: tuple[str, ...] = (), budget: float = 600.0,
+           overrides: tuple[str, ...] = (), axes: tuple[str, ...] = AXES,
+           budget: float = 600.0,
            cache_dir: Optional[str] = None,
            progress: Optional[Callable[[int, int, str], None]] = None) -> Result:
   """Rank every layout of a config on ``devices`` devices of ``hardware``.
@@ -264,6 +274,7 @@ def search(config_path: str, devices: int, hardware: Any, *,
       --devices N`` simulates them).
     hardware: a `Hardware`, a built-in profile's name or a profile file's path.
     overrides: ``--set`` overrides applied before the layout's own.
+    axes: the mesh axes searched (the others stay 1); default all four.
     budget: seconds of planning before the rest is left unplanned.
     cache_dir: where compiled plans are cached (``None``: no cache).
     progress: ``progress(done, total, what)``, called as each layout is done.
@@ -285,9 +296,13 @@ def search(config_path: str, devices: int, hardware: Any, *,
                           f"{jax.device_count()} (mpscale plan --devices N simulates "
                           "N on CPU)")
   budget = validation.positive_float("--budget", budget)
+  axes = tuple(axes)
+  for axis in axes:
+    validation.one_of("--axes", axis, AXES)
   base = config_lib.load_config(config_path, list(overrides))
   memory = int(hardware.hbm_bytes)
-  ladders = sorted(layouts(base, devices, hardware.devices_per_node), key=_order)
+  ladders = sorted(layouts(base, devices, hardware.devices_per_node, axes),
+                   key=_order)
   if not ladders:
     raise validation.fail("--devices", f": no layout of {base.name} on {devices} "
                           "devices (tensor must divide the heads, d_ff and the "
@@ -296,11 +311,14 @@ def search(config_path: str, devices: int, hardware: Any, *,
   ranked, over_bound, over_compiled, refused, hits = [], 0, 0, 0, 0
   smallest = math.inf
   done = 0
+  out_of_time = lambda: time.perf_counter() - start > budget  # noqa: E731
   for ladder in ladders:
-    if time.perf_counter() - start > budget:
+    if out_of_time():
       break
     done += 1
     for layout in ladder:
+      if out_of_time():
+        break
       try:
         cfg = config_lib.load_config(config_path,
                                      list(overrides) + _overrides(layout))

@@ -1,0 +1,72 @@
+"""The published runs (configs/published/runs.yaml) against the README's table: every
+run is in the table, the runs said to agree are within the band, and one run planned
+afresh gives the table's numbers."""
+
+import os
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT, load_script
+
+TABLE = load_script("docs", "published_table.py")
+
+
+def _readme_rows():
+  """The README's published-run table: name -> its cells."""
+  with open(os.path.join(ROOT, "README.md")) as f:
+    lines = [line for line in f if line.startswith("| megatron_")]
+  rows = {}
+  for line in lines:
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    rows[cells[0]] = cells
+  return rows
+
+
+def test_every_published_run_is_in_the_readme_within_the_band_or_explained():
+  rows = _readme_rows()
+  runs = TABLE.runs()
+  assert len(runs) >= 4
+  for run in runs:
+    with open(os.path.join(ROOT, "configs", "published", run["config"])) as f:
+      cfg = yaml.safe_load(f)
+    schedule = ""
+    if cfg["mesh"].get("stage", 1) > 1:
+      schedule = next((s.split("=")[1] for s in run.get("set", [])
+                       if s.startswith("mesh.pipeline_schedule=")),
+                      cfg["mesh"].get("pipeline_schedule", "gpipe"))
+    name = run["config"][:-5] + (f" {schedule}" if schedule else "")
+    assert name in rows, name
+    cells = rows[name]
+    assert int(cells[1]) == run["devices"] and int(cells[3]) == run["tflops_per_gpu"]
+    ratio = float(cells[5])
+    assert ratio == pytest.approx(float(cells[4]) / run["tflops_per_gpu"], abs=0.006)
+    if run.get("in_band", True):
+      assert TABLE.BAND[0] <= ratio <= TABLE.BAND[1], (name, ratio)
+    else:
+      assert run["why"]  # off, and the runs file says which term and why
+  assert sum(run.get("in_band", True) for run in runs) >= 4
+
+
+def test_megatron_eq3_counts_the_papers_flops():
+  # Table 1's 1.7B row: 137 TFLOP/s per GPU on 32 GPUs is 4.4 PFLOP/s in aggregate
+  with open(os.path.join(ROOT, "configs", "published", "megatron_1.7b.yaml")) as f:
+    cfg = yaml.safe_load(f)
+  flops = TABLE.megatron_flops(cfg)
+  b, s, l, h, v = 512, 2048, 24, 2304, 51200
+  assert flops == pytest.approx(96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h)))
+  assert 137e12 * 32 == pytest.approx(4.4e15, rel=0.01)
+
+
+def test_one_run_planned_afresh_gives_the_readme_numbers():
+  """Megatron's 1.7B on 32 simulated A100s (about 10 s), planned now, against the
+  README's row: the estimate within 2% (the CPU compiler's fusion may move a term
+  slightly between JAX releases), the ratio within the band."""
+  run = TABLE.runs()[0]
+  assert run["config"] == "megatron_1.7b.yaml"
+  row = TABLE.plan_row(run)
+  cells = _readme_rows()["megatron_1.7b"]
+  assert row["estimate"] == pytest.approx(float(cells[4]), rel=0.02)
+  assert row["ratio"] == pytest.approx(float(cells[5]), abs=0.02)
+  assert TABLE.BAND[0] <= row["ratio"] <= TABLE.BAND[1]
+  assert row["fits"] and row["mesh"] == {"data": 32}

@@ -1,0 +1,120 @@
+"""mpscale plan --search (mpscale.trainer.search): layouts ranked by estimated step
+time, only those that fit, the same answer twice, a cache, and errors naming their
+cause."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpscale.trainer import config as config_lib
+from mpscale.trainer import search as search_lib
+from mpscale.trainer.hardware import load_hardware
+
+CONFIG = "configs/tiny_lm_dp_pp.yaml"  # 4 layers, per-token loss: pipelines allowed
+A100 = load_hardware("a100-80g")
+AXES = ("data", "fsdp", "tensor")
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+  """The tiny LM on 2 devices over data, fsdp and tensor (pipelines are enumerated
+  above; compiling them all would take minutes) searched twice with one cache, then
+  again with a device memory that only some layouts fit in."""
+  cache = str(tmp_path_factory.mktemp("plans"))
+  start = time.perf_counter()
+  first = search_lib.search(CONFIG, 2, A100, axes=AXES, cache_dir=cache)
+  first_seconds = time.perf_counter() - start
+  start = time.perf_counter()
+  second = search_lib.search(CONFIG, 2, A100, axes=AXES, cache_dir=cache)
+  second_seconds = time.perf_counter() - start
+  peaks = sorted(r["peak_bytes"] for r in first.ranked)
+  tight = dataclasses.replace(A100, hbm_bytes=peaks[-1] - 1)
+  third = search_lib.search(CONFIG, 2, tight, axes=AXES, cache_dir=cache)
+  return first, second, third, first_seconds, second_seconds, tight
+
+
+def test_every_layout_is_enumerated_within_the_stated_rules():
+  cfg = config_lib.load_config(CONFIG)
+  ladders = search_lib.layouts(cfg, 8, 8)
+  meshes = {(l[0]["mesh.data"], l[0]["mesh.fsdp"], l[0]["mesh.stage"],
+             l[0]["mesh.tensor"]) for l in ladders}
+  for data, fsdp, stage, tensor in meshes:
+    assert data * fsdp * stage * tensor == 8
+    assert cfg.model.num_heads % tensor == 0 and cfg.model.num_layers % stage == 0
+    assert data == 1 or fsdp == 1
+  assert (8, 1, 1, 1) in meshes and (1, 8, 1, 1) in meshes and (2, 1, 2, 2) in meshes
+  for ladder in ladders:
+    variants = [(v["train.remat"], v["mesh.shard_optimizer_state"]) for v in ladder]
+    assert variants == sorted(variants)  # plain first, memory savings after
+    for v in ladder:
+      if v["mesh.stage"] > 1:
+        assert v["train.num_microbatches"] >= v["mesh.stage"]
+        assert v["mesh.pipeline_schedule"] in ("gpipe", "1f1b", "zb_h1")
+  schedules = {l[0].get("mesh.pipeline_schedule") for l in ladders}
+  assert {"gpipe", "1f1b", "zb_h1"} <= schedules
+  assert any(l[0].get("mesh.sequence_parallel") for l in ladders)
+  assert any(l[0].get("mesh.virtual_stages") == 2 for l in ladders)
+
+
+def test_the_search_ranks_fitting_layouts_by_estimated_time(searched):
+  first = searched[0]
+  assert first.ranked and first.not_planned == 0
+  seconds = [r["seconds"] for r in first.ranked]
+  assert seconds == sorted(seconds)
+  for r in first.ranked:
+    assert r["peak_bytes"] <= A100.hbm_bytes
+    # each row's --set line rebuilds its layout
+    flags = r["set"].split()
+    assert flags[::2] == ["--set"] * len(r["layout"])
+    cfg = config_lib.load_config(CONFIG, flags[1::2])
+    assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.stage * cfg.mesh.tensor == 2
+  assert "--set mesh.data=" in first.text() and "not searched" in first.text()
+  assert {r["mesh"].get("tensor", 1) for r in first.ranked} == {1, 2}
+  assert not any("stage" in r["mesh"] for r in first.ranked)  # not in AXES
+
+
+def test_the_same_top_layout_twice_and_the_cached_run_is_faster(searched):
+  first, second, _, first_seconds, second_seconds, _ = searched
+  assert second.ranked[0]["layout"] == first.ranked[0]["layout"]
+  assert [r["seconds"] for r in second.ranked] == [r["seconds"] for r in first.ranked]
+  assert first.cache_hits == 0
+  assert second.cache_hits == len(second.ranked) + second.over_memory_compiled > 0
+  assert all(r["cached"] for r in second.ranked)
+  assert second_seconds < first_seconds
+
+
+def test_only_layouts_that_fit_are_returned(searched):
+  first, _, third, _, _, tight = searched
+  assert all(r["peak_bytes"] <= tight.hbm_bytes for r in third.ranked)
+  assert third.over_memory_compiled > 0
+  # a layout whose plain variant no longer fits is ranked by a variant that saves
+  # memory (ZeRO-1 or recomputation), or not at all
+  plain = {tuple(sorted(r["layout"].items())) for r in first.ranked}
+  assert any(tuple(sorted(r["layout"].items())) not in plain for r in third.ranked) or (
+      len(third.ranked) < len(first.ranked))
+
+
+def test_impossible_requests_name_their_cause(tmp_path):
+  tiny = dataclasses.replace(A100, hbm_bytes=1e3)
+  with pytest.raises(ValueError, match=r"--search.*no layout.*fits"):
+    search_lib.search(CONFIG, 2, tiny, axes=("data",))
+  with pytest.raises(ValueError, match=r"--hardware.*a100-80g"):
+    search_lib.search(CONFIG, 2, "a100-80gb")
+  with pytest.raises(ValueError, match=r"--devices.*JAX has"):
+    search_lib.search(CONFIG, 4096, A100)
+  with pytest.raises(ValueError, match=r"--axes"):
+    search_lib.search(CONFIG, 2, A100, axes=("data", "expert"))
+  profile = tmp_path / "gpu.yaml"
+  profile.write_text("peak_flops: {bfloat16: 1.0e15}\nhbm_bandwidth: 2.0e12\n"
+                     "hbm_bytes: 8.0e10\nlinks: [{name: x, span: node, "
+                     "bandwidth: 1.0e11, latency: 1.0e-6}]\n")
+  out = subprocess.run(
+      [sys.executable, "-m", "mpscale", "plan", "--config", CONFIG, "--search",
+       "--devices", "2", "--hardware", str(profile)],
+      capture_output=True, text=True, cwd=os.getcwd())
+  assert out.returncode == 2
+  assert "devices_per_node: missing" in out.stderr and str(profile) in out.stderr

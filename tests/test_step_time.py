@@ -1,0 +1,135 @@
+"""The step-time model (mpscale.trainer.step_time): each term on a case computed by
+hand, the link a mesh axis maps to, and a real plan's estimate."""
+
+import dataclasses
+import json
+import types
+
+import pytest
+
+from mpscale.trainer import config as config_lib
+from mpscale.trainer import planning
+from mpscale.trainer import step_time
+from mpscale.trainer.hardware import Hardware, Link, load_hardware
+
+FAST = Link("fast", bandwidth=4e11, latency=2e-6, span="node")
+SLOW = Link("slow", bandwidth=5e10, latency=1e-5, span="nodes")
+GPU = Hardware(name="gpu", description="", peak_flops={"bfloat16": 1e15},
+               hbm_bandwidth=2e12, hbm_bytes=80e9, devices_per_node=4,
+               links=(FAST, SLOW), matmul_efficiency=0.5, memory_efficiency=0.5)
+
+
+def _plan(**kw):
+  fields = dict(mesh={"data": 2, "tensor": 4}, devices=8,
+                kernels={"dots": [], "bytes": 0.0}, collectives_over={},
+                compute_dtype="bfloat16", bubble=0.0, tokens_per_step=1000,
+                model_flops=None)
+  fields.update(kw)
+  return types.SimpleNamespace(**fields)
+
+
+def test_compute_is_the_matrix_products_at_the_efficient_peak():
+  # 3 runs of a 1e12-FLOP product moving 1e6 bytes: compute-bound, at 0.5 * 1e15
+  est = step_time.estimate(_plan(kernels={"dots": [[1e12, 1e6, 3]], "bytes": 0.0}),
+                           GPU)
+  assert est.compute == pytest.approx(3 * 1e12 / 5e14)  # 6 ms
+  assert est.memory == 0 and est.collectives == 0
+  assert est.seconds == pytest.approx(6e-3) and est.dominant == "compute"
+
+
+def test_memory_is_the_other_kernels_bytes_and_a_memory_bound_products_excess():
+  # 2e9 bytes of elementwise kernels at 0.5 * 2e12 B/s: 2 ms; a product of 1e9 FLOPs
+  # moving 1e9 bytes: 2 us of compute, 1 ms of bytes: the 0.998 ms excess is memory
+  est = step_time.estimate(_plan(kernels={"dots": [[1e9, 1e9, 1]], "bytes": 2e9}),
+                           GPU)
+  assert est.compute == pytest.approx(1e9 / 5e14)
+  assert est.memory == pytest.approx(2e9 / 1e12 + (1e9 / 1e12 - 1e9 / 5e14))
+  assert est.dominant == "memory"
+
+
+def test_one_all_reduce_on_each_link_level():
+  # mesh data 2 x tensor 4 on nodes of 4 devices: a tensor group is one node
+  # (NVLink-like "fast"), a data group spans two nodes ("slow")
+  plan = _plan(collectives_over={
+      "all-reduce over tensor": {"bytes": 8e8, "count": 2},
+      "all-reduce over data": {"bytes": 1e9, "count": 1}})
+  est = step_time.estimate(plan, GPU)
+  tensor = 2 * (2 * 3 / 4 * 4e8 / 4e11 + 2 * 3 * 2e-6)   # two rings of 4 on "fast"
+  data = 2 * 1 / 2 * 1e9 / 5e10 + 2 * 1 * 1e-5            # one ring of 2 on "slow"
+  assert est.by_link == pytest.approx({"fast": tensor, "slow": data})
+  rows = {r["collective"]: r for r in est.rows}
+  assert rows["all-reduce over tensor"]["link"] == "fast"
+  assert rows["all-reduce over tensor"]["group"] == 4
+  assert rows["all-reduce over data"]["link"] == "slow"
+  assert est.collectives == pytest.approx(tensor + data)
+  assert est.seconds == pytest.approx(tensor + data)  # no overlap assumed
+  assert est.dominant == "collectives on slow"
+
+
+def test_gathers_scatters_and_permutes_by_their_formulas():
+  link = FAST
+  assert step_time.collective_seconds("all-gather", 8e8, 4, link) == pytest.approx(
+      3 / 4 * 8e8 / 4e11 + 3 * 2e-6)
+  assert step_time.collective_seconds("reduce-scatter", 8e8, 4, link) == (
+      step_time.collective_seconds("all-gather", 8e8, 4, link))
+  assert step_time.collective_seconds("all-reduce", 8e8, 4, link) == pytest.approx(
+      2 * step_time.collective_seconds("all-gather", 8e8, 4, link))
+  assert step_time.collective_seconds("collective-permute", 8e8, 2, link) == (
+      pytest.approx(8e8 / 4e11 + 2e-6))
+  assert step_time.collective_seconds("all-reduce", 8e8, 1, link) == 0
+
+
+def test_the_bubble_is_a_part_of_compute_and_memory_not_added():
+  # GPipe, 2 stages, 4 micro-batches: bubble (S - 1) / (M + S - 1) = 1 / 5 of the
+  # ticks, which the compiled program runs (its FLOPs include them)
+  plan = _plan(kernels={"dots": [[1e12, 1e6, 5]], "bytes": 1e9}, bubble=1 / 5)
+  est = step_time.estimate(plan, GPU)
+  work = 5 * 1e12 / 5e14 + 1e9 / 1e12
+  assert est.seconds == pytest.approx(work)
+  assert est.bubble == pytest.approx(work / 5)
+
+
+@pytest.mark.parametrize("mesh, axes, link, n", [
+    ({"data": 2, "tensor": 4}, ("tensor",), "fast", 4),
+    ({"data": 2, "tensor": 4}, ("data",), "slow", 2),
+    ({"data": 2, "tensor": 2}, ("data",), "fast", 2),    # 4 devices: one node
+    ({"data": 4, "stage": 2, "tensor": 2}, ("stage",), "fast", 2),
+    ({"data": 4, "stage": 2, "tensor": 2}, ("data", "tensor"), "slow", 8),
+])
+def test_a_mesh_axis_maps_to_the_fastest_level_that_holds_it(mesh, axes, link, n):
+  got, size = step_time.link_for(axes, mesh, GPU)
+  assert (got.name, size) == (link, n)
+
+
+def test_a_float32_step_runs_at_tf32_where_the_profile_lists_it():
+  a100 = load_hardware("a100-80g")
+  assert step_time.peak_for(a100, "float32") == 156e12
+  assert step_time.peak_for(a100, "bfloat16") == 312e12
+  with pytest.raises(ValueError, match="dtype.*float32"):
+    step_time.estimate(_plan(compute_dtype="float32"), GPU)  # lists bfloat16 only
+  with pytest.raises(TypeError, match="hardware"):
+    step_time.estimate(_plan(), "a100-80g")
+
+
+def test_a_real_plan_carries_its_estimate_as_text_and_json():
+  cfg = config_lib.load_config("configs/tiny_lm_bf16.yaml",
+                               ["mesh.data=2", "mesh.tensor=2"])
+  planned = planning.plan(cfg, hardware="a100-80g")
+  est = planned.estimate
+  assert planned.device_memory == 80e9  # the profile's memory
+  assert est.hardware == "a100-80g" and planned.compute_dtype == "bfloat16"
+  assert est.seconds == pytest.approx(est.compute + est.memory + est.collectives)
+  assert est.compute > 0 and est.memory > 0 and est.collectives > 0
+  assert {r["link"] for r in est.rows} == {"nvlink3"}  # 4 devices: one DGX
+  assert est.tokens_per_second == pytest.approx(planned.tokens_per_step / est.seconds)
+  assert est.mfu == pytest.approx(planned.model_flops
+                                  / (est.seconds * 4 * 312e12))
+  assert "estimated step on a100-80g" in planned.text()
+  d = json.loads(planned.to_json())
+  assert d["estimate"]["seconds"] == pytest.approx(est.seconds)
+  again = planning.Plan.from_dict(d)
+  assert step_time.estimate(again, load_hardware("a100-80g")) == est
+  # the same plan on a faster device is faster, term by term
+  h100 = step_time.estimate(planned, load_hardware("h100-80g"))
+  assert h100.compute < est.compute and h100.memory < est.memory
+  assert dataclasses.asdict(h100)["hardware"] == "h100-80g"
