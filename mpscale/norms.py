@@ -112,7 +112,10 @@ def _sum_squares(x: Any, parts: int) -> jax.Array:
   if x.ndim == 0 or x.shape[0] % parts:
     raise ValueError(f"cannot split a leaf of shape {x.shape} into {parts} groups "
                      "along its leading axis")
-  return jnp.sum(jnp.square(x.reshape(parts, -1)), axis=1)
+  # Split the leading axis only: flattening the rest would merge a tensor-parallel
+  # axis into one dimension, and GSPMD would gather the whole leaf to do it.
+  split = x.reshape((parts, x.shape[0] // parts) + x.shape[1:])
+  return jnp.sum(jnp.square(split), axis=tuple(range(1, split.ndim)))
 
 
 def measure(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:

@@ -179,3 +179,21 @@ def test_clip_after_another_transform_measures_its_own_input():
   clip_state = state.skip_state.inner_state[1]
   np.testing.assert_allclose(clip_state.global_norm, 10 * mpscale.global_norm(grads),
                              rtol=1e-6)
+
+
+def test_per_stage_norms_of_a_tensor_parallel_stack_gather_nothing():
+  """Norms per pipeline stage of stacked layers split over stage x tensor: each
+  device sums its own block, and only the sums move (an all-reduce of a few floats);
+  flattening the leaf would have gathered every layer over tensor."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from mpscale import hlo  # noqa: PLC0415
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "stage", "tensor"))
+  stack = jax.device_put(jnp.ones((4, 64, 192)),
+                         NamedSharding(mesh, P("stage", None, "tensor")))
+  fn = jax.jit(lambda t: norms.measure({"w": t}, splits=(2,)).sums)
+  text = fn.lower(stack).compile().as_text()
+  over = hlo.collectives_over(text, dict(mesh.shape))
+  assert not [k for k in over if k.startswith("all-gather")], over
+  assert sum(c["bytes"] for c in over.values()) < 1024
+  (sums,) = fn(stack)
+  np.testing.assert_allclose(np.asarray(sums), [2 * 64 * 192] * 2)
