@@ -14,10 +14,11 @@ the replicas and micro-batches) is never built. Then, cheapest first:
 2. **Compile and estimate.** Each remaining layout is planned
    (`mpscale.trainer.planning.plan`: the real step, compiled from shapes) and priced
    on the hardware (`mpscale.trainer.step_time`); a layout whose compiled peak exceeds
-   the memory is dropped, and the layout's next variant is tried (ZeRO-1, then
-   recomputation, then both; without a pipeline, more micro-batches first): a
-   variant saving memory costs time, so the first that fits is the one ranked.
-   Plans are cached on disk by the config, the device count
+   the memory is dropped, and without a pipeline the layout is tried again with
+   twice the micro-batches (they only save memory, and cost a pass over the
+   weights each): the first count that fits is the one ranked. ZeRO-1 and
+   recomputation are layouts of their own (recomputation with fewer micro-batches
+   can beat more micro-batches without it). Plans are cached on disk by the config, the device count
    and the versions of mpscale and JAX, so a second search compiles nothing it has
    compiled before; the estimate is recomputed from the cached plan (any hardware).
 3. **Rank** the fitting layouts by estimated step time.
@@ -37,6 +38,7 @@ powers of two.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -56,7 +58,8 @@ from mpscale.trainer import step_time as step_time_lib
 from mpscale.trainer.hardware import Hardware, load_hardware
 
 CACHE_VERSION = 1
-"""Bumped when what a cached plan holds changes."""
+"""Bumped when what a cached plan holds changes (the key also holds a digest of
+mpscale's own source, so a changed step is compiled anew)."""
 
 RULES = (
     "data and fsdp are not combined (no hybrid sharding)",
@@ -64,7 +67,8 @@ RULES = (
     "ZeRO-1 only with data > 1",
     "sequence parallelism only with tensor > 1",
     "virtual stages 1 or 2 (2 only with stage > 1, 1F1B or GPipe)",
-    "micro-batches a power of two, at least the stages when pipelined",
+    "micro-batches a power of two, at least the stages when pipelined (at most 4"
+    " counts), without a pipeline the fewest that fit",
 )
 """What `layouts` leaves out, said with every result."""
 
@@ -90,13 +94,12 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
   axes not in ``axes`` stay 1.
 
   Returns:
-    One ladder per structure (the mesh, sequence parallelism, the pipeline schedule,
-    virtual stages and, pipelined, the micro-batches): its variants in the order
-    they cost memory savings, each saving more memory and costing more time than the
-    one before: first the plain layout, then with ZeRO-1, then with recomputation,
-    then both; without a pipeline, each with the fewest micro-batches first (more
-    micro-batches only hold fewer activations at once). `search` plans a ladder's
-    variants in order and keeps the first that fits.
+    One ladder per layout (the mesh, sequence parallelism, the pipeline schedule and
+    virtual stages, ZeRO-1, recomputation and, pipelined, the micro-batches): a
+    pipelined layout's ladder is itself alone; an unpipelined one's is its
+    micro-batch counts, fewest first, which only hold fewer activations at once and
+    re-read the weights once more each. `search` plans a ladder's variants in order
+    and keeps the first that fits.
   """
   m = cfg.model
   batch = cfg.data.batch_size
@@ -136,27 +139,26 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
                               "mesh.virtual_stages": v})
           if tensor > 1:
             structure["mesh.sequence_parallel"] = sp
-          for group in ([[mb] for mb in micro] if stage > 1 else [micro]):
-            ladder = []
-            for remat, zero1 in ((False, False), (False, True), (True, False),
-                                 (True, True)):
-              if zero1 and data == 1:
-                continue
-              for mb in group:
-                ladder.append({**structure, "mesh.shard_optimizer_state": zero1,
-                               "train.num_microbatches": mb, "train.remat": remat})
-            out.append(ladder)
+          for remat, zero1 in ((False, False), (False, True), (True, False),
+                               (True, True)):
+            if zero1 and data == 1:
+              continue
+            for group in ([[mb] for mb in micro] if stage > 1 else [micro]):
+              out.append([{**structure, "mesh.shard_optimizer_state": zero1,
+                           "train.num_microbatches": mb, "train.remat": remat}
+                          for mb in group])
   return out
 
 
 def _order(ladder: list[dict[str, Any]]) -> tuple:
-  """Planning order of ladders: fewer stages, less tensor parallelism, fewer
-  micro-batches, plainer options first."""
+  """Planning order of ladders: fewer stages, less tensor parallelism, no FSDP,
+  fewer micro-batches, plainer options first."""
   layout = ladder[0]
   return (layout["mesh.stage"], layout["mesh.tensor"], layout["mesh.fsdp"],
           layout["train.num_microbatches"], layout.get("mesh.virtual_stages", 1),
           layout.get("mesh.pipeline_schedule", ""),
-          layout.get("mesh.sequence_parallel", False))
+          layout.get("mesh.sequence_parallel", False), layout["train.remat"],
+          layout["mesh.shard_optimizer_state"])
 
 
 def set_line(layout: dict[str, Any]) -> str:
@@ -181,12 +183,27 @@ def static_bytes(cfg: config_lib.RunConfig) -> int:
   return 2 * param_bytes + sharding_lib.tree_bytes(state.opt_state)
 
 
-def _cache_key(cfg: config_lib.RunConfig, devices: int) -> str:
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+  """A digest of mpscale's Python source: what compiles the step."""
   import mpscale  # noqa: PLC0415  (the package imports the trainer lazily)
+  root = os.path.dirname(os.path.abspath(mpscale.__file__))
+  digest = hashlib.sha256()
+  for folder, dirs, files in sorted(os.walk(root)):
+    dirs.sort()
+    for name in sorted(files):
+      if name.endswith(".py"):
+        with open(os.path.join(folder, name), "rb") as f:
+          digest.update(name.encode() + f.read())
+  return digest.hexdigest()
+
+
+def _cache_key(cfg: config_lib.RunConfig, devices: int) -> str:
   blob = json.dumps({"config": dataclasses.asdict(cfg), "devices": devices,
-                     "jax": jax.__version__,
-                     "mpscale": getattr(mpscale, "__version__", ""),
-                     "cache": CACHE_VERSION}, sort_keys=True, default=str)
+                     "jax": jax.__version__, "jaxlib": jax.lib.__version__
+                     if hasattr(jax.lib, "__version__") else "",
+                     "source": _source_digest(), "cache": CACHE_VERSION},
+                    sort_keys=True, default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
