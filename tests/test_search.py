@@ -16,14 +16,15 @@ from mpscale.trainer.hardware import load_hardware
 
 CONFIG = "configs/tiny_lm_dp_pp.yaml"  # 4 layers, per-token loss: pipelines allowed
 A100 = load_hardware("a100-80g")
-AXES = ("data", "tensor")
+AXES = ("data",)
 
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-  """The tiny LM on 2 devices over data and tensor (pipelines and FSDP are enumerated
-  above; compiling them all would take minutes) searched twice with one cache, then
-  again with a device memory that only some layouts fit in."""
+  """The tiny LM on 2 devices over the data axis (with and without ZeRO-1 and
+  recomputation: four layouts; the other axes are enumerated above, and compiling
+  them all would take minutes) searched twice with one cache, then again with a
+  device memory that the largest plan no longer fits in."""
   cache = str(tmp_path_factory.mktemp("plans"))
   start = time.perf_counter()
   first = search_lib.search(CONFIG, 2, A100, axes=AXES, cache_dir=cache)
@@ -78,8 +79,11 @@ def test_the_search_ranks_fitting_layouts_by_estimated_time(searched):
     cfg = config_lib.load_config(CONFIG, flags[1::2])
     assert cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.stage * cfg.mesh.tensor == 2
   assert "--set mesh.data=" in first.text() and "not searched" in first.text()
-  assert {r["mesh"].get("tensor", 1) for r in first.ranked} == {1, 2}
-  assert not any("stage" in r["mesh"] for r in first.ranked)  # not in AXES
+  assert {r["mesh"]["data"] for r in first.ranked} == {2}
+  assert not any(set(r["mesh"]) - {"data"} for r in first.ranked)  # not in AXES
+  assert {(r["layout"]["train.remat"], r["layout"]["mesh.shard_optimizer_state"])
+          for r in first.ranked} == {(False, False), (False, True), (True, False),
+                                     (True, True)}
 
 
 def test_the_same_top_layout_twice_and_the_cached_run_is_faster(searched):

@@ -207,29 +207,37 @@ def _cache_key(cfg: config_lib.RunConfig, devices: int) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def cached_plan(cfg: config_lib.RunConfig, devices: int, memory: int,
-                cache_dir: Optional[str]) -> tuple[planning.Plan, bool]:
-  """``cfg``'s `Plan`, from the cache when there, else compiled and cached.
+def _cache_path(cfg: config_lib.RunConfig, devices: int,
+                cache_dir: Optional[str]) -> Optional[str]:
+  return (None if not cache_dir else
+          os.path.join(cache_dir, _cache_key(cfg, devices) + ".json"))
 
-  Returns:
-    ``(plan, hit)``: the plan (its device memory ``memory``, no estimate) and whether
-    it came from the cache."""
-  path = None
-  if cache_dir:
-    path = os.path.join(cache_dir, _cache_key(cfg, devices) + ".json")
-    if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        planned = planning.Plan.from_dict(json.load(f))
-      planned.device_memory = memory
-      return planned, True
+
+def cached(cfg: config_lib.RunConfig, devices: int, memory: int,
+           cache_dir: Optional[str]) -> Optional[planning.Plan]:
+  """``cfg``'s `Plan` from the cache (its device memory ``memory``, no estimate),
+  or ``None``."""
+  path = _cache_path(cfg, devices, cache_dir)
+  if path is None or not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    planned = planning.Plan.from_dict(json.load(f))
+  planned.device_memory = memory
+  return planned
+
+
+def compile_plan(cfg: config_lib.RunConfig, devices: int, memory: int,
+                 cache_dir: Optional[str]) -> planning.Plan:
+  """``cfg``'s `Plan`, compiled, and cached when ``cache_dir`` is given."""
   planned = planning.plan(cfg, device_memory=memory)
+  path = _cache_path(cfg, devices, cache_dir)
   if path:
     os.makedirs(cache_dir, exist_ok=True)
     tmp = path + f".{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
       json.dump(planned.to_dict(), f)
     os.replace(tmp, path)
-  return planned, False
+  return planned
 
 
 @dataclasses.dataclass
@@ -339,16 +347,15 @@ def search(config_path: str, devices: int, hardware: Any, *,
       try:
         cfg = config_lib.load_config(config_path,
                                      list(overrides) + _overrides(layout))
-        state = static_bytes(cfg)
-      except (ValueError, TypeError):
-        refused += 1
-        break
-      smallest = min(smallest, state)
-      if state > memory:
-        over_bound += 1
-        continue
-      try:
-        planned, hit = cached_plan(cfg, devices, memory, cache_dir)
+        planned = cached(cfg, devices, memory, cache_dir)
+        hit = planned is not None
+        if not hit:
+          state = static_bytes(cfg)
+          smallest = min(smallest, state)
+          if state > memory:
+            over_bound += 1
+            continue
+          planned = compile_plan(cfg, devices, memory, cache_dir)
       except (ValueError, TypeError):
         refused += 1
         break
