@@ -58,6 +58,7 @@ def test_megatron_eq3_counts_the_papers_flops():
   assert 137e12 * 32 == pytest.approx(4.4e15, rel=0.01)
 
 
+@pytest.mark.slow  # the README's numbers are the newest releases' compile
 def test_one_run_planned_afresh_gives_the_readme_numbers():
   """Megatron's 1.7B on 32 simulated A100s (about 10 s), planned now, against the
   README's row: the estimate within 2% (the CPU compiler's fusion may move a term

@@ -66,6 +66,7 @@ def test_every_layout_is_enumerated_within_the_stated_rules():
   assert any(l[0].get("mesh.virtual_stages") == 2 for l in ladders)
 
 
+@pytest.mark.slow  # three searches, ~40 s together
 def test_the_search_ranks_fitting_layouts_by_estimated_time(searched):
   first = searched[0]
   assert first.ranked and first.not_planned == 0
@@ -86,6 +87,7 @@ def test_the_search_ranks_fitting_layouts_by_estimated_time(searched):
                                      (True, True)}
 
 
+@pytest.mark.slow  # three searches, ~40 s together
 def test_the_same_top_layout_twice_and_the_cached_run_is_faster(searched):
   first, second, _, first_seconds, second_seconds, _ = searched
   assert second.ranked[0]["layout"] == first.ranked[0]["layout"]
@@ -96,6 +98,7 @@ def test_the_same_top_layout_twice_and_the_cached_run_is_faster(searched):
   assert second_seconds < first_seconds
 
 
+@pytest.mark.slow  # three searches, ~40 s together
 def test_only_layouts_that_fit_are_returned(searched):
   first, _, third, _, _, tight = searched
   assert all(r["peak_bytes"] <= tight.hbm_bytes for r in third.ranked)
