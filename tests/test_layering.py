@@ -70,12 +70,13 @@ TRAINER_LAYERS = (
     ("schema", "data", "devices", "progress", "metrics_log", "checkpoints",
      "token_files", "samples"),
     ("lm", "models", "loader", "plots", "tokens", "tokenizing", "hardware"),
-    ("builders",),
+    ("builders", "step_time"),
     ("corpora",),
     ("config",),
     ("distributed",),
     ("loop",),
     ("planning", "compare"),
+    ("search",),
     ("cli",),
 )
 """The trainer's modules from the bottom up: each imports only from layers below its
