@@ -290,14 +290,7 @@ def matmul_flops(hlo: Union[str, Module]) -> float:
   module = _as_module(hlo)
 
   def cost(name: str, ins: Instruction) -> dict[str, float]:
-    if ins.op != "dot":
-      return {}
-    operands = _operands(ins)
-    lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
-    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
-    contracted = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if (
-        m and lhs) else 1
-    return {"flops": 2.0 * math.prod(_dims(ins.result)) * contracted}
+    return {"flops": _dot_flops(module, name, ins)} if ins.op == "dot" else {}
 
   return _per_step(module, cost).get("flops", 0.0)
 

@@ -161,16 +161,15 @@ def _order(ladder: list[dict[str, Any]]) -> tuple:
           layout["mesh.shard_optimizer_state"])
 
 
-def set_line(layout: dict[str, Any]) -> str:
-  """The layout as the command line's ``--set`` flags (values as YAML)."""
-  def text(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
-  return " ".join(f"--set {k}={text(v)}" for k, v in layout.items())
-
-
 def _overrides(layout: dict[str, Any]) -> list[str]:
+  """The layout as ``key=value`` overrides (values as YAML: ``true``, ``4``)."""
   return [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
           for k, v in layout.items()]
+
+
+def set_line(layout: dict[str, Any]) -> str:
+  """The layout as the command line's ``--set`` flags."""
+  return " ".join(f"--set {o}" for o in _overrides(layout))
 
 
 def static_bytes(cfg: config_lib.RunConfig) -> int:
