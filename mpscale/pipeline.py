@@ -108,177 +108,32 @@ from mpscale import sharding as sharding_lib
 from mpscale import validation
 from mpscale.gradients import Gradients, check_grad_reduce_dtype
 
-SCHEDULES = ("gpipe", "1f1b", "zb_h1")
+from mpscale.pipeline_schedules import (BWD, FWD, IDLE, SCHEDULES, WGT,  # noqa: F401
+                                       _live_slots, _schedule, _slots,
+                                       bubble_fraction, check_schedule, schedule_chunks,
+                                       schedule_table)
+
 LAYER_ORDERS = ("model", "device")
-IDLE, FWD, BWD, WGT = 0, 1, 2, 3
-"""The ops of a schedule table; ``WGT`` (the weight gradient, split from ``BWD``) only
-in ``zb_h1``'s."""
+RECOMPUTE = ("none", "selective", "full")
+"""Recomputation policies: ``none`` keeps every residual of the forward for the
+backward; ``selective`` keeps the outputs of matrix products without batch dimensions
+(the linear layers) and recomputes the rest, attention's core included (Megatron-LM's
+selective recomputation); ``full`` keeps each layer's input and recomputes the layer."""
 _BUBBLE_FILL = 0.0
 """What the activation buffers hold before any stage wrote them: what a bubble tick
 would compute on. Tests set it to NaN to show that nothing from a bubble reaches a
 gradient."""
 
 
-# --------------------------------------------------------------------------- schedules
-def schedule_table(schedule: str, num_stages: int, num_microbatches: int,
-                   virtual_stages: int = 1) -> np.ndarray:
-  """The op each stage runs at each tick, as an int array ``[ticks, stages, 2]``.
-
-  ``table[t, s] = (op, m)`` with ``op`` one of ``IDLE``, ``FWD``, ``BWD`` and ``m`` the
-  micro-batch. Built by running every stage's op list in lock step: an op starts when its
-  input arrived at an earlier tick (``ppermute`` takes one tick). With
-  ``virtual_stages=v`` a tick runs one of a device's ``v`` layer chunks
-  (`schedule_chunks` says which): GPipe's forward takes ``v M + S - 1`` ticks and its
-  backward mirrors it; interleaved 1F1B runs Megatron's order (`_device_ops`).
-  """
-  return _schedule(schedule, num_stages, num_microbatches, virtual_stages)[..., :2]
-
-
-def schedule_chunks(schedule: str, num_stages: int, num_microbatches: int,
-                    virtual_stages: int = 1) -> np.ndarray:
-  """The layer chunk of each op of `schedule_table`, ``[ticks, stages]`` (0 for an
-  idle tick, and always 0 without virtual stages): stage ``s``'s chunk ``c`` is
-  virtual stage ``c S + s``."""
-  return _schedule(schedule, num_stages, num_microbatches, virtual_stages)[..., 2]
-
-
-def _device_ops(schedule: str, S: int, M: int, v: int, s: int
-               ) -> list[tuple[int, int, int]]:
-  """Device ``s``'s ops in order, ``(op, m, chunk)``.
-
-  1F1B (Megatron-LM's ``forward_backward_pipelining_with_interleaving`` order; with
-  ``v = 1`` PipeDream-flush): forward item ``k`` is chunk ``k % (S v) // S`` of
-  micro-batch ``k // (S v) * S + k % S``, backward item ``k`` the same micro-batch in
-  the reverse chunk ``v - 1 - k % (S v) // S``. ``(S - 1 - s) * 2 + (v - 1) * S``
-  warm-up forwards (``S - 1 - s`` without virtual stages), then one forward and one
-  backward alternately, then the remaining backwards.
-  """
-  total = v * M
-
-  def item(k, backward):
-    chunk = k % (S * v) // S
-    return k // (S * v) * S + k % S, (v - 1 - chunk) if backward else chunk
-
-  if schedule == "gpipe":
-    fwd = [(FWD, *item(k, False)) for k in range(total)]
-    return fwd + [(BWD, m, c) for _, m, c in reversed(fwd)]
-  if schedule == "zb_h1":
-    return _zb_h1_ops(S, M, s)
-  warmup = min((S - 1 - s) * 2 + (v - 1) * S if v > 1 else S - 1 - s, total)
-  ops = [(FWD, *item(k, False)) for k in range(warmup)]
-  f, b = warmup, 0
-  while f < total:
-    ops += [(FWD, *item(f, False)), (BWD, *item(b, True))]
-    f, b = f + 1, b + 1
-  return ops + [(BWD, *item(k, True)) for k in range(b, total)]
-
-
-def _zb_h1_ops(S: int, M: int, s: int) -> list[tuple[int, int, int]]:
-  """Stage ``s``'s ops in ZB-H1 (Qi et al., 2023): the backward split into ``B``
-  (input gradient, on the critical path) and ``W`` (weight gradient, anywhere after
-  ``B``). ``S - s`` warm-up forwards, one more than 1F1B's; then ``B``, a ``W``
-  once ``s`` of them wait, and ``F``, repeated; the remaining ``B``s and the
-  deferred ``W``s fill what is 1F1B's cool-down bubble. At most ``S`` inputs are
-  alive per stage (1F1B's peak), and with ``F``, ``B`` and ``W`` of one time unit
-  each the bubble is ``S - 1`` units a stage against 1F1B's ``3 (S - 1)``."""
-  warmup = min(S - s, M)
-  ops = [(FWD, m, 0) for m in range(warmup)]
-  f, b, w = warmup, 0, 0
-
-  def backward():
-    nonlocal b, w
-    ops.append((BWD, b, 0))
-    b += 1
-    if b - w > s:
-      ops.append((WGT, w, 0))
-      w += 1
-
-  while f < M:
-    backward()
-    ops.append((FWD, f, 0))
-    f += 1
-  while b < M:
-    backward()
-  return ops + [(WGT, m, 0) for m in range(w, M)]
-
-
-@functools.lru_cache(maxsize=64)
-def _schedule(schedule: str, num_stages: int, num_microbatches: int,
-              virtual_stages: int = 1) -> np.ndarray:
-  """`schedule_table` with each op's chunk: ``[ticks, stages, 3]`` of ``(op, m,
-  chunk)`` (read-only; cached)."""
-  validation.one_of("schedule", schedule, SCHEDULES)
-  S, M, v = num_stages, num_microbatches, virtual_stages
-  if v > 1 and schedule == "zb_h1":
-    raise ValueError("the zb_h1 schedule runs one layer chunk per stage "
-                     f"(virtual_stages=1); got virtual_stages={v}")
-  if v > 1 and M % S:
-    raise ValueError(f"virtual_stages={v} needs num_microbatches ({M}) divisible by "
-                     f"the {S} stages")
-  if schedule == "gpipe" and v > 1:
-    # Every stage forwards its items back to back (each waits for the stage before);
-    # the backward mirrors the forward.
-    forward = []
-    for t in range(v * M + S - 1):
-      row = []
-      for s in range(S):
-        k = t - s
-        chunk = k % (S * v) // S
-        m = k // (S * v) * S + k % S
-        row.append((FWD, m, chunk) if 0 <= k < v * M else (IDLE, 0, 0))
-      forward.append(row)
-    backward = [[(BWD, m, c) if op == FWD else (IDLE, 0, 0) for op, m, c in row]
-                for row in forward[::-1]]
-    table = np.asarray(forward + backward, np.int32)
-    table.flags.writeable = False
-    return table
-  order = [_device_ops(schedule, S, M, v, s) for s in range(S)]
-  last = S * v - 1
-  done: dict[tuple[int, int, int], int] = {}   # (op, virtual stage, m) -> tick
-  pos, rows, t = [0] * S, [], 0
-  while any(p < len(ops) for p, ops in zip(pos, order)):
-    row = []
-    for s in range(S):
-      if pos[s] == len(order[s]):
-        row.append((IDLE, 0, 0))
-        continue
-      op, m, c = order[s][pos[s]]
-      vs = c * S + s
-      if op == FWD:
-        ready = vs == 0 or done.get((FWD, vs - 1, m), t) < t
-      elif op == WGT:
-        ready = done.get((BWD, vs, m), t) < t
-      else:
-        ready = done.get((BWD, vs + 1, m) if vs < last else (FWD, vs, m), t) < t
-      row.append((op, m, c) if ready else (IDLE, 0, 0))
-    for s, (op, m, c) in enumerate(row):
-      if op != IDLE:
-        done[(op, c * S + s, m)] = t
-        pos[s] += 1
-    rows.append(row)
-    t += 1
-  table = np.asarray(rows, np.int32)
-  table.flags.writeable = False
-  return table
-
-
-def bubble_fraction(table: np.ndarray) -> float:
-  """Share of (tick, stage) slots that run no op."""
-  return float(np.mean(table[..., 0] == IDLE))
-
-
-def _live_slots(table: np.ndarray) -> int:
-  """Most micro-batches whose stage input must be kept at once, over stages and ticks:
-  from its forward to its backward (to its weight gradient, with ``WGT`` ops)."""
-  S = table.shape[1]
-  frees = WGT if (table[..., 0] == WGT).any() else BWD
-  most = 1
-  for s in range(S):
-    live = 0
-    for op, _ in table[:, s]:
-      live += 1 if op == FWD else -1 if op == frees else 0
-      most = max(most, live)
-  return most
+def recompute_policy(recompute: Any) -> Optional[Callable]:
+  """The ``jax.checkpoint`` policy of a `RECOMPUTE` name (``None`` for ``"none"``), or
+  ``recompute`` itself when it is a policy (a ``jax.checkpoint_policies`` callable)."""
+  if callable(recompute):
+    return recompute
+  validation.one_of("recompute", recompute, RECOMPUTE)
+  return {"none": None,
+          "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+          "full": jax.checkpoint_policies.nothing_saveable}[recompute]
 
 
 # --------------------------------------------------------------------------- groups
@@ -328,8 +183,7 @@ class Pipeline:
       ``(loss_sum, num_tokens)``.
     num_microbatches: micro-batches per data replica and step (``M``).
     schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb_h1"`` (the module docstring).
-    remat: recompute each stage's activations in the backward pass (GPipe; 1F1B always
-      recomputes a stage from its saved input).
+    remat: ``True`` is ``recompute="full"`` (kept for older code and configs).
     stage_axis: the mesh axis the stages are split over.
     stages_key: the key of ``params`` holding the stacked layers.
     virtual_stages: layer chunks per device (``v``, Megatron's interleaved schedule,
@@ -347,6 +201,12 @@ class Pipeline:
       ``num_stages``. The same as ``"model"`` when ``v = 1``.
     num_stages: the stage-axis size ``S`` the device order is for (checked against
       the mesh); ``None`` with ``layer_order="model"``.
+    recompute: what the backward recomputes (`RECOMPUTE`): ``"none"`` (keep every
+      residual of the forward), ``"selective"`` (keep the linear layers' outputs,
+      recompute the rest) or ``"full"`` (keep each layer's input), or a
+      ``jax.checkpoint_policies`` policy. Every schedule runs each layer under it;
+      1F1B and ZB-H1 keep the residuals of each micro-batch's forward until its
+      backward (`pipeline_schedules` bounds how many).
   """
   embed_fn: Callable
   stage_fn: Callable
@@ -359,6 +219,7 @@ class Pipeline:
   virtual_stages: int = 1
   layer_order: str = "model"
   num_stages: Optional[int] = None
+  recompute: Any = "none"
 
   def __post_init__(self):
     for name in ("embed_fn", "stage_fn", "head_fn"):
@@ -368,6 +229,12 @@ class Pipeline:
     validation.one_of("schedule", self.schedule, SCHEDULES)
     validation.boolean("remat", self.remat)
     validation.one_of("layer_order", self.layer_order, LAYER_ORDERS)
+    if not callable(self.recompute):
+      validation.one_of("recompute", self.recompute, RECOMPUTE)
+    if self.remat and self.recompute not in ("none", "full"):
+      raise validation.ArgumentError(
+          ("remat", "recompute"), "{0}=True is {1}='full'; got "
+          f"{{1}}={self.recompute!r}: set one of them")
     if self.schedule == "zb_h1" and self.virtual_stages > 1:
       raise validation.ArgumentError(
           ("schedule", "virtual_stages"), "{0}='zb_h1' runs one layer chunk per "
@@ -419,17 +286,28 @@ class Pipeline:
     return jax.tree_util.tree_map_with_path(permute, tree)
 
   # ---- the unpipelined model (reference, and the single-stage path)
+  def policy(self) -> Optional[Callable]:
+    """The ``jax.checkpoint`` policy each layer runs under (``recompute``, or
+    ``"full"`` with ``remat``); ``None``: no recomputation."""
+    return recompute_policy("full" if self.remat else self.recompute)
+
+  def layer(self, key: Optional[jax.Array] = None) -> Callable:
+    """One layer, ``(layer_params, x) -> x``, under `policy`; with ``key`` (raw key
+    data) it draws from that key."""
+    fn = self.stage_fn
+    if key is not None:
+      fn = lambda p, h: self.stage_fn(  # noqa: E731
+          p, h, rng=jax.random.wrap_key_data(key))
+    policy = self.policy()
+    return fn if policy is None else jax.checkpoint(fn, policy=policy)
+
   def _layers(self, layer_params: Any, x: jax.Array,
               keys: Optional[jax.Array] = None) -> jax.Array:
     """The stacked layers in order; ``keys``: one raw key per layer, or ``None``."""
     if keys is None:
-      body = jax.checkpoint(self.stage_fn) if self.remat else self.stage_fn
-      x, _ = lax.scan(lambda h, p: (body(p, h), None), x, layer_params)
+      x, _ = lax.scan(lambda h, p: (self.layer()(p, h), None), x, layer_params)
       return x
-    layer = lambda p, h, k: self.stage_fn(  # noqa: E731
-        p, h, rng=jax.random.wrap_key_data(k))
-    body = jax.checkpoint(layer) if self.remat else layer
-    x, _ = lax.scan(lambda h, pk: (body(pk[0], h, pk[1]), None), x,
+    x, _ = lax.scan(lambda h, pk: (self.layer(pk[1])(pk[0], h), None), x,
                     (layer_params, keys))
     return x
 
@@ -501,9 +379,7 @@ class Pipeline:
     if num_layers % (S * v):
       raise ValueError(f"{num_layers} layers are not divisible by {S} stages x "
                        f"{v} virtual stages")
-    if v > 1 and self.num_microbatches % S:
-      raise ValueError(f"virtual_stages={v} needs num_microbatches "
-                       f"({self.num_microbatches}) divisible by the {S} stages")
+    check_schedule(self.schedule, S, self.num_microbatches, v)
 
   def param_specs(self, params: Any, specs: Any = None) -> Any:
     """PartitionSpecs: the stacked layers' leading axis over the stage axis, on top of
@@ -538,7 +414,7 @@ class Pipeline:
     return jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
 
   def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any]]:
-    return _gpipe if self.schedule == "gpipe" else _one_f_one_b  # or zb_h1
+    return _gpipe if self.schedule == "gpipe" else _ticked  # 1f1b or zb_h1
 
   def value_and_grad(self, params: Any, batch: Any, *, mesh: Mesh,
                      data_axis: Any = "data", loss_scale: Any = 1.0,
@@ -750,41 +626,6 @@ class _PipelineRun:
       loss, count = out, jnp.ones((), jnp.float32)
     return self.vary((jnp.asarray(loss, jnp.float32), count))
 
-  # ---- 1F1B (`_one_f_one_b`): the functions a tick runs
-  def embed(self, m: jax.Array, dtype: Any, p: Any) -> jax.Array:
-    """``embed(m)``: micro-batch ``m``'s input to the first stage, in ``dtype``."""
-    embed_kw, _, _ = self.micro_keys(m, self.layer_ids())
-    return self.pipeline.embed_fn(self.cast(p), self.micro_batch(m),
-                                  **embed_kw).astype(dtype)
-
-  def chunk_of(self, tree: Any, chunk: Any) -> Any:
-    """Chunk ``chunk`` (traced) of this device's stacked layers (or layer ids): the
-    ``v`` chunks are contiguous blocks (`_interleave_order`)."""
-    v = self.pipeline.virtual_stages
-    if v == 1:
-      return tree
-    return jax.tree_util.tree_map(lambda x: lax.dynamic_index_in_dim(
-        x.reshape((v, x.shape[0] // v) + x.shape[1:]), chunk, keepdims=False), tree)
-
-  def stage_layers(self, m: jax.Array, p: Any, x: jax.Array, chunk: Any = 0
-                  ) -> jax.Array:
-    """``stage(x)``: this device's layers (of chunk ``chunk``) on micro-batch ``m``'s
-    activations."""
-    ids = self.layer_ids()
-    _, layer_keys, _ = self.micro_keys(m, None if ids is None
-                                       else self.chunk_of(ids, chunk))
-    return self.pipeline._layers(  # pylint: disable=protected-access
-        self.chunk_of(self.cast(p)[self.pipeline.stages_key], chunk), x, layer_keys)
-
-  def stage_and_head(self, m: jax.Array, p: Any, x: jax.Array, chunk: Any = 0
-                    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """The last stage's layers (its last chunk), then ``head_fn``: ``(scale * loss,
-    (loss, count))``."""
-    y = self.stage_layers(m, p, x, chunk)
-    _, _, head_kw = self.micro_keys(m, self.layer_ids())
-    loss, count = self.head_terms(self.cast(p), y, self.micro_batch(m), **head_kw)
-    return self.scale * loss, (loss, count)
-
   def first(self, chunk: Any) -> jax.Array:
     """Whether this device's chunk ``chunk`` is virtual stage 0 (after the embedding)."""
     return (self.stage() == 0) & (chunk == 0)
@@ -793,166 +634,6 @@ class _PipelineRun:
     """Whether this device's chunk ``chunk`` is the last virtual stage (the head's)."""
     return ((self.stage() == self.S - 1)
             & (chunk == self.pipeline.virtual_stages - 1))
-
-  def forward(self, p: Any, x_in: jax.Array, m: jax.Array, chunk: Any = 0
-             ) -> tuple[jax.Array, jax.Array]:
-    """``F(m)`` of chunk ``chunk``: ``(x, y)``, the chunk's input (to save) and its
-    output (to send up; the last virtual stage's goes nowhere, its layers run in
-    `backward`)."""
-    x = lax.cond(self.first(chunk), functools.partial(self.embed, m, x_in.dtype, p),
-                 lambda: x_in)
-    y = lax.cond(self.last(chunk), lambda: x,
-                 functools.partial(self.stage_layers, m, p, x, chunk))
-    return x, y
-
-  def backward(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array,
-               chunk: Any = 0) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
-    """``B(m)`` of chunk ``chunk``: ``(dp, dx, loss, count)`` through the chunk
-    recomputed from its saved input ``x`` (and the head after the last virtual stage,
-    the embedding before the first)."""
-    dp, dx, loss, count = lax.cond(
-        self.last(chunk), functools.partial(self._through_head, p, x, m, chunk),
-        functools.partial(self._through_stage, p, x, ct, m, chunk))
-    dp = lax.cond(self.first(chunk),
-                  functools.partial(self._into_embed, p, dp, dx, m), lambda: dp)
-    return dp, dx, loss, count
-
-  def backward_input(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """ZB-H1's ``B(m)``: ``(dx, loss, count)``, the input gradient only (through the
-    head on the last stage, which gives the loss). The first stage's goes nowhere
-    (its ``W`` takes the embedding's gradient), so it computes none."""
-    def through_head():
-      _, vjp, (loss, count) = jax.vjp(lambda x: self.stage_and_head(m, p, x), x,
-                                      has_aux=True)
-      (dx,) = vjp(self.vary(jnp.ones((), jnp.float32)))
-      return dx, loss, count
-
-    def through_stage():
-      _, vjp = jax.vjp(lambda x: self.stage_layers(m, p, x), x)
-      (dx,) = vjp(ct)
-      return dx, self.zero(), self.zero()
-
-    stage = self.stage()
-    return lax.cond(stage == self.S - 1, through_head,
-                    lambda: lax.cond(stage == 0, lambda: (jnp.zeros_like(x),
-                                                          self.zero(), self.zero()),
-                                     through_stage))
-
-  def backward_weights(self, p: Any, x: jax.Array, ct: jax.Array, m: jax.Array
-                      ) -> Any:
-    """ZB-H1's ``W(m)``: the parameters' gradient of the stage recomputed from its
-    saved input ``x`` and the cotangent ``ct`` it received (the head's on the last
-    stage); on the first stage through the embedding as well."""
-    def of(fn, ct):
-      def weights():
-        _, vjp = jax.vjp(lambda p: fn(p, x), p)
-        return vjp(ct)[0]
-
-      def with_embedding():
-        _, vjp = jax.vjp(fn, p, x)
-        dp, dx = vjp(ct)
-        return self._into_embed(p, dp, dx, m)
-      return lax.cond(self.stage() == 0, with_embedding, weights)
-
-    head = lambda p, x: self.stage_and_head(m, p, x)[0]  # noqa: E731
-    layers = lambda p, x: self.stage_layers(m, p, x)  # noqa: E731
-    return lax.cond(self.stage() == self.S - 1,
-                    lambda: of(head, self.vary(jnp.ones((), jnp.float32))),
-                    lambda: of(layers, ct))
-
-  def _through_head(self, p, x, m, chunk):
-    _, vjp, (loss, count) = jax.vjp(
-        lambda p, x: self.stage_and_head(m, p, x, chunk), p, x, has_aux=True)
-    dp, dx = vjp(self.vary(jnp.ones((), jnp.float32)))
-    return dp, dx, loss, count
-
-  def _through_stage(self, p, x, ct, m, chunk):
-    _, vjp = jax.vjp(lambda p, x: self.stage_layers(m, p, x, chunk), p, x)
-    dp, dx = vjp(ct)
-    return dp, dx, self.zero(), self.zero()
-
-  def _into_embed(self, p, dp, dx, m):
-    _, vjp = jax.vjp(functools.partial(self.embed, m, dx.dtype), p)
-    (dp_embed,) = vjp(dx)
-    return jax.tree_util.tree_map(jnp.add, dp, dp_embed)
-
-  def zero_grads(self, params: Any) -> Any:
-    return self.vary(jax.tree_util.tree_map(
-        lambda x: jnp.zeros(x.shape, jnp.float32), params))
-
-  def tick(self, params: Any, slots: jax.Array, carry: tuple, row: jax.Array
-          ) -> tuple[tuple, None]:
-    """One tick of the 1F1B table: this stage's op of ``row`` (``[S, 3]`` of ``(op,
-    m, chunk)``, `_schedule`), then the sends.
-
-    ``carry`` is ``(saved, inbox_f, inbox_b, grads, loss, count)``: ``K`` slots of
-    saved chunk inputs, of activations received from below and of cotangents from
-    above, and the sums so far. Item ``(m, chunk)`` of stage ``s`` keeps slot
-    ``slots[s, chunk, m]`` from its input's arrival to its backward (`_slots`).
-    """
-    saved, inbox_f, inbox_b, grads, loss, count = carry
-    S, v, stage = self.S, self.pipeline.virtual_stages, self.stage()
-    op, m, chunk = row[stage, 0], row[stage, 1], row[stage, 2]
-    slot = slots[stage, chunk, m]
-    branches = [
-        functools.partial(self._op_idle, params, inbox_f[slot]),
-        functools.partial(self._op_forward, params, inbox_f[slot], m, chunk)]
-    if self.pipeline.schedule == "zb_h1":
-      branches += [
-          functools.partial(self._op_input_grad, params, saved, inbox_b, slot, m),
-          functools.partial(self._op_weight_grad, params, saved, inbox_b, slot, m)]
-    else:
-      branches.append(functools.partial(self._op_backward, params, saved, inbox_b,
-                                        slot, m, chunk))
-    x, y, dx, dp, l, c = lax.switch(op, branches)
-    saved = saved.at[slot].set(jnp.where(op == FWD, x, saved[slot]))
-    grads = jax.tree_util.tree_map(jnp.add, grads, dp)
-    if S > 1 or v > 1:
-      # Up the ring (device S - 1's chunk c feeds device 0's chunk c + 1) and down.
-      pairs = range(S) if v > 1 else range(S - 1)
-      from_prev = lax.ppermute(y, self.pipeline.stage_axis,
-                               [(i, (i + 1) % S) for i in pairs])
-      from_next = lax.ppermute(dx, self.pipeline.stage_axis,
-                               [((i + 1) % S, i) for i in pairs])
-      prev, next_ = (stage - 1) % S, (stage + 1) % S
-      prev_op, prev_m, prev_c = row[prev, 0], row[prev, 1], row[prev, 2]
-      next_op, next_m, next_c = row[next_, 0], row[next_, 1], row[next_, 2]
-      got_f = (prev_op == FWD) & ~((prev == S - 1) & (prev_c == v - 1))
-      got_b = (next_op == BWD) & ~((next_ == 0) & (next_c == 0))
-      if v == 1:  # no ring: the ends receive nothing
-        got_f, got_b = got_f & (stage > 0), got_b & (stage < S - 1)
-      f_chunk = jnp.minimum(prev_c + (stage == 0), v - 1)
-      b_chunk = jnp.maximum(next_c - (stage == S - 1), 0)
-      f_slot, b_slot = slots[stage, f_chunk, prev_m], slots[stage, b_chunk, next_m]
-      inbox_f = inbox_f.at[f_slot].set(jnp.where(got_f, from_prev, inbox_f[f_slot]))
-      inbox_b = inbox_b.at[b_slot].set(jnp.where(got_b, from_next, inbox_b[b_slot]))
-    return (saved, inbox_f, inbox_b, grads, loss + l, count + c), None
-
-  # Each op gives (x to save, y to send up, dx to send down, dp, loss, count).
-  def _op_idle(self, params, x_in):
-    z = jnp.zeros_like(x_in)
-    return z, z, z, self.zero_grads(params), self.zero(), self.zero()
-
-  def _op_forward(self, params, x_in, m, chunk):
-    x, y = self.forward(params, x_in, m, chunk)
-    return x, y, jnp.zeros_like(y), self.zero_grads(params), self.zero(), self.zero()
-
-  def _op_input_grad(self, params, saved, inbox_b, slot, m):
-    dx, l, c = self.backward_input(params, saved[slot], inbox_b[slot], m)
-    return (saved[slot], jnp.zeros_like(dx), dx.astype(saved.dtype),
-            self.zero_grads(params), l, c)
-
-  def _op_weight_grad(self, params, saved, inbox_b, slot, m):
-    dp = self.backward_weights(params, saved[slot], inbox_b[slot], m)
-    dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
-    z = jnp.zeros_like(saved[slot])
-    return saved[slot], z, z, dp, self.zero(), self.zero()
-
-  def _op_backward(self, params, saved, inbox_b, slot, m, chunk):
-    dp, dx, l, c = self.backward(params, saved[slot], inbox_b[slot], m, chunk)
-    dp = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), dp)
-    return (saved[slot], jnp.zeros_like(dx), dx.astype(saved.dtype), dp, l, c)
 
 
 def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array,
@@ -975,8 +656,7 @@ def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array
       return pipe.stage_fn(lp, h), None
     return pipe.stage_fn(lp, h, rng=jax.random.wrap_key_data(keys[l])), None
 
-  policy = (jax.checkpoint_policies.nothing_saveable if pipe.remat else
-            jax.checkpoint_policies.dots_saveable)
+  policy = pipe.policy() or jax.checkpoint_policies.dots_saveable
   h, _ = lax.scan(jax.checkpoint(body, policy=policy), x, jnp.arange(n))
   return h
 
@@ -1041,61 +721,376 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   return loss, count, grads
 
 
-def _slots(table: np.ndarray, v: int, M: int) -> tuple[np.ndarray, int]:
-  """Buffer slots for a 1F1B ``table`` (``[ticks, S, 3]``, `_schedule`): item ``(m,
-  chunk)`` of stage ``s`` holds one slot of each buffer (received input, saved input,
-  received cotangent) from the tick its input arrives (the tick the stage below
-  forwarded it, or its own forward after the embedding) until its backward; a slot
-  freed by a backward is taken again from that tick on (the tick reads before it
-  writes). Returns ``(slots [S, v, M], K)``, ``K`` the slots a stage needs: at most
-  the items alive at once (`_live_slots`) plus one."""
-  S = table.shape[1]
-  frees = WGT if (table[..., 0] == WGT).any() else BWD  # ZB-H1: its W reads them
-  fwd_tick, bwd_tick = {}, {}
-  for t, row in enumerate(table):
-    for s, (op, m, c) in enumerate(row):
-      if op == FWD:
-        fwd_tick[(s, c, m)] = t
-      elif op == frees:
-        bwd_tick[(s, c, m)] = t
-  slots = np.zeros((S, v, M), np.int32)
-  most = 1
-  for s in range(S):
-    items = []
-    for c in range(v):
-      for m in range(M):
-        vs = c * S + s
-        arrive = (fwd_tick[(s, c, m)] if vs == 0
-                  else fwd_tick[((s - 1) % S, c - (s == 0), m)])
-        items.append((arrive, bwd_tick[(s, c, m)], c, m))
-    free, busy = [], []   # busy: (end tick, slot)
-    for arrive, end, c, m in sorted(items):
-      busy.sort()
-      while busy and busy[0][0] <= arrive:
-        free.append(busy.pop(0)[1])
-      slot = min(free) if free else len(busy)
-      if free:
-        free.remove(slot)
-      slots[s, c, m] = slot
-      busy.append((end, slot))
-      most = max(most, len(busy))
-  return slots, most
+# ---------------------------------------------------------------- 1F1B and ZB-H1
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+  """How one layer's backward is rebuilt from what its forward kept: ``jax.vjp``'s
+  pullback is a pytree whose leaves are the residuals. Leaves that are the layer's
+  own parameters are not kept (the backward picks them from the stack again); the
+  others are, typed keys as their raw data."""
+  treedef: Any
+  sources: tuple[tuple[bool, int], ...]
+  """Per pullback leaf: ``(True, i)`` the layer's ``i``-th parameter leaf, ``(False,
+  j)`` the ``j``-th kept residual."""
+  key_impls: tuple[Any, ...]
+  """Per kept residual: the key implementation of a typed key, else ``None``."""
+
+  def pullback(self, layer_params: Any, kept: Sequence[jax.Array]) -> Callable:
+    params = jax.tree_util.tree_leaves(layer_params)
+    kept = [x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+            for x, impl in zip(kept, self.key_impls)]
+    return jax.tree_util.tree_unflatten(
+        self.treedef, [params[i] if is_param else kept[i]
+                       for is_param, i in self.sources])
 
 
-def _one_f_one_b(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
-  """1F1B, interleaved over ``virtual_stages`` chunks, from its table (`_schedule`):
-  each tick one forward, one backward or nothing (`_PipelineRun.tick`). Returns
-  ``(loss sum, count sum, grads)`` of this device."""
-  v = run.pipeline.virtual_stages
-  table = _schedule(run.pipeline.schedule, run.S, run.M, v)
-  slots, K = _slots(table, v, run.M)
-  x_shape = run.embed_shape(params)
-  buf = run.vary(jnp.full((K,) + x_shape.shape, _BUBBLE_FILL, x_shape.dtype))
-  carry = (buf, buf, buf, run.zero_grads(params), run.zero(), run.zero())
-  (_, _, _, grads, loss, count), _ = lax.scan(
-      functools.partial(run.tick, params, jnp.asarray(slots)), carry,
-      jnp.asarray(table))
-  return loss, count, grads
+def _split_pullback(pullback: Any, layer_params: Any
+                    ) -> tuple[_Residuals, list[jax.Array]]:
+  """``(how to rebuild it, the residuals to keep)`` of a layer's ``jax.vjp``
+  pullback."""
+  leaves, treedef = jax.tree_util.tree_flatten(pullback)
+  params = jax.tree_util.tree_leaves(layer_params)
+  sources, kept, impls = [], [], []
+  for leaf in leaves:
+    i = next((i for i, p in enumerate(params) if leaf is p), None)
+    if i is not None:
+      sources.append((True, i))
+      continue
+    sources.append((False, len(kept)))
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      impls.append(jax.random.key_impl(leaf))
+      leaf = jax.random.key_data(leaf)
+    else:
+      impls.append(None)
+    kept.append(leaf)
+  return _Residuals(treedef, tuple(sources), tuple(impls)), kept
+
+
+class _Ticks:
+  """The 1F1B and ZB-H1 executors' ops on one device, inside ``shard_map``.
+
+  ``F(m, c)`` runs chunk ``c``'s layers on micro-batch ``m`` (after the embedding on
+  virtual stage 0) and keeps each layer's residuals (`Pipeline.policy` says which); on
+  the last virtual stage it also runs the head and its backward, which gives the loss
+  and the cotangent of the chunk's output. ``B(m, c)`` runs the chunk's layers
+  backward from the kept residuals (1F1B: input and parameter gradients; ZB-H1: the
+  input gradient, keeping each layer's output cotangent for ``W``), then the
+  embedding's backward on virtual stage 0. ``W(m)`` (ZB-H1) gives the parameter
+  gradients from the residuals and the kept cotangents. Every parameter is cast once,
+  before the loop; its gradients are summed in float32.
+  """
+
+  def __init__(self, run: _PipelineRun, params: Any):
+    pipe = run.pipeline
+    self.run, self.pipe, self.v = run, pipe, pipe.virtual_stages
+    p = run.cast(params)
+    layers = p[pipe.stages_key]
+    self.n = jax.tree_util.tree_leaves(layers)[0].shape[0] // self.v
+    self.layers = jax.tree_util.tree_map(
+        lambda x: x.reshape((self.v, self.n) + x.shape[1:]), layers)
+    self.rest = {k: x for k, x in p.items() if k != pipe.stages_key}
+    ids = run.layer_ids()
+    self.ids = None if ids is None else ids.reshape(self.v, self.n)
+    self.x_shape = run.embed_shape(params)
+    self.split = pipe.schedule == "zb_h1"
+    self._residuals: list[_Residuals] = []
+
+  # ---- pieces
+  def layer_params(self, c: jax.Array, l: jax.Array) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[c, l], self.layers)
+
+  def layer_keys(self, m: jax.Array, c: jax.Array) -> Any:
+    """Raw keys of chunk ``c``'s layers for micro-batch ``m`` (``[n, ...]``), or
+    ``None``."""
+    if self.ids is None:
+      return None
+    return self.run.micro_keys(m, self.ids[c])[1]
+
+  def with_layers(self, rest: Any) -> Any:
+    return {**rest, self.pipe.stages_key: self.layers}
+
+  def embed(self, m: jax.Array, rest: Any) -> jax.Array:
+    embed_kw, _, _ = self.run.micro_keys(m, None)
+    x = self.pipe.embed_fn(self.with_layers(rest), self.run.micro_batch(m), **embed_kw)
+    return x.astype(self.x_shape.dtype)
+
+  def residual_shapes(self) -> list[jax.ShapeDtypeStruct]:
+    """The residuals one layer keeps (shapes, from a trace of its forward)."""
+    def one(lp, x, key):
+      return self.layer_forward(lp, x, key)[1]
+    key = None if self.ids is None else self.layer_keys(0, 0)[0]
+    x = self.run.vary(jnp.zeros(self.x_shape.shape, self.x_shape.dtype))
+    return jax.eval_shape(one, self.layer_params(0, 0), x, key)
+
+  def layer_forward(self, lp: Any, h: jax.Array, key: Any
+                   ) -> tuple[jax.Array, list[jax.Array]]:
+    y, pullback = jax.vjp(self.pipe.layer(key), lp, h)
+    spec, kept = _split_pullback(pullback, lp)
+    self._residuals.append(spec)
+    return y, kept
+
+  def pullback(self, c: jax.Array, l: jax.Array, kept: Sequence[jax.Array]
+              ) -> Callable:
+    return self._residuals[-1].pullback(self.layer_params(c, l), kept)
+
+  # ---- the ops
+  def forward(self, m: jax.Array, c: jax.Array, x_in: jax.Array):
+    """``F(m, c)``: ``(y, kept, dy, d_rest, loss, count)``: the chunk's output (to
+    send up), its layers' residuals (stacked ``[n, ...]``), and on the last virtual
+    stage the cotangent of its output, the head's parameter gradients and the loss
+    terms (zeros elsewhere)."""
+    run = self.run
+    x = lax.cond(run.first(c),
+                 _varying(run, functools.partial(self.embed, m, self.rest)),
+                 lambda: x_in)
+    keys = self.layer_keys(m, c)
+
+    def body(h, xs):
+      l, key = xs
+      return self.layer_forward(self.layer_params(c, l), h, key)
+
+    y, kept = lax.scan(body, x, (jnp.arange(self.n), keys))
+
+    def head():
+      mb = run.micro_batch(m)
+      _, _, head_kw = run.micro_keys(m, None)
+      fn = lambda rest, y: run.head_terms(self.with_layers(rest), y, mb, **head_kw)  # noqa: E731
+      (loss, count), pull = jax.vjp(fn, self.rest, y)
+      d_rest, dy = pull((run.scale.astype(loss.dtype), jnp.zeros_like(count)))
+      return dy.astype(y.dtype), _float32(d_rest), loss, count
+
+    def no_head():
+      return (jnp.zeros_like(y), _float32_zeros(self.rest), run.zero(), run.zero())
+
+    dy, d_rest, loss, count = lax.cond(run.last(c), _varying(run, head),
+                                       _varying(run, no_head))
+    return y, kept, dy, d_rest, loss, count
+
+  def backward(self, m: jax.Array, c: jax.Array, ct: jax.Array, kept: Any,
+               weights: bool):
+    """``B(m, c)``: ``(dx, d_layers, d_rest, cts)``; ``d_layers`` (``[n, ...]``,
+    float32) only with ``weights``, else ``cts``, each layer's output cotangent
+    (``[n, ...]``) for ``W``."""
+    def body(g, xs):
+      l, layer_kept = xs
+      dp, dh = self.pullback(c, l, layer_kept)(g)
+      return dh, (_float32(dp) if weights else g)
+
+    dx, out = lax.scan(body, ct, (jnp.arange(self.n), kept), reverse=True)
+    d_rest = lax.cond(
+        self.run.first(c),
+        _varying(self.run, functools.partial(self.into_embed, m, dx)),
+        _varying(self.run, functools.partial(_float32_zeros, self.rest)))
+    return dx.astype(ct.dtype), out, d_rest
+
+  def weights(self, c: jax.Array, kept: Any, cts: jax.Array) -> Any:
+    """ZB-H1's ``W``: each layer's parameter gradients (float32, ``[n, ...]``) from
+    its residuals and output cotangent."""
+    def body(_, xs):
+      l, layer_kept, g = xs
+      dp, _ = self.pullback(c, l, layer_kept)(g)
+      return None, _float32(dp)
+    return lax.scan(body, None, (jnp.arange(self.n), kept, cts))[1]
+
+  def into_embed(self, m: jax.Array, dx: jax.Array) -> Any:
+    _, pull = jax.vjp(functools.partial(self.embed, m), self.rest)
+    return _float32(pull(dx.astype(self.x_shape.dtype))[0])
+
+
+def _varying(run: _PipelineRun, fn: Callable) -> Callable:
+  """``fn`` with its outputs cast varying over the manual axes: the branches of a
+  ``lax.cond`` or ``lax.switch`` must agree on that type, and zeros are invariant."""
+  return lambda: run.vary(fn())
+
+
+def _float32(tree: Any) -> Any:
+  return jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), tree)
+
+
+def _float32_zeros(tree: Any) -> Any:
+  return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def _phases(table: np.ndarray) -> list[tuple[int, int, tuple[tuple[int, ...], ...]]]:
+  """Runs of ticks that use the same op slots: ``(start, stop, ops of each slot)``
+  (an empty tuple for an unused slot). Each run is one ``lax.scan`` whose tick runs a
+  switch over its ops in each used slot: a warm-up that only forwards pays for no
+  backward, a cool-down no forward."""
+  used = (table[..., 0] != IDLE).any(axis=1)           # [ticks, slots]
+  runs, start = [], 0
+  for t in range(1, len(table) + 1):
+    if t == len(table) or (used[t] != used[start]).any():
+      ops = tuple(tuple(sorted({IDLE} | set(np.unique(table[start:t, :, k, 0]).tolist())))
+                  if used[start, k] else () for k in range(table.shape[2]))
+      if any(ops):
+        runs.append((start, t, ops))
+      start = t
+  return runs
+
+
+def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
+  """1F1B (interleaved over ``virtual_stages`` chunks) or ZB-H1 from its table
+  (`mpscale.pipeline_schedules`): per tick, the op of each slot (`_Ticks`), then one
+  ``ppermute`` up and one down. Buffers hold ``K`` item slots (`_slots`) plus one
+  that idle ops write. Returns ``(loss sum, count sum, grads)`` of this device."""
+  pipe, S, M = run.pipeline, run.S, run.M
+  v = pipe.virtual_stages
+  ops = _Ticks(run, params)
+  table = _schedule(pipe.schedule, S, M, v)
+  slot_of, K = _slots(table, v, M)
+  slot_of = jnp.asarray(slot_of)
+  bwd_slot = 0 if ops.split else 1     # a one-op tick (zb_h1) or a paired one
+  fill = lambda shape, dtype: run.vary(  # noqa: E731
+      jnp.full((K + 1,) + tuple(shape), _BUBBLE_FILL, dtype))
+  act = (ops.x_shape.shape, ops.x_shape.dtype)
+  kept_shapes = ops.residual_shapes()
+  carry = {
+      "inbox": fill(*act), "ct": fill(*act),
+      "kept": [fill((ops.n,) + r.shape, r.dtype) for r in kept_shapes],
+      "d_layers": run.vary(_float32_zeros(jax.tree_util.tree_map(
+          lambda x: x[:1].repeat(v + 1, 0), ops.layers))),  # chunk v: idle ops' adds
+      "d_rest": run.vary(_float32_zeros(ops.rest)),
+      "loss": run.zero(), "count": run.zero()}
+  if ops.split:
+    carry["cts"] = fill((ops.n,) + act[0], act[1])
+  stage = run.stage()
+
+  def tick(slot_ops, carry, row):
+    c = dict(carry)
+    y = dx = None
+    for k, kinds in enumerate(slot_ops):
+      if not kinds:
+        continue
+      op, m, chunk = row[stage, k, 0], row[stage, k, 1], row[stage, k, 2]
+      item = slot_of[stage, chunk, m]
+      branches = [_varying(run, _OP_BRANCHES[kind](ops, c, m, chunk, item))
+                  for kind in kinds]
+      index = jnp.asarray(np.searchsorted(kinds, np.arange(4)).clip(0, len(kinds) - 1),
+                          jnp.int32)[op]
+      out = lax.switch(index, branches)
+      writes = out.pop("writes")
+      for name, (where, value) in writes.items():
+        if name == "kept":
+          c[name] = [b.at[jnp.where(where, item, K)].set(x)
+                     for b, x in zip(c[name], value)]
+        else:
+          c[name] = c[name].at[jnp.where(where, item, K)].set(value)
+      c["d_layers"] = jax.tree_util.tree_map(
+          lambda g, d: g.at[jnp.where(out["has_d_layers"], chunk, v)].add(d),
+          c["d_layers"], out["d_layers"])
+      c["d_rest"] = jax.tree_util.tree_map(jnp.add, c["d_rest"], out["d_rest"])
+      c["loss"], c["count"] = c["loss"] + out["loss"], c["count"] + out["count"]
+      if FWD in kinds:
+        y = out["y"]
+      if BWD in kinds:
+        dx = out["dx"]
+    if S > 1 or v > 1:
+      c = _arrivals(run, c, row, slot_of, K, y, dx, bwd_slot)
+    return c, None
+
+  for start, stop, slot_ops in _phases(table):
+    carry, _ = lax.scan(functools.partial(tick, slot_ops), carry,
+                        jnp.asarray(table[start:stop]))
+  d_layers = jax.tree_util.tree_map(
+      lambda g, x: g[:v].reshape(x.shape), carry["d_layers"],
+      params[pipe.stages_key])
+  grads = {**carry["d_rest"], pipe.stages_key: d_layers}
+  return carry["loss"], carry["count"], grads
+
+
+def _arrivals(run: _PipelineRun, c: dict, row: jax.Array, slot_of: jax.Array,
+              K: int, y: Optional[jax.Array], dx: Optional[jax.Array],
+              bwd_slot: int) -> dict:
+  """The tick's sends: the forward's output up the ring (device ``S - 1``'s chunk
+  ``c`` feeds device 0's chunk ``c + 1``), the backward's input gradient down; each
+  lands in the receiver's slot of its item (slot ``K`` when nothing came)."""
+  pipe, S = run.pipeline, run.S
+  v = pipe.virtual_stages
+  stage = run.stage()
+  pairs = range(S) if v > 1 else range(S - 1)
+  if y is not None:
+    got = lax.ppermute(y, pipe.stage_axis, [(i, (i + 1) % S) for i in pairs])
+    prev = (stage - 1) % S
+    op, m, chunk = row[prev, 0, 0], row[prev, 0, 1], row[prev, 0, 2]
+    came = (op == FWD) & ~((prev == S - 1) & (chunk == v - 1))
+    if v == 1:
+      came = came & (stage > 0)
+    item = slot_of[stage, jnp.minimum(chunk + (stage == 0), v - 1), m]
+    c["inbox"] = c["inbox"].at[jnp.where(came, item, K)].set(got)
+  if dx is not None:
+    got = lax.ppermute(dx, pipe.stage_axis, [((i + 1) % S, i) for i in pairs])
+    nxt = (stage + 1) % S
+    op, m, chunk = (row[nxt, bwd_slot, 0], row[nxt, bwd_slot, 1],
+                    row[nxt, bwd_slot, 2])
+    came = (op == BWD) & ~((nxt == 0) & (chunk == 0))
+    if v == 1:
+      came = came & (stage < S - 1)
+    item = slot_of[stage, jnp.maximum(chunk - (stage == S - 1), 0), m]
+    c["ct"] = c["ct"].at[jnp.where(came, item, K)].set(got)
+  return c
+
+
+def _op_idle(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+  def run():
+    return _op_out(ops, c)
+  return run
+
+
+def _op_forward(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+  def run():
+    y, kept, dy, d_rest, loss, count = ops.forward(m, chunk, c["inbox"][item])
+    last = ops.run.last(chunk)
+    return _op_out(ops, c, y=jnp.where(last, jnp.zeros_like(y), y),
+                   writes={"kept": (True, kept), "ct": (last, dy)},
+                   d_rest=d_rest, loss=loss, count=count)
+  return run
+
+
+def _op_backward(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+  def run():
+    kept = [b[item] for b in c["kept"]]
+    dx, out, d_rest = ops.backward(m, chunk, c["ct"][item], kept,
+                                   weights=not ops.split)
+    if ops.split:
+      return _op_out(ops, c, dx=dx, writes={"cts": (True, out)}, d_rest=d_rest)
+    return _op_out(ops, c, dx=dx, d_layers=out, d_rest=d_rest)
+  return run
+
+
+def _op_weights(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+  def run():
+    kept = [b[item] for b in c["kept"]]
+    return _op_out(ops, c, d_layers=ops.weights(chunk, kept, c["cts"][item]))
+  return run
+
+
+_OP_BRANCHES = {IDLE: _op_idle, FWD: _op_forward, BWD: _op_backward, WGT: _op_weights}
+
+
+def _op_out(ops: _Ticks, c: dict, *, y=None, dx=None, writes=None, d_layers=None,
+            d_rest=None, loss=None, count=None) -> dict:
+  """One op's outputs, with zeros for what it does not produce, so that every branch
+  of a slot's switch returns the same structure: ``writes`` maps a buffer to ``(where,
+  value)`` (written to the item's slot where ``where``, else to the idle slot)."""
+  zeros = lambda like: jnp.zeros(like.shape[1:], like.dtype)  # noqa: E731
+  out_writes = {"kept": (False, [zeros(b) for b in c["kept"]]),
+                "ct": (False, zeros(c["ct"]))}
+  if "cts" in c:
+    out_writes["cts"] = (False, zeros(c["cts"]))
+  for name, (where, value) in (writes or {}).items():
+    out_writes[name] = (where, value)
+  out_writes = {k: (jnp.asarray(w), val) for k, (w, val) in out_writes.items()}
+  act = zeros(c["inbox"])
+  return {
+      "y": act if y is None else y, "dx": act if dx is None else dx,
+      "writes": out_writes,
+      "has_d_layers": jnp.asarray(d_layers is not None),
+      "d_layers": (jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype),
+                                          c["d_layers"])
+                   if d_layers is None else d_layers),
+      "d_rest": _float32_zeros(ops.rest) if d_rest is None else d_rest,
+      "loss": ops.run.zero() if loss is None else loss,
+      "count": ops.run.zero() if count is None else count}
 
 
 # --------------------------------------------------------------------------- split
