@@ -100,6 +100,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mpscale import keys as keys_lib
@@ -636,27 +637,31 @@ class _PipelineRun:
             & (chunk == self.pipeline.virtual_stages - 1))
 
 
+_PICKED_PARAMS = "mpscale_pipeline_picked_layer_params"
+
+
 def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array,
                      keys: Optional[jax.Array]) -> jax.Array:
   """``pipe._layers`` over chunk ``chunk`` of ``layers`` (leaves ``[v, n, ...]``).
 
   Each layer's parameters are picked from the stack inside a rematerialized body
-  that saves only the outputs of its matrix products (``dots_saveable``): autodiff
-  of the tick loop would otherwise keep the picked parameters for every tick (``v M
-  + S - 1`` copies of a chunk's, memory growing with ``M``), where the stack itself
-  is loop-invariant and kept once; the backward picks them again and recomputes the
-  elementwise work. With ``remat`` nothing of the body is saved, as in
-  `Pipeline._layers`.
+  that saves anything but them under ``recompute="none"`` (else what
+  `Pipeline.policy` saves): autodiff of the tick loop would otherwise keep the picked
+  parameters for every tick (``v M + S - 1`` copies of a chunk's, memory growing with
+  ``M``), where the stack itself is loop-invariant and kept once; the backward picks
+  them again.
   """
   n = jax.tree_util.tree_leaves(layers)[0].shape[1]
 
   def body(h, l):
-    lp = jax.tree_util.tree_map(lambda a: a[chunk, l], layers)
+    lp = jax.tree_util.tree_map(
+        lambda a: checkpoint_name(a[chunk, l], _PICKED_PARAMS), layers)
     if keys is None:
       return pipe.stage_fn(lp, h), None
     return pipe.stage_fn(lp, h, rng=jax.random.wrap_key_data(keys[l])), None
 
-  policy = pipe.policy() or jax.checkpoint_policies.dots_saveable
+  policy = pipe.policy() or jax.checkpoint_policies.save_anything_except_these_names(
+      _PICKED_PARAMS)
   h, _ = lax.scan(jax.checkpoint(body, policy=policy), x, jnp.arange(n))
   return h
 
@@ -814,6 +819,10 @@ class _Ticks:
     x = self.pipe.embed_fn(self.with_layers(rest), self.run.micro_batch(m), **embed_kw)
     return x.astype(self.x_shape.dtype)
 
+  def kept_zeros(self) -> list[jax.Array]:
+    """Zeros shaped like one item's kept residuals (``[n, ...]`` each)."""
+    return [jnp.zeros((self.n,) + r.shape, r.dtype) for r in self.kept_shapes]
+
   def residual_shapes(self) -> list[jax.ShapeDtypeStruct]:
     """The residuals one layer keeps (shapes, from a trace of its forward)."""
     def one(lp, x, key):
@@ -931,8 +940,7 @@ def _phases(table: np.ndarray) -> list[tuple[int, int, tuple[tuple[int, ...], ..
 def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   """1F1B (interleaved over ``virtual_stages`` chunks) or ZB-H1 from its table
   (`mpscale.pipeline_schedules`): per tick, the op of each slot (`_Ticks`), then one
-  ``ppermute`` up and one down. Buffers hold ``K`` item slots (`_slots`) plus one
-  that idle ops write. Returns ``(loss sum, count sum, grads)`` of this device."""
+  ``ppermute`` up and one down. Buffers hold ``K`` item slots (`_slots`). Returns ``(loss sum, count sum, grads)`` of this device."""
   pipe, S, M = run.pipeline, run.S, run.M
   v = pipe.virtual_stages
   ops = _Ticks(run, params)
@@ -941,14 +949,13 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   slot_of = jnp.asarray(slot_of)
   bwd_slot = 0 if ops.split else 1     # a one-op tick (zb_h1) or a paired one
   fill = lambda shape, dtype: run.vary(  # noqa: E731
-      jnp.full((K + 1,) + tuple(shape), _BUBBLE_FILL, dtype))
+      jnp.full((K,) + tuple(shape), _BUBBLE_FILL, dtype))
   act = (ops.x_shape.shape, ops.x_shape.dtype)
-  kept_shapes = ops.residual_shapes()
+  kept_shapes = ops.kept_shapes = ops.residual_shapes()
   carry = {
       "inbox": fill(*act), "ct": fill(*act),
       "kept": [fill((ops.n,) + r.shape, r.dtype) for r in kept_shapes],
-      "d_layers": run.vary(_float32_zeros(jax.tree_util.tree_map(
-          lambda x: x[:1].repeat(v + 1, 0), ops.layers))),  # chunk v: idle ops' adds
+      "d_layers": run.vary(_float32_zeros(ops.layers)),
       "d_rest": run.vary(_float32_zeros(ops.rest)),
       "loss": run.zero(), "count": run.zero()}
   if ops.split:
@@ -963,21 +970,24 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
         continue
       op, m, chunk = row[stage, k, 0], row[stage, k, 1], row[stage, k, 2]
       item = slot_of[stage, chunk, m]
-      branches = [_varying(run, _OP_BRANCHES[kind](ops, c, m, chunk, item))
+      # The slot's ops read their item's slots here, not inside the switch (which
+      # would take the whole buffers and make XLA copy them every tick), and after
+      # the slot before wrote (the last virtual stage's backward reads what its
+      # forward kept in the same tick).
+      reads = {name: jax.tree_util.tree_map(lambda b: b[item], c[name])
+               for name in _needs(kinds, _READS) if name in c}
+      writes = [name for name in _needs(kinds, _WRITES) if name in c]
+      branches = [_varying(run, _OP_BRANCHES[kind](ops, reads, m, chunk, writes))
                   for kind in kinds]
       index = jnp.asarray(np.searchsorted(kinds, np.arange(4)).clip(0, len(kinds) - 1),
                           jnp.int32)[op]
       out = lax.switch(index, branches)
-      writes = out.pop("writes")
-      for name, (where, value) in writes.items():
-        if name == "kept":
-          c[name] = [b.at[jnp.where(where, item, K)].set(x)
-                     for b, x in zip(c[name], value)]
-        else:
-          c[name] = c[name].at[jnp.where(where, item, K)].set(value)
-      c["d_layers"] = jax.tree_util.tree_map(
-          lambda g, d: g.at[jnp.where(out["has_d_layers"], chunk, v)].add(d),
-          c["d_layers"], out["d_layers"])
+      for name, (where, value) in out.pop("writes").items():
+        c[name] = jax.tree_util.tree_map(functools.partial(_write, item, where),
+                                         c[name], value)
+      if (WGT if ops.split else BWD) in kinds:
+        c["d_layers"] = jax.tree_util.tree_map(lambda g, d: g.at[chunk].add(d),
+                                               c["d_layers"], out["d_layers"])
       c["d_rest"] = jax.tree_util.tree_map(jnp.add, c["d_rest"], out["d_rest"])
       c["loss"], c["count"] = c["loss"] + out["loss"], c["count"] + out["count"]
       if FWD in kinds:
@@ -985,25 +995,30 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       if BWD in kinds:
         dx = out["dx"]
     if S > 1 or v > 1:
-      c = _arrivals(run, c, row, slot_of, K, y, dx, bwd_slot)
+      c = _arrivals(run, c, row, slot_of, y, dx, bwd_slot)
     return c, None
 
   for start, stop, slot_ops in _phases(table):
     carry, _ = lax.scan(functools.partial(tick, slot_ops), carry,
                         jnp.asarray(table[start:stop]))
   d_layers = jax.tree_util.tree_map(
-      lambda g, x: g[:v].reshape(x.shape), carry["d_layers"],
+      lambda g, x: g.reshape(x.shape), carry["d_layers"],
       params[pipe.stages_key])
   grads = {**carry["d_rest"], pipe.stages_key: d_layers}
   return carry["loss"], carry["count"], grads
 
 
+def _write(item: jax.Array, where: jax.Array, buffer: jax.Array, value: jax.Array
+          ) -> jax.Array:
+  """``buffer`` with ``value`` in slot ``item`` where ``where`` (else unchanged)."""
+  return buffer.at[item].set(jnp.where(where, value, buffer[item]))
+
+
 def _arrivals(run: _PipelineRun, c: dict, row: jax.Array, slot_of: jax.Array,
-              K: int, y: Optional[jax.Array], dx: Optional[jax.Array],
-              bwd_slot: int) -> dict:
+              y: Optional[jax.Array], dx: Optional[jax.Array], bwd_slot: int) -> dict:
   """The tick's sends: the forward's output up the ring (device ``S - 1``'s chunk
   ``c`` feeds device 0's chunk ``c + 1``), the backward's input gradient down; each
-  lands in the receiver's slot of its item (slot ``K`` when nothing came)."""
+  lands in the receiver's slot of its item."""
   pipe, S = run.pipeline, run.S
   v = pipe.virtual_stages
   stage = run.stage()
@@ -1016,7 +1031,7 @@ def _arrivals(run: _PipelineRun, c: dict, row: jax.Array, slot_of: jax.Array,
     if v == 1:
       came = came & (stage > 0)
     item = slot_of[stage, jnp.minimum(chunk + (stage == 0), v - 1), m]
-    c["inbox"] = c["inbox"].at[jnp.where(came, item, K)].set(got)
+    c["inbox"] = _write(item, came, c["inbox"], got)
   if dx is not None:
     got = lax.ppermute(dx, pipe.stage_axis, [((i + 1) % S, i) for i in pairs])
     nxt = (stage + 1) % S
@@ -1026,67 +1041,74 @@ def _arrivals(run: _PipelineRun, c: dict, row: jax.Array, slot_of: jax.Array,
     if v == 1:
       came = came & (stage < S - 1)
     item = slot_of[stage, jnp.maximum(chunk - (stage == S - 1), 0), m]
-    c["ct"] = c["ct"].at[jnp.where(came, item, K)].set(got)
+    c["ct"] = _write(item, came, c["ct"], got)
   return c
 
 
-def _op_idle(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+_READS = {FWD: ("inbox",), BWD: ("kept", "ct"), WGT: ("kept", "cts")}
+_WRITES = {FWD: ("kept", "ct"), BWD: ("cts",), WGT: ()}
+"""The item slots of `_ticked`'s buffers each op reads and writes: ``inbox``
+(its input), ``kept`` (its layers' residuals), ``ct`` (its output's cotangent) and
+``cts`` (ZB-H1: each layer's output cotangent, from ``B`` to ``W``; 1F1B has no
+such buffer, and its ``B`` writes nothing)."""
+
+
+def _needs(kinds: Sequence[int], table: dict[int, tuple[str, ...]]) -> list[str]:
+  names = {name for kind in kinds for name in table.get(kind, ())}
+  return sorted(names)
+
+
+def _op_idle(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
   def run():
-    return _op_out(ops, c)
+    return _op_out(ops, writes)
   return run
 
 
-def _op_forward(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+def _op_forward(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
   def run():
-    y, kept, dy, d_rest, loss, count = ops.forward(m, chunk, c["inbox"][item])
+    y, kept, dy, d_rest, loss, count = ops.forward(m, chunk, c["inbox"])
     last = ops.run.last(chunk)
-    return _op_out(ops, c, y=jnp.where(last, jnp.zeros_like(y), y),
+    return _op_out(ops, writes, y=jnp.where(last, jnp.zeros_like(y), y),
                    writes={"kept": (True, kept), "ct": (last, dy)},
                    d_rest=d_rest, loss=loss, count=count)
   return run
 
 
-def _op_backward(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+def _op_backward(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
   def run():
-    kept = [b[item] for b in c["kept"]]
-    dx, out, d_rest = ops.backward(m, chunk, c["ct"][item], kept,
+    dx, out, d_rest = ops.backward(m, chunk, c["ct"], c["kept"],
                                    weights=not ops.split)
     if ops.split:
-      return _op_out(ops, c, dx=dx, writes={"cts": (True, out)}, d_rest=d_rest)
-    return _op_out(ops, c, dx=dx, d_layers=out, d_rest=d_rest)
+      return _op_out(ops, writes, dx=dx, writes={"cts": (True, out)}, d_rest=d_rest)
+    return _op_out(ops, writes, dx=dx, d_layers=out, d_rest=d_rest)
   return run
 
 
-def _op_weights(ops: _Ticks, c: dict, m, chunk, item) -> Callable:
+def _op_weights(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
   def run():
-    kept = [b[item] for b in c["kept"]]
-    return _op_out(ops, c, d_layers=ops.weights(chunk, kept, c["cts"][item]))
+    return _op_out(ops, writes, d_layers=ops.weights(chunk, c["kept"], c["cts"]))
   return run
 
 
 _OP_BRANCHES = {IDLE: _op_idle, FWD: _op_forward, BWD: _op_backward, WGT: _op_weights}
 
 
-def _op_out(ops: _Ticks, c: dict, *, y=None, dx=None, writes=None, d_layers=None,
-            d_rest=None, loss=None, count=None) -> dict:
+def _op_out(ops: _Ticks, names: Sequence[str], *, y=None, dx=None, writes=None,
+            d_layers=None, d_rest=None, loss=None, count=None) -> dict:
   """One op's outputs, with zeros for what it does not produce, so that every branch
-  of a slot's switch returns the same structure: ``writes`` maps a buffer to ``(where,
-  value)`` (written to the item's slot where ``where``, else to the idle slot)."""
-  zeros = lambda like: jnp.zeros(like.shape[1:], like.dtype)  # noqa: E731
-  out_writes = {"kept": (False, [zeros(b) for b in c["kept"]]),
-                "ct": (False, zeros(c["ct"]))}
-  if "cts" in c:
-    out_writes["cts"] = (False, zeros(c["cts"]))
-  for name, (where, value) in (writes or {}).items():
-    out_writes[name] = (where, value)
-  out_writes = {k: (jnp.asarray(w), val) for k, (w, val) in out_writes.items()}
-  act = zeros(c["inbox"])
+  of a slot's switch returns the same structure: ``writes`` maps each buffer of
+  ``names`` (those the slot's ops write) to ``(where, value)``, written to the
+  item's slot where ``where``."""
+  act = jnp.zeros(ops.x_shape.shape, ops.x_shape.dtype)
+  like = {"ct": act, "kept": ops.kept_zeros(),
+          "cts": jnp.zeros((ops.n,) + act.shape, act.dtype)}
+  given = writes or {}
   return {
       "y": act if y is None else y, "dx": act if dx is None else dx,
-      "writes": out_writes,
-      "has_d_layers": jnp.asarray(d_layers is not None),
-      "d_layers": (jax.tree_util.tree_map(lambda g: jnp.zeros(g.shape[1:], g.dtype),
-                                          c["d_layers"])
+      "writes": {name: (jnp.asarray(given[name][0]), given[name][1]) if name in given
+                 else (jnp.asarray(False), like[name]) for name in names},
+      "d_layers": (jax.tree_util.tree_map(
+          lambda x: jnp.zeros(x.shape[1:], jnp.float32), ops.layers)
                    if d_layers is None else d_layers),
       "d_rest": _float32_zeros(ops.rest) if d_rest is None else d_rest,
       "loss": ops.run.zero() if loss is None else loss,
