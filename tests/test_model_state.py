@@ -267,20 +267,22 @@ def _dropout(x, rng, rate=0.5):
   return jnp.where(jax.random.bernoulli(rng, 1 - rate, x.shape), x / (1 - rate), 0.0)
 
 
-def _stochastic_pipeline(schedule):
+def _stochastic_pipeline(schedule, recompute="none"):
   return mpscale.Pipeline(
       lambda p, b, rng: _dropout(b["x"] @ p["embed"], rng),
       lambda p, x, rng: _dropout(jnp.tanh(x @ p["w"]), rng),
       lambda p, x, b, rng: (jnp.sum((_dropout(x, rng)[:, 0] - b["y"]) ** 2),
                             jnp.asarray(x.shape[0], jnp.float32)),
-      num_microbatches=4, schedule=schedule)
+      num_microbatches=4, schedule=schedule, recompute=recompute)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_dropout_equals_the_unpipelined_model(schedule):
+@pytest.mark.parametrize("schedule, recompute", [
+    ("gpipe", "none"), ("1f1b", "none"), ("1f1b", "full"), ("zb_h1", "selective")])
+def test_pipeline_dropout_equals_the_unpipelined_model(schedule, recompute):
   """A layer draws the same mask on whichever stage it runs: pipelined gradients
-  equal the unpipelined model's, accumulated with the same keys."""
-  pipe = _stochastic_pipeline(schedule)
+  equal the unpipelined model's, accumulated with the same keys (also when the
+  backward recomputes a layer from its kept input and key)."""
+  pipe = _stochastic_pipeline(schedule, recompute)
   init_keys = jax.random.split(jax.random.key(0), 2)
   params = {"embed": jax.random.normal(init_keys[0], (6, 8)) * 0.5,
             "stages": {"w": jax.random.normal(init_keys[1], (4, 8, 8)) * 0.5}}

@@ -100,17 +100,31 @@ def _check_03(s):
   plain = ("gpipe", "1f1b")
   assert s["bubble_S4_M8"] == {"gpipe": 0.273, "1f1b": 0.273} == {
       k: bubble(k, M) for k in plain}
-  assert s["peak_inputs_kept_M32"] == {"gpipe": 32, "1f1b": 4} == {
+  # Paired 1F1B ticks: min(M, 2 S - 1) items alive per stage, GPipe M.
+  assert s["peak_inputs_kept_M32"] == {"gpipe": 32, "1f1b": 7} == {
       k: alive(k, 32) for k in plain}
   assert s["bubble_S4_M8_v2"] == {"gpipe": 0.158, "1f1b": 0.158} == {
       k: bubble(k, M, v) for k in plain}
   assert s["peak_inputs_kept_M32_v2"] == {"gpipe": 64, "1f1b": 11} == {
       k: alive(k, 32, v) for k in plain}
-  # ZB-H1: (S - 1) / (3 M + S - 1) = 3 / 27, with 1F1B's min(S, M) inputs alive.
+  # GPipe 2 (M + S - 1) ticks, 1F1B M + 2 S - 2 (each a forward and a backward long),
+  # ZB-H1 3 M + S - 1 one-op ticks.
+  assert s["ticks_S4_M8"] == {"gpipe": 22, "1f1b": 14, "zb_h1": 27} == {
+      k: int(pl.schedule_table(k, S, M).shape[0]) for k in ("gpipe", "1f1b", "zb_h1")}
+  # ZB-H1: (S - 1) / (3 M + S - 1) = 3 / 27, with min(S, M) items alive.
   assert s["bubble_S4_M8_zb_h1"] == bubble("zb_h1", M) == round(
       (S - 1) / (3 * M + S - 1), 3) == 0.111
   assert s["bubble_S4_M8_zb_h1"] < s["bubble_S4_M8"]["1f1b"]
   assert s["peak_inputs_kept_M32_zb_h1"] == alive("zb_h1", 32) == min(S, 32) == 4
+  # Compiled matrix FLOPs a device: GPipe's equal 1F1B's under every recompute policy;
+  # "full" adds a forward a tick (7 ticks x 4,096), "selective" nothing for the toy
+  # layer; ZB-H1's 15 one-op ticks cost less than the others' 21 forwards.
+  flops = s["matmul_flops"]
+  assert set(flops) == {"none", "selective", "full"}
+  assert all(row["gpipe"] == row["1f1b"] for row in flops.values()), flops
+  assert flops["selective"] == flops["none"], flops
+  assert flops["full"]["gpipe"] - flops["none"]["gpipe"] == 7 * 2 * 2 * 4 * 16 * 16
+  assert flops["none"]["zb_h1"] < flops["none"]["gpipe"], flops
   assert s["max_loss_difference"] < 1e-4 and s["max_gradient_difference"] < 1e-4
 
 

@@ -134,6 +134,86 @@ def test_remat_gives_the_same_gradients():
   assert tanh_count(True) > tanh_count(False) >= 1
 
 
+@pytest.mark.parametrize("schedule", pl.SCHEDULES)
+@pytest.mark.parametrize("recompute", pl.RECOMPUTE)
+@pytest.mark.parametrize("data, stage, micro, virtual", [(2, 4, 4, 1), (1, 2, 4, 2)])
+def test_every_schedule_and_recompute_policy_equals_unpipelined(
+    schedule, recompute, data, stage, micro, virtual):
+  if schedule == "zb_h1" and virtual > 1:
+    pytest.skip("zb_h1 runs one chunk per stage")
+  params, batch = make_params(), make_batch()
+  want_loss, want_grads = reference(params, batch)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule,
+                      recompute=recompute, virtual_stages=virtual)
+  grads, loss, _ = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(data, stage), per_token_loss=True))(params, batch)
+  assert_close(loss, want_loss)
+  assert_close(grads, want_grads)
+
+
+def _matmul_flops(schedule, micro, virtual, recompute, stages=4):
+  from mpscale import hlo
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule,
+                      virtual_stages=virtual, recompute=recompute)
+  compiled = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(1, stages), per_token_loss=True)).lower(
+          make_params(), make_batch(size=8 * micro)).compile()
+  return hlo.matmul_flops(compiled.as_text())
+
+
+@pytest.mark.parametrize("recompute", pl.RECOMPUTE)
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_paired_1f1b_compiles_to_gpipes_matrix_flops(recompute, virtual):
+  """Read from the compiled program (loops by trip count, a conditional at its
+  costliest branch): 1F1B's paired ticks cost GPipe's matrix work on the same model,
+  S, M, v and recompute policy (lock-step ticks that alternated F and B cost twice
+  it). ZB-H1's one-op ticks stay within 1.4x: its W, split per layer, recomputes the
+  input-gradient products inside the layer that its weights' gradients need."""
+  gpipe = _matmul_flops("gpipe", 16, virtual, recompute)
+  assert _matmul_flops("1f1b", 16, virtual, recompute) <= 1.1 * gpipe
+  if virtual == 1:
+    assert _matmul_flops("zb_h1", 16, virtual, recompute) <= 1.4 * gpipe
+
+
+def test_recompute_policies_keep_what_they_say():
+  """The residuals kept per micro-batch shrink from none to selective to full (each
+  layer's input alone), and none of them is a copy of the layer's parameters."""
+  mesh = mesh_of(1, 4)
+
+  def kept(recompute):
+    model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule="1f1b",
+                        recompute=recompute)
+    shapes = {}
+
+    def capture(run, params):
+      ops = pl._Ticks(run, params)  # pylint: disable=protected-access
+      shapes["kept"] = ops.residual_shapes()
+      return pl._ticked(run, params)  # pylint: disable=protected-access
+    original = model._executor
+    object.__setattr__(model, "_executor", lambda: capture)
+    try:
+      model.value_and_grad(make_params(), make_batch(), mesh=mesh, per_token_loss=True)
+    finally:
+      object.__setattr__(model, "_executor", original)
+    return [tuple(s.shape) for s in shapes["kept"]]
+
+  rows = BATCH // 4
+  full, selective, none = kept("full"), kept("selective"), kept("none")
+  assert full == [(rows, WIDTH)]                     # the layer's input
+  assert len(none) > len(selective) > len(full)
+  assert (WIDTH, WIDTH) not in none + selective + full  # the weights are not kept
+
+
+def test_bad_recompute_names_the_argument():
+  with pytest.raises(ValueError, match="recompute"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute="some")
+  with pytest.raises(mpscale.ArgumentError, match="remat") as err:
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, remat=True, recompute="selective")
+  assert err.value.names == ("remat", "recompute")
+  policy = jax.checkpoint_policies.dots_saveable  # a policy of one's own is taken
+  assert pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute=policy).policy() is policy
+
+
 def _train(params, batch, tx, grad_fn, steps=5):
   @jax.jit
   def step(params, opt_state):
@@ -257,29 +337,33 @@ def test_no_all_reduce_inside_the_pipeline_loop(schedule):
   assert "all-reduce" in hlo  # the gradient sums do happen, after the loop
 
 
-def _temp_bytes_and_size(schedule, micro, virtual=1):
-  batch = make_batch(size=4 * micro)  # fixed micro-batch size, growing M
+def _temp_bytes_and_size(schedule, micro, virtual=1, recompute="none"):
+  batch = make_batch(size=16 * micro)  # fixed micro-batch size, growing M
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule,
-                      virtual_stages=virtual)
+                      virtual_stages=virtual, recompute=recompute)
   mesh = mesh_of(1, 4)
   compiled = jax.jit(lambda p, b: model.value_and_grad(
       p, b, mesh=mesh, per_token_loss=True)).lower(make_params(), batch).compile()
   return compiled.memory_analysis().temp_size_in_bytes, len(compiled.as_text())
 
 
-def test_1f1b_memory_stays_flat_while_gpipe_grows():
-  gpipe = [_temp_bytes_and_size("gpipe", m) for m in (4, 16)]
-  ofob = [_temp_bytes_and_size("1f1b", m) for m in (4, 16)]
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_1f1b_memory_stays_flat_while_gpipe_grows(recompute):
+  """From M = 2S on, 1F1B and ZB-H1 keep a bounded number of micro-batches'
+  residuals (2S - 1 and S a stage; interleaved (v + 1) S - 1): compiled temp memory
+  at 4M is that at M, and below GPipe's, which keeps all M."""
+  def temp(schedule, micro, virtual=1):
+    return _temp_bytes_and_size(schedule, micro, virtual, recompute)
+
+  S = 4
+  gpipe = [temp("gpipe", m) for m in (2 * S, 8 * S)]
   assert gpipe[1][0] > 1.6 * gpipe[0][0]
-  assert ofob[1][0] < 1.1 * ofob[0][0]
-  assert ofob[1][0] < gpipe[1][0]
-  # Interleaved (v = 2): 1F1B's buffers stop at (v + 1) S - 1 = 11 inputs.
-  interleaved = [_temp_bytes_and_size("1f1b", m, virtual=2) for m in (8, 32)]
-  assert interleaved[1][0] < 1.1 * interleaved[0][0]
-  assert interleaved[1][0] < _temp_bytes_and_size("gpipe", 32, virtual=2)[0]
-  # A scan, not an unrolled loop: the program does not grow with M.
-  for (_, small), (_, large) in (gpipe, ofob):
-    assert large < 1.05 * small
+  for schedule, v in (("1f1b", 1), ("zb_h1", 1), ("1f1b", 2)):
+    flat = [temp(schedule, m, v) for m in (2 * S, 8 * S)]
+    assert flat[1][0] < 1.1 * flat[0][0], (schedule, v)
+    assert flat[1][0] < temp("gpipe", 8 * S, v)[0], (schedule, v)
+    assert flat[1][1] < 1.05 * flat[0][1]  # a scan: the program does not grow with M
+  assert temp("1f1b", 2 * S)[0] < gpipe[0][0]  # already at M = 2S
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -288,33 +372,40 @@ def test_1f1b_memory_stays_flat_while_gpipe_grows():
     (2, 2, 2), (2, 4, 4), (2, 8, 2), (4, 4, 2), (4, 16, 2), (4, 8, 4), (3, 6, 3)])
 def test_schedule_table_is_a_valid_pipeline(schedule, stages, micro, virtual):
   """Every virtual stage c S + s runs F and B of every micro-batch once, after its
-  inputs (the virtual stage below, the one above), one tick per hop; the bubble is
-  Megatron's; the inputs alive per device stay within the schedule's bound."""
+  inputs (the virtual stage below, the one above), one tick per hop (the last
+  virtual stage's B in its F's tick, slot 1 after slot 0); the bubble is Megatron's;
+  the inputs alive per device stay within the schedule's bound. 1F1B's ticks pair:
+  every tick where any stage runs a forward and any a backward is a tick of both,
+  and a step costs GPipe's forward and backward ticks."""
   S, M, v = stages, micro, virtual
   table = pl.schedule_table(schedule, S, M, v)
   chunks = pl.schedule_chunks(schedule, S, M, v)
   when = {}
   for t, row in enumerate(table):
-    for s, (op, m) in enumerate(row):
-      if op != pl.IDLE:
-        key = (op, chunks[t, s] * S + s, m)
-        assert key not in when
-        when[key] = t
+    for s in range(S):
+      for k, (op, m) in enumerate(row[s]):
+        if op != pl.IDLE:
+          key = (op, chunks[t, s, k] * S + s, m)
+          assert key not in when
+          assert k == (0 if op == pl.FWD else 1)
+          when[key] = (t, k)
   assert len(when) == 2 * S * v * M
   last = S * v - 1
   for (op, vs, m), t in when.items():
     if op == pl.FWD and vs > 0:
-      assert when[(pl.FWD, vs - 1, m)] < t
+      assert when[(pl.FWD, vs - 1, m)][0] < t[0]
     if op == pl.BWD:
       assert when[(pl.FWD, vs, m)] < t
       if vs < last:
-        assert when[(pl.BWD, vs + 1, m)] < t
+        assert when[(pl.BWD, vs + 1, m)][0] < t[0]
   assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
+  from mpscale import pipeline_schedules as ps
+  assert ps.tick_costs(table).sum() == 3 * (v * M + S - 1)  # GPipe's F + B ticks
   live = pl._live_slots(table)
   if schedule == "gpipe":
     assert live == v * M
-  else:  # Megatron's warm-up plus one, whatever M
-    assert live <= (min(S, M) if v == 1 else (v + 1) * S - 1)
+  else:  # a hop a tick: 2 (S v - 1 - vs) + 1 ticks alive, whatever M
+    assert live <= min(v * M, 2 * S - 1 if v == 1 else (v + 1) * S - 1)
 
 
 def test_interleaved_1f1b_keeps_its_inputs_bounded_as_m_grows():
@@ -570,9 +661,10 @@ def test_zb_h1_table_splits_the_backward_and_fills_1f1bs_bubble(stages, micro):
   more inputs alive than 1F1B's peak."""
   S, M = stages, micro
   table = pl.schedule_table("zb_h1", S, M)
+  assert (table[:, :, 1, 0] == pl.IDLE).all()  # one op a tick, in slot 0
   when = {}
   for t, row in enumerate(table):
-    for s, (op, m) in enumerate(row):
+    for s, (op, m) in enumerate(row[:, 0]):
       if op != pl.IDLE:
         assert (op, s, m) not in when
         when[(op, s, m)] = t
