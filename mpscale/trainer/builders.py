@@ -476,7 +476,8 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   """What `make_train_step` differentiates: the model's loss, or a `Pipeline`.
 
   With ``mesh.stage > 1`` this is ``mpscale.Pipeline(model.embed_fn, model.stage_fn,
-  model.head_fn, train.num_microbatches, mesh.pipeline_schedule, train.remat)``, its
+  model.head_fn, train.num_microbatches, mesh.pipeline_schedule, train.remat,
+  train.recompute)``, its
   layers stored in device order (``layer_order="device"``: no all-to-all of the stage
   parameters with ``mesh.virtual_stages`` > 1; `Setup.to_device_order`); else
   ``model.loss_fn`` (``(loss_sum, num_tokens)``) with ``train.per_token_loss``, or
@@ -484,11 +485,13 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   """
   if cfg.mesh.stage > 1:
     keys = _fields("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
-                   num_microbatches="train.num_microbatches", remat="train.remat")
+                   num_microbatches="train.num_microbatches", remat="train.remat",
+                   recompute="train.recompute")
     return _keyed("mesh", lambda: pipeline_lib.Pipeline(
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
+        recompute=cfg.train.recompute,
         stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages,
         layer_order="device", num_stages=cfg.mesh.stage), keys)
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn

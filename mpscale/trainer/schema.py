@@ -434,7 +434,13 @@ class TrainConfig:
   per_token_loss: bool = True
   """Divide by the token count of the whole batch rather than average micro-batches."""
   remat: bool = False
-  """Recompute each block's activations in the backward pass."""
+  """Recompute each block's activations in the backward pass (with a pipeline:
+  ``recompute: full``)."""
+  recompute: str = "none"
+  """What a pipeline's backward recomputes (``mesh.stage`` > 1): ``none`` (keep every
+  residual of each micro-batch's forward), ``selective`` (keep the linear layers'
+  outputs, recompute the rest: Megatron-LM's selective recomputation) or ``full``
+  (keep each layer's input, recompute the layer)."""
   log_every: int = 10
   eval_every: int = 100
   """Evaluate every this many steps (and at the end); 0: only at the end."""
