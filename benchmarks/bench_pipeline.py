@@ -16,9 +16,17 @@ time, the compiled temp bytes per device (``memory_analysis``), and the median s
 global batch grows with M) and per micro-batch. ZB-H1's B and W each recompute the stage
 from its saved input: one forward more per micro-batch than 1F1B.
 
+``--work`` prints instead, for S in {2, 4, 8}, M in {S, 4S}, v in {1, 2} and each
+recompute policy (``none``, ``selective``, ``full``), each schedule's compiled matrix
+FLOPs (`mpscale.hlo.matmul_flops`: loops by trip count, a conditional at its costliest
+branch) over GPipe's on the same model, S, M, v and policy, and over the model's own
+(``6 x params x tokens``, plus one forward more under ``full``), and its compiled temp
+bytes per device over GPipe's. Nothing is timed: the ratios are the compiler's.
+
 On a CPU-only machine run with fake devices (the script sets the flag if absent):
 
   python benchmarks/bench_pipeline.py [--stages 4] [--virtual 2] [--max-micro 32] [--quick]
+  python benchmarks/bench_pipeline.py --work [--quick]
 """
 
 import argparse
@@ -37,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from mpscale import hlo  # noqa: E402
 from mpscale import pipeline as pl  # noqa: E402
 
 
@@ -72,6 +81,48 @@ def schedules(virtual):
                   (f"1f1b v{virtual}", "1f1b", virtual)]
 
 
+def compiled(pipe, mesh, params, batch):
+  fn = jax.jit(lambda p, b: pipe.value_and_grad(p, b, mesh=mesh, per_token_loss=True))
+  return fn.lower(pipe.shard_params(params, mesh), batch).compile()
+
+
+def work_table(args):
+  """Compiled matrix FLOPs and temp bytes of every schedule over GPipe's (``--work``)."""
+  width, features, rows = (32, 16, 32) if args.quick else (64, 32, 64)
+  embed_fn, stage_fn, head_fn = model(width, features)
+  print(f"devices: {jax.devices()[0].platform} x {len(jax.devices())}; 2 layers a "
+        f"(virtual) stage, width {width}, {rows} rows a micro-batch")
+  print(f"{'S':>2} {'M':>3} {'v':>2} {'recompute':9} {'schedule':8} {'work/gpipe':>10} "
+        f"{'work/model':>10} {'temp/gpipe':>10}")
+  for S in (2, 4) if args.quick else (2, 4, 8):
+    mesh = Mesh(np.array(jax.devices()[:S]).reshape(1, S), ("data", "stage"))
+    for v in (1, 2):
+      params = params_for(2 * S * v, width, features)
+      layer_params = sum(x.size for x in jax.tree_util.tree_leaves(params["stages"]))
+      for M in (S, 4 * S):
+        rng = np.random.default_rng(M)
+        batch = {"x": jnp.asarray(rng.normal(size=(M * rows, features)), jnp.float32),
+                 "y": jnp.asarray(rng.normal(size=(M * rows, 8)), jnp.float32)}
+        for recompute in pl.RECOMPUTE:
+          # The layers' matrix products per device: 2 FLOPs a parameter and token
+          # forward, twice that backward, a forward more under full recomputation.
+          passes = 8 if recompute == "full" else 6
+          model_flops = passes * layer_params / S * M * rows
+          base = None
+          for schedule in ("gpipe", "1f1b", "zb_h1"):
+            if schedule == "zb_h1" and v > 1:
+              continue
+            pipe = pl.Pipeline(embed_fn, stage_fn, head_fn, M, schedule=schedule,
+                               virtual_stages=v, recompute=recompute)
+            c = compiled(pipe, mesh, params, batch)
+            flops = hlo.matmul_flops(c.as_text())
+            temp = c.memory_analysis().temp_size_in_bytes
+            base = base or (flops, temp)
+            print(f"{S:2d} {M:3d} {v:2d} {recompute:9} {schedule:8} "
+                  f"{flops / base[0]:10.3f} {flops / model_flops:10.3f} "
+                  f"{temp / base[1]:10.3f}", flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--stages", type=int, default=4)
@@ -83,7 +134,12 @@ def main():
   ap.add_argument("--max-micro", type=int, default=32)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--quick", action="store_true", help="small sizes, M up to 8")
+  ap.add_argument("--work", action="store_true",
+                  help="compiled matrix FLOPs and temp bytes over GPipe's, no timing")
   args = ap.parse_args()
+  if args.work:
+    work_table(args)
+    return
   if args.quick:
     args.width, args.max_micro, args.reps = 64, 8, 3
   S, V = args.stages, args.virtual

@@ -29,33 +29,33 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
            y = layers of chunk c (x); head(y) if s == S - 1 and c == v - 1
            send y to stage s + 1 (mod S)      # one ppermute per tick
 
-  1f1b:  for t, row in enumerate(_schedule("1f1b", S, M, v)):
-           op, m, c = row[s]                  # F, B of chunk c of micro-batch m, or idle
-           k = slots[s, c, m]                 # its buffer slot (_slots)
-           F: x = embed(m) if (s, c) == (0, 0) else inbox_f[k]; saved[k] = x
-              send chunk c's layers (x) up    # the last virtual stage sends nothing
-           B: dp, dx = vjp(chunk c [+ head if last], saved[k], inbox_b[k])
-              grads += dp; send dx down       # and into embed after virtual stage 0
-         (Megatron's order, `_device_ops`: (S - 1 - s) * 2 + (v - 1) * S warm-up
-         forwards, S - 1 - s without virtual stages, then one forward and one backward
-         alternately, then the remaining backwards. B recomputes the chunk from its
-         saved input, so the inputs alive per device stay within the warm-up plus one,
-         at most (v + 1) S - 1 (S for v = 1) whatever M, while GPipe keeps v M.)
+  1f1b:  for t, row in enumerate(_schedule("1f1b", S, M, v)):   # paired ticks
+           op, m, c = row[s, 0]             # slot 0: F of chunk c of micro-batch m
+           F: x = embed(m) if (s, c) == (0, 0) else inbox[k]
+              y, kept[k] = chunk c's layers (x), each layer's vjp residuals
+              on the last virtual stage: loss, ct[k] = head and its backward
+           op, m, c = row[s, 1]             # slot 1: B of another micro-batch
+           B: dx, dp = each layer's pullback rebuilt from kept[k], from ct[k] down
+              grads += dp (+ the embedding's after virtual stage 0)
+           send y up, dx down; they land in the receivers' slots (_slots)
+         (`mpscale.pipeline_schedules`: the warm-up ticks run F only, the cool-down
+         ticks B only, each phase its own scan, so a step costs GPipe's (v M + S - 1)
+         (F + B); a stage keeps at most 2 S - 1 micro-batches' residuals, (v + 1) S
+         - 1 interleaved, whatever M. ``recompute`` chooses what a layer keeps.)
 
-  zb_h1: the 1f1b loop over _schedule("zb_h1", S, M), the backward split in two
-         (Qi et al.'s zero-bubble ZB-H1; one chunk per stage):
-           B: dx = vjp_x(stage [+ head if last], saved[k], inbox_b[k]); send dx down
-           W: grads += vjp_p(the same, saved[k], inbox_b[k])  # [+ embed on the first]
-         (S - s warm-up forwards, then B, F and the W of s micro-batches back; the
-         deferred W's fill the cool-down where 1F1B waits: a bubble of (S - 1) op
-         times a stage against 1F1B's 3 (S - 1), at the same S inputs alive. Each of
-         B and W recomputes the stage from its saved input: one forward more than
-         1F1B per micro-batch, the price of the split without keeping residuals.)
+  zb_h1: one op a tick (F, B or W), from _schedule("zb_h1", S, M):
+           B: dx = the pullbacks' input gradients; cts[k] = each layer's output
+              cotangent; send dx down
+           W: grads += the pullbacks' parameter gradients from kept[k], cts[k]
+         (Qi et al.'s ZB-H1; one chunk per stage: S - s warm-up forwards, then B,
+         F and the W of s micro-batches back; the deferred W's fill 1F1B's
+         cool-down.)
 
 The bubble fraction is (S - 1) / (v M + S - 1) for GPipe and 1F1B, and (S - 1) /
 (3 M + S - 1) for ZB-H1, each of whose ticks is one of F, B and W: with the three
-taken as equal, a 1F1B forward tick is one of them and its backward tick two, and
-the fractions compare as times. With ``v > 1`` (Megatron's
+taken as equal, a 1F1B forward is one of them and its backward two, and the
+fractions compare as times (`mpscale.pipeline_schedules.bubble_fraction`).
+With ``v > 1`` (Megatron's
 interleaved schedule, ``num_layers_per_virtual_pipeline_stage``) device ``s`` holds
 chunks ``s, s + S, ...``, virtual stages ``c S + s``, and activations go round the
 ring: device ``S - 1``'s chunk ``c`` feeds device 0's chunk ``c + 1``. The layers are
@@ -72,14 +72,12 @@ The code reads the same way::
   Pipeline.value_and_grad -> shard_map(per_device), manual over data axes and stage
     per_device: params cast varying, FSDP leaves all-gathered (gather_split); the
       rows cut into M micro-batches; run = _PipelineRun(sizes, this device's inputs)
-      loss, count, grads = _gpipe(run, params) or _one_f_one_b(run, params)
+      loss, count, grads = _gpipe(run, params) or _ticked(run, params)
       grads: reduce-scattered (scatter_split), summed where invariant (_sum_invariant)
   gpipe: jax.grad of objective, a lax.scan of tick(carry, t) over v * M + S - 1
-  1f1b:  lax.scan(run.tick, carry, _schedule("1f1b", S, M, v)), carry holding
-         saved, inbox_f, inbox_b (K slots each, _slots) and the sums
-         F(m, c) = run.forward (run.embed, run.stage_layers of chunk c)
-         B(m, c) = run.backward (vjp of run.stage_and_head on the last virtual stage,
-                   else of run.stage_layers; then of run.embed on the first)
+  1f1b, zb_h1: _ticked(run, params), a lax.scan a phase of the table, carry holding
+         inbox, kept, ct (and cts) in K item slots (_slots) and the gradient sums;
+         the ops are _Ticks.forward, .backward and .weights
 
 References:
   Huang et al., "GPipe", NeurIPS 2019. https://arxiv.org/abs/1811.06965
