@@ -235,11 +235,12 @@ def schedule_rows(num_stages: int, num_microbatches: int, virtual_stages: int = 
 
   GPipe, 1F1B and ZB-H1, then, with ``virtual_stages`` ``v > 1``, GPipe and 1F1B
   interleaved over ``v`` chunks: each a dict of ``schedule``, ``virtual_stages``,
-  ``bubble`` (`mpscale.bubble_fraction` of its tick table; a ZB-H1 tick is one of
-  F, B and W, a 1F1B backward tick B and W together, so the fractions compare as
-  times at equal forward, input-gradient and weight-gradient costs), ``inputs_alive`` (the most stage inputs a device keeps at
-  once: GPipe ``v M``, 1F1B ``min(S, M)``, ZB-H1 ``min(S, M)``, interleaved 1F1B at
-  most ``(v + 1) S - 1``) and ``config`` (``schedule`` with ``virtual_stages``:
+  ``bubble`` (`mpscale.bubble_fraction` of its tick table, time-weighted: a ZB-H1
+  tick is one of F, B and W, a paired 1F1B tick a forward and a backward (B and W
+  together), so the fractions compare as times at equal forward, input-gradient and
+  weight-gradient costs), ``inputs_alive`` (the most micro-batches whose residuals
+  a device keeps at once: GPipe ``v M``, 1F1B ``min(M, 2 S - 1)``, ZB-H1 ``min(S,
+  M)``, interleaved 1F1B at most ``(v + 1) S - 1``) and ``config`` (``schedule`` with ``virtual_stages``:
   the config's own). Read from the tables alone; nothing is compiled.
   """
   # pylint: disable=protected-access
