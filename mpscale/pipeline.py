@@ -98,7 +98,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mpscale import keys as keys_lib
@@ -635,31 +634,28 @@ class _PipelineRun:
             & (chunk == self.pipeline.virtual_stages - 1))
 
 
-_PICKED_PARAMS = "mpscale_pipeline_picked_layer_params"
-
-
 def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array,
                      keys: Optional[jax.Array]) -> jax.Array:
   """``pipe._layers`` over chunk ``chunk`` of ``layers`` (leaves ``[v, n, ...]``).
 
   Each layer's parameters are picked from the stack inside a rematerialized body
-  that saves anything but them under ``recompute="none"`` (else what
-  `Pipeline.policy` saves): autodiff of the tick loop would otherwise keep the picked
-  parameters for every tick (``v M + S - 1`` copies of a chunk's, memory growing with
-  ``M``), where the stack itself is loop-invariant and kept once; the backward picks
-  them again.
+  that saves only the outputs of its matrix products under ``recompute="none"``
+  (``dots_saveable``; else what `Pipeline.policy` saves): autodiff of the tick loop
+  would otherwise keep the picked parameters for every tick (``v M + S - 1`` copies
+  of a chunk's, memory growing with ``M``; a policy saving all but them by name
+  still keeps the slice that feeds the name), where the stack itself is
+  loop-invariant and kept once; the backward picks them again and recomputes the
+  elementwise work.
   """
   n = jax.tree_util.tree_leaves(layers)[0].shape[1]
 
   def body(h, l):
-    lp = jax.tree_util.tree_map(
-        lambda a: checkpoint_name(a[chunk, l], _PICKED_PARAMS), layers)
+    lp = jax.tree_util.tree_map(lambda a: a[chunk, l], layers)
     if keys is None:
       return pipe.stage_fn(lp, h), None
     return pipe.stage_fn(lp, h, rng=jax.random.wrap_key_data(keys[l])), None
 
-  policy = pipe.policy() or jax.checkpoint_policies.save_anything_except_these_names(
-      _PICKED_PARAMS)
+  policy = pipe.policy() or jax.checkpoint_policies.dots_saveable
   h, _ = lax.scan(jax.checkpoint(body, policy=policy), x, jnp.arange(n))
   return h
 
