@@ -809,7 +809,7 @@ class _Ticks:
     return {**rest, self.pipe.stages_key: self.layers}
 
   def embed(self, m: jax.Array, rest: Any) -> jax.Array:
-    embed_kw, _, _ = self.run.micro_keys(m, None)
+    embed_kw, _, _ = self.run.micro_keys(m, None if self.ids is None else self.ids[0])
     x = self.pipe.embed_fn(self.with_layers(rest), self.run.micro_batch(m), **embed_kw)
     return x.astype(self.x_shape.dtype)
 
@@ -856,7 +856,7 @@ class _Ticks:
 
     def head():
       mb = run.micro_batch(m)
-      _, _, head_kw = run.micro_keys(m, None)
+      _, _, head_kw = run.micro_keys(m, None if self.ids is None else self.ids[0])
       fn = lambda rest, y: run.head_terms(self.with_layers(rest), y, mb, **head_kw)  # noqa: E731
       (loss, count), pull = jax.vjp(fn, self.rest, y)
       d_rest, dy = pull((run.scale.astype(loss.dtype), jnp.zeros_like(count)))
@@ -949,7 +949,7 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   carry = {
       "inbox": fill(*act), "ct": fill(*act),
       "kept": [fill((ops.n,) + r.shape, r.dtype) for r in kept_shapes],
-      "d_layers": run.vary(_float32_zeros(ops.layers)),
+      "d_layers": run.vary(_float32_zeros(params[pipe.stages_key])),  # as stored
       "d_rest": run.vary(_float32_zeros(ops.rest)),
       "loss": run.zero(), "count": run.zero()}
   if ops.split:
@@ -980,8 +980,9 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
         c[name] = jax.tree_util.tree_map(functools.partial(_write, item, where),
                                          c[name], value)
       if (WGT if ops.split else BWD) in kinds:
-        c["d_layers"] = jax.tree_util.tree_map(lambda g, d: g.at[chunk].add(d),
-                                               c["d_layers"], out["d_layers"])
+        c["d_layers"] = jax.tree_util.tree_map(
+            lambda g, d: g.reshape((v,) + d.shape).at[chunk].add(d).reshape(g.shape),
+            c["d_layers"], out["d_layers"])
       c["d_rest"] = jax.tree_util.tree_map(jnp.add, c["d_rest"], out["d_rest"])
       c["loss"], c["count"] = c["loss"] + out["loss"], c["count"] + out["count"]
       if FWD in kinds:
@@ -995,10 +996,7 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   for start, stop, slot_ops in _phases(table):
     carry, _ = lax.scan(functools.partial(tick, slot_ops), carry,
                         jnp.asarray(table[start:stop]))
-  d_layers = jax.tree_util.tree_map(
-      lambda g, x: g.reshape(x.shape), carry["d_layers"],
-      params[pipe.stages_key])
-  grads = {**carry["d_rest"], pipe.stages_key: d_layers}
+  grads = {**carry["d_rest"], pipe.stages_key: carry["d_layers"]}
   return carry["loss"], carry["count"], grads
 
 

@@ -96,8 +96,8 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
                    "inputs_alive": pl._live_slots(table),  # pylint: disable=protected-access
                    "config": schedule == "1f1b" and vs == v})
   assert planned.schedules == want
-  # M, min(S, M), min(S, M), vM, (v+1)S-1
-  assert [r["inputs_alive"] for r in planned.schedules] == [8, 4, 4, 16, 11]
+  # M, min(M, 2S-1) (paired ticks: a hop a tick), min(S, M), vM, (v+1)S-1
+  assert [r["inputs_alive"] for r in planned.schedules] == [8, 7, 4, 16, 11]
   # ZB-H1's bubble (S-1)/(3M+S-1) is 1F1B's (S-1)/(M+S-1) with the weight gradients
   # filling it.
   assert planned.schedules[2]["bubble"] == pytest.approx((S - 1) / (3 * M + S - 1))
