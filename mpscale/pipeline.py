@@ -227,8 +227,7 @@ class Pipeline:
     validation.one_of("schedule", self.schedule, SCHEDULES)
     validation.boolean("remat", self.remat)
     validation.one_of("layer_order", self.layer_order, LAYER_ORDERS)
-    if not callable(self.recompute):
-      validation.one_of("recompute", self.recompute, RECOMPUTE)
+    recompute_policy(self.recompute)  # a RECOMPUTE name, or a policy
     if self.remat and self.recompute not in ("none", "full"):
       raise validation.ArgumentError(
           ("remat", "recompute"), "{0}=True is {1}='full'; got "
@@ -590,11 +589,14 @@ class _PipelineRun:
   def layer_ids(self) -> Any:
     return None if self.keys is None else self.keys[1]
 
-  def micro_keys(self, m: jax.Array, layer_ids: Any) -> tuple[Any, Any, Any]:
+  def micro_keys(self, m: jax.Array, layer_ids: Any = None) -> tuple[Any, Any, Any]:
     """``(embed kwargs, raw layer keys, head kwargs)`` of micro-batch ``m`` on this
-    device (its ``layer_ids``); ``({}, None, {})`` without keys."""
+    device (its ``layer_ids``; ``None``: no layer's); ``({}, None, {})`` without
+    keys."""
     if self.keys is None:
       return {}, None, {}
+    if layer_ids is None:
+      layer_ids = jnp.zeros((0,), jnp.int32)
     embed, layers, head = Pipeline.keys(self.keys[0][m], layer_ids, self.num_layers)
     return {"rng": embed}, jax.random.key_data(layers), {"rng": head}
 
@@ -792,7 +794,9 @@ class _Ticks:
     self.ids = None if ids is None else ids.reshape(self.v, self.n)
     self.x_shape = run.embed_shape(params)
     self.split = pipe.schedule == "zb_h1"
-    self._residuals: list[_Residuals] = []
+    self._residuals: Optional[_Residuals] = None
+    """How a layer's pullback is rebuilt, from the latest trace of its forward."""
+    self.kept_shapes = self.residual_shapes()
 
   # ---- pieces
   def layer_params(self, c: jax.Array, l: jax.Array) -> Any:
@@ -809,7 +813,7 @@ class _Ticks:
     return {**rest, self.pipe.stages_key: self.layers}
 
   def embed(self, m: jax.Array, rest: Any) -> jax.Array:
-    embed_kw, _, _ = self.run.micro_keys(m, None if self.ids is None else self.ids[0])
+    embed_kw, _, _ = self.run.micro_keys(m)
     x = self.pipe.embed_fn(self.with_layers(rest), self.run.micro_batch(m), **embed_kw)
     return x.astype(self.x_shape.dtype)
 
@@ -828,13 +832,12 @@ class _Ticks:
   def layer_forward(self, lp: Any, h: jax.Array, key: Any
                    ) -> tuple[jax.Array, list[jax.Array]]:
     y, pullback = jax.vjp(self.pipe.layer(key), lp, h)
-    spec, kept = _split_pullback(pullback, lp)
-    self._residuals.append(spec)
+    self._residuals, kept = _split_pullback(pullback, lp)
     return y, kept
 
   def pullback(self, c: jax.Array, l: jax.Array, kept: Sequence[jax.Array]
               ) -> Callable:
-    return self._residuals[-1].pullback(self.layer_params(c, l), kept)
+    return self._residuals.pullback(self.layer_params(c, l), kept)
 
   # ---- the ops
   def forward(self, m: jax.Array, c: jax.Array, x_in: jax.Array):
@@ -856,7 +859,7 @@ class _Ticks:
 
     def head():
       mb = run.micro_batch(m)
-      _, _, head_kw = run.micro_keys(m, None if self.ids is None else self.ids[0])
+      _, _, head_kw = run.micro_keys(m)
       fn = lambda rest, y: run.head_terms(self.with_layers(rest), y, mb, **head_kw)  # noqa: E731
       (loss, count), pull = jax.vjp(fn, self.rest, y)
       d_rest, dy = pull((run.scale.astype(loss.dtype), jnp.zeros_like(count)))
@@ -945,10 +948,9 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   fill = lambda shape, dtype: run.vary(  # noqa: E731
       jnp.full((K,) + tuple(shape), _BUBBLE_FILL, dtype))
   act = (ops.x_shape.shape, ops.x_shape.dtype)
-  kept_shapes = ops.kept_shapes = ops.residual_shapes()
   carry = {
       "inbox": fill(*act), "ct": fill(*act),
-      "kept": [fill((ops.n,) + r.shape, r.dtype) for r in kept_shapes],
+      "kept": [fill((ops.n,) + r.shape, r.dtype) for r in ops.kept_shapes],
       "d_layers": run.vary(_float32_zeros(params[pipe.stages_key])),  # as stored
       "d_rest": run.vary(_float32_zeros(ops.rest)),
       "loss": run.zero(), "count": run.zero()}

@@ -185,20 +185,23 @@ def op_costs(table: np.ndarray) -> dict[int, int]:
   return {IDLE: 0, FWD: 1, BWD: 1 if split else 2, WGT: 1}
 
 
+def _slot_costs(table: np.ndarray) -> np.ndarray:
+  """Each slot's op cost (`op_costs`), ``[ticks, stages, 2]``."""
+  return np.vectorize(op_costs(table).__getitem__, otypes=[np.int64])(table[..., 0])
+
+
 def tick_costs(table: np.ndarray) -> np.ndarray:
   """Each tick's time in forwards: in each slot the costliest op any stage runs
   (the lock step), summed over the slots."""
-  costs = np.vectorize(op_costs(table).__getitem__, otypes=[np.int64])(table[..., 0])
-  return costs.max(axis=1).sum(axis=-1)
+  return _slot_costs(table).max(axis=1).sum(axis=-1)
 
 
 def bubble_fraction(table: np.ndarray) -> float:
   """Share of the stages' time that runs no op: ``1 - busy / (S x step time)``, with
   the times of `tick_costs` (a forward 1, a backward 2, ZB-H1's input and weight
   gradients 1 each)."""
-  costs = np.vectorize(op_costs(table).__getitem__, otypes=[np.int64])(table[..., 0])
   total = tick_costs(table).sum() * table.shape[1]
-  return float(1.0 - costs.sum() / total) if total else 0.0
+  return float(1.0 - _slot_costs(table).sum() / total) if total else 0.0
 
 
 def _frees(table: np.ndarray) -> int:
