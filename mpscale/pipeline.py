@@ -100,6 +100,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from mpscale import backward_split
 from mpscale import keys as keys_lib
 from mpscale import norms as norms_lib
 from mpscale import sharding as sharding_lib
@@ -291,12 +292,13 @@ class Pipeline:
   def layer(self, key: Optional[jax.Array] = None) -> Callable:
     """One layer, ``(layer_params, x) -> x``, under `policy`; with ``key`` (raw key
     data) it draws from that key."""
-    fn = self.stage_fn
-    if key is not None:
-      fn = lambda p, h: self.stage_fn(  # noqa: E731
-          p, h, rng=jax.random.wrap_key_data(key))
-    policy = self.policy()
-    return fn if policy is None else jax.checkpoint(fn, policy=policy)
+    return _under(self.policy(), self.plain_layer(key))
+
+  def plain_layer(self, key: Optional[jax.Array] = None) -> Callable:
+    """`layer` without the recompute policy."""
+    if key is None:
+      return self.stage_fn
+    return lambda p, h: self.stage_fn(p, h, rng=jax.random.wrap_key_data(key))
 
   def _layers(self, layer_params: Any, x: jax.Array,
               keys: Optional[jax.Array] = None) -> jax.Array:
@@ -727,44 +729,60 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
 class _Residuals:
   """How one layer's backward is rebuilt from what its forward kept: ``jax.vjp``'s
   pullback is a pytree whose leaves are the residuals. Leaves that are the layer's
-  own parameters are not kept (the backward picks them from the stack again); the
-  others are, typed keys as their raw data."""
+  own parameters are not kept (the backward picks them from the stack again), nor
+  are zeros the forward was given (ZB-H1's deltas, which a recompute policy saves as
+  its inputs); the others are, typed keys as their raw data. ZB-H1's weight products'
+  inputs are kept with them, once where one is a residual too."""
   treedef: Any
-  sources: tuple[tuple[bool, int], ...]
-  """Per pullback leaf: ``(True, i)`` the layer's ``i``-th parameter leaf, ``(False,
-  j)`` the ``j``-th kept residual."""
+  sources: tuple[tuple[str, int], ...]
+  """Per pullback leaf: ``("param", i)`` the layer's ``i``-th parameter leaf,
+  ``("zeros", i)`` zeros shaped like ``zeros[i]``, ``("kept", j)`` the ``j``-th kept
+  array."""
   key_impls: tuple[Any, ...]
-  """Per kept residual: the key implementation of a typed key, else ``None``."""
+  """Per kept array: the key implementation of a typed key, else ``None``."""
+  zeros: tuple[jax.ShapeDtypeStruct, ...] = ()
+  inputs: tuple[int, ...] = ()
+  """Per weight product (ZB-H1): which kept array is its input."""
 
-  def pullback(self, layer_params: Any, kept: Sequence[jax.Array]) -> Callable:
+  def pullback(self, layer_params: Any, kept: Sequence[jax.Array],
+               vary: Callable = lambda x: x) -> Callable:
     params = jax.tree_util.tree_leaves(layer_params)
     kept = [x if impl is None else jax.random.wrap_key_data(x, impl=impl)
             for x, impl in zip(kept, self.key_impls)]
+    zeros = [vary(jnp.zeros(z.shape, z.dtype)) for z in self.zeros]
+    pick = {"param": params, "zeros": zeros, "kept": kept}
     return jax.tree_util.tree_unflatten(
-        self.treedef, [params[i] if is_param else kept[i]
-                       for is_param, i in self.sources])
+        self.treedef, [pick[kind][i] for kind, i in self.sources])
 
 
-def _split_pullback(pullback: Any, layer_params: Any
+def _split_pullback(pullback: Any, layer_params: Any, zeros: Sequence[jax.Array] = (),
+                    inputs: Sequence[jax.Array] = ()
                     ) -> tuple[_Residuals, list[jax.Array]]:
-  """``(how to rebuild it, the residuals to keep)`` of a layer's ``jax.vjp``
-  pullback."""
+  """``(how to rebuild it, the arrays to keep)`` of a layer's ``jax.vjp`` pullback
+  (`_Residuals`), with ``zeros`` not kept and ``inputs`` kept too."""
   leaves, treedef = jax.tree_util.tree_flatten(pullback)
-  params = jax.tree_util.tree_leaves(layer_params)
+  known = {"param": jax.tree_util.tree_leaves(layer_params), "zeros": list(zeros)}
   sources, kept, impls = [], [], []
-  for leaf in leaves:
-    i = next((i for i, p in enumerate(params) if leaf is p), None)
-    if i is not None:
-      sources.append((True, i))
-      continue
-    sources.append((False, len(kept)))
+
+  def keep(leaf):
+    j = next((j for j, k in enumerate(kept) if leaf is k), None)
+    if j is not None:
+      return j
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       impls.append(jax.random.key_impl(leaf))
-      leaf = jax.random.key_data(leaf)
+      kept.append(jax.random.key_data(leaf))
     else:
       impls.append(None)
-    kept.append(leaf)
-  return _Residuals(treedef, tuple(sources), tuple(impls)), kept
+      kept.append(leaf)
+    return len(kept) - 1
+
+  for leaf in leaves:
+    found = next(((kind, i) for kind, xs in known.items()
+                  for i, x in enumerate(xs) if leaf is x), None)
+    sources.append(found or ("kept", keep(leaf)))
+  picks = tuple(keep(x) for x in inputs)
+  shapes = tuple(jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros)
+  return _Residuals(treedef, tuple(sources), tuple(impls), shapes, picks), kept
 
 
 class _Ticks:
@@ -796,7 +814,12 @@ class _Ticks:
     self.split = pipe.schedule == "zb_h1"
     self._residuals: Optional[_Residuals] = None
     """How a layer's pullback is rebuilt, from the latest trace of its forward."""
+    self._products: Optional[backward_split.Split] = None
+    """ZB-H1: the layer's weight products, from the latest trace of its forward."""
     self.kept_shapes = self.residual_shapes()
+    self.cts_shapes = ([] if self._products is None else
+                       self._products.delta_shapes())
+    """ZB-H1: what ``B`` keeps for ``W``: each weight product's output cotangent."""
 
   # ---- pieces
   def layer_params(self, c: jax.Array, l: jax.Array) -> Any:
@@ -831,13 +854,24 @@ class _Ticks:
 
   def layer_forward(self, lp: Any, h: jax.Array, key: Any
                    ) -> tuple[jax.Array, list[jax.Array]]:
-    y, pullback = jax.vjp(self.pipe.layer(key), lp, h)
-    self._residuals, kept = _split_pullback(pullback, lp)
+    """The layer's output and what its backward keeps: the pullback's residuals
+    (ZB-H1: then each weight product's input, `mpscale.backward_split`)."""
+    if not self.split:
+      y, pullback = jax.vjp(self.pipe.layer(key), lp, h)
+      self._residuals, kept = _split_pullback(pullback, lp)
+      return y, kept
+    products = backward_split.Split(self.pipe.plain_layer(key), lp, h)
+    tapped = _under(self.pipe.policy(), products.apply)
+    deltas = [self.run.vary(jnp.zeros(d.shape, d.dtype)) for d in products.delta_shapes()]
+    y, pullback, inputs = jax.vjp(lambda p, x, d: tapped(p, lp, x, d), lp, h, deltas,
+                                  has_aux=True)
+    self._products = products
+    self._residuals, kept = _split_pullback(pullback, lp, deltas, inputs)
     return y, kept
 
   def pullback(self, c: jax.Array, l: jax.Array, kept: Sequence[jax.Array]
               ) -> Callable:
-    return self._residuals.pullback(self.layer_params(c, l), kept)
+    return self._residuals.pullback(self.layer_params(c, l), kept, self.run.vary)
 
   # ---- the ops
   def forward(self, m: jax.Array, c: jax.Array, x_in: jax.Array):
@@ -872,35 +906,40 @@ class _Ticks:
                                        _varying(run, no_head))
     return y, kept, dy, d_rest, loss, count
 
-  def backward(self, m: jax.Array, c: jax.Array, ct: jax.Array, kept: Any,
-               weights: bool):
-    """``B(m, c)``: ``(dx, d_layers, d_rest, cts)``; ``d_layers`` (``[n, ...]``,
-    float32) only with ``weights``, else ``cts``, each layer's output cotangent
-    (``[n, ...]``) for ``W``."""
+  def backward(self, m: jax.Array, c: jax.Array, ct: jax.Array, kept: Any):
+    """``B(m, c)``: ``(dx, d_layers, cts, d_rest)``: ``d_layers`` (``[n, ...]``,
+    float32) are the parameter gradients (ZB-H1: all but the weight products'),
+    ``cts`` (ZB-H1) each weight product's output cotangent (``[n, ...]``) for
+    ``W``."""
     def body(g, xs):
       l, layer_kept = xs
-      dp, dh = self.pullback(c, l, layer_kept)(g)
-      return dh, (_float32(dp) if weights else g)
+      dp, dh, *cts = self.pullback(c, l, layer_kept)(g)
+      return dh, (_float32(dp), cts[0] if cts else [])
 
-    dx, out = lax.scan(body, ct, (jnp.arange(self.n), kept), reverse=True)
+    dx, (d_layers, cts) = lax.scan(body, ct, (jnp.arange(self.n), kept), reverse=True)
     d_rest = lax.cond(
         self.run.first(c),
         _varying(self.run, functools.partial(self.into_embed, m, dx)),
         _varying(self.run, functools.partial(_float32_zeros, self.rest)))
-    return dx.astype(ct.dtype), out, d_rest
+    return dx.astype(ct.dtype), d_layers, cts, d_rest
 
-  def weights(self, c: jax.Array, kept: Any, cts: jax.Array) -> Any:
-    """ZB-H1's ``W``: each layer's parameter gradients (float32, ``[n, ...]``) from
-    its residuals and output cotangent."""
+  def weights(self, c: jax.Array, kept: Any, cts: Any) -> Any:
+    """ZB-H1's ``W``: the weight products' parameter gradients (float32,
+    ``[n, ...]``) from their kept inputs and output cotangents."""
     def body(_, xs):
-      l, layer_kept, g = xs
-      dp, _ = self.pullback(c, l, layer_kept)(g)
-      return None, _float32(dp)
+      l, layer_kept, dys = xs
+      inputs = [layer_kept[j] for j in self._residuals.inputs]
+      return None, self._products.weight_gradients(self.layer_params(c, l), inputs, dys)
     return lax.scan(body, None, (jnp.arange(self.n), kept, cts))[1]
 
   def into_embed(self, m: jax.Array, dx: jax.Array) -> Any:
     _, pull = jax.vjp(functools.partial(self.embed, m), self.rest)
     return _float32(pull(dx.astype(self.x_shape.dtype))[0])
+
+
+def _under(policy: Optional[Callable], fn: Callable) -> Callable:
+  """``fn`` under a ``jax.checkpoint`` policy (``None``: as it is)."""
+  return fn if policy is None else jax.checkpoint(fn, policy=policy)
 
 
 def _varying(run: _PipelineRun, fn: Callable) -> Callable:
@@ -955,7 +994,7 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       "d_rest": run.vary(_float32_zeros(ops.rest)),
       "loss": run.zero(), "count": run.zero()}
   if ops.split:
-    carry["cts"] = fill((ops.n,) + act[0], act[1])
+    carry["cts"] = [fill((ops.n,) + d.shape, d.dtype) for d in ops.cts_shapes]
   stage = run.stage()
 
   def tick(slot_ops, carry, row):
@@ -981,7 +1020,7 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       for name, (where, value) in out.pop("writes").items():
         c[name] = jax.tree_util.tree_map(functools.partial(_write, item, where),
                                          c[name], value)
-      if (WGT if ops.split else BWD) in kinds:
+      if BWD in kinds or WGT in kinds:
         c["d_layers"] = jax.tree_util.tree_map(
             lambda g, d: g.reshape((v,) + d.shape).at[chunk].add(d).reshape(g.shape),
             c["d_layers"], out["d_layers"])
@@ -1070,11 +1109,9 @@ def _op_forward(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
 
 def _op_backward(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
   def run():
-    dx, out, d_rest = ops.backward(m, chunk, c["ct"], c["kept"],
-                                   weights=not ops.split)
-    if ops.split:
-      return _op_out(ops, writes, dx=dx, writes={"cts": (True, out)}, d_rest=d_rest)
-    return _op_out(ops, writes, dx=dx, d_layers=out, d_rest=d_rest)
+    dx, d_layers, cts, d_rest = ops.backward(m, chunk, c["ct"], c["kept"])
+    return _op_out(ops, writes, dx=dx, d_layers=d_layers, d_rest=d_rest,
+                   writes={"cts": (True, cts)} if ops.split else None)
   return run
 
 
@@ -1095,7 +1132,7 @@ def _op_out(ops: _Ticks, names: Sequence[str], *, y=None, dx=None, writes=None,
   item's slot where ``where``."""
   act = jnp.zeros(ops.x_shape.shape, ops.x_shape.dtype)
   like = {"ct": act, "kept": ops.kept_zeros(),
-          "cts": jnp.zeros((ops.n,) + act.shape, act.dtype)}
+          "cts": [jnp.zeros((ops.n,) + d.shape, d.dtype) for d in ops.cts_shapes]}
   given = writes or {}
   return {
       "y": act if y is None else y, "dx": act if dx is None else dx,
