@@ -68,8 +68,8 @@ class Tap:
   def weight_gradient(self, leaf: jax.Array, other: jax.Array, dy: jax.Array
                      ) -> jax.Array:
     """``W`` for this product: the gradient of ``leaf`` through it alone."""
-    _, pull = jax.vjp(lambda w: self.apply(self.weight(w), other), leaf)
-    return pull(dy.astype(self.product.outvars[0].aval.dtype))[0]
+    transpose = jax.linear_transpose(lambda w: self.apply(self.weight(w), other), leaf)
+    return transpose(dy.astype(self.product.outvars[0].aval.dtype))[0]
 
 
 class Split:

@@ -463,6 +463,48 @@ class Pipeline:
       ``loss_scale * loss`` laid out like ``params``, the unscaled mean loss, and the
       token count (with ``per_token_loss``; else micro-batches x data replicas).
     """
+    return self._run(self._executor(), params, batch, mesh=mesh, data_axis=data_axis,
+                     loss_scale=loss_scale, per_token_loss=per_token_loss, cast=cast,
+                     param_specs=param_specs, rng=rng,
+                     grad_reduce_dtype=grad_reduce_dtype)
+
+  def residual_bytes(self, params: Any, batch: Any, *, mesh: Mesh, **kwargs: Any
+                     ) -> dict[str, int]:
+    """What one device keeps for the backward, from a trace of `value_and_grad`
+    (same arguments; shapes are enough, nothing is compiled or run).
+
+    Returns a dict: ``layer`` (bytes one layer keeps for one micro-batch under
+    `policy`: its pullback's residuals less its parameters, and for ZB-H1 its weight
+    products' inputs and output cotangents too), ``items`` (micro-batches held at
+    once: the executor's buffer slots, for GPipe every tick of its scan), ``layers``
+    (layers a device runs) and ``total`` (their product). Shapes along the mesh axes
+    the pipeline leaves to GSPMD (``tensor``, ``fsdp``) are whole: a tensor-parallel
+    layer's residuals are split further on the device.
+    """
+    report = {}
+
+    def executor(run, params):
+      ops = _Ticks(run, params)
+      v = self.virtual_stages
+      if self.schedule == "gpipe":
+        items = v * run.M + run.S - 1
+      else:
+        items = _slots(_schedule(self.schedule, run.S, run.M, v), v, run.M)[1]
+      layer = sum(x.size * x.dtype.itemsize for x in ops.kept_shapes + ops.cts_shapes)
+      report.update(layer=int(layer), items=int(items), layers=v * ops.n,
+                    total=int(layer) * int(items) * v * ops.n)
+      return self._executor()(run, params)
+
+    jax.eval_shape(lambda p, b: self._run(executor, p, b, mesh=mesh, **kwargs),
+                   params, batch)
+    return report
+
+  def _run(self, executor: Callable, params: Any, batch: Any, *, mesh: Mesh,
+           data_axis: Any = "data", loss_scale: Any = 1.0,
+           per_token_loss: bool = False, cast: Callable[[Any], Any] = lambda p: p,
+           param_specs: Any = None, rng: Optional[jax.Array] = None,
+           grad_reduce_dtype: Any = None) -> Gradients:
+    """`value_and_grad` with ``executor(run, params) -> (loss, count, grads)``."""
     self.check(params, mesh, data_axis, batch)
     float32_sums = check_grad_reduce_dtype(grad_reduce_dtype) is not None
     specs = self.param_specs(params, param_specs)
@@ -491,7 +533,7 @@ class Pipeline:
         keys = sharding_lib.cast_varying(_replica_keys(keys, data_axes, D), axes)
       run = _PipelineRun(self, S, M, per_token_loss, cast, axes, num_layers, micro,
                          scale, keys, float32_sums)
-      loss, count, grads = self._executor()(run, varying)
+      loss, count, grads = executor(run, varying)
       grads = sharding_lib.scatter_split(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
@@ -995,12 +1037,25 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       "loss": run.zero(), "count": run.zero()}
   if ops.split:
     carry["cts"] = [fill((ops.n,) + d.shape, d.dtype) for d in ops.cts_shapes]
+  # Paired ticks send a backward's input gradient one tick late: it leaves at the
+  # start of the next tick and lands after that tick's forward, which it overlaps,
+  # in time for the backward (slot 1) that needs it.
+  deferred = not ops.split and (S > 1 or v > 1)
+  if deferred:
+    carry["sent"] = (run.vary(jnp.zeros(*act)), run.vary(jnp.asarray(False)),
+                     run.vary(jnp.asarray(0, jnp.int32)))
   stage = run.stage()
 
-  def tick(slot_ops, carry, row):
+  def tick(slot_ops, deliver, carry, row):
     c = dict(carry)
     y = dx = None
+    got = None
+    if deliver:
+      got = lax.ppermute(c["sent"][0], pipe.stage_axis, _down_pairs(S, v))
     for k, kinds in enumerate(slot_ops):
+      if k == 1 and got is not None:
+        _, came, item = c["sent"]
+        c["ct"] = _write(item, came, c["ct"], got)
       if not kinds:
         continue
       op, m, chunk = row[stage, k, 0], row[stage, k, 1], row[stage, k, 2]
@@ -1031,11 +1086,22 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       if BWD in kinds:
         dx = out["dx"]
     if S > 1 or v > 1:
-      c = _arrivals(run, c, row, slot_of, y, dx, bwd_slot)
+      if y is not None:
+        c["inbox"] = _write(*_arrival(run, row, slot_of, FWD, 0),
+                            c["inbox"], lax.ppermute(y, pipe.stage_axis, _up_pairs(S, v)))
+      if deferred:
+        item, came = _arrival(run, row, slot_of, BWD, bwd_slot)
+        c["sent"] = run.vary((dx, came, item) if dx is not None else
+                             (c["sent"][0], jnp.asarray(False), item))
+      elif dx is not None:
+        c["ct"] = _write(*_arrival(run, row, slot_of, BWD, bwd_slot), c["ct"],
+                         lax.ppermute(dx, pipe.stage_axis, _down_pairs(S, v)))
     return c, None
 
   for start, stop, slot_ops in _phases(table):
-    carry, _ = lax.scan(functools.partial(tick, slot_ops), carry,
+    # A gradient may be on its way from the tick before once a backward ran.
+    deliver = deferred and bool((table[:stop - 1, :, bwd_slot, 0] == BWD).any())
+    carry, _ = lax.scan(functools.partial(tick, slot_ops, deliver), carry,
                         jnp.asarray(table[start:stop]))
   grads = {**carry["d_rest"], pipe.stages_key: carry["d_layers"]}
   return carry["loss"], carry["count"], grads
@@ -1047,35 +1113,37 @@ def _write(item: jax.Array, where: jax.Array, buffer: jax.Array, value: jax.Arra
   return buffer.at[item].set(jnp.where(where, value, buffer[item]))
 
 
-def _arrivals(run: _PipelineRun, c: dict, row: jax.Array, slot_of: jax.Array,
-              y: Optional[jax.Array], dx: Optional[jax.Array], bwd_slot: int) -> dict:
-  """The tick's sends: the forward's output up the ring (device ``S - 1``'s chunk
-  ``c`` feeds device 0's chunk ``c + 1``), the backward's input gradient down; each
-  lands in the receiver's slot of its item."""
+def _up_pairs(S: int, v: int) -> list[tuple[int, int]]:
+  """The forward's sends: up the stages, and round the ring (device ``S - 1``'s chunk
+  ``c`` feeds device 0's chunk ``c + 1``) when interleaved."""
+  return [(i, (i + 1) % S) for i in (range(S) if v > 1 else range(S - 1))]
+
+
+def _down_pairs(S: int, v: int) -> list[tuple[int, int]]:
+  return [(b, a) for a, b in _up_pairs(S, v)]
+
+
+def _arrival(run: _PipelineRun, row: jax.Array, slot_of: jax.Array, kind: int,
+             slot: int) -> tuple[jax.Array, jax.Array]:
+  """``(item, came)``: the slot of the item that a ``kind`` op's output (FWD: from
+  the device below, BWD: from the one above) sent at the end of tick ``row`` lands in
+  on this device, and whether one came."""
   pipe, S = run.pipeline, run.S
   v = pipe.virtual_stages
   stage = run.stage()
-  pairs = range(S) if v > 1 else range(S - 1)
-  if y is not None:
-    got = lax.ppermute(y, pipe.stage_axis, [(i, (i + 1) % S) for i in pairs])
+  if kind == FWD:
     prev = (stage - 1) % S
-    op, m, chunk = row[prev, 0, 0], row[prev, 0, 1], row[prev, 0, 2]
+    op, m, chunk = row[prev, slot, 0], row[prev, slot, 1], row[prev, slot, 2]
     came = (op == FWD) & ~((prev == S - 1) & (chunk == v - 1))
     if v == 1:
       came = came & (stage > 0)
-    item = slot_of[stage, jnp.minimum(chunk + (stage == 0), v - 1), m]
-    c["inbox"] = _write(item, came, c["inbox"], got)
-  if dx is not None:
-    got = lax.ppermute(dx, pipe.stage_axis, [((i + 1) % S, i) for i in pairs])
-    nxt = (stage + 1) % S
-    op, m, chunk = (row[nxt, bwd_slot, 0], row[nxt, bwd_slot, 1],
-                    row[nxt, bwd_slot, 2])
-    came = (op == BWD) & ~((nxt == 0) & (chunk == 0))
-    if v == 1:
-      came = came & (stage < S - 1)
-    item = slot_of[stage, jnp.maximum(chunk - (stage == S - 1), 0), m]
-    c["ct"] = _write(item, came, c["ct"], got)
-  return c
+    return slot_of[stage, jnp.minimum(chunk + (stage == 0), v - 1), m], came
+  nxt = (stage + 1) % S
+  op, m, chunk = row[nxt, slot, 0], row[nxt, slot, 1], row[nxt, slot, 2]
+  came = (op == BWD) & ~((nxt == 0) & (chunk == 0))
+  if v == 1:
+    came = came & (stage < S - 1)
+  return slot_of[stage, jnp.maximum(chunk - (stage == S - 1), 0), m], came
 
 
 _READS = {FWD: ("inbox",), BWD: ("kept", "ct"), WGT: ("kept", "cts")}

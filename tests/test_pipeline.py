@@ -222,6 +222,32 @@ def test_recompute_policies_keep_what_they_say():
   assert (WIDTH, WIDTH) not in none + selective + full  # the weights are not kept
 
 
+def test_residual_bytes_follow_the_schedule_and_the_policy():
+  """`Pipeline.residual_bytes`: a layer keeps less from none to selective to full;
+  1F1B holds its item slots (2S - 1 at most), GPipe every tick; ZB-H1's layer keeps
+  its weight products' inputs and output cotangents as well."""
+  params, batch, mesh = make_params(), make_batch(), mesh_of(1, 4)
+
+  def report(schedule, recompute, micro=8):
+    model = pl.Pipeline(embed_fn, mlp_stage_fn, head_fn, micro, schedule=schedule,
+                        recompute=recompute)
+    p = {**params, "stages": {**params["stages"], "w2": params["stages"]["w"]}}
+    return model.residual_bytes(p, batch, mesh=mesh, per_token_loss=True)
+
+  layer = {r: report("1f1b", r)["layer"] for r in pl.RECOMPUTE}
+  rows = BATCH // 8
+  assert layer["full"] == rows * WIDTH * 4            # the layer's input, float32
+  assert layer["none"] > layer["selective"] > layer["full"]
+  one = report("1f1b", "none")
+  assert (one["items"], one["layers"]) == (7, 2)      # min(M, 2S - 1), 8 layers / 4
+  assert one["total"] == 7 * 2 * one["layer"]
+  assert report("gpipe", "none")["items"] == 8 + 4 - 1
+  zb = report("zb_h1", "full")
+  # + inputs (x: kept already, tanh(x w + b)) + output cotangents (two [rows, WIDTH])
+  assert zb["layer"] == layer["full"] + 3 * rows * WIDTH * 4
+  assert zb["items"] == 4                              # min(S, M)
+
+
 def test_bad_recompute_names_the_argument():
   with pytest.raises(ValueError, match="recompute"):
     pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute="some")

@@ -157,6 +157,10 @@ class Plan:
   micro-batches and virtual stages: ``schedule``, ``virtual_stages``, ``bubble``,
   ``inputs_alive`` (the most stage inputs a device keeps at once) and ``config``
   (whether it is the config's own); empty without a pipeline."""
+  residuals: Optional[dict[str, int]] = None
+  """A pipelined config's `mpscale.Pipeline.residual_bytes`: what a device keeps for
+  the backward under its schedule and recompute policy (``layer``, ``items``,
+  ``layers``, ``total``); ``None`` without a pipeline."""
 
   @property
   def flops_per_step(self) -> float:
@@ -206,6 +210,7 @@ class Plan:
         f"  FLOPs per step    {self.flops_per_device:12.3e}  (all devices "
         f"{self.flops_per_step:.3e}{model_flops})",
         f"pipeline bubble     {self.bubble:12.1%}",
+        *self._residual_lines(),
         *self._schedule_lines(),
         "collectives per step (per device):",
     ]
@@ -216,6 +221,15 @@ class Plan:
     if self.estimate is not None:
       lines.append(self.estimate.text())
     return "\n".join(lines)
+
+  def _residual_lines(self) -> list[str]:
+    r = self.residuals
+    if not r:
+      return []
+    split = (" (before the tensor split)"
+             if self.mesh.get("tensor", 1) > 1 else "")
+    return [f"  residuals         {_fmt_bytes(r['total']):>12}  ({r['items']} micro-batches"
+            f" x {r['layers']} layers x {_fmt_bytes(r['layer'])}){split}"]
 
   def _schedule_lines(self) -> list[str]:
     if not self.schedules:
@@ -377,10 +391,15 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
   else:
     loss = builders.build_loss(cfg, setup.model)
   bubble = loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0
-  schedules = []
+  schedules, residuals = [], None
   if cfg.mesh.stage > 1 and isinstance(loss, pipeline_lib.Pipeline):
     schedules = schedule_rows(cfg.mesh.stage, loss.num_microbatches,
                               loss.virtual_stages, loss.schedule)
+    if not isinstance(loss, pipeline_lib.SplitPipeline):
+      residuals = loss.residual_bytes(
+          state.params, batch, mesh=mesh, data_axis=builders.data_axes(mesh),
+          per_token_loss=provided or cfg.train.per_token_loss,
+          cast=setup.policy.cast_to_compute)
   compute_dtype = jax.numpy.dtype(setup.policy.compute_dtype).name
   narrow = compute_dtype in ("bfloat16", "float16")
   work = hlo_lib.kernels(hlo, float32_bytes=2 if narrow else 4)
@@ -403,7 +422,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
       kernels={"dots": [list(d) for d in work.dots], "bytes": work.bytes},
       collectives_over=hlo_lib.collectives_over(hlo, dict(mesh.shape) if mesh is not
                                                 None else {}),
-      compute_dtype=compute_dtype, schedules=schedules)
+      compute_dtype=compute_dtype, schedules=schedules, residuals=residuals)
   if hardware is not None:
     planned.estimate = step_time_lib.estimate(planned, hardware)
   return planned
