@@ -1081,14 +1081,14 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
             c["d_layers"], out["d_layers"])
       c["d_rest"] = jax.tree_util.tree_map(jnp.add, c["d_rest"], out["d_rest"])
       c["loss"], c["count"] = c["loss"] + out["loss"], c["count"] + out["count"]
-      if FWD in kinds:
-        y = out["y"]
+      if FWD in kinds and (S > 1 or v > 1):
+        # Sent as soon as it exists: the backward of slot 1 hides its transfer.
+        y = lax.ppermute(out["y"], pipe.stage_axis, _up_pairs(S, v))
       if BWD in kinds:
         dx = out["dx"]
     if S > 1 or v > 1:
       if y is not None:
-        c["inbox"] = _write(*_arrival(run, row, slot_of, FWD, 0),
-                            c["inbox"], lax.ppermute(y, pipe.stage_axis, _up_pairs(S, v)))
+        c["inbox"] = _write(*_arrival(run, row, slot_of, FWD, 0), c["inbox"], y)
       if deferred:
         item, came = _arrival(run, row, slot_of, BWD, bwd_slot)
         c["sent"] = run.vary((dx, came, item) if dx is not None else
