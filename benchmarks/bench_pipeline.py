@@ -13,8 +13,8 @@ stage inputs alive per device (``pipeline._live_slots`` of the table: GPipe v M,
 and ZB-H1 min(S, M), interleaved 1F1B at most (v + 1) S - 1 whatever M), the compile
 time, the compiled temp bytes per device (``memory_analysis``), and the median step time
 (value-and-grad of the pipelined model, with the micro-batch size held fixed, so the
-global batch grows with M) and per micro-batch. ZB-H1's B and W each recompute the stage
-from its saved input: one forward more per micro-batch than 1F1B.
+global batch grows with M) and per micro-batch. ZB-H1's B and W each cost about a
+forward (W is the weight side of each matrix product: `mpscale.backward_split`).
 
 ``--work`` prints instead, for S in {2, 4, 8}, M in {S, 4S}, v in {1, 2} and each
 recompute policy (``none``, ``selective``, ``full``), each schedule's compiled matrix
