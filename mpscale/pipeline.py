@@ -1365,6 +1365,11 @@ class SplitPipeline(Pipeline):
       raise ValueError("rng: a SplitPipeline takes no random keys yet")
     return super().value_and_grad(params, batch, **kwargs)
 
+  def residual_bytes(self, params: Any, batch: Any, **kwargs: Any) -> dict[str, int]:
+    """Not reported for an encoder-decoder split: its GPipe loop is autodiff's."""
+    raise TypeError("SplitPipeline.residual_bytes: an encoder-decoder split runs "
+                    "GPipe through autodiff, whose residuals are not read back")
+
 
 def _decoder_layers(pipe: SplitPipeline, layers: Any, y: jax.Array,
                     memory: jax.Array) -> jax.Array:

@@ -939,3 +939,9 @@ def test_paired_ticks_send_the_gradient_before_the_forward():
     sends = [i for i, n in enumerate(names) if n == "ppermute"]
     switches = [i for i, n in enumerate(names) if n == "cond"]
     assert sends[0] < switches[0] < sends[1] < switches[-1]
+
+
+def test_split_pipeline_reports_no_residuals():
+  model = split_model(2, 4, 4)
+  with pytest.raises(TypeError, match="residual_bytes"):
+    model.residual_bytes(seq2seq_params(4, 4), seq2seq_batch(), mesh=mesh_of(1, 4))
