@@ -911,11 +911,21 @@ def test_a_split_stack_that_does_not_fit_the_stages_is_refused():
                          mesh=mesh_of(4, 2), per_token_loss=True)
 
 
+def _jaxprs_in(value):
+  from jax.extend import core as jcore
+  if isinstance(value, jcore.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jcore.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _jaxprs_in(v)
+
+
 def _scan_bodies(jaxpr):
   """Every ``scan`` body inside ``jaxpr`` (through shard_map, jit and cond)."""
-  from jax.extend import core as jcore
   for eqn in jaxpr.eqns:
-    for sub in jcore.jaxprs_in_params(eqn.params):
+    for sub in _jaxprs_in(list(eqn.params.values())):
       if eqn.primitive.name == "scan":
         yield sub
       yield from _scan_bodies(sub)
