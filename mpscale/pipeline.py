@@ -30,23 +30,27 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
            send y to stage s + 1 (mod S)      # one ppermute per tick
 
   1f1b:  for t, row in enumerate(_schedule("1f1b", S, M, v)):   # paired ticks
+           the dx of tick t - 1 leaves down (it lands after F: F hides it)
            op, m, c = row[s, 0]             # slot 0: F of chunk c of micro-batch m
            F: x = embed(m) if (s, c) == (0, 0) else inbox[k]
               y, kept[k] = chunk c's layers (x), each layer's vjp residuals
               on the last virtual stage: loss, ct[k] = head and its backward
+           send y up (B hides it); the dx of tick t - 1 lands in ct
            op, m, c = row[s, 1]             # slot 1: B of another micro-batch
            B: dx, dp = each layer's pullback rebuilt from kept[k], from ct[k] down
               grads += dp (+ the embedding's after virtual stage 0)
-           send y up, dx down; they land in the receivers' slots (_slots)
+           y and dx land in the receivers' slots (_slots)
          (`mpscale.pipeline_schedules`: the warm-up ticks run F only, the cool-down
          ticks B only, each phase its own scan, so a step costs GPipe's (v M + S - 1)
          (F + B); a stage keeps at most 2 S - 1 micro-batches' residuals, (v + 1) S
          - 1 interleaved, whatever M. ``recompute`` chooses what a layer keeps.)
 
   zb_h1: one op a tick (F, B or W), from _schedule("zb_h1", S, M):
-           B: dx = the pullbacks' input gradients; cts[k] = each layer's output
-              cotangent; send dx down
-           W: grads += the pullbacks' parameter gradients from kept[k], cts[k]
+           B: dx, dp = the pullbacks with each weight product's weight held fixed
+              (`mpscale.backward_split`); cts[k] = those products' output
+              cotangents; grads += dp; send dx down
+           W: grads += each weight product's transpose, from its input (kept[k])
+              and cts[k]
          (Qi et al.'s ZB-H1; one chunk per stage: S - s warm-up forwards, then B,
          F and the W of s micro-batches back; the deferred W's fill 1F1B's
          cool-down.)
