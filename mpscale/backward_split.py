@@ -78,10 +78,10 @@ class Split:
   over."""
 
   def __init__(self, fn: Callable, params: Any, x: Any):
-    self.closed = jax.make_jaxpr(fn)(params, x)
+    self.closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, x)
     self.treedef = jax.tree_util.tree_structure(params)
     self.num_leaves = self.treedef.num_leaves
-    self.out_tree = jax.tree_util.tree_structure(jax.eval_shape(fn, params, x))
+    self.out_tree = jax.tree_util.tree_structure(out_shape)
     self.taps: tuple[Tap, ...] = tuple(_find(self.closed.jaxpr, self._origins()))
 
   def _origins(self) -> dict:
@@ -100,7 +100,7 @@ class Split:
     leaves = jax.tree_util.tree_leaves(params)
     fixed = jax.tree_util.tree_leaves(weights)
     args = leaves + jax.tree_util.tree_leaves(x)
-    state = _State(list(deltas), fixed, [])
+    state = _State(self.taps, list(deltas), fixed, [])
     outs = _eval(self.closed.jaxpr, self.closed.consts, args, self._origins(), state)
     return jax.tree_util.tree_unflatten(self.out_tree, outs), state.inputs
 
@@ -118,10 +118,13 @@ class Split:
 
 @dataclasses.dataclass
 class _State:
+  """`_eval`'s progress: the products it taps (`_find`'s, in the order it meets
+  them), their deltas and weights, the inputs it has seen so far."""
+  taps: Sequence[Tap]
   deltas: list
   weights: list
   inputs: list
-  taps: int = 0
+  count: int = 0
 
 
 def _weight_side(eqn: Any, origins: list) -> Optional[int]:
@@ -192,12 +195,11 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], origins: dict,
     side = _weight_side(eqn, ins)
     sub = _subjaxpr(eqn)
     if side is not None:
-      leaf, shaping = ins[side]
-      tap = Tap(leaf, shaping, eqn, side)
-      y = tap.apply(tap.weight(state.weights[leaf]), values[1 - side])
+      tap = state.taps[state.count]
+      y = tap.apply(tap.weight(state.weights[tap.leaf]), values[1 - side])
       state.inputs.append(values[1 - side])
-      outs = [y + state.deltas[state.taps].astype(y.dtype)]
-      state.taps += 1
+      outs = [y + state.deltas[state.count].astype(y.dtype)]
+      state.count += 1
     elif sub is not None:
       inner, inner_consts = sub
       inner_origins = {v: o for v, o in zip(inner.invars, ins) if o is not None}

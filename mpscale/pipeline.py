@@ -497,7 +497,8 @@ class Pipeline:
       layer = sum(x.size * x.dtype.itemsize for x in ops.kept_shapes + ops.cts_shapes)
       report.update(layer=int(layer), items=int(items), layers=v * ops.n,
                     total=int(layer) * int(items) * v * ops.n)
-      return self._executor()(run, params)
+      # Shapes alone: the step itself is not traced again.
+      return run.zero(), run.zero(), run.vary(_float32_zeros(params))
 
     jax.eval_shape(lambda p, b: self._run(executor, p, b, mesh=mesh, **kwargs),
                    params, batch)
@@ -838,11 +839,12 @@ class _Ticks:
   virtual stage 0) and keeps each layer's residuals (`Pipeline.policy` says which); on
   the last virtual stage it also runs the head and its backward, which gives the loss
   and the cotangent of the chunk's output. ``B(m, c)`` runs the chunk's layers
-  backward from the kept residuals (1F1B: input and parameter gradients; ZB-H1: the
-  input gradient, keeping each layer's output cotangent for ``W``), then the
-  embedding's backward on virtual stage 0. ``W(m)`` (ZB-H1) gives the parameter
-  gradients from the residuals and the kept cotangents. Every parameter is cast once,
-  before the loop; its gradients are summed in float32.
+  backward from the kept residuals (1F1B: input and parameter gradients; ZB-H1: with
+  each weight product's weight held fixed, keeping those products' output cotangents
+  for ``W``, `mpscale.backward_split`), then the embedding's backward on virtual stage
+  0. ``W(m)`` (ZB-H1) gives the weight products' gradients from their kept inputs and
+  output cotangents. Every parameter is cast once, before the loop; its gradients are
+  summed in float32.
   """
 
   def __init__(self, run: _PipelineRun, params: Any):
@@ -1021,8 +1023,11 @@ def _phases(table: np.ndarray) -> list[tuple[int, int, tuple[tuple[int, ...], ..
 
 def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   """1F1B (interleaved over ``virtual_stages`` chunks) or ZB-H1 from its table
-  (`mpscale.pipeline_schedules`): per tick, the op of each slot (`_Ticks`), then one
-  ``ppermute`` up and one down. Buffers hold ``K`` item slots (`_slots`). Returns ``(loss sum, count sum, grads)`` of this device."""
+  (`mpscale.pipeline_schedules`): per tick, the op of each slot (`_Ticks`), one
+  ``ppermute`` up and one down (paired ticks: the forward's output right after the
+  forward, the backward's input gradient at the start of the next tick). Buffers
+  hold ``K`` item slots (`_slots`). Returns ``(loss sum, count sum, grads)`` of this
+  device."""
   pipe, S, M = run.pipeline, run.S, run.M
   v = pipe.virtual_stages
   ops = _Ticks(run, params)
@@ -1154,8 +1159,8 @@ _READS = {FWD: ("inbox",), BWD: ("kept", "ct"), WGT: ("kept", "cts")}
 _WRITES = {FWD: ("kept", "ct"), BWD: ("cts",), WGT: ()}
 """The item slots of `_ticked`'s buffers each op reads and writes: ``inbox``
 (its input), ``kept`` (its layers' residuals), ``ct`` (its output's cotangent) and
-``cts`` (ZB-H1: each layer's output cotangent, from ``B`` to ``W``; 1F1B has no
-such buffer, and its ``B`` writes nothing)."""
+``cts`` (ZB-H1: each weight product's output cotangent, from ``B`` to ``W``; 1F1B
+has no such buffer, and its ``B`` writes nothing)."""
 
 
 def _needs(kinds: Sequence[int], table: dict[int, tuple[str, ...]]) -> list[str]:

@@ -113,11 +113,10 @@ def _schedule(schedule: str, num_stages: int, num_microbatches: int,
       for k in range(v * M):
         m, c = _item(k, S, v, False)
         table[k + s, s, 0] = (FWD, m, c)
-        m, c = _item(k, S, v, True)
         if schedule == "1f1b":
-          table[k + (v + 1) * S - 2 - s, s, 1] = (BWD, m, c)
+          table[k + (v + 1) * S - 2 - s, s, 1] = (BWD, *_item(k, S, v, True))
         else:  # gpipe: the backward mirrors the forward
-          table[ticks - 1 - (k + s), s, 1] = (BWD, *_item(k, S, v, False))
+          table[ticks - 1 - (k + s), s, 1] = (BWD, m, c)
   table.flags.writeable = False
   return table
 
