@@ -480,8 +480,9 @@ class Pipeline:
     Returns a dict: ``layer`` (bytes one layer keeps for one micro-batch under
     `policy`: its pullback's residuals less its parameters, and for ZB-H1 its weight
     products' inputs and output cotangents too), ``items`` (micro-batches held at
-    once: the executor's buffer slots, for GPipe every tick of its scan), ``layers``
-    (layers a device runs) and ``total`` (their product). Shapes along the mesh axes
+    once, each through one chunk of layers: the executor's buffer slots, for GPipe
+    every tick of its scan), ``layers`` (the layers of a chunk, a device's layers over
+    ``virtual_stages``) and ``total`` (their product). Shapes along the mesh axes
     the pipeline leaves to GSPMD (``tensor``, ``fsdp``) are whole: a tensor-parallel
     layer's residuals are split further on the device.
     """
@@ -495,8 +496,8 @@ class Pipeline:
       else:
         items = _slots(_schedule(self.schedule, run.S, run.M, v), v, run.M)[1]
       layer = sum(x.size * x.dtype.itemsize for x in ops.kept_shapes + ops.cts_shapes)
-      report.update(layer=int(layer), items=int(items), layers=v * ops.n,
-                    total=int(layer) * int(items) * v * ops.n)
+      report.update(layer=int(layer), items=int(items), layers=ops.n,
+                    total=int(layer) * int(items) * ops.n)
       # Shapes alone: the step itself is not traced again.
       return run.zero(), run.zero(), run.vary(_float32_zeros(params))
 

@@ -228,9 +228,9 @@ def test_residual_bytes_follow_the_schedule_and_the_policy():
   its weight products' inputs and output cotangents as well."""
   params, batch, mesh = make_params(), make_batch(), mesh_of(1, 4)
 
-  def report(schedule, recompute, micro=8):
+  def report(schedule, recompute, micro=8, v=1):
     model = pl.Pipeline(embed_fn, mlp_stage_fn, head_fn, micro, schedule=schedule,
-                        recompute=recompute)
+                        recompute=recompute, virtual_stages=v)
     p = {**params, "stages": {**params["stages"], "w2": params["stages"]["w"]}}
     return model.residual_bytes(p, batch, mesh=mesh, per_token_loss=True)
 
@@ -242,6 +242,13 @@ def test_residual_bytes_follow_the_schedule_and_the_policy():
   assert (one["items"], one["layers"]) == (7, 2)      # min(M, 2S - 1), 8 layers / 4
   assert one["total"] == 7 * 2 * one["layer"]
   assert report("gpipe", "none")["items"] == 8 + 4 - 1
+  # Interleaved: an item is one chunk's pass (8 layers / 4 stages / 2 chunks), and the
+  # slots are shared by the chunks: (v + 1) S - 1 items alive, and one slot more where
+  # an embedded item waits for a slot freed at the end of its tick.
+  two = report("1f1b", "none", v=2)
+  assert two["layers"] == 1 and 3 * 4 - 1 <= two["items"] <= 3 * 4
+  assert two["total"] == two["items"] * one["layer"]
+  assert report("gpipe", "none", v=2)["items"] == 2 * 8 + 4 - 1
   zb = report("zb_h1", "full")
   # + inputs (x: kept already, tanh(x w + b)) + output cotangents (two [rows, WIDTH])
   assert zb["layer"] == layer["full"] + 3 * rows * WIDTH * 4
