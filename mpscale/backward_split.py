@@ -38,8 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
-"""Call primitives whose body is evaluated inline, so its products can be tapped."""
+from mpscale import jaxprs
 
 _SHAPING = ("reshape", "transpose", "convert_element_type", "squeeze", "expand_dims",
             "broadcast_in_dim", "copy", "copy_p")
@@ -57,13 +56,13 @@ class Tap:
 
   def weight(self, leaf: jax.Array) -> jax.Array:
     for eqn in self.shaping:
-      (leaf,) = _bind(eqn, [leaf if not isinstance(v, jcore.Literal) else v.val
+      (leaf,) = jaxprs.bind(eqn, [leaf if not isinstance(v, jcore.Literal) else v.val
                             for v in eqn.invars])
     return leaf
 
   def apply(self, weight: jax.Array, other: jax.Array) -> jax.Array:
     ops = [other, weight] if self.side == 1 else [weight, other]
-    return _bind(self.product, ops)[0]
+    return jaxprs.bind(self.product, ops)[0]
 
   def weight_gradient(self, leaf: jax.Array, other: jax.Array, dy: jax.Array
                      ) -> jax.Array:
@@ -135,17 +134,6 @@ def _weight_side(eqn: Any, origins: list) -> Optional[int]:
   return sides[0] if len(sides) == 1 else None
 
 
-def _subjaxpr(eqn: Any) -> Optional[tuple[Any, Sequence[Any]]]:
-  if eqn.primitive.name not in _CALLS:
-    return None
-  inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  if inner is None:
-    return None
-  if isinstance(inner, jcore.ClosedJaxpr):
-    return inner.jaxpr, inner.consts
-  return inner, ()
-
-
 def _shaped(eqn: Any, origins: list) -> Optional[tuple[int, tuple]]:
   """The origin of a shaping equation's output: its one operand's, one step on."""
   if eqn.primitive.name not in _SHAPING:
@@ -172,7 +160,7 @@ def _find(jaxpr: Any, origins: dict) -> list[Tap]:
       leaf, shaping = ins[side]
       taps.append(Tap(leaf, shaping, eqn, side))
       continue
-    sub = _subjaxpr(eqn)
+    sub = jaxprs.call_body(eqn)
     if sub is not None:
       inner, consts = sub
       inner_origins = {v: o for v, o in zip(inner.invars, ins) if o is not None}
@@ -188,12 +176,12 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], origins: dict,
           state: _State) -> list:
   env = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
-  read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+  read = lambda v: jaxprs.read(env, v)  # noqa: E731
   for eqn in jaxpr.eqns:
     ins = [_origin(origins, v) for v in eqn.invars]
     values = [read(v) for v in eqn.invars]
     side = _weight_side(eqn, ins)
-    sub = _subjaxpr(eqn)
+    sub = jaxprs.call_body(eqn)
     if side is not None:
       tap = state.taps[state.count]
       y = tap.apply(tap.weight(state.weights[tap.leaf]), values[1 - side])
@@ -205,18 +193,9 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], origins: dict,
       inner_origins = {v: o for v, o in zip(inner.invars, ins) if o is not None}
       outs = _eval(inner, inner_consts, values, inner_origins, state)
     else:
-      outs = _bind(eqn, values)
+      outs = jaxprs.bind(eqn, values)
       shaped = _shaped(eqn, ins)
       if shaped is not None:
         origins[eqn.outvars[0]] = shaped
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn: Any, values: Sequence[Any]) -> list:
-  bound = eqn.primitive.get_bind_params(eqn.params)
-  # jax < 0.8 returns (subfunctions, params); later, the params alone.
-  subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-  with eqn.ctx.manager:
-    out = eqn.primitive.bind(*subfuns, *values, **params)
-  return list(out) if eqn.primitive.multiple_results else [out]

@@ -81,6 +81,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import optax
 
+from mpscale import batch_split as batch_split_lib
 from mpscale import keys as keys_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import metrics as metrics_lib
@@ -306,9 +307,13 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   vmap_axes = data_axes if specs is None and not stateful else ()
   inner_axes = () if specs is None and not stateful else data_axes
 
+  # Laid-out parameters: activations stay split over the batch, so GSPMD gathers
+  # weights (FSDP's all-gather, a layer at a time) rather than activations.
+  model = (batch_split_lib.keep_batch_split(loss_fn, mesh, inner_axes)
+           if specs is not None and not wide else loss_fn)
+
   def scaled_loss(p, micro_batch, key, state):
-    out = loss_fn(policy.cast_to_compute(p), micro_batch,
-                  **_loss_extras(key, state))
+    out = model(policy.cast_to_compute(p), micro_batch, **_loss_extras(key, state))
     if stateful:
       out, state = _split_state_output(out, state)
     loss, tokens = out if per_token_loss else (out, 0)

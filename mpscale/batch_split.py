@@ -1,0 +1,244 @@
+"""Activations kept split over the batch: FSDP as FSDP for any model.
+
+Under FSDP (``mesh.fsdp``, `mpscale.sharding.fsdp_specs`) the batch and the parameters
+are split over the same devices. GSPMD then chooses, product by product, whether to
+all-gather the weight or the activation. Where a layer's activations are comparable
+to its weights (a few sequences a device: the regime FSDP is for) it gathers the
+activations and splits the features, so every device multiplies the *global* batch
+by a slice of each weight: activation memory grows with the global batch, the
+opposite of FSDP.
+
+`keep_batch_split` pins the layout instead, without changing the model's code. It
+traces the loss to a jaxpr and evaluates it again, following the batch dimension of
+every value computed from the batch (through elementwise ops, reshapes, transposes,
+broadcasts, matrix products, gathers, reductions, and into ``scan``, ``checkpoint``
+and nested ``jit`` bodies), and constrains each such value to stay split over the
+data axes along it (every other dimension left to GSPMD, so tensor parallelism keeps
+its own layout). GSPMD must then gather each weight where it is used: a layer at a
+time, inside a scan over stacked layers too, and its gradient is reduce-scattered
+there. Values whose batch dimension it cannot follow (inside custom derivatives,
+``cond`` and ``while`` bodies) are left to GSPMD.
+
+References:
+  Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+  VLDB 2023. https://arxiv.org/abs/2304.11277
+  Xu et al., "GSPMD: General and Scalable Parallelization for ML Computation Graphs",
+  2021. https://arxiv.org/abs/2105.04663
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+from jax import lax
+from jax.extend import core as jcore
+from jax.sharding import Mesh, PartitionSpec
+
+from mpscale import jaxprs
+from mpscale import sharding as sharding_lib
+
+Dim = Optional[int]
+"""Where a value's batch dimension is (``None``: it has none that is followed)."""
+
+_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+               "reduce_or", "reduce_xor", "argmax", "argmin", "reduce_precision")
+_REMAT = ("checkpoint", "remat", "remat2")
+
+
+def keep_batch_split(fn: Callable[..., Any], mesh: Optional[Mesh],
+                     axes: Sequence[str]) -> Callable[..., Any]:
+  """``fn(params, batch, **kwargs)`` with every value computed from ``batch`` kept
+  split over the mesh ``axes`` along its batch dimension (the module docstring).
+
+  Args:
+    fn: a loss (any function of the parameters and a batch of arrays whose leading
+      dimension is the batch); ``kwargs`` (a key, a model state) are passed through.
+    mesh: the mesh of the step, or ``None`` (``fn`` is returned as it is).
+    axes: the data axes the batch is split over (``("data", "fsdp")``); those the
+      mesh lacks or has at size 1 are dropped, and with none left ``fn`` is returned.
+
+  Returns:
+    A function of the same arguments and results as ``fn``, with the same values.
+  """
+  axes = tuple(a for a in axes
+               if mesh is not None and a in mesh.axis_names and mesh.shape[a] > 1)
+  if not axes:
+    return fn
+  split = _Split(mesh, axes)
+
+  def wrapped(params: Any, batch: Any, **kwargs: Any) -> Any:
+    leaves, tree = jax.tree_util.tree_flatten((params, batch, kwargs))
+    num_params = len(jax.tree_util.tree_leaves(params))
+    num_batch = len(jax.tree_util.tree_leaves(batch))
+
+    def flat(*leaves):
+      p, b, kw = jax.tree_util.tree_unflatten(tree, leaves)
+      return fn(p, b, **kw)
+
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+    dims = [0 if num_params <= i < num_params + num_batch and jax.numpy.ndim(x) > 0
+            else None for i, x in enumerate(leaves)]
+    outs, _ = split.run(closed.jaxpr, closed.consts, leaves, dims)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+  return wrapped
+
+
+class _Split:
+  """The evaluation: values, their batch dimensions, the constraints."""
+
+  def __init__(self, mesh: Mesh, axes: tuple[str, ...]):
+    self.mesh, self.axes = mesh, axes
+    self.size = sharding_lib.axis_size(mesh, axes)
+
+  def pin(self, x: Any, dim: Dim) -> Any:
+    """``x`` constrained to the batch split along ``dim`` (when it divides)."""
+    if dim is None or x.shape[dim] % self.size:
+      return x
+    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[dim] = self.axes if len(self.axes) > 1 else self.axes[0]
+    return sharding_lib.constrain(x, PartitionSpec(*spec), self.mesh)
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+          dims: Sequence[Dim]) -> tuple[list, list[Dim]]:
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    where: dict = {v: d for v, d in zip(jaxpr.invars, dims) if d is not None}
+    for eqn in jaxpr.eqns:
+      values = [jaxprs.read(env, v) for v in eqn.invars]
+      ins = [None if isinstance(v, jcore.Literal) else where.get(v)
+             for v in eqn.invars]
+      if all(d is None for d in ins):
+        outs, out_dims = jaxprs.bind(eqn, values), [None] * len(eqn.outvars)
+      else:
+        outs, out_dims = self.equation(eqn, values, ins)
+        outs = [self.pin(x, d) for x, d in zip(outs, out_dims)]
+      env.update(zip(eqn.outvars, outs))
+      where.update((v, d) for v, d in zip(eqn.outvars, out_dims) if d is not None)
+    out_dims = [None if isinstance(v, jcore.Literal) else where.get(v)
+                for v in jaxpr.outvars]
+    return [jaxprs.read(env, v) for v in jaxpr.outvars], out_dims
+
+  def equation(self, eqn: Any, values: list, dims: list[Dim]) -> tuple[list, list]:
+    name = eqn.primitive.name
+    body = jaxprs.call_body(eqn)
+    if body is not None:
+      return self.run(body[0], body[1], values, dims)
+    if name == "scan":
+      return self.scan(eqn, values, dims)
+    if name in _REMAT:
+      return self.remat(eqn, values, dims)
+    if name in ("dot_general", "conv_general_dilated"):
+      values = [self.pin(x, d) for x, d in zip(values, dims)]
+    return jaxprs.bind(eqn, values), _out_dims(eqn, dims)
+
+  def scan(self, eqn: Any, values: list, dims: list[Dim]) -> tuple[list, list]:
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
+    carry_dims = dims[nc:nc + nk]
+    # A scan over the batch itself slices it away; otherwise each slice keeps it.
+    x_dims = [None if d in (None, 0) else d - 1 for d in dims[nc + nk:]]
+    body, seen = p["jaxpr"], {}
+
+    def step(carry, x):
+      outs, out_dims = self.run(body.jaxpr, body.consts, [*consts, *carry, *x],
+                                [*dims[:nc], *carry_dims, *x_dims])
+      seen["dims"] = out_dims
+      return outs[:nk], outs[nk:]
+
+    carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
+                         reverse=p["reverse"], unroll=p["unroll"])
+    out_dims = seen["dims"]
+    carry_out = [d if d == e else None for d, e in zip(carry_dims, out_dims[:nk])]
+    return [*carry, *ys], carry_out + [None if d is None else d + 1
+                                       for d in out_dims[nk:]]
+
+  def remat(self, eqn: Any, values: list, dims: list[Dim]) -> tuple[list, list]:
+    p, seen = eqn.params, {}
+
+    def body(*args):
+      outs, seen["dims"] = self.run(p["jaxpr"], (), args, dims)
+      return outs
+
+    outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
+                          policy=p.get("policy"))(*values)
+    return list(outs), seen["dims"]
+
+
+def _out_dims(eqn: Any, dims: list[Dim]) -> list[Dim]:
+  """The batch dimension of each output of ``eqn``, from its operands' ``dims``."""
+  name = eqn.primitive.name
+  shapes = [v.aval.shape for v in eqn.invars]
+  i = next(k for k, d in enumerate(dims) if d is not None)
+  d, shape = dims[i], shapes[i]
+  p = eqn.params
+  if name == "broadcast_in_dim":
+    return [p["broadcast_dimensions"][d] if i == 0 else None]
+  if name == "transpose":
+    return [list(p["permutation"]).index(d)]
+  if name == "reshape":
+    return [_reshaped(shape, eqn.outvars[0].aval.shape, d)]
+  if name == "squeeze":
+    gone = [x % len(shape) for x in p["dimensions"]]
+    return [None if d in gone else d - sum(x < d for x in gone)]
+  if name in _REDUCTIONS and "axes" in p:
+    return [None if d in p["axes"] else d - sum(x < d for x in p["axes"])]
+  if name == "dot_general":
+    return [_dot(p["dimension_numbers"], dims, shapes)]
+  if name == "gather" and dims[1] is not None:
+    return [_gathered(p["dimension_numbers"], dims[1], shapes[1],
+                      eqn.outvars[0].aval.ndim)]
+  return [_same(shape, d, v.aval.shape) for v in eqn.outvars]
+
+
+def _same(shape: tuple, d: int, out: tuple) -> Dim:
+  """An output keeps the batch dimension where the operand's shape carries over:
+  elementwise ops, slices that leave it whole, updates, casts."""
+  if len(out) == len(shape) and out[d] == shape[d]:
+    return d
+  if d == 0 and out and out[0] == shape[0]:
+    return 0
+  return None
+
+
+def _reshaped(shape: tuple, out: tuple, d: int) -> Dim:
+  """A reshape keeps the batch dimension where the dimensions before it are kept and
+  it is merged with those after it (``[B, T, D] -> [B T, D]``), so each device's
+  rows stay its own."""
+  before = math.prod(shape[:d])
+  for j in range(len(out)):
+    if math.prod(out[:j]) == before and out[j] % shape[d] == 0:
+      return j
+  return None
+
+
+def _dot(numbers: Any, dims: list[Dim], shapes: list[tuple]) -> Dim:
+  """The output position of an operand's batch dimension in a ``dot_general``:
+  batch dimensions first, then the left operand's free ones, then the right's."""
+  (contract_l, contract_r), (batch_l, batch_r) = numbers
+  free = [[x for x in range(len(shapes[k])) if x not in (contract_l, contract_r)[k]
+           and x not in (batch_l, batch_r)[k]] for k in (0, 1)]
+  for k in (0, 1):
+    d = dims[k]
+    if d is None:
+      continue
+    batch, contract = (batch_l, batch_r)[k], (contract_l, contract_r)[k]
+    if d in batch:
+      return list(batch).index(d)
+    if d in contract:
+      return None
+    return len(batch) + (len(free[0]) if k else 0) + free[k].index(d)
+  return None
+
+
+def _gathered(numbers: Any, d: int, shape: tuple, out_ndim: int) -> Dim:
+  """A gather's output batch dimension from its indices' (an embedding lookup):
+  the output's dimensions that are not offsets follow the indices' in order (the
+  last indices dimension holds the index vector)."""
+  if d == len(shape) - 1:
+    return None
+  rest = [x for x in range(out_ndim) if x not in numbers.offset_dims]
+  return rest[d] if d < len(rest) else None
