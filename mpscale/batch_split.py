@@ -14,9 +14,11 @@ every value computed from the batch (through elementwise ops, reshapes, transpos
 broadcasts, matrix products, gathers, reductions, and into ``scan``, ``checkpoint``
 and nested ``jit`` bodies), and constrains each such value to stay split over the
 data axes along it (every other dimension left to GSPMD, so tensor parallelism keeps
-its own layout). GSPMD must then gather each weight where it is used: a layer at a
-time, inside a scan over stacked layers too, and its gradient is reduce-scattered
-there. Values whose batch dimension it cannot follow (inside custom derivatives,
+its own layout). Given the parameters' specs, it also gathers each weight over the
+data axes where a matrix product, convolution or lookup uses it (a parameter, a cast
+of one, or its slice in a scan over stacked layers), keeping its other axes (a
+tensor-parallel split). So GSPMD gathers weights, not activations: a layer at a time,
+inside a scan over stacked layers too, and each gradient is reduce-scattered there. Values whose batch dimension it cannot follow (inside custom derivatives,
 ``cond`` and ``while`` bodies) are left to GSPMD.
 
 References:
@@ -45,10 +47,24 @@ Dim = Optional[int]
 _REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                "reduce_or", "reduce_xor", "argmax", "argmin", "reduce_precision")
 _REMAT = ("checkpoint", "remat", "remat2")
+_PRODUCTS = ("dot_general", "conv_general_dilated", "gather")
+"""Where a weight is used whole: gathered over the data axes there."""
+_CASTS = ("convert_element_type", "copy", "copy_p")
+"""Through which a weight is still the weight (a policy's cast to the compute dtype)."""
+
+
+def _uses_weight(eqn: Any, specs: list) -> bool:
+  """Whether ``eqn`` uses a weight where it is gathered, or passes one on."""
+  if all(s is None for s in specs):
+    return False
+  name = eqn.primitive.name
+  return (name in _PRODUCTS or name in _REMAT or name == "scan"
+          or jaxprs.call_body(eqn) is not None)
 
 
 def keep_batch_split(fn: Callable[..., Any], mesh: Optional[Mesh],
-                     axes: Sequence[str]) -> Callable[..., Any]:
+                     axes: Sequence[str], param_specs: Any = None
+                    ) -> Callable[..., Any]:
   """``fn(params, batch, **kwargs)`` with every value computed from ``batch`` kept
   split over the mesh ``axes`` along its batch dimension (the module docstring).
 
@@ -58,6 +74,8 @@ def keep_batch_split(fn: Callable[..., Any], mesh: Optional[Mesh],
     mesh: the mesh of the step, or ``None`` (``fn`` is returned as it is).
     axes: the data axes the batch is split over (``("data", "fsdp")``); those the
       mesh lacks or has at size 1 are dropped, and with none left ``fn`` is returned.
+    param_specs: the parameters' ``PartitionSpec``s (a pytree like them), or
+      ``None``: weights are left to GSPMD.
 
   Returns:
     A function of the same arguments and results as ``fn``, with the same values.
@@ -80,7 +98,8 @@ def keep_batch_split(fn: Callable[..., Any], mesh: Optional[Mesh],
     closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
     dims = [0 if num_params <= i < num_params + num_batch and jax.numpy.ndim(x) > 0
             else None for i, x in enumerate(leaves)]
-    outs, _ = split.run(closed.jaxpr, closed.consts, leaves, dims)
+    weights = dict(zip(closed.jaxpr.invars, split.gathered(params, param_specs)))
+    outs, _ = split.run(closed.jaxpr, closed.consts, leaves, dims, weights)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
   return wrapped
@@ -101,51 +120,96 @@ class _Split:
     spec[dim] = self.axes if len(self.axes) > 1 else self.axes[0]
     return sharding_lib.constrain(x, PartitionSpec(*spec), self.mesh)
 
+  def gathered(self, params: Any, specs: Any) -> list[Optional[PartitionSpec]]:
+    """Each parameter leaf's spec without the data axes (``None`` without specs)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if specs is None:
+      return [None] * len(leaves)
+    specs = jax.tree_util.tree_leaves(specs, is_leaf=sharding_lib.is_spec)
+    return [sharding_lib.without_axes(spec, self.axes) for spec in specs]
+
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-          dims: Sequence[Dim]) -> tuple[list, list[Dim]]:
+          dims: Sequence[Dim], weights: Optional[dict] = None
+         ) -> tuple[list, list[Dim]]:
+    """Evaluates ``jaxpr``; ``dims``: the batch dimension of each argument;
+    ``weights``: the gathered spec of each argument variable that is a weight.
+    Returns the outputs and their batch dimensions."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     where: dict = {v: d for v, d in zip(jaxpr.invars, dims) if d is not None}
+    weights = {v: s for v, s in (weights or {}).items() if s is not None}
     for eqn in jaxpr.eqns:
       values = [jaxprs.read(env, v) for v in eqn.invars]
       ins = [None if isinstance(v, jcore.Literal) else where.get(v)
              for v in eqn.invars]
-      if all(d is None for d in ins):
+      specs = [None if isinstance(v, jcore.Literal) else weights.get(v)
+               for v in eqn.invars]
+      if all(d is None for d in ins) and not _uses_weight(eqn, specs):
         outs, out_dims = jaxprs.bind(eqn, values), [None] * len(eqn.outvars)
       else:
-        outs, out_dims = self.equation(eqn, values, ins)
+        outs, out_dims = self.equation(eqn, values, ins, specs)
         outs = [self.pin(x, d) for x, d in zip(outs, out_dims)]
       env.update(zip(eqn.outvars, outs))
       where.update((v, d) for v, d in zip(eqn.outvars, out_dims) if d is not None)
+      if eqn.primitive.name in _CASTS and specs[0] is not None:
+        weights[eqn.outvars[0]] = specs[0]
     out_dims = [None if isinstance(v, jcore.Literal) else where.get(v)
                 for v in jaxpr.outvars]
     return [jaxprs.read(env, v) for v in jaxpr.outvars], out_dims
 
-  def equation(self, eqn: Any, values: list, dims: list[Dim]) -> tuple[list, list]:
+  def equation(self, eqn: Any, values: list, dims: list[Dim], specs: list
+              ) -> tuple[list, list]:
     name = eqn.primitive.name
     body = jaxprs.call_body(eqn)
     if body is not None:
-      return self.run(body[0], body[1], values, dims)
+      inner = dict(zip(body[0].invars, specs))
+      return self.run(body[0], body[1], values, dims, inner)
     if name == "scan":
-      return self.scan(eqn, values, dims)
+      return self.scan(eqn, values, dims, specs)
     if name in _REMAT:
-      return self.remat(eqn, values, dims)
-    if name in ("dot_general", "conv_general_dilated"):
+      return self.remat(eqn, values, dims, specs)
+    if name in _PRODUCTS:
       values = [self.pin(x, d) for x, d in zip(values, dims)]
+      if any(s is not None for s in specs):
+        return self.product(eqn, values, specs), (
+            _out_dims(eqn, dims) if any(d is not None for d in dims)
+            else [None] * len(eqn.outvars))
+    if all(d is None for d in dims):
+      return jaxprs.bind(eqn, values), [None] * len(eqn.outvars)
     return jaxprs.bind(eqn, values), _out_dims(eqn, dims)
 
-  def scan(self, eqn: Any, values: list, dims: list[Dim]) -> tuple[list, list]:
+  def product(self, eqn: Any, values: list, specs: list) -> list:
+    """A product with its weights gathered over the data axes, under
+    ``jax.checkpoint``: the backward gathers them again rather than keeping every
+    layer's gathered weights from the forward (PyTorch FSDP's default,
+    ``reshard_after_forward``). An optimization barrier over the operands ties each
+    gather to the product's input, so XLA does not hoist every layer's gather to
+    the start of the step (no prefetch of the next layer's weights, then)."""
+    def gathered(*values):
+      # Tied to the product's other operands: a weight is gathered once its layer's
+      # input is there, not all of them when the step starts.
+      values = lax.optimization_barrier(values)
+      return jaxprs.bind(eqn, [x if s is None else sharding_lib.constrain(x, s, self.mesh)
+                               for x, s in zip(values, specs)])
+    return list(jax.checkpoint(gathered)(*values))
+
+  def scan(self, eqn: Any, values: list, dims: list[Dim], specs: list
+          ) -> tuple[list, list]:
     p = eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
     consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
     carry_dims = dims[nc:nc + nk]
     # A scan over the batch itself slices it away; otherwise each slice keeps it.
     x_dims = [None if d in (None, 0) else d - 1 for d in dims[nc + nk:]]
+    # A stacked weight's slice is a layer's weight: its spec without the layers.
+    x_specs = [None if s is None else PartitionSpec(*s[1:])
+               for s in specs[nc + nk:]]
     body, seen = p["jaxpr"], {}
+    inner = dict(zip(body.jaxpr.invars, [*specs[:nc], *([None] * nk), *x_specs]))
 
     def step(carry, x):
       outs, out_dims = self.run(body.jaxpr, body.consts, [*consts, *carry, *x],
-                                [*dims[:nc], *carry_dims, *x_dims])
+                                [*dims[:nc], *carry_dims, *x_dims], inner)
       seen["dims"] = out_dims
       return outs[:nk], outs[nk:]
 
@@ -156,11 +220,13 @@ class _Split:
     return [*carry, *ys], carry_out + [None if d is None else d + 1
                                        for d in out_dims[nk:]]
 
-  def remat(self, eqn: Any, values: list, dims: list[Dim]) -> tuple[list, list]:
+  def remat(self, eqn: Any, values: list, dims: list[Dim], specs: list
+           ) -> tuple[list, list]:
     p, seen = eqn.params, {}
+    inner = dict(zip(p["jaxpr"].invars, specs))
 
     def body(*args):
-      outs, seen["dims"] = self.run(p["jaxpr"], (), args, dims)
+      outs, seen["dims"] = self.run(p["jaxpr"], (), args, dims, inner)
       return outs
 
     outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),

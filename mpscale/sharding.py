@@ -527,6 +527,11 @@ def only_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
                          for e in spec))
 
 
+def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+  """``spec`` without the mesh ``axes``: the layout of a leaf gathered over them."""
+  return make_spec([_entry([a for a in entry_axes(e) if a not in axes]) for e in spec])
+
+
 def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Array:
   """``lax.with_sharding_constraint(x, spec)`` on ``mesh``; ``x`` itself without one.
 

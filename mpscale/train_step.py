@@ -309,7 +309,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
 
   # Laid-out parameters: activations stay split over the batch, so GSPMD gathers
   # weights (FSDP's all-gather, a layer at a time) rather than activations.
-  model = (batch_split_lib.keep_batch_split(loss_fn, mesh, inner_axes)
+  model = (batch_split_lib.keep_batch_split(loss_fn, mesh, inner_axes, specs)
            if specs is not None and not wide else loss_fn)
 
   def scaled_loss(p, micro_batch, key, state):
