@@ -1,0 +1,177 @@
+"""FSDP's compiled program against data parallelism's, on the same model and batch.
+
+For each model (a user's linen LM with unrolled blocks, and mpscale's built-in
+`TinyLM` with stacked blocks and no activation layout of its own) and each layout on
+8 devices:
+
+  dp          data parallelism (parameters replicated)
+  fsdp        ``sharding.fsdp_specs`` over 8 devices, the step as it is (activations
+              kept split over the batch: `mpscale.batch_split`)
+  fsdp-gspmd  the same without `batch_split` (GSPMD's own choice: what the step
+              compiled before)
+
+it compiles the train step (shapes only, nothing runs) and prints the compiled
+temporaries, the collective bytes per step by kind, the dots and all-gathers whose
+result carries the global batch, and the analytic FSDP estimate: two layers'
+weights gathered (float32) + the local batch's activations, as a no-remat step keeps
+them (dp's temporaries less its float32 gradients: dp runs the same rows a device) +
+one layer's float32 gradient. Ratios are against dp's temporaries in the same run.
+
+::
+
+  python benchmarks/bench_fsdp.py                  # the CPU compiler (8 fake devices)
+  JAX_PLATFORMS=cpu python benchmarks/bench_fsdp.py --gpu   # XLA's H100 compiler
+      # (needs jax[cuda12] installed; no GPU: jax.experimental.topologies)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import mpscale  # noqa: E402
+from mpscale import batch_split, hlo, sharding  # noqa: E402
+from mpscale.trainer.lm import TinyLM  # noqa: E402
+
+SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
+                    "h100_sxm.txtpb")
+
+
+class Block(nn.Module):
+  width: int
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, w = x.shape
+    h = nn.LayerNorm()(x)
+    qkv = nn.Dense(3 * w)(h).reshape(b, t, 3, self.heads, w // self.heads)
+    s = jnp.einsum("bqhd,bkhd->bhqk", qkv[:, :, 0], qkv[:, :, 1]) / np.sqrt(w // self.heads)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), qkv[:, :, 2])
+    x = x + nn.Dense(w)(a.reshape(x.shape))
+    return x + nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x))))
+
+
+class LinenLM(nn.Module):
+  width: int
+  layers: int
+  vocab: int
+
+  @nn.compact
+  def __call__(self, ids):
+    x = nn.Embed(self.vocab, self.width)(ids)
+    for _ in range(self.layers):
+      x = Block(self.width)(x)
+    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def models(width, layers, vocab, seq):
+  """``name -> (params shapes, loss_fn, one layer's parameter count)``."""
+  linen = LinenLM(width, layers, vocab)
+
+  def linen_loss(params, batch):
+    logits = linen.apply({"params": params}, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["targets"]).mean()
+
+  tiny = TinyLM(vocab_size=vocab, d_model=width, num_heads=4, num_layers=layers,
+                d_ff=4 * width, seq_len=seq)
+  layer = 12 * width * width
+
+  def tiny_loss(params, batch):
+    total, tokens = tiny.loss_fn(params, batch)
+    return total / tokens
+  return {
+      "linen LM": (jax.eval_shape(lambda: linen.init(
+          jax.random.key(0), jnp.zeros((1, seq), jnp.int32))["params"]), linen_loss,
+                   layer),
+      "TinyLM": (jax.eval_shape(tiny.init, jax.random.key(0)), tiny_loss, layer),
+  }
+
+
+def devices(gpu):
+  if not gpu:
+    return jax.devices()[:8]
+  from jax.experimental import topologies
+  return topologies.get_topology_desc("h100", "cuda", target_config=open(SPEC).read(),
+                                      topology="1x1x8").devices
+
+
+def global_batch_ops(text, rows, seq):
+  count = 0
+  for inss in hlo.parse(text).computations.values():
+    for ins in inss:
+      if ins.op in ("dot", "all-gather", "all-gather-start", "convolution"):
+        for dims in re.findall(r"\[([0-9,]*)\]", ins.result):
+          d = [int(x) for x in dims.split(",") if x]
+          count += rows * seq in d or any(a == rows and b == seq
+                                          for a, b in zip(d, d[1:]))
+  return count
+
+
+def compile_step(params, loss_fn, mesh, layout, rows, seq):
+  specs = None if layout == "dp" else sharding.fsdp_specs(params, mesh)
+  keep = batch_split.keep_batch_split
+  if layout == "fsdp-gspmd":
+    batch_split.keep_batch_split = lambda fn, *a: fn
+  try:
+    init, step = mpscale.make_train_step(loss_fn, optax.adamw(1e-3), mesh=mesh,
+                                         data_axis=("data", "fsdp"), param_specs=specs)
+    batch = {k: jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+             for k in ("inputs", "targets")}
+    return step.lower(init(params), batch).compile()
+  finally:
+    batch_split.keep_batch_split = keep
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--gpu", action="store_true", help="compile for 8 H100s")
+  ap.add_argument("--width", type=int, default=1024)
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--seq", type=int, default=320)
+  ap.add_argument("--rows", type=int, default=16, help="global batch (sequences)")
+  args = ap.parse_args(argv)
+  mesh = Mesh(np.array(devices(args.gpu)).reshape(1, 8), ("data", "fsdp"))
+  mib = 2.0**20
+  print(f"{'H100 (XLA GPU compiler)' if args.gpu else 'CPU'}: width {args.width}, "
+        f"{args.layers} layers, {args.rows} x {args.seq} tokens on 8 devices")
+  print(f"{'model':<10}{'layout':<12}{'temp MiB':>10}{'/ dp':>7}{'/ est':>7}"
+        f"{'global-batch ops':>18}  collectives (MiB)")
+  for name, (params, loss_fn, layer) in models(args.width, args.layers, 512,
+                                               args.seq).items():
+    dp_temp = None
+    for layout in ("dp", "fsdp", "fsdp-gspmd"):
+      comp = compile_step(params, loss_fn, mesh, layout, args.rows, args.seq)
+      temp = comp.memory_analysis().temp_size_in_bytes
+      grads = sum(x.size * 4 for x in jax.tree_util.tree_leaves(params))
+      if dp_temp is None:
+        dp_temp = temp
+        # dp keeps its local batch's activations (the same rows a device as
+        # fsdp's) and every float32 gradient.
+        activations = max(dp_temp - grads, 0)
+      estimate = 2 * layer * 4 + activations + layer * 4
+      text = comp.as_text()
+      coll = ", ".join(f"{k} {v['bytes'] / mib:.0f}"
+                       for k, v in sorted(hlo.collectives(text).items()))
+      print(f"{name:<10}{layout:<12}{temp / mib:>10.0f}{temp / dp_temp:>7.2f}"
+            f"{temp / estimate:>7.2f}{global_batch_ops(text, args.rows, args.seq):>18}"
+            f"  {coll}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
