@@ -211,3 +211,54 @@ def test_fsdp_user_model_matches_one_device():
   assert loss8 == pytest.approx(loss1, rel=1e-5)
   for a, b in zip(jax.tree_util.tree_leaves(p8), jax.tree_util.tree_leaves(p1)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
+  """The same for a Flax NNX model, as the trainer adapts it
+  (`mpscale.trainer.models.from_nnx`): no global-batch dot or gather, where GSPMD
+  alone made them."""
+  from flax import nnx
+
+  from mpscale.trainer import models
+
+  class NNXBlock(nnx.Module):
+    def __init__(self, w, rngs):
+      self.norm = nnx.LayerNorm(w, rngs=rngs)
+      self.qkv, self.out = nnx.Linear(w, 3 * w, rngs=rngs), nnx.Linear(w, w, rngs=rngs)
+      self.up, self.down = nnx.Linear(w, 4 * w, rngs=rngs), nnx.Linear(4 * w, w, rngs=rngs)
+
+    def __call__(self, x):
+      b, t, w = x.shape
+      q, k, v = jnp.split(self.qkv(self.norm(x)).reshape(b, t, 3 * 4, w // 4), 3, -2)
+      s = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(w // 4), -1)
+      x = x + self.out(jnp.einsum("bhqk,bkhd->bqhd", s, v).reshape(x.shape))
+      return x + self.down(jax.nn.gelu(self.up(x)))
+
+  class NNXLM(nnx.Module):
+    def __init__(self, w, rngs):
+      self.embed = nnx.Embed(512, w, rngs=rngs)
+      self.block0, self.block1 = NNXBlock(w, rngs), NNXBlock(w, rngs)
+      self.head = nnx.Linear(w, 512, rngs=rngs)
+
+    def __call__(self, ids):
+      return self.head(self.block1(self.block0(self.embed(ids))))
+
+  def loss(module, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        module(batch["x"]), batch["y"]).mean()
+
+  model = models.from_nnx(NNXLM(WIDTH, nnx.Rngs(0)), loss)
+  params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  model.init(None))
+  mesh = fsdp_mesh(1, 8)
+
+  def text():
+    init, step = mpscale.make_train_step(
+        model.loss_fn, optax.adamw(1e-3), mesh=mesh, data_axis=("data", "fsdp"),
+        param_specs=sharding.fsdp_specs(params, mesh), per_token_loss=True)
+    batch = {k: jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32) for k in ("x", "y")}
+    return step.lower(init(params), batch).compile().as_text()
+
+  assert global_batch_ops(text(), ROWS, SEQ) == []
+  monkeypatch.setattr(batch_split, "keep_batch_split", lambda fn, *a: fn)
+  assert len(global_batch_ops(text(), ROWS, SEQ)) > 10
