@@ -103,10 +103,11 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
   assert planned.schedules[2]["bubble"] == pytest.approx((S - 1) / (3 * M + S - 1))
   assert planned.bubble == pytest.approx((S - 1) / (v * M + S - 1))
   assert planned.to_dict()["schedules"] == want
-  # What a device keeps for the backward: 1F1B's item slots x its layers' residuals.
+  # What a device keeps for the backward: 1F1B's item slots x a chunk's layers'
+  # residuals (a slot holds one chunk's pass, of 8 / S / v layers).
   r = planned.residuals
   slots = pl._slots(pl._schedule("1f1b", S, M, v), v, M)[1]  # pylint: disable=protected-access
-  assert (r["items"], r["layers"]) == (slots, 8 // S)
+  assert (r["items"], r["layers"]) == (slots, 8 // S // v)
   assert r["total"] == r["items"] * r["layers"] * r["layer"] > 0
   assert any(line.strip().startswith("residuals") and f"{r['items']} micro-batches"
              in line for line in planned.text().splitlines()), planned.text()
