@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -36,7 +35,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -47,41 +45,17 @@ import mpscale  # noqa: E402
 from mpscale import batch_split, hlo, sharding  # noqa: E402
 from mpscale.trainer.lm import TinyLM  # noqa: E402
 
+# The user's linen LM and the HLO reading are the tests' own (tests/test_batch_split.py).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.test_batch_split import LM, global_batch_ops  # noqa: E402
+
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
                     "h100_sxm.txtpb")
 
 
-class Block(nn.Module):
-  width: int
-  heads: int = 4
-
-  @nn.compact
-  def __call__(self, x):
-    b, t, w = x.shape
-    h = nn.LayerNorm()(x)
-    qkv = nn.Dense(3 * w)(h).reshape(b, t, 3, self.heads, w // self.heads)
-    s = jnp.einsum("bqhd,bkhd->bhqk", qkv[:, :, 0], qkv[:, :, 1]) / np.sqrt(w // self.heads)
-    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), qkv[:, :, 2])
-    x = x + nn.Dense(w)(a.reshape(x.shape))
-    return x + nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x))))
-
-
-class LinenLM(nn.Module):
-  width: int
-  layers: int
-  vocab: int
-
-  @nn.compact
-  def __call__(self, ids):
-    x = nn.Embed(self.vocab, self.width)(ids)
-    for _ in range(self.layers):
-      x = Block(self.width)(x)
-    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
-
-
 def models(width, layers, vocab, seq):
   """``name -> (params shapes, loss_fn, one layer's parameter count)``."""
-  linen = LinenLM(width, layers, vocab)
+  linen = LM(width, layers, vocab)
 
   def linen_loss(params, batch):
     logits = linen.apply({"params": params}, batch["inputs"])
@@ -109,18 +83,6 @@ def devices(gpu):
   from jax.experimental import topologies
   return topologies.get_topology_desc("h100", "cuda", target_config=open(SPEC).read(),
                                       topology="1x1x8").devices
-
-
-def global_batch_ops(text, rows, seq):
-  count = 0
-  for inss in hlo.parse(text).computations.values():
-    for ins in inss:
-      if ins.op in ("dot", "all-gather", "all-gather-start", "convolution"):
-        for dims in re.findall(r"\[([0-9,]*)\]", ins.result):
-          d = [int(x) for x in dims.split(",") if x]
-          count += rows * seq in d or any(a == rows and b == seq
-                                          for a, b in zip(d, d[1:]))
-  return count
 
 
 def compile_step(params, loss_fn, mesh, layout, rows, seq):
@@ -169,7 +131,8 @@ def main(argv=None):
       coll = ", ".join(f"{k} {v['bytes'] / mib:.0f}"
                        for k, v in sorted(hlo.collectives(text).items()))
       print(f"{name:<10}{layout:<12}{temp / mib:>10.0f}{temp / dp_temp:>7.2f}"
-            f"{temp / estimate:>7.2f}{global_batch_ops(text, args.rows, args.seq):>18}"
+            f"{temp / estimate:>7.2f}"
+            f"{len(global_batch_ops(text, args.rows, args.seq)):>18}"
             f"  {coll}")
 
 

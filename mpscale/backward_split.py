@@ -146,15 +146,11 @@ def _shaped(eqn: Any, origins: list) -> Optional[tuple[int, tuple]]:
   return leaf, shaping + (eqn,)
 
 
-def _origin(origins: dict, v: Any) -> Optional[tuple[int, tuple]]:
-  return None if isinstance(v, jcore.Literal) else origins.get(v)
-
-
 def _find(jaxpr: Any, origins: dict) -> list[Tap]:
   """The tapped products of ``jaxpr``, in evaluation order (as `_eval` meets them)."""
   taps = []
   for eqn in jaxpr.eqns:
-    ins = [_origin(origins, v) for v in eqn.invars]
+    ins = [jaxprs.lookup(origins, v) for v in eqn.invars]
     side = _weight_side(eqn, ins)
     if side is not None:
       leaf, shaping = ins[side]
@@ -178,7 +174,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], origins: dict,
   env.update(zip(jaxpr.invars, args))
   read = lambda v: jaxprs.read(env, v)  # noqa: E731
   for eqn in jaxpr.eqns:
-    ins = [_origin(origins, v) for v in eqn.invars]
+    ins = [jaxprs.lookup(origins, v) for v in eqn.invars]
     values = [read(v) for v in eqn.invars]
     side = _weight_side(eqn, ins)
     sub = jaxprs.call_body(eqn)

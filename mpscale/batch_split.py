@@ -18,8 +18,9 @@ its own layout). Given the parameters' specs, it also gathers each weight over t
 data axes where a matrix product, convolution or lookup uses it (a parameter, a cast
 of one, or its slice in a scan over stacked layers), keeping its other axes (a
 tensor-parallel split). So GSPMD gathers weights, not activations: a layer at a time,
-inside a scan over stacked layers too, and each gradient is reduce-scattered there. Values whose batch dimension it cannot follow (inside custom derivatives,
-``cond`` and ``while`` bodies) are left to GSPMD.
+inside a scan over stacked layers too, and each gradient is reduce-scattered there.
+Values whose batch dimension it cannot follow (inside custom derivatives, ``cond``
+and ``while`` bodies) are left to GSPMD.
 
 References:
   Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
@@ -35,7 +36,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 from jax import lax
-from jax.extend import core as jcore
 from jax.sharding import Mesh, PartitionSpec
 
 from mpscale import jaxprs
@@ -140,10 +140,8 @@ class _Split:
     weights = {v: s for v, s in (weights or {}).items() if s is not None}
     for eqn in jaxpr.eqns:
       values = [jaxprs.read(env, v) for v in eqn.invars]
-      ins = [None if isinstance(v, jcore.Literal) else where.get(v)
-             for v in eqn.invars]
-      specs = [None if isinstance(v, jcore.Literal) else weights.get(v)
-               for v in eqn.invars]
+      ins = [jaxprs.lookup(where, v) for v in eqn.invars]
+      specs = [jaxprs.lookup(weights, v) for v in eqn.invars]
       if all(d is None for d in ins) and not _uses_weight(eqn, specs):
         outs, out_dims = jaxprs.bind(eqn, values), [None] * len(eqn.outvars)
       else:
@@ -153,8 +151,7 @@ class _Split:
       where.update((v, d) for v, d in zip(eqn.outvars, out_dims) if d is not None)
       if eqn.primitive.name in _CASTS and specs[0] is not None:
         weights[eqn.outvars[0]] = specs[0]
-    out_dims = [None if isinstance(v, jcore.Literal) else where.get(v)
-                for v in jaxpr.outvars]
+    out_dims = [jaxprs.lookup(where, v) for v in jaxpr.outvars]
     return [jaxprs.read(env, v) for v in jaxpr.outvars], out_dims
 
   def equation(self, eqn: Any, values: list, dims: list[Dim], specs: list
@@ -168,15 +165,13 @@ class _Split:
       return self.scan(eqn, values, dims, specs)
     if name in _REMAT:
       return self.remat(eqn, values, dims, specs)
+    out_dims = (_out_dims(eqn, dims) if any(d is not None for d in dims)
+                else [None] * len(eqn.outvars))
     if name in _PRODUCTS:
       values = [self.pin(x, d) for x, d in zip(values, dims)]
       if any(s is not None for s in specs):
-        return self.product(eqn, values, specs), (
-            _out_dims(eqn, dims) if any(d is not None for d in dims)
-            else [None] * len(eqn.outvars))
-    if all(d is None for d in dims):
-      return jaxprs.bind(eqn, values), [None] * len(eqn.outvars)
-    return jaxprs.bind(eqn, values), _out_dims(eqn, dims)
+        return self.product(eqn, values, specs), out_dims
+    return jaxprs.bind(eqn, values), out_dims
 
   def product(self, eqn: Any, values: list, specs: list) -> list:
     """A product with its weights gathered over the data axes, under

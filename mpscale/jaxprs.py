@@ -29,6 +29,12 @@ def call_body(eqn: Any) -> Optional[tuple[Any, Sequence[Any]]]:
   return inner, ()
 
 
+def lookup(table: dict, v: Any) -> Any:
+  """What ``table`` holds for variable ``v`` (``None`` for a literal or a variable it
+  lacks): a rewrite's mark on the values it follows."""
+  return None if isinstance(v, jcore.Literal) else table.get(v)
+
+
 def read(env: dict, v: Any) -> Any:
   """The value of variable or literal ``v`` in ``env``."""
   return v.val if isinstance(v, jcore.Literal) else env[v]
