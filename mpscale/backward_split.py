@@ -81,7 +81,10 @@ class Split:
     self.treedef = jax.tree_util.tree_structure(params)
     self.num_leaves = self.treedef.num_leaves
     self.out_tree = jax.tree_util.tree_structure(out_shape)
-    self.taps: tuple[Tap, ...] = tuple(_find(self.closed.jaxpr, self._origins()))
+    others: set = set()
+    self.taps: tuple[Tap, ...] = tuple(_find(self.closed.jaxpr, self._origins(), others))
+    self.weight_only = frozenset(t.leaf for t in self.taps) - others
+    """The leaves used only by tapped products: ``B``'s gradients of them are zero."""
 
   def _origins(self) -> dict:
     return {v: (i, ()) for i, v in enumerate(self.closed.jaxpr.invars[:self.num_leaves])}
@@ -146,8 +149,10 @@ def _shaped(eqn: Any, origins: list) -> Optional[tuple[int, tuple]]:
   return leaf, shaping + (eqn,)
 
 
-def _find(jaxpr: Any, origins: dict) -> list[Tap]:
-  """The tapped products of ``jaxpr``, in evaluation order (as `_eval` meets them)."""
+def _find(jaxpr: Any, origins: dict, others: Optional[set] = None) -> list[Tap]:
+  """The tapped products of ``jaxpr``, in evaluation order (as `_eval` meets them);
+  ``others`` collects the leaves used in any other way."""
+  others = set() if others is None else others
   taps = []
   for eqn in jaxpr.eqns:
     ins = [jaxprs.lookup(origins, v) for v in eqn.invars]
@@ -160,11 +165,15 @@ def _find(jaxpr: Any, origins: dict) -> list[Tap]:
     if sub is not None:
       inner, consts = sub
       inner_origins = {v: o for v, o in zip(inner.invars, ins) if o is not None}
-      taps.extend(_find(inner, inner_origins))
+      taps.extend(_find(inner, inner_origins, others))
       continue
     shaped = _shaped(eqn, ins)
     if shaped is not None:
       origins[eqn.outvars[0]] = shaped
+    else:
+      others.update(o[0] for o in ins if o is not None)
+  others.update(o[0] for o in (jaxprs.lookup(origins, v) for v in jaxpr.outvars)
+                if o is not None)
   return taps
 
 

@@ -16,8 +16,11 @@ unpipelined model's.
 Layouts inside a stage: ``shard_map`` is manual over the stage and data axes and
 automatic over the rest, so a stage's layers keep a ``tensor`` split of their
 ``param_specs`` and GSPMD inserts its collectives inside the stage. A parameter split
-over a data axis (FSDP) is all-gathered whole when the step starts and its gradient
-reduce-scattered back when it ends (``lax.all_gather`` / ``lax.psum_scatter``).
+over a data axis (FSDP) stays a master shard: it is cast and all-gathered where it is
+used, a layer at a time (each layer on its forward and again on its backward, in
+every schedule; the embedding and head around their calls), and its gradient is
+reduce-scattered back there in the masters' dtype (`_FSDP`,
+`mpscale.sharding.gather_cast`), so a device never holds a whole stage's parameters.
 
 Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
 
@@ -74,10 +77,10 @@ all-reduces (the gradient sums over the data axes and ``stage``) happen once, af
 The code reads the same way::
 
   Pipeline.value_and_grad -> shard_map(per_device), manual over data axes and stage
-    per_device: params cast varying, FSDP leaves all-gathered (gather_split); the
-      rows cut into M micro-batches; run = _PipelineRun(sizes, this device's inputs)
+    per_device: params cast varying (FSDP's leaves stay shards: _FSDP); the rows
+      cut into M micro-batches; run = _PipelineRun(sizes, this device's inputs)
       loss, count, grads = _gpipe(run, params) or _ticked(run, params)
-      grads: reduce-scattered (scatter_split), summed where invariant (_sum_invariant)
+      grads: summed where invariant (_sum_invariant)
   gpipe: jax.grad of objective, a lax.scan of tick(carry, t) over v * M + S - 1
   1f1b, zb_h1: _ticked(run, params), a lax.scan a phase of the table, carry holding
          inbox, kept, ct (and cts) in K item slots (_slots) and the gradient sums;
@@ -96,6 +99,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -305,13 +309,18 @@ class Pipeline:
     return lambda p, h: self.stage_fn(p, h, rng=jax.random.wrap_key_data(key))
 
   def _layers(self, layer_params: Any, x: jax.Array,
-              keys: Optional[jax.Array] = None) -> jax.Array:
-    """The stacked layers in order; ``keys``: one raw key per layer, or ``None``."""
-    if keys is None:
-      x, _ = lax.scan(lambda h, p: (self.layer()(p, h), None), x, layer_params)
-      return x
-    x, _ = lax.scan(lambda h, pk: (self.layer(pk[1])(pk[0], h), None), x,
-                    (layer_params, keys))
+              keys: Optional[jax.Array] = None,
+              gather: Optional[Callable] = None) -> jax.Array:
+    """The stacked layers in order; ``keys``: one raw key per layer, or ``None``;
+    ``gather``: each layer's parameters gathered where it runs (`_FSDP.layer`),
+    recomputed in the backward rather than kept, or ``None``."""
+    def body(h, pk):
+      p, key = pk
+      if gather is None:
+        return self.layer(key)(p, h), None
+      fn = lambda p, h: self.layer(key)(gather(p), h)  # noqa: E731
+      return jax.checkpoint(fn, policy=_gathers_recomputed(self.policy()))(p, h), None
+    x, _ = lax.scan(body, x, (layer_params, keys))
     return x
 
   def apply(self, params: Any, batch: Any, rng: Optional[jax.Array] = None) -> Any:
@@ -416,6 +425,10 @@ class Pipeline:
   def _num_layers(self, params: Any) -> int:
     return jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
 
+  def _stack_keys(self) -> tuple[str, ...]:
+    """The keys of ``params`` holding stacked layers."""
+    return (self.stages_key,)
+
   def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any]]:
     return _gpipe if self.schedule == "gpipe" else _ticked  # 1f1b or zb_h1
 
@@ -428,10 +441,11 @@ class Pipeline:
                      grad_reduce_dtype: Any = None) -> Gradients:
     """Loss and gradients of ``loss_scale * loss``, pipelined over ``mesh``.
 
-    ``shard_map`` is manual over the stage axis and the data axes that split no
-    parameter; every other axis (``tensor``, ``fsdp``) stays automatic, so each stage's
-    layers keep the tensor-parallel or FSDP layout of ``param_specs`` and GSPMD inserts
-    their collectives inside the stage.
+    ``shard_map`` is manual over the stage axis and the data axes; every other axis
+    (``tensor``) stays automatic, so each stage's layers keep the tensor-parallel
+    layout of ``param_specs`` and GSPMD inserts its collectives inside the stage. A
+    leaf ``param_specs`` splits over a data axis (FSDP) is gathered a layer at a time
+    where it is used (the module docstring).
 
     Args:
       params: the model parameters (see the class docstring), float32 masters.
@@ -528,9 +542,9 @@ class Pipeline:
 
     def per_device(params, batch, scale, keys):
       # Everything in the loop varies over every manual axis, so autodiff puts no
-      # psum in it.
-      varying = sharding_lib.gather_split(sharding_lib.cast_varying(params, axes),
-                                          in_param_specs, data_axes)
+      # psum in it. FSDP's split leaves stay shards: gathered where used (_FSDP).
+      varying = sharding_lib.cast_varying(params, axes)
+      fsdp = _FSDP.of(varying, in_param_specs, data_axes, cast, self._stack_keys())
       micro = jax.tree_util.tree_map(
           lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), batch)
       micro = sharding_lib.cast_varying(micro, axes)
@@ -538,9 +552,8 @@ class Pipeline:
       if keys is not None:
         keys = sharding_lib.cast_varying(_replica_keys(keys, data_axes, D), axes)
       run = _PipelineRun(self, S, M, per_token_loss, cast, axes, num_layers, micro,
-                         scale, keys, float32_sums)
+                         scale, keys, float32_sums, fsdp)
       loss, count, grads = executor(run, varying)
-      grads = sharding_lib.scatter_split(grads, in_param_specs, data_axes)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
       if per_token_loss:
@@ -600,6 +613,108 @@ def _interleave_order(num_layers: int, S: int, v: int) -> Optional[np.ndarray]:
                      for k in range(per_chunk)])
 
 
+def _gathers_recomputed(policy: Optional[Callable]) -> Callable:
+  """``policy`` (``None``: keep the outputs of matrix products) that never keeps a
+  weight gathered over the data axes (`_FSDP`): the backward gathers it again, as
+  PyTorch FSDP's ``reshard_after_forward`` does, rather than autodiff's loops keeping
+  every layer's gathered weights for every tick."""
+  base = policy or jax.checkpoint_policies.dots_saveable
+
+  def saveable(prim, *args, **params):
+    if prim.name == "all_gather" or _is_gather_cast(prim, params):
+      return False
+    return base(prim, *args, **params)
+  return saveable
+
+
+def _is_gather_cast(prim: Any, params: dict) -> bool:
+  """Whether an equation is a custom-derivative gather (`sharding.gather_cast`)."""
+  if not prim.name.startswith("custom_vjp"):
+    return False
+  body = params.get("call_jaxpr", params.get("fun_jaxpr"))
+  jaxpr = getattr(body, "jaxpr", body)
+  return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FSDP:
+  """Parameters split over the data axes (FSDP) inside the pipeline's ``shard_map``.
+
+  Each stays a master shard until it is used, then is cast to the compute dtype and
+  all-gathered there (`mpscale.sharding.gather_cast`): a layer at a time for the
+  stacked layers (in every schedule, on the forward and again on the backward), and
+  around the embedding and the head for the rest. Its gradient is reduce-scattered
+  back where it is computed, in the masters' dtype, so no device ever holds a whole
+  stage's parameters or gradients.
+  """
+  specs: Any
+  """Like the params: each leaf's spec over the manual axes."""
+  axes: tuple[str, ...]
+  """The data axes."""
+  dtypes: Any
+  """Like the params: each leaf's compute dtype (the run's cast)."""
+  stacks: tuple[str, ...]
+  """The keys of the stacked layers."""
+
+  @classmethod
+  def of(cls, params: Any, specs: Any, axes: Sequence[str], cast: Callable,
+         stacks: Sequence[str]) -> Optional["_FSDP"]:
+    """``None`` where no leaf is split over ``axes``."""
+    split = [sharding_lib.split_dims(s, axes)
+             for s in jax.tree_util.tree_leaves(specs, is_leaf=sharding_lib.is_spec)]
+    if not any(split):
+      return None
+    dtypes = jax.tree_util.tree_map(lambda x: x.dtype, jax.eval_shape(cast, params))
+    return cls(specs, tuple(axes), dtypes, tuple(stacks))
+
+  def _dims(self, spec: P, stacked: bool) -> tuple:
+    return tuple(sharding_lib.split_dims(P(*spec[1:]) if stacked else spec, self.axes))
+
+  def compute(self, params: Any, cast: Callable) -> Any:
+    """``cast(params)``, but the split leaves left as master shards (cast when
+    gathered)."""
+    return jax.tree_util.tree_map(
+        lambda m, c, s: m if sharding_lib.split_dims(s, self.axes) else c,
+        params, cast(params), self.specs)
+
+  def _gather(self, tree: Any, specs: Any, dtypes: Any, stacked: bool) -> Any:
+    def gather(x, spec, dtype):
+      dims = self._dims(spec, stacked)
+      return sharding_lib.gather_cast(x, dtype, dims) if dims else x
+    return jax.tree_util.tree_map(gather, tree, specs, dtypes)
+
+  def layer(self, key: str, lp: Any) -> Any:
+    """One layer's parameters (a slice of stack ``key``) gathered for compute."""
+    return self._gather(lp, self.specs[key], self.dtypes[key], True)
+
+  def rest(self, p: Any) -> Any:
+    """``p`` with every leaf outside the stacks gathered for compute."""
+    return {k: x if k in self.stacks else
+            self._gather(x, self.specs[k], self.dtypes[k], False)
+            for k, x in p.items()}
+
+  def scatter_layer(self, key: str, grads: Any, only: Optional[set] = None) -> Any:
+    """A layer's float32 gradients reduce-scattered back to its shards (1F1B and
+    ZB-H1, whose backward is their own, not autodiff's); ``only``: the leaf indices
+    to send, the others known zero (zeros of the shard's shape)."""
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    specs = jax.tree_util.tree_leaves(self.specs[key], is_leaf=sharding_lib.is_spec)
+    out = []
+    for i, (g, spec) in enumerate(zip(leaves, specs)):
+      dims = self._dims(spec, True)
+      g = g.astype(jnp.float32)
+      if only is not None and i not in only:
+        shape = list(g.shape)
+        for dim, over in dims:
+          shape[dim] //= math.prod(lax.axis_size(a) for a in over)
+        out.append(jnp.zeros(shape, jnp.float32))
+        continue
+      for dim, over in reversed(dims):
+        g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+      out.append(g)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _PipelineRun:
   """What the executors share for one pipelined gradient, inside ``shard_map``: the
@@ -621,6 +736,34 @@ class _PipelineRun:
   cast_each_tick: bool = False
   """GPipe casts the masters in every tick (``grad_reduce_dtype=float32``), not once:
   its micro-batches' gradients then add up in float32."""
+  fsdp: Optional[_FSDP] = None
+  """The parameters split over the data axes, gathered where used; ``None``: none."""
+
+  # ---- parameters: cast, and under FSDP gathered where used
+  def params(self, params: Any) -> Any:
+    """The parameters for the loop: cast to the compute dtype, FSDP's split leaves
+    left as master shards (`gather_layer`, `gather_rest`)."""
+    if self.fsdp is None:
+      return self.cast(params)
+    return self.fsdp.compute(params, self.cast)
+
+  def gather_layer(self, key: str) -> Optional[Callable]:
+    """``lp -> lp`` gathered for compute (one layer of stack ``key``); ``None``
+    without FSDP."""
+    return None if self.fsdp is None else functools.partial(self.fsdp.layer, key)
+
+  def gather_rest(self, p: Any) -> Any:
+    """``p`` (from `params`) with its leaves outside the stacks gathered."""
+    return p if self.fsdp is None else self.fsdp.rest(p)
+
+  def gathered(self, fn: Callable) -> Callable:
+    """``fn(p, ...)`` on `params` that gathers the leaves outside the stacks first;
+    under FSDP inside a ``jax.checkpoint`` that gathers them again in the backward
+    (autodiff's loop keeps no gathered copy)."""
+    if self.fsdp is None:
+      return fn
+    return jax.checkpoint(lambda p, *args: fn(self.fsdp.rest(p), *args),
+                          policy=_gathers_recomputed(None))
 
   # ---- shared by both schedules
   def stage(self) -> jax.Array:
@@ -653,7 +796,7 @@ class _PipelineRun:
   def embed_shape(self, params: Any) -> jax.ShapeDtypeStruct:
     def embed(p, b, k):
       extras = {} if k is None else {"rng": jax.random.wrap_key_data(k)}
-      return self.pipeline.embed_fn(self.cast(p), b, **extras)
+      return self.pipeline.embed_fn(self.gather_rest(self.params(p)), b, **extras)
     return jax.eval_shape(embed, params,
                           jax.tree_util.tree_map(lambda x: x[0], self.micro),
                           None if self.keys is None else self.keys[0][0])
@@ -687,7 +830,8 @@ class _PipelineRun:
 
 
 def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array,
-                     keys: Optional[jax.Array]) -> jax.Array:
+                     keys: Optional[jax.Array], gather: Callable = lambda lp: lp
+                     ) -> jax.Array:
   """``pipe._layers`` over chunk ``chunk`` of ``layers`` (leaves ``[v, n, ...]``).
 
   Each layer's parameters are picked from the stack inside a rematerialized body
@@ -697,17 +841,18 @@ def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array
   of a chunk's, memory growing with ``M``; a policy saving all but them by name
   still keeps the slice that feeds the name), where the stack itself is
   loop-invariant and kept once; the backward picks them again and recomputes the
-  elementwise work.
+  elementwise work. ``gather`` (FSDP, `_FSDP.layer`) gathers the picked parameters,
+  again in the backward.
   """
   n = jax.tree_util.tree_leaves(layers)[0].shape[1]
 
   def body(h, l):
-    lp = jax.tree_util.tree_map(lambda a: a[chunk, l], layers)
+    lp = gather(jax.tree_util.tree_map(lambda a: a[chunk, l], layers))
     if keys is None:
       return pipe.stage_fn(lp, h), None
     return pipe.stage_fn(lp, h, rng=jax.random.wrap_key_data(keys[l])), None
 
-  policy = pipe.policy() or jax.checkpoint_policies.dots_saveable
+  policy = _gathers_recomputed(pipe.policy())
   h, _ = lax.scan(jax.checkpoint(body, policy=policy), x, jnp.arange(n))
   return h
 
@@ -723,7 +868,7 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
 
   def objective(params):
     def cast():
-      p = run.cast(params)
+      p = run.params(params)
       layers = p[pipe.stages_key]
       layer_ids = run.layer_ids()
       if v > 1:
@@ -750,15 +895,18 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
           lax.dynamic_index_in_dim(layer_ids, chunk, keepdims=False))
       embed_kw, layer_keys, head_kw = run.micro_keys(m, chunk_ids)
       starts = (stage == 0) & (chunk == 0)
-      x = lax.cond(starts,
-                   lambda: pipe.embed_fn(p, mb, **embed_kw).astype(x_shape.dtype),
+      embed = run.gathered(lambda p, mb: pipe.embed_fn(p, mb, **embed_kw))
+      x = lax.cond(starts, lambda: embed(p, mb).astype(x_shape.dtype),
                    lambda: received)
       # A bubble's input is garbage: replace it before any arithmetic touches it.
       x = jnp.where(valid, x, jnp.zeros_like(x))
-      y = (pipe._layers(layers, x, layer_keys)  # pylint: disable=protected-access
-           if v == 1 else _layers_of_chunk(pipe, layers, chunk, x, layer_keys))
+      gather = run.gather_layer(pipe.stages_key)
+      y = (pipe._layers(layers, x, layer_keys, gather)  # pylint: disable=protected-access
+           if v == 1 else _layers_of_chunk(pipe, layers, chunk, x, layer_keys,
+                                           gather or (lambda lp: lp)))
       ends = valid & (stage == S - 1) & (chunk == v - 1)
-      l, c = lax.cond(ends, lambda: run.head_terms(p, y, mb, **head_kw),
+      head = run.gathered(lambda p, y, mb: run.head_terms(p, y, mb, **head_kw))
+      l, c = lax.cond(ends, lambda: head(p, y, mb),
                       lambda: (run.zero(), run.zero()))
       received = lax.ppermute(y, pipe.stage_axis, ring) if S > 1 else y
       return (received, loss + l, count + c), None
@@ -851,7 +999,7 @@ class _Ticks:
   def __init__(self, run: _PipelineRun, params: Any):
     pipe = run.pipeline
     self.run, self.pipe, self.v = run, pipe, pipe.virtual_stages
-    p = run.cast(params)
+    p = run.params(params)
     layers = p[pipe.stages_key]
     self.n = jax.tree_util.tree_leaves(layers)[0].shape[0] // self.v
     self.layers = jax.tree_util.tree_map(
@@ -872,7 +1020,18 @@ class _Ticks:
 
   # ---- pieces
   def layer_params(self, c: jax.Array, l: jax.Array) -> Any:
-    return jax.tree_util.tree_map(lambda x: x[c, l], self.layers)
+    """Layer ``l`` of chunk ``c``, gathered (FSDP) where it is used."""
+    lp = jax.tree_util.tree_map(lambda x: x[c, l], self.layers)
+    gather = self.run.gather_layer(self.pipe.stages_key)
+    return lp if gather is None else gather(lp)
+
+  def layer_grads(self, dp: Any, only: Optional[set] = None) -> Any:
+    """A layer's parameter gradients in float32, reduce-scattered back to its shards
+    under FSDP; ``only``: the leaves (indices) that can be nonzero, the others zeros
+    (not sent)."""
+    if self.run.fsdp is None:
+      return _float32(dp)
+    return self.run.fsdp.scatter_layer(self.pipe.stages_key, self.run.vary(dp), only)
 
   def layer_keys(self, m: jax.Array, c: jax.Array) -> Any:
     """Raw keys of chunk ``c``'s layers for micro-batch ``m`` (``[n, ...]``), or
@@ -886,7 +1045,8 @@ class _Ticks:
 
   def embed(self, m: jax.Array, rest: Any) -> jax.Array:
     embed_kw, _, _ = self.run.micro_keys(m)
-    x = self.pipe.embed_fn(self.with_layers(rest), self.run.micro_batch(m), **embed_kw)
+    x = self.pipe.embed_fn(self.run.gather_rest(self.with_layers(rest)),
+                           self.run.micro_batch(m), **embed_kw)
     return x.astype(self.x_shape.dtype)
 
   def kept_zeros(self) -> list[jax.Array]:
@@ -943,7 +1103,8 @@ class _Ticks:
     def head():
       mb = run.micro_batch(m)
       _, _, head_kw = run.micro_keys(m)
-      fn = lambda rest, y: run.head_terms(self.with_layers(rest), y, mb, **head_kw)  # noqa: E731
+      fn = lambda rest, y: run.head_terms(  # noqa: E731
+          run.gather_rest(self.with_layers(rest)), y, mb, **head_kw)
       (loss, count), pull = jax.vjp(fn, self.rest, y)
       d_rest, dy = pull((run.scale.astype(loss.dtype), jnp.zeros_like(count)))
       return dy.astype(y.dtype), _float32(d_rest), loss, count
@@ -963,7 +1124,10 @@ class _Ticks:
     def body(g, xs):
       l, layer_kept = xs
       dp, dh, *cts = self.pullback(c, l, layer_kept)(g)
-      return dh, (_float32(dp), cts[0] if cts else [])
+      # ZB-H1: the leaves only its weight products use get their gradients in W.
+      only = None if self._products is None else (
+          set(range(self._products.num_leaves)) - self._products.weight_only)
+      return dh, (self.layer_grads(dp, only), cts[0] if cts else [])
 
     dx, (d_layers, cts) = lax.scan(body, ct, (jnp.arange(self.n), kept), reverse=True)
     d_rest = lax.cond(
@@ -978,7 +1142,8 @@ class _Ticks:
     def body(_, xs):
       l, layer_kept, dys = xs
       inputs = [layer_kept[j] for j in self._residuals.inputs]
-      return None, self._products.weight_gradients(self.layer_params(c, l), inputs, dys)
+      return None, self.layer_grads(self._products.weight_gradients(
+          self.layer_params(c, l), inputs, dys), {t.leaf for t in self._products.taps})
     return lax.scan(body, None, (jnp.arange(self.n), kept, cts))[1]
 
   def into_embed(self, m: jax.Array, dx: jax.Array) -> Any:
@@ -1365,6 +1530,9 @@ class SplitPipeline(Pipeline):
   def _num_layers(self, params: Any) -> int:
     return 0  # no interleaving, no layer keys
 
+  def _stack_keys(self) -> tuple[str, ...]:
+    return (self.stages_key, self.decoder_key)
+
   def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any]]:
     return _gpipe_split
 
@@ -1382,10 +1550,16 @@ class SplitPipeline(Pipeline):
 
 
 def _decoder_layers(pipe: SplitPipeline, layers: Any, y: jax.Array,
-                    memory: jax.Array) -> jax.Array:
-  """The stacked decoder layers in order, each reading ``memory``."""
+                    memory: jax.Array, gather: Optional[Callable] = None
+                    ) -> jax.Array:
+  """The stacked decoder layers in order, each reading ``memory``; ``gather`` as in
+  `Pipeline._layers`."""
   layer = lambda p, h: pipe.decoder_fn(p, h, memory)  # noqa: E731
   body = jax.checkpoint(layer) if pipe.remat else layer
+  if gather is not None:
+    plain = body
+    body = jax.checkpoint(lambda p, h: plain(gather(p), h),
+                          policy=_gathers_recomputed(pipe.policy()))
   y, _ = lax.scan(lambda h, p: (body(p, h), None), y, layers)
   return y
 
@@ -1397,14 +1571,17 @@ def _gpipe_split(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, 
   pipe, S, M = run.pipeline, run.S, run.M
   stage = run.stage()
   first = jax.tree_util.tree_map(lambda x: x[0], run.micro)
-  cast = lambda p: run.cast(p)  # noqa: E731
+  cast = lambda p: run.gather_rest(run.params(p))  # noqa: E731
   x_shape = jax.eval_shape(lambda p, b: pipe.embed_fn(cast(p), b), params, first)
   y_shape = jax.eval_shape(lambda p, b: pipe.decoder_embed_fn(cast(p), b), params,
                            first)
   ring = [(i, i + 1) for i in range(S - 1)]
+  embed = run.gathered(pipe.embed_fn)
+  decoder_embed = run.gathered(pipe.decoder_embed_fn)
+  head = run.gathered(run.head_terms)
 
   def objective(params):
-    p = cast(params)
+    p = run.params(params)
     encoder, decoder = p[pipe.stages_key], p[pipe.decoder_key]
 
     def tick(carry, t):
@@ -1414,19 +1591,21 @@ def _gpipe_split(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, 
       m = jnp.clip(m, 0, M - 1)
       mb = run.micro_batch(m)
       x = lax.cond(stage == 0,
-                   lambda: pipe.embed_fn(p, mb).astype(x_shape.dtype), lambda: x_in)
+                   lambda: embed(p, mb).astype(x_shape.dtype), lambda: x_in)
       y = lax.cond(stage == pipe.split,
-                   lambda: pipe.decoder_embed_fn(p, mb).astype(y_shape.dtype),
+                   lambda: decoder_embed(p, mb).astype(y_shape.dtype),
                    lambda: y_in)
       # A bubble's inputs are garbage: replace them before any arithmetic.
       x, y = jnp.where(valid, x, jnp.zeros_like(x)), jnp.where(valid, y,
                                                                jnp.zeros_like(y))
       x, y = lax.cond(
           stage < pipe.split,
-          lambda: (pipe._layers(encoder, x), y),  # pylint: disable=protected-access
-          lambda: (x, _decoder_layers(pipe, decoder, y, x)))
+          lambda: (pipe._layers(  # pylint: disable=protected-access
+              encoder, x, gather=run.gather_layer(pipe.stages_key)), y),
+          lambda: (x, _decoder_layers(pipe, decoder, y, x,
+                                      run.gather_layer(pipe.decoder_key))))
       ends = valid & (stage == S - 1)
-      l, c = lax.cond(ends, lambda: run.head_terms(p, y, mb),
+      l, c = lax.cond(ends, lambda: head(p, y, mb),
                       lambda: (run.zero(), run.zero()))
       sent = lax.ppermute((x, y), pipe.stage_axis, ring) if S > 1 else (x, y)
       return (sent, loss + l, count + c), None

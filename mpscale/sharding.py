@@ -42,6 +42,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -606,6 +607,39 @@ def gather_split(tree: Any, specs: Any, axes: Sequence[str]) -> Any:
       x = lax.all_gather(x, over, axis=dim, tiled=True)
     return x
   return jax.tree_util.tree_map(gather, tree, specs)
+
+
+def gather_cast(x: jax.Array, dtype: Any, dims: Sequence[tuple[int, tuple[str, ...]]]
+               ) -> jax.Array:
+  """Inside ``shard_map``: ``x`` (a master shard) cast to ``dtype`` and all-gathered
+  along ``dims`` (`split_dims`' ``(dim, axes)`` pairs). The gather moves the compute
+  dtype; the gradient comes back reduce-scattered in ``x``'s own dtype (float32
+  masters: float32 sums over the replicas, PyTorch FSDP's ``reduce_dtype``)."""
+  return _gather_cast(x, jnp.dtype(dtype), tuple(dims), jnp.dtype(x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_cast(x, dtype, dims, master):
+  del master
+  y = x.astype(dtype)
+  for dim, over in dims:
+    y = lax.all_gather(y, over, axis=dim, tiled=True)
+  return y
+
+
+def _gather_cast_fwd(x, dtype, dims, master):
+  return _gather_cast(x, dtype, dims, master), None
+
+
+def _gather_cast_bwd(dtype, dims, master, _, ct):
+  del dtype
+  g = ct.astype(master)
+  for dim, over in reversed(dims):
+    g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
+  return (g,)
+
+
+_gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
 
 
 def scatter_split(tree: Any, specs: Any, axes: Sequence[str]) -> Any:

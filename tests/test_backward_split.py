@@ -66,6 +66,21 @@ def test_b_and_w_add_up_to_the_layers_gradients(fn, tapped):
   assert [t.leaf for t in bs.Split(fn, p, x).taps]  # found
 
 
+@pytest.mark.parametrize("fn, weight_only", [
+    (mlp, {"w1", "w2"}), (shaped, {"flat", "v"}), (tied, set()), (looped, set())])
+def test_leaves_only_tapped_products_use_get_no_gradient_from_b(fn, weight_only):
+  """What ZB-H1 under FSDP reduce-scatters after B (the others' B gradients are
+  zero, so only W sends them)."""
+  p = _params()
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 6)), jnp.float32)
+  split = bs.Split(fn, p, x)
+  names = sorted(p)  # the leaves' order
+  assert {names[i] for i in split.weight_only} == weight_only
+  y, b, _, _ = split_grads(fn, p, x, jnp.ones_like(fn(p, x)))
+  for name in weight_only:
+    assert not np.asarray(b[name]).any(), name
+
+
 def test_b_does_none_of_the_weight_side_products():
   """The weight of a tapped product is fixed for B: B's program has one product per
   tapped product (its input side), W's one each (its weight side); the layer's own
