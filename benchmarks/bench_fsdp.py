@@ -47,7 +47,8 @@ from mpscale.trainer.lm import TinyLM  # noqa: E402
 
 # The user's linen LM and the HLO reading are the tests' own (tests/test_batch_split.py).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.test_batch_split import LM, global_batch_ops  # noqa: E402
+from tests.test_batch_split import (LM, global_batch_ops, nnx_lm,  # noqa: E402
+                                    nnx_loss)
 
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
                     "h100_sxm.txtpb")
@@ -69,12 +70,35 @@ def models(width, layers, vocab, seq):
   def tiny_loss(params, batch):
     total, tokens = tiny.loss_fn(params, batch)
     return total / tokens
-  return {
+  from mpscale.trainer import models as models_lib
+  nnx_model = models_lib.from_nnx(nnx_lm(width, layers, vocab), nnx_loss)
+
+  def nnx_mean(params, batch):
+    total, tokens = nnx_model.loss_fn(
+        params, {"x": batch["inputs"], "y": batch["targets"]})
+    return total / tokens
+  out = {
       "linen LM": (jax.eval_shape(lambda: linen.init(
           jax.random.key(0), jnp.zeros((1, seq), jnp.int32))["params"]), linen_loss,
                    layer),
+      "NNX LM": (jax.eval_shape(lambda: nnx_model.init(None)), nnx_mean, layer),
       "TinyLM": (jax.eval_shape(tiny.init, jax.random.key(0)), tiny_loss, layer),
   }
+  try:  # Hugging Face's own Flax GPT-2, where transformers is installed
+    import transformers
+  except ImportError:
+    return out
+  gpt2 = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(
+      n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=seq),
+      _do_init=False)
+
+  def gpt2_loss(params, batch):
+    logits = gpt2(batch["inputs"], params=params, train=False).logits
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["targets"]).mean()
+  out["HF GPT-2"] = (jax.eval_shape(lambda: gpt2.init_weights(
+      jax.random.key(0), (1, seq))), gpt2_loss, layer)
+  return out
 
 
 def devices(gpu):
@@ -107,6 +131,8 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=4)
   ap.add_argument("--seq", type=int, default=320)
   ap.add_argument("--rows", type=int, default=16, help="global batch (sequences)")
+  ap.add_argument("--no-pipeline", action="store_true",
+                  help="leave out the pipelined table (FSDP inside the stages)")
   args = ap.parse_args(argv)
   mesh = Mesh(np.array(devices(args.gpu)).reshape(1, 8), ("data", "fsdp"))
   mib = 2.0**20
@@ -134,6 +160,47 @@ def main(argv=None):
             f"{temp / estimate:>7.2f}"
             f"{len(global_batch_ops(text, args.rows, args.seq)):>18}"
             f"  {coll}")
+  if not args.no_pipeline:
+    pipelined(args, devices(args.gpu))
+
+
+def pipelined(args, devs):
+  """FSDP inside pipeline stages: TinyLM over 2 stages x 4 data devices, the
+  parameters replicated over the 4 (dp) or split over them (fsdp, gathered a layer
+  at a time where each layer runs), for each schedule."""
+  tiny = TinyLM(vocab_size=512, d_model=args.width, num_heads=4,
+                num_layers=2 * args.layers, d_ff=4 * args.width, seq_len=args.seq)
+  params = jax.eval_shape(tiny.init, jax.random.key(0))
+  layer = 12 * args.width * args.width * 4  # one layer's float32 weights
+  mib = 2.0**20
+  print(f"\npipelined TinyLM, {2 * args.layers} layers on 2 stages x 4 "
+        f"(data or fsdp), 4 micro-batches of {args.rows} x {args.seq} tokens")
+  print(f"{'schedule':<10}{'layout':<8}{'temp MiB':>10}{'/ dp':>7}"
+        f"{'largest gather / layer':>24}  collectives (MiB)")
+  for schedule in ("gpipe", "1f1b", "zb_h1"):
+    pipe = mpscale.Pipeline(tiny.embed_fn, tiny.stage_fn, tiny.head_fn, 4,
+                            schedule=schedule)
+    dp_temp = None
+    for layout in ("dp", "fsdp"):
+      axis = "data" if layout == "dp" else "fsdp"
+      mesh = Mesh(np.array(devs).reshape(4, 2), (axis, "stage"))
+      specs = pipe.param_specs(params, tiny.param_specs(mesh))
+      if layout == "fsdp":
+        specs = sharding.fsdp_specs(params, mesh, "fsdp", specs)
+      init, step = mpscale.make_train_step(
+          pipe, optax.adamw(1e-3), mesh=mesh, data_axis=axis, param_specs=specs,
+          per_token_loss=True)
+      batch = {k: jax.ShapeDtypeStruct((args.rows, args.seq), dtype)
+               for k, dtype in (("inputs", jnp.int32), ("targets", jnp.int32),
+                                ("mask", jnp.float32))}
+      comp = step.lower(init(params), batch).compile()
+      temp = comp.memory_analysis().temp_size_in_bytes
+      dp_temp = dp_temp or temp
+      text = comp.as_text()
+      coll = ", ".join(f"{k} {v['bytes'] / mib:.0f}"
+                       for k, v in sorted(hlo.collectives(text).items()))
+      print(f"{schedule:<10}{layout:<8}{temp / mib:>10.0f}{temp / dp_temp:>7.2f}"
+            f"{hlo.largest_collective(text, 'all-gather') / layer:>24.2f}  {coll}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ _PRODUCTS = ("dot_general", "conv_general_dilated", "gather")
 """Where a weight is used whole: gathered over the data axes there."""
 _CASTS = ("convert_element_type", "copy", "copy_p")
 """Through which a weight is still the weight (a policy's cast to the compute dtype)."""
+_SHAPING = ("reshape", "squeeze", "expand_dims")
+"""Through which a weight left whole (no other split) is still the weight."""
 
 
 def _uses_weight(eqn: Any, specs: list) -> bool:
@@ -149,8 +151,10 @@ class _Split:
         outs = [self.pin(x, d) for x, d in zip(outs, out_dims)]
       env.update(zip(eqn.outvars, outs))
       where.update((v, d) for v, d in zip(eqn.outvars, out_dims) if d is not None)
-      if eqn.primitive.name in _CASTS and specs[0] is not None:
-        weights[eqn.outvars[0]] = specs[0]
+      if specs and specs[0] is not None:
+        moved = _weight_through(eqn, specs[0])
+        if moved is not None:
+          weights[eqn.outvars[0]] = moved
     out_dims = [jaxprs.lookup(where, v) for v in jaxpr.outvars]
     return [jaxprs.read(env, v) for v in jaxpr.outvars], out_dims
 
@@ -227,6 +231,22 @@ class _Split:
     outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),
                           policy=p.get("policy"))(*values)
     return list(outs), seen["dims"]
+
+
+def _weight_through(eqn: Any, spec: PartitionSpec) -> Optional[PartitionSpec]:
+  """The gathered spec of a weight after a one-operand equation that keeps it a
+  weight (a cast; a transpose, as Hugging Face's ``Conv1D`` applies to its kernel;
+  a reshape or the like of a weight left whole on the device), ``None`` for any
+  other."""
+  name = eqn.primitive.name
+  if name in _CASTS:
+    return spec
+  entries = sharding_lib.pad(spec, eqn.invars[0].aval.ndim)
+  if name == "transpose":
+    return sharding_lib.make_spec([entries[d] for d in eqn.params["permutation"]])
+  if name in _SHAPING and all(e is None for e in entries):
+    return PartitionSpec()
+  return None
 
 
 def _out_dims(eqn: Any, dims: list[Dim]) -> list[Dim]:

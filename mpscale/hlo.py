@@ -281,6 +281,29 @@ def collectives(hlo: Union[str, Module]) -> dict[str, dict[str, int]]:
   return out
 
 
+def largest_collective(hlo: Union[str, Module], kind: str) -> int:
+  """The bytes of the largest single ``kind`` collective (``"all-gather"``, ...) in
+  the compiled HLO ``hlo``, per device, as `collectives` counts one; 0 without one.
+  Under FSDP the largest all-gather is the most of the weights gathered at once by
+  one op: a layer's (or one weight's) where they are gathered where used, the whole
+  model's where they are gathered when the step starts.
+
+  Example:
+
+    >>> from mpscale import hlo
+    >>> text = '''HloModule m
+    ... ENTRY %main (a: f32[8,128]) -> f32[32,128] {
+    ...   %a = f32[8,128]{1,0} parameter(0)
+    ...   ROOT %g = f32[32,128]{1,0} all-gather(%a), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+    ... }'''
+    >>> hlo.largest_collective(text, "all-gather")
+    16384
+  """
+  module = _as_module(hlo)
+  return max((_moved(module, name, ins) for name, body in module.computations.items()
+              for ins in body if _kind(ins) == kind), default=0)
+
+
 def matmul_flops(hlo: Union[str, Module]) -> float:
   """FLOPs of the matrix products (``dot``) in the compiled HLO ``hlo`` (text, or
   `parse`'s `Module`) per step: ``2 * prod(result) * prod(contracted dims)`` each,

@@ -192,6 +192,36 @@ def test_fsdp_gathers_each_weight_forward_and_backward():
   assert 1.9 * split <= gathered <= 2.1 * split
 
 
+def test_a_transposed_or_reshaped_weight_is_gathered_where_it_is_used():
+  """Hugging Face's ``Conv1D`` keeps its kernel ``[out, in]`` and multiplies by its
+  transpose; other models reshape a flat weight. Through either, the weight is still
+  gathered at its product and again for the backward's input gradient, not gathered
+  once and kept from the forward to the backward. Three layers of equal weights:
+  the first is gathered once (its input needs no gradient), the transposed and the
+  reshaped one twice each: 5 weights' bytes (kept: 3)."""
+  rng = np.random.default_rng(0)
+  width, rows, seq = 256, 16, 64
+  f32 = lambda *s: jnp.asarray(rng.normal(size=s) * 0.05, jnp.float32)  # noqa: E731
+  params = {"w0": f32(width, 4 * width), "w1": f32(width, 4 * width),
+            "w2": f32(4 * width * width)}
+
+  def loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w0"])                    # [.., 4 width]
+    h = jnp.tanh(h @ p["w1"].T)                           # [.., width]
+    y = h @ p["w2"].reshape(width, 4 * width)
+    return jnp.mean(jnp.square(y))
+
+  mesh = fsdp_mesh(1, 8)
+  init, step = mpscale.make_train_step(
+      loss, optax.sgd(0.1), mesh=mesh, data_axis=("data", "fsdp"),
+      param_specs=sharding.fsdp_specs(params, mesh))
+  batch = {"x": jax.ShapeDtypeStruct((rows, seq, width), jnp.float32)}
+  text = step.lower(init(params), batch).compile().as_text()
+  gathered = hlo.collectives(text)["all-gather"]["bytes"]
+  weight = 4 * width * width * 4
+  assert gathered == pytest.approx(5 * weight, rel=0.02), gathered / weight
+
+
 def test_fsdp_user_model_matches_one_device():
   """Three SGD steps of the user's LM under FSDP (data 2 x fsdp 4) equal one
   device's: loss and params, float32. (Not Adam: the key bias's gradient is zero but
@@ -213,13 +243,9 @@ def test_fsdp_user_model_matches_one_device():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
-  """The same for a Flax NNX model, as the trainer adapts it
-  (`mpscale.trainer.models.from_nnx`): no global-batch dot or gather, where GSPMD
-  alone made them."""
+def nnx_lm(width, layers=2, vocab=512):
+  """A user's Flax NNX transformer LM (unrolled blocks), as a test would write it."""
   from flax import nnx
-
-  from mpscale.trainer import models
 
   class NNXBlock(nnx.Module):
     def __init__(self, w, rngs):
@@ -236,18 +262,32 @@ def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
 
   class NNXLM(nnx.Module):
     def __init__(self, w, rngs):
-      self.embed = nnx.Embed(512, w, rngs=rngs)
-      self.block0, self.block1 = NNXBlock(w, rngs), NNXBlock(w, rngs)
-      self.head = nnx.Linear(w, 512, rngs=rngs)
+      self.embed = nnx.Embed(vocab, w, rngs=rngs)
+      self.blocks = nnx.List([NNXBlock(w, rngs) for _ in range(layers)]) if hasattr(
+          nnx, "List") else [NNXBlock(w, rngs) for _ in range(layers)]
+      self.head = nnx.Linear(w, vocab, rngs=rngs)
 
     def __call__(self, ids):
-      return self.head(self.block1(self.block0(self.embed(ids))))
+      x = self.embed(ids)
+      for block in self.blocks:
+        x = block(x)
+      return self.head(x)
 
-  def loss(module, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(
-        module(batch["x"]), batch["y"]).mean()
+  return NNXLM(width, nnx.Rngs(0))
 
-  model = models.from_nnx(NNXLM(WIDTH, nnx.Rngs(0)), loss)
+
+def nnx_loss(module, batch):
+  return optax.softmax_cross_entropy_with_integer_labels(
+      module(batch["x"]), batch["y"]).mean()
+
+
+def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
+  """The same for a Flax NNX model, as the trainer adapts it
+  (`mpscale.trainer.models.from_nnx`): no global-batch dot or gather, where GSPMD
+  alone made them."""
+  from mpscale.trainer import models
+
+  model = models.from_nnx(nnx_lm(WIDTH), nnx_loss)
   params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                   model.init(None))
   mesh = fsdp_mesh(1, 8)
@@ -256,6 +296,35 @@ def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
     init, step = mpscale.make_train_step(
         model.loss_fn, optax.adamw(1e-3), mesh=mesh, data_axis=("data", "fsdp"),
         param_specs=sharding.fsdp_specs(params, mesh), per_token_loss=True)
+    batch = {k: jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32) for k in ("x", "y")}
+    return step.lower(init(params), batch).compile().as_text()
+
+  assert global_batch_ops(text(), ROWS, SEQ) == []
+  monkeypatch.setattr(batch_split, "keep_batch_split", lambda fn, *a: fn)
+  assert len(global_batch_ops(text(), ROWS, SEQ)) > 10
+
+
+def test_fsdp_keeps_hugging_face_gpt2s_batch_split(monkeypatch):
+  """Hugging Face's own Flax GPT-2 (transformers' ``FlaxGPT2LMHeadModel``, code
+  nobody here wrote), 2 layers of width 1024, under FSDP on 8 devices at 2 sequences
+  a device: no global-batch dot or gather in the compiled step, where GSPMD alone
+  made them. Needs the optional ``outside`` extra (transformers)."""
+  transformers = pytest.importorskip("transformers")
+  gpt2 = transformers.FlaxGPT2LMHeadModel(
+      transformers.GPT2Config(n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=512,
+                              n_positions=SEQ), _do_init=False)
+  params = jax.eval_shape(lambda: gpt2.init_weights(jax.random.key(0), (1, SEQ)))
+
+  def loss_fn(p, batch):
+    logits = gpt2(batch["x"], params=p, train=False).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  mesh = fsdp_mesh(1, 8)
+
+  def text():
+    init, step = mpscale.make_train_step(
+        loss_fn, optax.adamw(1e-3), mesh=mesh, data_axis=("data", "fsdp"),
+        param_specs=sharding.fsdp_specs(params, mesh))
     batch = {k: jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32) for k in ("x", "y")}
     return step.lower(init(params), batch).compile().as_text()
 

@@ -78,6 +78,21 @@ def test_collectives_of_data_parallel_and_pipeline_steps():
   assert ticks * activation <= permutes["bytes"] < ticks * activation + 1024
 
 
+def test_fsdp_plan_reports_activations_a_device_and_one_weight_gathered():
+  """Activations follow a device's rows (1/8 of one device's on 8, whether the
+  parameters are replicated or split); under FSDP the largest all-gather is one
+  layer's largest weight in the compute dtype (d_ff x d_model, float16), not more:
+  the weights are gathered where they are used."""
+  one, dp, fsdp = (plan_lib.plan(_cfg(*sets))
+                   for sets in ([], ["mesh.data=8"], ["mesh.fsdp=8"]))
+  assert dp.activations == fsdp.activations
+  assert one.activations == pytest.approx(8 * dp.activations, rel=0.01)
+  assert dp.largest_gather == 0
+  assert fsdp.largest_gather == 128 * 512 * 2
+  text = fsdp.text()
+  assert "activations" in text and "gathered" in text and "gathered" not in dp.text()
+
+
 def test_a_pipelined_plan_shows_every_schedule_side_by_side():
   """Interleaved 1F1B (S = 4, M = 8, v = 2): the plan lists GPipe and 1F1B, plain and
   interleaved, with each table's bubble and stage inputs alive, its own marked, in the

@@ -161,6 +161,14 @@ class Plan:
   """A pipelined config's `mpscale.Pipeline.residual_bytes`: what a device keeps for
   the backward under its schedule and recompute policy (``layer``, ``items``,
   ``layers``, ``total``); ``None`` without a pipeline."""
+  activations: Optional[int] = None
+  """An unpipelined config's activation bytes a device: what autodiff keeps for the
+  backward of one micro-batch of the device's rows (`activation_bytes`); ``None``
+  for a pipeline (its `residuals` say it per schedule)."""
+  largest_gather: int = 0
+  """The largest single all-gather of the step, bytes a device
+  (`mpscale.hlo.largest_collective`): under FSDP, the most weights gathered at once
+  (one layer's where they are gathered where used)."""
 
   @property
   def flops_per_step(self) -> float:
@@ -203,6 +211,7 @@ class Plan:
           if b.get("model_state") else []),
         f"  batch             {_fmt_bytes(b['batch']):>12}",
         f"  temporaries       {_fmt_bytes(b['temporaries']):>12}",
+        *self._fsdp_lines(),
         f"  peak              {_fmt_bytes(b['peak']):>12}"
         + ("" if self.device_memory is None else
            f"  of {_fmt_bytes(self.device_memory)}: "
@@ -221,6 +230,21 @@ class Plan:
     if self.estimate is not None:
       lines.append(self.estimate.text())
     return "\n".join(lines)
+
+  def _fsdp_lines(self) -> list[str]:
+    """Activations a device and the weights gathered at once (under FSDP)."""
+    lines = []
+    split = " (before the tensor split)" if self.mesh.get("tensor", 1) > 1 else ""
+    if self.activations is not None:
+      lines.append(f"    activations     {_fmt_bytes(self.activations):>12}  (kept for "
+                   f"the backward of one micro-batch of this device's rows){split}")
+    if self.largest_gather and self.mesh.get("fsdp", 1) > 1:
+      total = self.collectives.get("all-gather", {}).get("bytes", 0)
+      params = max(self.bytes["params"] * self.mesh.get("fsdp", 1), 1)
+      lines.append(f"    gathered        {_fmt_bytes(self.largest_gather):>12}  (the "
+                   f"largest all-gather; all of them {total / params:.1f}x the "
+                   "parameters a step)")
+    return lines
 
   def _residual_lines(self) -> list[str]:
     r = self.residuals
@@ -309,6 +333,41 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
   batch = loop.global_batch_shapes(data, first_batch)
   data_key = "data.provider" if cfg.data.provider is not None else "the built-in data"
   return model, batch, data.tokens_per_step, data_key
+
+
+def activation_bytes(loss_fn: Any, params: Any, batch: Any, rows: int,
+                     cast: Any = lambda p: p, **kwargs: Any) -> int:
+  """What autodiff keeps for the backward of ``loss_fn`` on ``rows`` rows of
+  ``batch`` (one micro-batch of a device's share), from a trace (shapes are enough;
+  nothing is compiled or run): the residuals of its ``jax.vjp`` in the parameters,
+  less the parameters and anything shaped like one (their casts to the compute
+  dtype, which the step holds anyway). Shapes are whole along the mesh axes the
+  model leaves to GSPMD (a tensor-parallel layer's are split further on the device).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch, **kwargs)``, as `mpscale.make_train_step`
+      calls it.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+    batch: a batch (arrays or shapes) whose leading dimension is the rows.
+    rows: the rows of the micro-batch a device computes at once.
+    cast: the precision policy's cast to the compute dtype.
+    **kwargs: passed to ``loss_fn`` (``rng``, ``model_state``).
+
+  Returns:
+    The bytes.
+  """
+  local = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype), batch)
+  shapes = {tuple(x.shape) for x in jax.tree_util.tree_leaves(params)}
+
+  def residuals(p, b, kw):
+    _, pullback = jax.vjp(lambda q: loss_fn(cast(q), b, **kw), p)
+    inputs = jax.tree_util.tree_leaves((p, b, kw))
+    return [x for x in jax.tree_util.tree_leaves(pullback)
+            if not any(x is y for y in inputs) and tuple(x.shape) not in shapes]
+
+  kept = jax.eval_shape(residuals, params, local, kwargs)
+  return int(sum(x.size * x.dtype.itemsize for x in kept))
 
 
 def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
@@ -400,6 +459,19 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
           state.params, batch, mesh=mesh, data_axis=builders.data_axes(mesh),
           per_token_loss=provided or cfg.train.per_token_loss,
           cast=setup.policy.cast_to_compute)
+  activations = None
+  if not isinstance(loss, pipeline_lib.Pipeline):
+    replicas = 1 if mesh is None else sharding_lib.axis_size(
+        mesh, builders.data_axes(mesh))
+    rows = jax.tree_util.tree_leaves(batch)[0].shape[0] // (
+        replicas * cfg.train.num_microbatches)
+    kwargs = {}
+    if state.rng is not None:
+      kwargs["rng"] = jax.random.key(0)
+    if state.model_state is not None:
+      kwargs["model_state"] = state.model_state
+    activations = activation_bytes(loss, state.params, batch, rows,
+                                   setup.policy.cast_to_compute, **kwargs)
   compute_dtype = jax.numpy.dtype(setup.policy.compute_dtype).name
   narrow = compute_dtype in ("bfloat16", "float16")
   work = hlo_lib.kernels(hlo, float32_bytes=2 if narrow else 4)
@@ -422,7 +494,9 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
       kernels={"dots": [list(d) for d in work.dots], "bytes": work.bytes},
       collectives_over=hlo_lib.collectives_over(hlo, dict(mesh.shape) if mesh is not
                                                 None else {}),
-      compute_dtype=compute_dtype, schedules=schedules, residuals=residuals)
+      compute_dtype=compute_dtype, schedules=schedules, residuals=residuals,
+      activations=activations,
+      largest_gather=hlo_lib.largest_collective(hlo, "all-gather"))
   if hardware is not None:
     planned.estimate = step_time_lib.estimate(planned, hardware)
   return planned
