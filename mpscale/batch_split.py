@@ -22,6 +22,12 @@ inside a scan over stacked layers too, and each gradient is reduce-scattered the
 Values whose batch dimension it cannot follow (inside custom derivatives, ``cond``
 and ``while`` bodies) are left to GSPMD.
 
+Inside a ``shard_map`` that is manual over the data axes (the step's float32 sums,
+``grad_reduce_dtype=float32``) the batch is each device's own already, and
+`gather_where_used` does the weights' half by hand: each split leaf stays a master
+shard and is cast and all-gathered at each equation that uses it, its gradient
+reduce-scattered there in float32.
+
 References:
   Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
   VLDB 2023. https://arxiv.org/abs/2304.11277
@@ -323,3 +329,147 @@ def _gathered(numbers: Any, d: int, shape: tuple, out_ndim: int) -> Dim:
     return None
   rest = [x for x in range(out_ndim) if x not in numbers.offset_dims]
   return rest[d] if d < len(rest) else None
+
+
+# ------------------------------------------------ inside shard_map: gathered where used
+class _Shard:
+  """A weight kept as its master shard until it is used (`gather_where_used`): the
+  dtype it is cast to there and the dimensions it is split along, ``(dim, axes)``."""
+
+  def __init__(self, dtype: Any, dims: tuple):
+    self.dtype, self.dims = dtype, dims
+
+  def gather(self, x: jax.Array) -> jax.Array:
+    return sharding_lib.gather_cast(x, self.dtype, self.dims)
+
+
+def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
+  """Inside a ``shard_map`` that is manual over FSDP's data axes: ``fn(params,
+  *args)`` evaluated on the parameters' master shards, each split leaf cast and
+  all-gathered at each equation that uses it (`mpscale.sharding.gather_cast`, under
+  ``jax.checkpoint`` so the backward gathers it again), never the whole model at
+  once; its gradient is reduce-scattered there in the masters' dtype.
+
+  ``fn`` is traced on the parameters' whole shapes and evaluated again one equation
+  at a time: a cast of a split leaf is deferred to its gather (the gather moves the
+  compute dtype, the gradient sums in float32), and a leaf is followed into
+  ``scan`` bodies (a stacked leaf's slice is one layer's shard), nested ``jit``
+  calls and ``checkpoint``. Any other equation that uses it gathers it there; one
+  that cannot be followed (``cond``, ``while``, custom derivatives) gathers it
+  whole first.
+
+  Args:
+    fn: ``fn(params, *args)``, written for whole parameters.
+    dims: like ``params``: each leaf's ``(dim, axes)`` pairs
+      (`mpscale.sharding.split_dims` of its spec over the manual data axes), a
+      tuple, empty for a leaf that is not split.
+
+  Returns:
+    ``f(shards, *args)`` with ``fn``'s results.
+  """
+  def wrapped(shards: Any, *args: Any) -> Any:
+    leaf_dims = jax.tree_util.tree_leaves(dims, is_leaf=lambda x: isinstance(x, tuple))
+    shard_leaves = jax.tree_util.tree_leaves(shards)
+    whole = [jax.ShapeDtypeStruct(_whole_shape(x.shape, d), x.dtype)
+             for x, d in zip(shard_leaves, leaf_dims)]
+    p_tree = jax.tree_util.tree_structure(shards)
+    leaves, tree = jax.tree_util.tree_flatten(args)
+
+    def flat(*xs):
+      p = jax.tree_util.tree_unflatten(p_tree, xs[:len(whole)])
+      return fn(p, *jax.tree_util.tree_unflatten(tree, xs[len(whole):]))
+
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*whole, *leaves)
+    marks = {v: _Shard(x.dtype, tuple(d)) for v, x, d in
+             zip(closed.jaxpr.invars, shard_leaves, leaf_dims) if d}
+    outs = _Gathers().run(closed.jaxpr, closed.consts, [*shard_leaves, *leaves], marks)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+  return wrapped
+
+
+def _whole_shape(shape: tuple, dims: Sequence) -> tuple:
+  out = list(shape)
+  for dim, axes in dims:
+    out[dim] *= math.prod(lax.axis_size(a) for a in axes)
+  return tuple(out)
+
+
+class _Gathers:
+  """`gather_where_used`'s evaluation: values, and the weights still shards."""
+
+  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+          marks: dict) -> list:
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    marks = dict(marks)
+    for eqn in jaxpr.eqns:
+      values = [jaxprs.read(env, v) for v in eqn.invars]
+      shards = [jaxprs.lookup(marks, v) for v in eqn.invars]
+      if all(s is None for s in shards):
+        outs = jaxprs.bind(eqn, values)
+      elif eqn.primitive.name in _CASTS and shards[0] is not None:
+        # Deferred: cast where gathered (the compute dtype moves, float32 sums back).
+        dtype = eqn.params.get("new_dtype", eqn.outvars[0].aval.dtype)
+        marks[eqn.outvars[0]] = _Shard(dtype, shards[0].dims)
+        outs = values
+      else:
+        outs = self.equation(eqn, values, shards)
+      env.update(zip(eqn.outvars, outs))
+    return [self.whole(jaxprs.read(env, v), jaxprs.lookup(marks, v))
+            for v in jaxpr.outvars]
+
+  @staticmethod
+  def whole(x: Any, shard: Optional[_Shard]) -> Any:
+    if shard is not None:
+      return shard.gather(x)
+    return x if hasattr(x, "dtype") and hasattr(x, "astype") else jax.numpy.asarray(x)
+
+  def equation(self, eqn: Any, values: list, shards: list) -> list:
+    body = jaxprs.call_body(eqn)
+    if body is not None:
+      return self.run(body[0], body[1], values,
+                      {v: s for v, s in zip(body[0].invars, shards) if s is not None})
+    name = eqn.primitive.name
+    if name == "scan":
+      return self.scan(eqn, values, shards)
+    if name in _REMAT:
+      inner = {v: s for v, s in zip(eqn.params["jaxpr"].invars, shards)
+               if s is not None}
+      return list(jax.checkpoint(
+          lambda *args: self.run(eqn.params["jaxpr"], (), args, inner),
+          prevent_cse=eqn.params.get("prevent_cse", True),
+          policy=eqn.params.get("policy"))(*values))
+
+    def use(*values):
+      # Tied to the equation's other operands: gathered once its input is there.
+      values = lax.optimization_barrier(values)
+      return jaxprs.bind(eqn, [self.whole(x, s) for x, s in zip(values, shards)])
+    # The backward gathers again rather than keeping the gathered weight.
+    return list(jax.checkpoint(use)(*values))
+
+  def scan(self, eqn: Any, values: list, shards: list) -> list:
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    # A carried weight, or a stack split along its layers, is gathered first.
+    values = [self.whole(x, s) if (nc <= i < nc + nk) or (
+        i >= nc + nk and s is not None and any(d == 0 for d, _ in s.dims)) else x
+              for i, (x, s) in enumerate(zip(values, shards))]
+    shards = [None if (nc <= i < nc + nk) or (
+        i >= nc + nk and s is not None and any(d == 0 for d, _ in s.dims)) else s
+              for i, s in enumerate(shards)]
+    consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
+    # A stacked weight's slice is one layer's shard.
+    inner = [*shards[:nc], *([None] * nk),
+             *(None if s is None else _Shard(s.dtype, tuple((d - 1, a) for d, a in s.dims))
+               for s in shards[nc + nk:])]
+    body = p["jaxpr"]
+    marks = {v: s for v, s in zip(body.jaxpr.invars, inner) if s is not None}
+
+    def step(carry, x):
+      outs = self.run(body.jaxpr, body.consts, [*consts, *carry, *x], marks)
+      return outs[:nk], outs[nk:]
+
+    carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
+                         reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]

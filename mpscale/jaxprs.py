@@ -13,6 +13,8 @@ from typing import Any, Optional, Sequence
 
 from jax.extend import core as jcore
 
+from mpscale import sharding as sharding_lib
+
 CALLS = ("pjit", "jit", "closed_call", "core_call")
 """Call primitives whose body is evaluated inline."""
 
@@ -40,11 +42,22 @@ def read(env: dict, v: Any) -> Any:
   return v.val if isinstance(v, jcore.Literal) else env[v]
 
 
+_TO_VARYING = ("pvary", "pcast")
+"""Casts to device-varying inside ``shard_map``: a value traced invariant and
+evaluated again varying (a parameter shard) is already what they make."""
+
+
 def bind(eqn: Any, values: Sequence[Any]) -> list:
-  """Equation ``eqn`` applied to ``values``: its outputs, as a list."""
+  """Equation ``eqn`` applied to ``values``: its outputs, as a list. A cast to
+  device-varying of values that already vary over its axes passes them on."""
+  if eqn.primitive.name in _TO_VARYING and eqn.params.get("to", "varying") == "varying":
+    axes = set(eqn.params.get("axes", eqn.params.get("axis_name", ())) or ())
+    if all(axes <= sharding_lib.varying_axes(x) for x in values):
+      return list(values)
   bound = eqn.primitive.get_bind_params(eqn.params)
   # jax < 0.8 returns (subfunctions, params); later, the params alone.
   subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
   with eqn.ctx.manager:
     out = eqn.primitive.bind(*subfuns, *values, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+

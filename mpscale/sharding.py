@@ -23,8 +23,9 @@ Everything else follows the parameters::
   ZeRO-1            on top, each optimizer-state leaf also splits its largest free
                     dimension over the data axes that are not already in its spec
   FSDP (ZeRO-3)     `fsdp_specs`: each parameter splits its largest free dimension
-                    over the ``fsdp`` axis; GSPMD all-gathers it for compute and
-                    reduce-scatters its gradient
+                    over the ``fsdp`` axis; it is all-gathered where it is used, a
+                    layer at a time, and its gradient reduce-scattered there
+                    (`mpscale.batch_split`; inside pipeline stages, `mpscale.pipeline`)
   the batch         leading dimension over the data axes (``data`` and ``fsdp``):
                     `data_axes`, `batch_sharding`; `batch_rows` checks it divides
 
@@ -598,17 +599,6 @@ def split_dims(spec: PartitionSpec, axes: Sequence[str]
   return found
 
 
-def gather_split(tree: Any, specs: Any, axes: Sequence[str]) -> Any:
-  """Inside ``shard_map``: each leaf split over some of the manual ``axes`` (FSDP's
-  data axes) all-gathered whole, for compute; `scatter_split` sends its gradient
-  back."""
-  def gather(x, spec):
-    for dim, over in split_dims(spec, axes):
-      x = lax.all_gather(x, over, axis=dim, tiled=True)
-    return x
-  return jax.tree_util.tree_map(gather, tree, specs)
-
-
 def gather_cast(x: jax.Array, dtype: Any, dims: Sequence[tuple[int, tuple[str, ...]]]
                ) -> jax.Array:
   """Inside ``shard_map``: ``x`` (a master shard) cast to ``dtype`` and all-gathered
@@ -640,16 +630,6 @@ def _gather_cast_bwd(dtype, dims, master, _, ct):
 
 
 _gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
-
-
-def scatter_split(tree: Any, specs: Any, axes: Sequence[str]) -> Any:
-  """Inside ``shard_map``: each leaf summed over the ``axes`` its spec splits it over,
-  keeping this device's slice (a reduce-scatter, in the leaf's dtype)."""
-  def scatter(g, spec):
-    for dim, over in reversed(split_dims(spec, axes)):
-      g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
-    return g
-  return jax.tree_util.tree_map(scatter, tree, specs)
 
 
 # --------------------------------------------------------------------------- memory

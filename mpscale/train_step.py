@@ -335,7 +335,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   if wide and data_size > 1:
     # float32 sums: each device's own gradient, summed over the replicas in float32.
     grads, loss, tokens = _float32_sums(
-        grad_fn, policy, params, batch, rng, mesh, data_axes, specs,
+        scaled_loss, policy, params, batch, rng, mesh, data_axes, specs,
         num_microbatches)
     grads = like_params(grads)
     pieces = num_microbatches * data_size
@@ -412,7 +412,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   return gradients if not stateful else (gradients, model_state)
 
 
-def _float32_sums(grad_fn: Callable, policy: policy_lib.Policy, params: Any,
+def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
                   batch: Any, rng: Optional[jax.Array], mesh: Mesh,
                   data_axes: tuple[str, ...], specs: Any, num_microbatches: int
                  ) -> tuple[Any, jax.Array, jax.Array]:
@@ -424,19 +424,22 @@ def _float32_sums(grad_fn: Callable, policy: policy_lib.Policy, params: Any,
   split stays GSPMD's, and so does the model's activation layout, whose
   `mpscale.sharding.constrain` drops the manual axes). On each device::
 
-    p = cast_to_compute(params)                 # this device's shard, varying
+    p = params                                  # this device's shard, varying
     g = 0                                       # float32, p's shape
     for micro_batch in split(this replica's rows):   # a lax.scan
-      whole = all_gather(p, FSDP's data axes)   # compute dtype
-      d = grad(scaled_loss)(whole, micro_batch) # these rows only: no sum yet
-      g += psum_scatter(float32(d), FSDP's data axes)  # float32 reduce-scatter
+      # FSDP: each split leaf cast and all-gathered where the loss uses it
+      # (batch_split.gather_where_used: a layer at a time, again for the
+      # backward), its gradient reduce-scattered there in float32
+      d = grad(scaled_loss)(p, micro_batch)     # these rows only: no sum yet
+      g += float32(d)
     g = psum(g, the data axes that split no dimension)  # float32 all-reduce, once
 
-  The gradient is taken with respect to the cast parameters: the same numbers as
-  through the cast (its transpose only widens), and FSDP gathers the compute dtype.
-  Micro-batch ``k`` of replica ``r`` draws from ``replica_key(microbatch_key(rng, k),
-  r)``, as on the vmapped path.
+  Without a split leaf the gradient is taken with respect to the cast parameters:
+  the same numbers as through the cast (its transpose only widens). FSDP gathers the
+  compute dtype and sums in float32. Micro-batch ``k`` of replica ``r`` draws from
+  ``replica_key(microbatch_key(rng, k), r)``, as on the vmapped path.
   """
+  grad_fn = jax.grad(scaled_loss, has_aux=True)
   if specs is None:
     specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
   manual = jax.tree_util.tree_map(
@@ -448,29 +451,33 @@ def _float32_sums(grad_fn: Callable, policy: policy_lib.Policy, params: Any,
   def vary(tree):
     return sharding_lib.cast_varying(tree, data_axes)
 
+  dims = jax.tree_util.tree_map(
+      lambda spec: tuple(sharding_lib.split_dims(spec, data_axes)), manual,
+      is_leaf=sharding_lib.is_spec)
+  split = any(jax.tree_util.tree_leaves(dims))
+  # FSDP: the masters' shards, each cast and gathered where the loss uses it.
+  shard_grad = jax.grad(batch_split_lib.gather_where_used(scaled_loss, dims),
+                        has_aux=True)
+
   def per_device(params, batch, keys):
-    p = vary(policy.cast_to_compute(params))
+    p = vary(params if split else policy.cast_to_compute(params))
     micro_batches = _split_microbatches(batch, num_microbatches, 1)
     if keys is not None:
       replica = sharding_lib.replica_index(data_axes)
       keys = jax.vmap(lambda k: keys_lib.replica_key(
           jax.random.wrap_key_data(k), replica))(vary(keys))
+    grad = shard_grad if split else grad_fn
 
     def body(carry, xs):
       micro_batch, key = xs
-      whole = vary(sharding_lib.gather_split(p, manual, data_axes))
-      grads, (loss, tokens, _) = grad_fn(whole, micro_batch, key, None)
-      grads = sharding_lib.scatter_split(
-          jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), manual,
-          data_axes)
-      new = (grads, loss, tokens)
+      grads, (loss, tokens, _) = grad(p, micro_batch, key, None)
+      new = (jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), loss,
+             tokens)
       return jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry,
                                     new), None
 
     first = jax.tree_util.tree_map(lambda x: x[0], (micro_batches, keys))
-    _, (loss_shape, tokens_shape, _) = jax.eval_shape(
-        grad_fn, vary(sharding_lib.gather_split(p, manual, data_axes)), *first,
-        None)
+    _, (loss_shape, tokens_shape, _) = jax.eval_shape(grad, p, *first, None)
     zeros = vary((jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32),
                                          p),
                   jnp.zeros(loss_shape.shape, jnp.float32),

@@ -277,3 +277,40 @@ def test_a_model_with_a_state_is_refused_by_key():
   with pytest.raises(mpscale.ArgumentError, match="precision.grad_reduce_dtype") as e:
     builders.build(cfg, model=model)
   assert e.value.names == ("precision.grad_reduce_dtype", "model.provider")
+
+
+def test_fsdp_float32_sums_gather_a_layer_at_a_time():
+  """Under FSDP the float32-sums step casts and gathers each weight where the loss
+  uses it (`mpscale.batch_split.gather_where_used`): on the built-in LM, whose layers
+  are stacked and scanned, no all-gather is larger than one layer's largest weight
+  in bfloat16 (the step once gathered every stacked leaf whole, each micro-batch),
+  the gradient sums stay float32, and the gradients equal one device's."""
+  from mpscale.trainer import lm as lm_lib
+  tiny = lm_lib.TinyLM(vocab_size=64, d_model=64, num_heads=4, num_layers=4,
+                       d_ff=256, seq_len=16)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+  params = tiny.init(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 64, (16, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "mask": np.ones((16, 16), np.float32)}
+
+  def grads(mesh, policy):
+    return jax.jit(lambda p, b: mpscale.accumulate_gradients(
+        tiny.loss_fn, p, b, policy=policy, mesh=mesh, per_token_loss=True,
+        data_axis=("data", "fsdp") if mesh else "data", num_microbatches=2,
+        param_specs=tiny.param_specs(mesh) if mesh else None,
+        grad_reduce_dtype=jnp.float32 if mesh else None).grads)
+
+  fn = grads(mesh, "bf16")
+  text = fn.lower(params, batch).compile().as_text()
+  # One layer's MLP weight, at 4 bytes: XLA's CPU backend widens a bfloat16
+  # all-gather to float32 (the whole stack is 4 layers of it).
+  layer = 64 * 256 * 4
+  assert 0 < hlo.largest_collective(text, "all-gather") <= layer
+  sums = [s for s in hlo.sums(text) if s.bytes > 64]
+  assert sums and all(s.dtype == "f32" and not s.widened for s in sums), sums
+  want = grads(None, "f32")(params, batch)
+  got = grads(mesh, "f32")(params, batch)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
