@@ -237,6 +237,55 @@ def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, mon
   assert float(resumed[0]["loss"]) == float(rows(straight)[0]["loss"])
 
 
+@pytest.mark.slow  # three short runs
+def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
+                                                                   monkeypatch):
+  """Ctrl-C (a real SIGINT) arriving while a step is dispatched, after it donated the
+  old state and before the new one is bound (issue #42: one interrupt in four
+  crashed with 'Array has been deleted' and saved nothing): the run exits as
+  interrupted with the completed step checkpointed and logged, and the resume
+  trains exactly as an uninterrupted run."""
+  import signal
+
+  from jax import core as jax_core
+
+  from mpscale.trainer import builders
+  out = tmp_path / "interrupted"
+  overrides = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
+                       "train.checkpoint_every=4"]
+  real_build = builders.build
+
+  def build(*args, **kwargs):
+    setup = real_build(*args, **kwargs)
+    calls = []
+
+    def step(state, batch):
+      out = setup.step(state, batch)
+      if not isinstance(state.step, jax_core.Tracer):  # a real step, not a trace
+        calls.append(1)
+      if len(calls) == 6:  # the state of step 5 is donated, step 6's not yet bound
+        calls.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+      return out
+    return setup._replace(step=step)
+
+  monkeypatch.setattr(builders, "build", build)
+  assert cli.main(train_args(FP16, out, overrides=overrides)) == 130
+  assert [int(r["step"]) for r in rows(out)] == [4, 6]  # step 6 completed, logged
+  assert sorted(int(d) for d in os.listdir(out / "checkpoints")
+                if d.isdigit()) == [4, 6]
+  monkeypatch.setattr(builders, "build", real_build)
+  assert cli.main(train_args(FP16, out, "--resume", overrides=overrides)) == 0
+  straight = tmp_path / "straight"
+  assert cli.main(train_args(FP16, straight, overrides=overrides)) == 0
+  assert [int(r["step"]) for r in rows(out)] == [4, 6, 8]
+  assert rows(out)[-1]["loss_scale"] == rows(straight)[-1]["loss_scale"]
+  # The same final state: the evaluation of step 8's parameters.
+  summaries = [json.load(open(os.path.join(d, "summary.json"))) for d in (out, straight)]
+  assert summaries[0]["final_eval_loss"] == pytest.approx(
+      summaries[1]["final_eval_loss"], rel=1e-6)
+
+
 def test_progress_at_80_columns_shows_the_counter_the_time_and_the_loss():
   import io
   from rich.console import Console

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -370,6 +373,37 @@ class _Logger:
     self.log.close()
 
 
+@contextlib.contextmanager
+def _interrupt_after(state: Any):
+  """Holds a Ctrl-C (SIGINT) that arrives inside the block once ``state`` is donated
+  (deleted), and raises it when the block is done. The step donates the state it is
+  given: an interrupt between the donation and the binding of the new state would
+  leave no state to save (issue #42), so the step's call and that binding are one
+  block. Before the donation (while the first step compiles, say) the interrupt is
+  raised at once."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  caught = []
+  leaves = [x for x in jax.tree_util.tree_leaves(state) if hasattr(x, "is_deleted")]
+
+  def handler(signum, frame):
+    if not any(x.is_deleted() for x in leaves):
+      raise KeyboardInterrupt  # nothing donated yet: the state is still whole
+    caught.append(signum)
+
+  previous = signal.signal(signal.SIGINT, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  if caught:
+    if callable(previous):
+      previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
+    elif previous != signal.SIG_IGN:
+      raise KeyboardInterrupt
+
+
 def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
   """Trains from step ``start`` to ``train.steps``, logging, evaluating and saving
   checkpoints when due; returns the final state. Interrupted (Ctrl-C), it logs and
@@ -387,10 +421,11 @@ def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
   try:
     with logger:
       for step in range(start, steps):
-        batch = next(batches)
-        state, metrics = run.setup.step(state, _global_batch(batch, run.setup, run.data))
-        done = step + 1
-        logger.record(metrics, done)
+        batch = _global_batch(next(batches), run.setup, run.data)
+        with _interrupt_after(state):  # the old state is donated: keep the new one
+          state, metrics = run.setup.step(state, batch)
+          done = step + 1
+          logger.record(metrics, done)
         evaluating = due(done, train_cfg.eval_every)
         checkpointing = due(done, train_cfg.checkpoint_every)
         if not (due(done, train_cfg.log_every) or evaluating or checkpointing):
