@@ -4,7 +4,8 @@ A finite but huge step (a bad batch, the start of an instability) is applied by 
 optimizer, and `skip_nonfinite` lets it through: nothing in it is NaN or Inf. Large
 runs skip it instead: OLMo-core's ``SkipStepOptimizer`` skips a step whose loss or
 gradient norm is more than ``sigma_factor`` (6) standard deviations above the mean of
-the last ``rolling_interval_length`` (128) steps, once half of them are in.
+the last ``rolling_interval_length`` (128) steps, once half of them are in (the current
+one counted: 63 earlier values).
 `skip_spikes` is that rule as an mpscale wrapper: the global norm is read from the
 per-leaf sums of squares the loss-scale wrapper measured (`mpscale.norms`, no new
 pass), the loss arrives as the update's extra argument ``loss``, and the skip is
@@ -175,8 +176,11 @@ def skip_spikes(inner: optax.GradientTransformation, *, window: int = 128,
       optax.adamw(1e-3))``.
     window: how many accepted steps the statistics cover; >= 2.
     threshold: how many standard deviations above the mean make a spike; > 0.
-    warmup: accepted steps before the check starts; in ``[2, window]``. Default
-      ``max(2, window // 2)``, OLMo-core's.
+    warmup: accepted earlier values the check needs before it judges a step; in
+      ``[2, window]``. Default ``max(2, window // 2 - 1)``: OLMo-core's rule, which
+      judges once ``max(2, window // 2)`` values are in counting the current one
+      (63 earlier values for its window of 128), never with fewer than 2 (OLMo-core's
+      standard deviation of one value is NaN).
     watch: ``"loss"``, ``"global_norm"`` or both (the default); a spike
       in either skips the step. Watching the loss needs ``loss=`` in every update.
     reset_after: this many spike steps in a row empty the windows, so that a lasting
@@ -213,8 +217,8 @@ def skip_spikes(inner: optax.GradientTransformation, *, window: int = 128,
   inner = validation.transformation("inner", inner)
   window = validation.integer("window", window, 2)
   threshold = validation.positive_float("threshold", threshold)
-  if warmup is None:
-    warmup = max(2, window // 2)
+  if warmup is None:  # OLMo-core: len(values with the current) >= max(2, window // 2)
+    warmup = max(2, window // 2 - 1)
   warmup = validation.integer("warmup", warmup, 2)
   if warmup > window:
     raise validation.ArgumentError(

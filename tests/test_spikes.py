@@ -92,6 +92,45 @@ def _clean_final_params(tx, scaled=False):
   return _at(params, -1)
 
 
+def _olmo_core_skips(losses, window=128, sigma=6.0):
+  """OLMo-core's ``SkipStepOptimizer.get_step_factor`` for the loss alone, step by
+  step (``olmo_core/optim/skip_step_optimizer.py``): the values kept include the
+  current one (at most ``window + 1``); it judges once ``max(2, window // 2)`` are in,
+  against the mean and sample std of the earlier ones."""
+  kept, skips = [], []
+  for x in losses:
+    kept = (kept + [x])[-(window + 1):]
+    if len(kept) < max(2, window // 2):
+      skips.append(False)
+      continue
+    earlier = np.asarray(kept[:-1], np.float64)
+    skips.append(bool(x - earlier.mean() > sigma * earlier.std(ddof=1)))
+  return skips
+
+
+@pytest.mark.parametrize("at", [62, 63, 64])
+def test_the_default_warmup_is_olmo_cores(at):
+  """A 100x loss spike after ``at`` ordinary steps, with the default window (128):
+  OLMo-core's rule counts the current value in its length test, so it judges from
+  the 64th value on (63 earlier ones); `skip_spikes`' default decides the same
+  (issue #42: it waited for 64 earlier values, and let the spike at step 63 in)."""
+  rng = np.random.default_rng(0)
+  losses = (2.0 + rng.normal(0, 0.05, at + 1)).astype(np.float32)
+  losses[at] *= 100.0
+  want = _olmo_core_skips(losses.tolist())
+  tx = mpscale.skip_spikes(optax.sgd(0.1), watch="loss")
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  update = jax.jit(lambda s, loss: tx.update({"w": jnp.ones(3)}, s, params,
+                                             loss=loss)[1])
+  got = []
+  for loss in losses:
+    state = update(state, jnp.float32(loss))
+    got.append(bool(state.spike))
+  assert got == want
+  assert got[at] == (at >= 63)
+
+
 def test_injected_spikes_are_skipped_and_cost_nothing():
   tx = mpscale.skip_spikes(_inner(), window=32)
   params, state = _run(tx, range(STEPS))
