@@ -86,6 +86,10 @@ class LossScaleState(NamedTuple):
   skip_state: skip_lib.SkipNonfiniteState
   """The finite-check-and-skip state (`mpscale.skip_nonfinite`'s), which holds the
   inner state and the step's statistics."""
+  step_scale: Any = None
+  """float32 scale the latest step's gradients carried: what `mpscale.step_metrics`
+  reports as ``loss_scale`` (``loss_scale`` above is the next step's, its
+  ``next_loss_scale``); the initial scale before any step."""
 
 
 def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bool,
@@ -104,7 +108,8 @@ def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bo
         loss_scale=jnp.asarray(init_scale, jnp.float32),
         growth_count=jnp.zeros((), jnp.int32),
         hysteresis_left=jnp.asarray(hysteresis, jnp.int32),
-        skip_state=skip_lib.init_state(inner, params, groups))
+        skip_state=skip_lib.init_state(inner, params, groups),
+        step_scale=jnp.asarray(init_scale, jnp.float32))
 
   def next_scale(state: LossScaleState, overflow: jax.Array):
     scale, count, hyst = state.loss_scale, state.growth_count, state.hysteresis_left
@@ -146,7 +151,7 @@ def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bo
       scale, count, hyst = next_scale(state, skip_state.overflow)
     else:
       scale, count, hyst = state.loss_scale, state.growth_count, state.hysteresis_left
-    return updates, LossScaleState(scale, count, hyst, skip_state)
+    return updates, LossScaleState(scale, count, hyst, skip_state, state.loss_scale)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

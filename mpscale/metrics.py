@@ -21,7 +21,12 @@ class StepMetrics(NamedTuple):
   ``num_tokens``). Each is a device array of the latest step (the group fields,
   dicts of them by group name)."""
   loss_scale: Any
-  """float32 loss scale of the step; 1 without a loss-scale wrapper."""
+  """float32 loss scale the step's gradients carried (its loss was multiplied by);
+  1 without a loss-scale wrapper. The same value `mpscale.make_train_step`'s
+  metrics and the trainer's logs report."""
+  next_loss_scale: Any
+  """float32 loss scale the next step uses (`mpscale.loss_scale_of` of the state:
+  after an overflow, already backed off)."""
   overflow: Any
   """bool: the step's gradients held a NaN or an Inf, and its update was skipped."""
   nan: Any
@@ -63,8 +68,8 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
       NNX ``nnx.Optimizer`` or its ``opt_state`` (values come back as plain arrays).
 
   Returns:
-    A dict of the fields of `StepMetrics` by name: ``loss_scale`` (1 without a
-    loss-scale wrapper), ``overflow``, ``nan``, ``inf``, ``skipped`` (total),
+    A dict of the fields of `StepMetrics` by name: ``loss_scale`` (the step's; 1
+    without a loss-scale wrapper), ``next_loss_scale``, ``overflow``, ``nan``, ``inf``, ``skipped`` (total),
     ``consecutive_skipped``, ``global_norm`` (unscaled, before clipping),
     ``group_norms`` and ``group_sizes`` (dicts by group name), ``learning_rate``
     where the inner optimizer records one, ``group_learning_rates`` (by group
@@ -80,7 +85,8 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
     raise ValueError("opt_state holds no mpscale loss-scale or skip_nonfinite state")
   skip_state = skip_states[0]
   metrics = StepMetrics(
-      loss_scale=loss_scale_lib.loss_scale_of(opt_state),
+      loss_scale=_step_scale(opt_state),
+      next_loss_scale=loss_scale_lib.loss_scale_of(opt_state),
       overflow=skip_state.overflow,
       nan=skip_state.nan,
       inf=skip_state.inf,
@@ -97,6 +103,14 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
     if metrics[optional] is None:
       del metrics[optional]
   return metrics
+
+
+def _step_scale(opt_state: Any) -> jax.Array:
+  """The scale the latest step used: the outermost loss-scale state's (1 without)."""
+  states = opt_state_lib.find(opt_state, loss_scale_lib.LossScaleState)
+  if not states or states[0].step_scale is None:
+    return loss_scale_lib.loss_scale_of(opt_state)
+  return states[0].step_scale
 
 
 def _group_learning_rates(inner_state: Any) -> Optional[dict[str, Any]]:

@@ -8,7 +8,7 @@ import pytest
 
 import mpscale
 
-KEYS = {"loss_scale", "overflow", "nan", "inf", "skipped", "consecutive_skipped",
+KEYS = {"loss_scale", "next_loss_scale", "overflow", "nan", "inf", "skipped", "consecutive_skipped",
         "global_norm", "group_norms", "group_sizes"}
 
 
@@ -41,6 +41,7 @@ def test_metrics_of_a_clean_step():
   np.testing.assert_allclose(m["group_norms"]["dec/w"], np.sqrt(8 * 4.0), rtol=1e-6)
   assert int(m["group_sizes"]["dec/b"]) == 2
   assert float(m["loss_scale"]) == 16.0 and not bool(m["overflow"])
+  assert float(m["next_loss_scale"]) == float(mpscale.loss_scale_of(state))
 
 
 def test_skipped_step_reports_its_own_norms():
@@ -58,14 +59,15 @@ def test_skipped_step_reports_its_own_norms():
   assert np.isnan(m["group_norms"]["enc"])
   np.testing.assert_allclose(m["group_norms"]["dec"], np.sqrt(8 * 9.0 + 2 * 1.0),
                              rtol=1e-6)
-  assert float(m["loss_scale"]) == 2.0
+  # One meaning everywhere (issue #42): the scale the step used; the next one apart.
+  assert float(m["loss_scale"]) == 4.0 and float(m["next_loss_scale"]) == 2.0
 
 
 def test_metrics_without_learning_rate_and_for_skip_nonfinite():
   tx = mpscale.skip_nonfinite(optax.sgd(1.0))
   params = _params()
   m = mpscale.step_metrics(tx.init(params))
-  assert set(m) == KEYS and float(m["loss_scale"]) == 1.0
+  assert set(m) == KEYS and float(m["loss_scale"]) == float(m["next_loss_scale"]) == 1.0
   assert tuple(m) == tuple(  # no learning_rate, none of the other optional ones
       f for f in mpscale.metrics.StepMetrics._fields if f in KEYS)
   assert set(m["group_norms"]) == {"enc", "dec"}

@@ -58,7 +58,7 @@ def test_nnx_optimizer_loop_in_float16_with_an_injected_overflow():
   model = MLP(nnx.Rngs(0))
   optimizer = _optimizer(model)
   x, y = _data()
-  losses, scales, overflows = [], [], []
+  losses, scales, nexts, overflows = [], [], [], []
   before_poison = None
   for step in range(40):
     poison = jnp.asarray(jnp.inf if step == 20 else 1.0, jnp.float32)  # a factor
@@ -71,6 +71,7 @@ def test_nnx_optimizer_loop_in_float16_with_an_injected_overflow():
     assert isinstance(jax.device_get(metrics)["skipped"], np.ndarray)
     overflows.append(bool(metrics["overflow"]))
     scales.append(float(metrics["loss_scale"]))
+    nexts.append(float(metrics["next_loss_scale"]))
     losses.append(float(loss))
     if step == 20:
       after = jax.tree.map(np.array, nnx.state(model, nnx.Param))
@@ -78,7 +79,8 @@ def test_nnx_optimizer_loop_in_float16_with_an_injected_overflow():
                  zip(jax.tree.leaves(before_poison), jax.tree.leaves(after)))
   assert overflows[20] and sum(overflows) == 1
   assert int(metrics["skipped"]) == 1
-  assert scales[20] == scales[19] / 2  # the state's scale backed off on the overflow
+  # The overflowed step 20 backed its scale off for step 21.
+  assert nexts[20] == scales[20] / 2 == scales[21]
   assert losses[-1] < 0.5 * losses[0]  # it trains
   assert isinstance(mpscale.loss_scale_of(optimizer.opt_state), jax.Array)
 

@@ -435,13 +435,17 @@ def test_metrics_are_device_arrays_with_the_scale_used():
       growth_interval=1)
   init, step = mpscale.make_train_step(mse_loss, tx)
   state, metrics = step(init(mlp_init()), make_batch())
-  expected = {"loss", "overflow", "nan", "inf", "loss_scale", "learning_rate",
+  expected = {"loss", "overflow", "nan", "inf", "loss_scale", "next_loss_scale",
+              "learning_rate",
               "global_norm", "group_norms", "group_sizes", "skipped",
               "consecutive_skipped", "num_tokens"}
   assert set(metrics) == expected
   assert all(isinstance(v, jax.Array) for v in jax.tree_util.tree_leaves(metrics))
   assert float(metrics["loss_scale"]) == 8.0  # the scale this step used
   assert float(mpscale.loss_scale_of(state.opt_state)) == 16.0  # the next one
+  assert float(metrics["next_loss_scale"]) == 16.0
+  # step_metrics of the new state says the same: one meaning of loss_scale.
+  assert float(mpscale.step_metrics(state.opt_state)["loss_scale"]) == 8.0
   assert float(metrics["learning_rate"]) == pytest.approx(3e-3)
   assert int(metrics["num_tokens"]) == BATCH
   assert set(metrics["group_norms"]) == {"layer0", "layer1"}
