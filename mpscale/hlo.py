@@ -9,7 +9,7 @@ Two readings are built on it, each summed over what one step runs:
 
 - `collectives`: each collective kind (`COLLECTIVES`) with how many run and how many
   bytes each device moves (the larger of operands and result);
-- `matmul_flops`: the FLOPs of the matrix products (``dot``).
+- `matmul_flops`: the FLOPs of the matrix products (``dot``) and convolutions.
 
 `collectives_over` splits `collectives` by the mesh axes each one spans (read from
 its replica groups, or a permute's source-target pairs): what prices it on a link.
@@ -305,15 +305,17 @@ def largest_collective(hlo: Union[str, Module], kind: str) -> int:
 
 
 def matmul_flops(hlo: Union[str, Module]) -> float:
-  """FLOPs of the matrix products (``dot``) in the compiled HLO ``hlo`` (text, or
-  `parse`'s `Module`) per step: ``2 * prod(result) * prod(contracted dims)`` each,
+  """FLOPs of the matrix products (``dot``: ``2 * prod(result) * prod(contracted
+  dims)``) and convolutions (``2 * prod(result) * prod(kernel) / kernel output
+  features``) in the compiled HLO ``hlo`` (text, or `parse`'s `Module`) per step,
   counted as in `collectives` (loop trip counts, which XLA's own cost analysis counts
   once; a conditional's costliest branch). Elementwise work is left out: a small
-  share of a transformer's."""
+  share of a transformer's or a CNN's."""
   module = _as_module(hlo)
 
   def cost(name: str, ins: Instruction) -> dict[str, float]:
-    return {"flops": _dot_flops(module, name, ins)} if ins.op == "dot" else {}
+    flops = _product_flops(module, name, ins)
+    return {"flops": flops} if flops else {}
 
   return _per_step(module, cost).get("flops", 0.0)
 
@@ -551,6 +553,55 @@ def _accessed(module: Module, name: str, ins: Instruction,
   return total
 
 
+def _product_flops(module: Module, name: str, ins: Instruction) -> float:
+  """The FLOPs of one ``dot`` or ``convolution`` (0 for any other op)."""
+  if ins.op == "dot":
+    return _dot_flops(module, name, ins)
+  if ins.op == "convolution":
+    return _conv_flops(module, name, ins)
+  return 0.0
+
+
+def _conv_flops(module: Module, name: str, ins: Instruction) -> float:
+  """``2 *`` the multiply-adds of one ``convolution``, as XLA's cost analysis counts
+  them: for each output element (batch x output features), each kernel tap that
+  lands on a real input element (not padding, not a hole of ``lhs_dilate``) times
+  the kernel's input features (per feature group). Dimensions are read through
+  ``dim_labels`` (``b01f_01io->b01f``) and the ``window``."""
+  operands = _operands(ins)
+  types = module.types[name]
+  labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", ins.rest)
+  if len(operands) < 2 or not labels:
+    return 0.0
+  lhs, rhs = (_dims(types.get(o, "")) for o in operands[:2])
+  out = _dims(ins.result)
+  lhs_l, rhs_l, out_l = labels.groups()
+  if not (len(lhs) == len(lhs_l) and len(rhs) == len(rhs_l) and len(out) == len(out_l)):
+    return 0.0
+  window = re.search(r"window=\{([^}]*)\}", ins.rest)
+  fields = dict(f.split("=", 1) for f in (window.group(1).split() if window else ()))
+  spatial = len(lhs_l) - 2
+
+  def per_dim(key, default):
+    if key not in fields:
+      return [default] * spatial
+    return [tuple(int(v) for v in x.split("_")) if "_" in x else int(x)
+            for x in fields[key].split("x")]
+
+  strides, pads = per_dim("stride", 1), per_dim("pad", (0, 0))
+  lhs_dilate, rhs_dilate = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+  taps = 1
+  for d in range(spatial):
+    size, k, o = (dims[l.index(str(d))] for dims, l in ((lhs, lhs_l), (rhs, rhs_l),
+                                                         (out, out_l)))
+    last = (size - 1) * lhs_dilate[d]
+    taps *= sum(1 for j in range(o) for t in range(k)
+                if 0 <= (p := j * strides[d] + t * rhs_dilate[d] - pads[d][0]) <= last
+                and p % lhs_dilate[d] == 0)
+  return 2.0 * (out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
+                * taps)
+
+
 def _dot_flops(module: Module, name: str, ins: Instruction) -> float:
   """``2 * prod(result) * prod(contracted dims)`` of one ``dot``."""
   operands = _operands(ins)
@@ -612,12 +663,12 @@ def kernels(hlo: Union[str, Module], float32_bytes: int = 4) -> Kernels:
         ins.op.endswith("-done")):
       return {}
     moved = _accessed(module, name, ins, float32_bytes)
-    if ins.op == "dot":
-      return {f"dot {_dot_flops(module, name, ins)!r} {moved}": 1}
+    if ins.op in ("dot", "convolution"):
+      return {f"dot {_product_flops(module, name, ins)!r} {moved}": 1}
     if ins.op == "fusion":
-      flops = sum(_dot_flops(module, c, x)
+      flops = sum(_product_flops(module, c, x)
                   for _, c in _callees(ins) if c in module.computations
-                  for x in module.computations[c] if x.op == "dot")
+                  for x in module.computations[c])
       if flops:
         return {f"dot {flops!r} {moved}": 1}
     return {"bytes": moved}
