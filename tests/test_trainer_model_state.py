@@ -144,3 +144,90 @@ def test_digits_cnn_example_reaches_95_percent_in_fp16(tmp_path):
   assert (tmp_path / "metrics.png").exists()
   with open(tmp_path / "summary.json") as f:
     assert json.load(f)["final_eval_accuracy"] == summary["final_eval_accuracy"]
+
+
+PMAP_ERA_MODELS = textwrap.dedent('''
+    import flax.linen as nn
+    from flax import nnx
+    import jax.numpy as jnp
+    import numpy as np
+
+    class Net(nn.Module):  # as Flax's ImageNet ResNet writes its BatchNorm
+      @nn.compact
+      def __call__(self, x, train):
+        # No bias before the norm (as ResNet's convolutions): its true gradient is
+        # zero, rounding noise that AdamW would turn into +-lr steps.
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.8,
+                         axis_name="batch")(nn.Dense(16, use_bias=False)(x))
+        return nn.Dense(1)(nn.relu(h))[:, 0]
+
+    class NNXNet(nnx.Module):
+      def __init__(self, rngs):
+        self.dense = nnx.Linear(5, 16, use_bias=False, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.8, axis_name="batch", rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+      def __call__(self, x):
+        return self.out(nnx.relu(self.norm(self.dense(x))))[:, 0]
+
+    def build(config):
+      return Net()
+
+    def build_nnx(config):
+      return NNXNet(nnx.Rngs(0))
+
+    def loss(model, batch, train):
+      err = (model(batch["x"], train).astype(jnp.float32) - batch["y"]) ** 2
+      return jnp.sum(err), batch["x"].shape[0]
+
+    def nnx_loss(model, batch):
+      err = (model(batch["x"]).astype(jnp.float32) - batch["y"]) ** 2
+      return jnp.sum(err), batch["x"].shape[0]
+
+    class Rows:
+      def __init__(self, n, seed):
+        rng = np.random.default_rng(seed)
+        self.x = rng.normal(size=(n, 5)).astype(np.float32)
+        self.y = (self.x.sum(1) > 0).astype(np.float32)
+      def __len__(self):
+        return len(self.x)
+      def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+    def source(config):
+      return {"train": Rows(256, 0), "eval": Rows(64, 1)}
+''')
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_a_pmap_era_batchnorm_trains_on_1_and_4_devices_to_the_same_statistics(
+    tmp_path, flavour):
+  """A BatchNorm that names its batch axis (``axis_name="batch"``, as Flax's own
+  ImageNet ResNet and pmap-era models write it) trains (issue #42: refused, the
+  error blaming the data): the axis is bound with the global batch as its one
+  member, so its statistics are the global batch's on 1 device and on 4."""
+  (tmp_path / "net.py").write_text(PMAP_ERA_MODELS)
+  provider, loss = ("build", "loss") if flavour == "linen" else ("build_nnx",
+                                                                  "nnx_loss")
+  (tmp_path / "config.yaml").write_text(textwrap.dedent(f'''
+      name: pmap_bn
+      model: {{provider: net.py:{provider}, loss: net.py:{loss}}}
+      data: {{provider: net.py:source, batch_size: 32, eval_batches: 2}}
+      optimizer: {{name: adamw, learning_rate: 0.01}}
+      schedule: {{warmup_steps: 2}}
+      train: {{steps: 6, log_every: 3, eval_every: 0, checkpoint_every: 6}}
+  '''))
+  stats = []
+  for data in (1, 4):
+    cfg = mpscale.trainer.load_config(str(tmp_path / "config.yaml"),
+                                      [f"mesh.data={data}", *FP32])
+    out = tmp_path / f"run{data}"
+    mpscale.trainer.run(cfg, out_dir=str(out), progress=False, verbose=False)
+    loaded = mpscale.trainer.load(str(out))
+    if flavour == "linen":
+      stats.append(jax.device_get(loaded["batch_stats"]))
+    else:
+      from flax import nnx
+      stats.append(jax.tree_util.tree_leaves(nnx.state(loaded, nnx.BatchStat)))
+  assert not np.allclose(jax.tree_util.tree_leaves(stats[0])[0], 0)
+  for a, b in zip(jax.tree_util.tree_leaves(stats[0]), jax.tree_util.tree_leaves(stats[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -227,6 +227,11 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
       raise
     data_key = "data (argument)" if data is not None else (
         "data.provider" if cfg.data.provider else "the built-in data")
+    if models.unbound_axis_name(e) is not None:  # the model's own collectives
+      fail(validation.fail(model_key, f": {e}: the model names an axis no "
+                           "transformation binds (a collective such as lax.pmean over "
+                           "it); mpscale binds those of Flax modules (axis_name=...) "
+                           "as the batch axis", validation.ArgumentTypeError))
     shapes = {k: (v.shape, str(v.dtype)) for k, v in batch_shapes.items()}
     fail(validation.fail(data_key, f": its batches do not fit {model_key}: "
                          f"training on the first batch {shapes} raised "

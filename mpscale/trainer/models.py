@@ -37,6 +37,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -211,6 +212,69 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
                metrics=metrics_fn if metrics is not None else None, export=export)
 
 
+_UNBOUND = re.compile(r"unbound axis name: ([^\s.,'\"]+)")
+_MAX_AXIS_NAMES = 8
+
+
+def unbound_axis_name(error: BaseException) -> Optional[str]:
+  """The axis name of a ``NameError`` JAX raises for a collective over an axis no
+  transformation binds (``Found an unbound axis name: batch``), else ``None``."""
+  m = _UNBOUND.search(str(error)) if isinstance(error, NameError) else None
+  return m.group(1) if m else None
+
+
+def with_axis_names(fn: Callable[..., Any], names: tuple[str, ...]
+                   ) -> Callable[..., Any]:
+  """``fn`` with each of ``names`` bound as a mapped axis of size 1.
+
+  A model written for ``pmap`` names its batch axis in its collectives (Flax's
+  ``nn.BatchNorm(axis_name="batch")`` averages its statistics with ``lax.pmean``
+  over it). Under ``jit`` the batch is already the global one, so that axis has one
+  member: binding it (a ``jax.vmap`` of size 1, nothing mapped) makes each such
+  collective the identity and leaves the numbers those of the whole batch, as
+  ``pmap`` with the axis over every device computes them.
+  """
+  if not names:
+    return fn
+
+  def bound(*args: Any, **kwargs: Any) -> Any:
+    call = lambda: fn(*args, **kwargs)  # noqa: E731
+    for name in names:
+      call = _one_member(call, name)
+    return call()
+  return bound
+
+
+def _one_member(call: Callable[[], Any], name: str) -> Callable[[], Any]:
+  def mapped():
+    out = jax.vmap(call, axis_size=1, axis_name=name)()
+    return jax.tree_util.tree_map(lambda x: x[0], out)
+  return mapped
+
+
+def _binding_axis_names(run: Callable[[tuple[str, ...]], Any], key: str
+                       ) -> tuple[Any, tuple[str, ...]]:
+  """``(run(names), names)``: ``run`` with the axis names its model's collectives
+  need (`with_axis_names`), found by running it until none is unbound.
+
+  Raises:
+    TypeError: naming ``key``, for a model that still fails on an axis name.
+  """
+  names: tuple[str, ...] = ()
+  while True:
+    try:
+      return run(names), names
+    except NameError as e:
+      name = unbound_axis_name(e)
+      if name is None or name in names or len(names) >= _MAX_AXIS_NAMES:
+        raise validation.fail(
+            key, f": the model's collectives name axes no transformation binds "
+            f"({e}); a model written for pmap is supported where each named axis "
+            "is its batch axis (its statistics then cover the global batch)",
+            validation.ArgumentTypeError) from None
+      names += (name,)
+
+
 def from_linen(module: Any, loss: Callable[..., Any], example_batch: Any,
                seed: int = 0, metrics: Optional[Callable[..., Any]] = None,
                rng_streams: tuple[str, ...] = ("dropout",)) -> Model:
@@ -228,7 +292,9 @@ def from_linen(module: Any, loss: Callable[..., Any], example_batch: Any,
   key = jax.random.key(seed)
   init_rngs = {"params": key, **{name: jax.random.fold_in(key, i + 1)
                                  for i, name in enumerate(rng_streams)}}
-  variables = dict(module.init(init_rngs, example_batch, method=method))
+  # A pmap-era module (BatchNorm(axis_name="batch")) gets its axes bound.
+  variables, names = _binding_axis_names(lambda names: dict(with_axis_names(
+      module.init, names)(init_rngs, example_batch, method=method)), "model.provider")
   params = variables.pop("params", {})
   state_values = variables
   stateful = bool(jax.tree_util.tree_leaves(state_values))
@@ -255,10 +321,11 @@ def from_linen(module: Any, loss: Callable[..., Any], example_batch: Any,
     return _metrics_values(apply_eval(_mode_call(metrics, False), p, batch,
                                       model_state), "model.metrics")
 
-  return Model(init=lambda key: params, loss_fn=loss_fn, evaluate=evaluate,
+  return Model(init=lambda key: params, loss_fn=with_axis_names(loss_fn, names),
+               evaluate=with_axis_names(evaluate, names),
                init_state=(lambda key: state_values) if stateful else None,
                stochastic=bool(rng_streams),
-               metrics=metrics_fn if metrics is not None else None,
+               metrics=with_axis_names(metrics_fn, names) if metrics is not None else None,
                export=lambda p, model_state: {"params": p, **(model_state or {})})
 
 
@@ -311,14 +378,47 @@ def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
     return obj._replace(loss_fn=loss_fn, evaluate=evaluate)
   nnx = sys.modules.get("flax.nnx")
   if nnx is not None and isinstance(obj, nnx.Module):
-    return from_nnx(obj, _loss_of(loss, key.replace("provider", "loss")), metrics)
+    model = from_nnx(obj, _loss_of(loss, key.replace("provider", "loss")), metrics)
+    if example_batch is None or not _names_axes(nnx, obj):
+      return model
+    # A pmap-era module gets the axes its collectives name bound (with_axis_names).
+    return _binding_axis_names(lambda names: _probed(model, names, example_batch),
+                               key)[0]
   linen = sys.modules.get("flax.linen")
   if linen is not None and isinstance(obj, linen.Module):
-    return from_linen(obj, _loss_of(loss, key.replace("provider", "loss")),
-                      example_batch, seed, metrics)
+    model = from_linen(obj, _loss_of(loss, key.replace("provider", "loss")),
+                       example_batch, seed, metrics)
+    # Linen skips its collectives while initializing: the training loss tells.
+    return _binding_axis_names(lambda names: _probed(model, names, example_batch),
+                               key)[0]
   raise validation.fail(key, ": expected a flax.nnx.Module, a flax.linen.Module or an "
                         f"mpscale.trainer.Model; got {type(obj).__module__}."
                         f"{type(obj).__qualname__}", validation.ArgumentTypeError)
+
+
+def _names_axes(nnx: Any, module: Any) -> bool:
+  """Whether some submodule of an NNX ``module`` names a mapped axis (an
+  ``axis_name`` such as ``nnx.BatchNorm``'s)."""
+  return any(getattr(node, "axis_name", None) is not None
+             for _, node in nnx.iter_graph(module) if isinstance(node, nnx.Module))
+
+
+def _probed(model: Model, names: tuple[str, ...], batch: Any) -> Model:
+  """``model`` with ``names`` bound (`with_axis_names`), once its training loss
+  traces on ``batch`` (shapes only)."""
+  if names:
+    model = model._replace(
+        loss_fn=with_axis_names(model.loss_fn, names),
+        evaluate=with_axis_names(model.evaluate, names),
+        metrics=None if model.metrics is None else with_axis_names(model.metrics, names))
+  kwargs: dict[str, Any] = {}
+  if model.init_state is not None:
+    kwargs["model_state"] = model.init_state(None)
+  if model.stochastic:
+    kwargs["rng"] = jax.random.key(0)
+  jax.eval_shape(lambda p, b, kw: model.loss_fn(p, b, **kw), model.init(None), batch,
+                 kwargs)
+  return model
 
 
 def load_object(spec: str, key: str) -> Any:
