@@ -399,6 +399,46 @@ def test_tokenize_round_trips_text_through_a_trained_bpe(tmp_path, capsys):
   np.testing.assert_array_equal(flat, np.concatenate([corpus[i] for i in range(6)]))
 
 
+def test_tokenize_refuses_to_write_over_a_corpus_or_a_tokenizer(tmp_path, capsys):
+  """Issue #42: the README's two tokenize blocks into one folder replaced a 1,024-id
+  tokenizer with a 512-id one, and the first corpus then decoded garbage. Writing
+  over a tokenizer.json or a corpus is refused before anything is written, naming
+  the flag; --overwrite allows it."""
+  (tmp_path / "in.txt").write_text("\n\n".join(TEXTS), encoding="utf-8")
+  out = tmp_path / "out"
+  out.mkdir()
+  first = ["tokenize", str(tmp_path / "in.txt"), "--vocab-size", "300",
+           "--out", str(out / "a")]
+  assert cli.main(first) == 0
+  capsys.readouterr()
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  second = ["tokenize", str(tmp_path / "in.txt"), "--vocab-size", "280",
+            "--out", str(out / "b")]
+  assert cli.main(second) == 2
+  assert "--vocab-size" in capsys.readouterr().err
+  assert cli.main(first) == 2  # the corpus itself
+  assert "--out" in capsys.readouterr().err
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+  assert cli.main(second + ["--overwrite"]) == 0
+  assert tokenizing.vocabulary_size(
+      tokenizing.load_tokenizer(str(out / "tokenizer.json"))) <= 280
+
+
+def test_a_corpus_a_tokenizer_cannot_decode_is_refused_at_start(tmp_path):
+  """Ids beyond ``data.tokenizer``'s vocabulary (a corpus written by another
+  tokenizer) are refused when the data is loaded, naming both keys, even where the
+  model's vocabulary would hold them."""
+  bpe = tokenizing.train_bpe(TEXTS, 300)
+  bpe.save(str(tmp_path / "tokenizer.json"))
+  size = tokenizing.vocabulary_size(bpe)
+  prefix = _indexed(tmp_path / "c", _documents(3, vocab=size + 50))
+  cfg = _cfg({"tokens": prefix, "tokenizer": str(tmp_path / "tokenizer.json")},
+             model={"vocab_size": 512})
+  with pytest.raises(mpscale.ArgumentError, match="another tokenizer") as info:
+    corpora.token_data(cfg)
+  assert info.value.names == ("data.tokenizer", "data.tokens")
+
+
 def test_tokenize_output_is_plain_without_a_terminal(tmp_path):
   text = tmp_path / "t.txt"
   text.write_text(" ".join(TEXTS))
@@ -407,7 +447,8 @@ def test_tokenize_output_is_plain_without_a_terminal(tmp_path):
   for flags in ([], ["--progress"]):  # the bar asked for, on a pipe
     result = subprocess.run(
         [sys.executable, "-m", "mpscale", "tokenize", str(text), "--vocab-size", "260",
-         "--out", str(tmp_path / "c"), *flags], capture_output=True, text=True,
+         "--out", str(tmp_path / "c"), "--overwrite", *flags], capture_output=True,
+        text=True,
         env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("\n") == 1 and result.stdout.startswith("1 documents")

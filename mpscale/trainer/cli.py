@@ -272,6 +272,8 @@ def _parser() -> argparse.ArgumentParser:
   tokenize_cmd.add_argument("--eod-token", default=tokenizing.EOD_TOKEN, help=(
       "the end-of-document token appended to each document (default "
       f"{tokenizing.EOD_TOKEN})"))
+  tokenize_cmd.add_argument("--overwrite", action="store_true", help=(
+      "replace a corpus or tokenizer.json already there (refused by default)"))
   tokenize_cmd.add_argument("--progress", action=argparse.BooleanOptionalAction,
                             default=None,
                             help="show a progress bar (default: on a terminal)")
@@ -290,7 +292,7 @@ def _tokenize(args: argparse.Namespace) -> None:
     made = tokenizing.tokenize(
         args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         key=args.key, fmt=args.format, eod_token=args.eod_token,
-        embedded=args.embedded, progress=args.progress)
+        embedded=args.embedded, progress=args.progress, overwrite=args.overwrite)
   except validation.ArgumentError as e:
     raise config_lib.ConfigError(str(e.renamed(
         lambda n: _TOKENIZE_FLAGS.get(n, n)))) from None

@@ -320,17 +320,29 @@ def _open(cfg: schema.RunConfig, key: str, path: str, name: str,
   return _Corpus(key, name, corpus, train, held_out)
 
 
-def _check_ids(cfg: schema.RunConfig, corpora: list[_Corpus]) -> None:
-  """Every id of the corpora is below ``model.vocab_size`` (the built-in model)."""
-  size = cfg.model.vocab_size
+def _check_ids(cfg: schema.RunConfig, corpora: list[_Corpus],
+               tokenizer_path: Optional[str], tokenizer_key: str) -> None:
+  """Every id of the corpora is below ``model.vocab_size`` (the built-in model) and
+  below the tokenizer's vocabulary (``data.tokenizer``, which decodes the samples:
+  a corpus written by another tokenizer holds ids it does not know)."""
+  limits = []
+  if cfg.model.provider is None:
+    limits.append((cfg.model.vocab_size, "model.vocab_size",
+                   "raise {0} to at least {top}"))
+  if tokenizer_path is not None:
+    size = tokenizing.vocabulary_size(
+        tokenizing.load_tokenizer(tokenizer_path, tokenizer_key))
+    limits.append((size, tokenizer_key, "{1} was written by another tokenizer: "
+                   "give the one that wrote it"))
   for c in corpora:
-    if np.iinfo(c.corpus.dtype).max < size:
-      continue  # no id of its dtype reaches it
-    top = max_token_id(c.corpus)
-    if top >= size:
-      raise validation.ArgumentError(
-          ("model.vocab_size", c.key), f"{{0}} ({size}) must exceed every token id; "
-          f"{{1}} holds id {top}: raise {{0}} to at least {top + 1}")
+    for size, key, fix in limits:
+      if np.iinfo(c.corpus.dtype).max < size:
+        continue  # no id of its dtype reaches it
+      top = max_token_id(c.corpus)
+      if top >= size:
+        raise validation.ArgumentError(
+            (key, c.key), f"{{0}} ({size} ids) must hold every token id; {{1}} holds "
+            f"id {top}: " + fix.format("{0}", "{1}", top=top + 1))
 
 
 def _eod(cfg: schema.RunConfig, tokenizer_path: Optional[str]) -> Optional[int]:
@@ -436,8 +448,8 @@ def token_data(cfg: schema.RunConfig, rows: Optional[tuple[int, int]] = None, *,
         f"{name} {b.weight:g}" for (_, _, name), b in zip(sources, data.blend)))
   eod = _eod(cfg, tokenizer)
   corpora = [_open(cfg, key, path, name, eod) for key, path, name in sources]
-  if cfg.model.provider is None:
-    _check_ids(cfg, corpora)
+  _check_ids(cfg, corpora, tokenizer,
+             "data.tokenize" if data.tokenize is not None else "data.tokenizer")
   train = _samples(cfg, corpora, eod, held_out=False)
   held_out = _samples(cfg, corpora, eod, held_out=True)
   key = sources[0][0] if len(sources) == 1 else "data.blend"

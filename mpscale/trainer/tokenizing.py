@@ -274,7 +274,8 @@ def tokenize(inputs: Sequence[str], out: str, *, tokenizer: Optional[str] = None
              vocab_size: Optional[int] = None, key: str = "text",
              fmt: str = "indexed", eod_token: str = EOD_TOKEN, embedded: bool = False,
              save_tokenizer: Optional[str] = None, progress: Optional[bool] = None,
-             console: Optional[Console] = None) -> Tokenized:
+             console: Optional[Console] = None, overwrite: bool = False
+             ) -> Tokenized:
   """Writes the documents of ``inputs`` (or the embedded corpus) as a token corpus
   (the module docstring): ``mpscale tokenize``.
 
@@ -292,6 +293,9 @@ def tokenize(inputs: Sequence[str], out: str, *, tokenizer: Optional[str] = None
     save_tokenizer: where a trained BPE goes.
     progress: show a progress bar (rich, on ``console``); default: on a terminal.
     console: where the bar goes; default stderr.
+    overwrite: replace a corpus or a tokenizer that is already there; by default
+      that is refused before anything is written (a corpus is only read right
+      with the tokenizer that wrote it).
 
   Returns:
     A `Tokenized`: what was written.
@@ -311,16 +315,17 @@ def tokenize(inputs: Sequence[str], out: str, *, tokenizer: Optional[str] = None
   folder = os.path.dirname(os.path.abspath(out))
   if not os.path.isdir(folder):
     raise validation.fail("out", f": no folder {folder!r} to write into")
+  saved = None if tokenizer is not None else (
+      save_tokenizer or os.path.join(folder, "tokenizer.json"))
+  _refuse_overwrite(out, fmt, saved, overwrite)
   total = input_bytes(inputs, embedded=embedded)
   documents = lambda: read_documents(inputs, key, embedded=embedded)
   bar = _progress(progress, console)
   with bar:
     task = bar.add_task("tokenize", total=total, info="")
-    saved = None
     if tokenizer is None:
       bar.update(task, info=f"training a byte-level BPE of {vocab_size} ids")
       model = train_bpe((d.text for d in documents()), vocab_size, eod_token)
-      saved = save_tokenizer or os.path.join(folder, "tokenizer.json")
       model.save(saved)
     else:
       model = load_tokenizer(tokenizer)
@@ -345,6 +350,24 @@ def tokenize(inputs: Sequence[str], out: str, *, tokenizer: Optional[str] = None
     writer.close(ok=True)
   return Tokenized(os.fspath(out), fmt, saved, count, tokens, size, eod,
                    str(dtype.newbyteorder("=")))
+
+
+def _refuse_overwrite(out: str, fmt: str, tokenizer: Optional[str],
+                      overwrite: bool) -> None:
+  """Refuses (naming ``out`` or ``vocab_size``) to replace an existing corpus or
+  tokenizer, unless ``overwrite``."""
+  if overwrite:
+    return
+  corpus = [out + ext for ext in (".bin", ".idx")] if fmt == "indexed" else [out]
+  there = [p for p in corpus if os.path.exists(p)]
+  if there:
+    raise validation.fail("out", f": {there[0]!r} exists; writing over a corpus is "
+                          "refused (give another --out, or --overwrite)")
+  if tokenizer is not None and os.path.exists(tokenizer):
+    raise validation.fail(
+        "vocab_size", f": the trained BPE would replace {tokenizer!r}, the tokenizer "
+        "of the corpora written beside it, which then decode wrong; write into "
+        "another folder, encode with it (--tokenizer), or --overwrite")
 
 
 def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
