@@ -286,6 +286,36 @@ def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
       summaries[1]["final_eval_loss"], rel=1e-6)
 
 
+@pytest.mark.slow  # two short runs
+def test_a_corrupt_latest_checkpoint_names_the_good_ones_and_step_picks_one(
+    tmp_path, capsys):
+  """Issue #42: with a corrupt latest checkpoint, eval, sample and --resume had no
+  way back, and the error (cut off in a TensorStore dump) named no other one. The
+  error is short and lists the checkpoints left; --step picks one for eval and
+  sample, and --resume --step continues from it (deleting the later, corrupt one)
+  to the same final state as an uninterrupted run."""
+  out, straight = tmp_path / "run", tmp_path / "straight"
+  assert cli.main(train_args(FP16, out)) == 0
+  assert cli.main(train_args(FP16, straight)) == 0
+  for blob in glob.glob(str(out / "checkpoints" / "4" / "state" / "**" / "d" / "*"),
+                        recursive=True):
+    with open(blob, "wb") as f:
+      f.write(b"not a checkpoint")
+  capsys.readouterr()
+  assert cli.main(["eval", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "steps 2" in err and "--step" in err and len(err) < 700, err
+  assert cli.main(["eval", str(out), "--step", "2"]) == 0
+  assert "at step 2" in capsys.readouterr().out
+  assert cli.main(["sample", str(out), "--step", "2", "--tokens", "5"]) == 0
+  assert cli.main(["eval", str(out), "--step", "3"]) == 2
+  assert "no checkpoint of step 3" in capsys.readouterr().err
+  assert cli.main(train_args(FP16, out, "--step", "2")) == 2  # needs --resume
+  assert cli.main(train_args(FP16, out, "--resume", "--step", "2")) == 0
+  assert [int(r["step"]) for r in rows(out)] == [1, 2, 3, 4]
+  assert rows(out)[-1]["eval_loss"] == rows(straight)[-1]["eval_loss"]
+
+
 def test_progress_at_80_columns_shows_the_counter_the_time_and_the_loss():
   import io
   from rich.console import Console

@@ -58,6 +58,14 @@ def from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
   return jax.tree_util.tree_unflatten(treedef, [restored(p, x) for p, x in flat])
 
 
+def _listed(steps: list[int], which: str = "checkpoints") -> str:
+  """The checkpoints there are, and how to pick one."""
+  if not steps:
+    return f"no {which} there"
+  return (f"{which} there: steps {', '.join(map(str, steps))} (pick one with "
+          "--step N)")
+
+
 def save(manager: Any, step: int, state: Any, data_state: Any, *,
          consumed_samples: Optional[int] = None) -> None:
   """Saves ``state`` and the data iterator's ``data_state`` as checkpoint ``step`` of
@@ -82,10 +90,11 @@ def consumed_samples(ckpt_dir: str, step: int) -> Optional[int]:
     return int(json.load(f)["consumed_samples"])
 
 
-def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True
-                  ) -> tuple[Any, int, Any]:
-  """``state`` restored from the latest checkpoint in ``ckpt_dir``, its step and the
-  data iterator's state saved with it, or ``(state, 0, None)`` when there is none.
+def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True,
+                   step: Optional[int] = None) -> tuple[Any, int, Any]:
+  """``state`` restored from the latest checkpoint in ``ckpt_dir`` (or the one of
+  ``step``), its step and the data iterator's state saved with it, or ``(state, 0,
+  None)`` when there is none.
 
   Every leaf is restored into the sharding of its ``state`` leaf, so a checkpoint
   written on one mesh restores onto another.
@@ -96,17 +105,23 @@ def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True
     opt_state: ``False`` reads all but the optimizer state, leaving ``state``'s as
       it is: enough to evaluate or sample, and readable on a mesh whose optimizer
       state is laid out otherwise (its norms are grouped per pipeline stage).
+    step: the checkpoint to read; ``None``: the latest.
 
   Raises:
-    CheckpointError: naming the checkpoint, when it cannot be restored into a state
-      shaped like ``state`` (corrupt, or written by another config).
+    CheckpointError: naming the checkpoint and the others there, when it cannot be
+      restored into a state shaped like ``state`` (corrupt, or written by another
+      config), or ``step`` names none.
   """
   import jax
   import orbax.checkpoint as ocp
   if not os.path.isdir(ckpt_dir):
     return state, 0, None
   with ocp.CheckpointManager(ckpt_dir) as reader:
-    latest = reader.latest_step()
+    steps = sorted(reader.all_steps())
+    if step is not None and step not in steps:
+      raise CheckpointError(f"{ckpt_dir}: no checkpoint of step {step}; "
+                            f"{_listed(steps)}")
+    latest = step if step is not None else reader.latest_step()
     if latest is None:
       return state, 0, None
     wanted = {key: leaf for key, leaf in checkpoint_tree(state).items()
@@ -121,9 +136,11 @@ def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True
       saved = reader.restore(latest, args=ocp.args.Composite(
           state=state_args, data=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many kinds; all mean "not this run's"
+      others = [s for s in steps if s != latest]
+      cause = (str(e).strip().splitlines() or [""])[0]
       raise CheckpointError(
           f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "
-          f"from it (corrupt, or written by another config): "
-          f"{type(e).__name__}: {str(e)[:300]}") from None
+          f"from it (corrupt, or written by another config: {type(e).__name__}: "
+          f"{cause[:160]}); {_listed(others, 'others')}") from None
   state = from_checkpoint_tree(state, saved.state)
   return state, int(jax.device_get(state.step)), saved.data

@@ -198,6 +198,9 @@ def _parser() -> argparse.ArgumentParser:
   train_cmd.add_argument("--config", required=True, help="the run's YAML config")
   train_cmd.add_argument("--out", help="the run's folder (default runs/<config name>, "
                          "plus +<overrides> with --set)")
+  train_cmd.add_argument("--step", type=int, metavar="N", help=(
+      "with --resume: continue from the checkpoint of step N, not the latest (the "
+      "later ones are deleted)"))
   common(train_cmd)
   compare_cmd = sub.add_parser("compare",
                                help="train several configs, plot and tabulate them")
@@ -246,6 +249,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="sampling temperature; 0 picks the likeliest token")
   sample_cmd.add_argument("--seed", type=int, default=0)
   for command in (evaluate_cmd, sample_cmd):
+    command.add_argument("--step", type=int, metavar="N", help=(
+        "use the checkpoint of step N (default: the latest)"))
     command.add_argument("--devices", type=int, metavar="N", help=(
         "use at most N devices, simulating them on CPU (default: the devices JAX "
         "has); a run whose mesh needs more is rebuilt on one device"))
@@ -353,7 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       out = args.out or (resume_out_dir(cfg.name, args.set, verbose=not args.quiet)
                          if args.resume else default_out_dir(cfg.name, args.set))
       train(cfg, out, resume=args.resume, overwrite=args.overwrite,
-            progress=args.progress, source=args.config, verbose=not args.quiet)
+            progress=args.progress, source=args.config, verbose=not args.quiet,
+            step=args.step)
     elif args.command == "plan":
       from mpscale.trainer import planning as plan_lib  # noqa: PLC0415
       from mpscale.trainer.hardware import load_hardware  # noqa: PLC0415
@@ -369,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise config_lib.as_config_error(e).located(args.config) from None
       print(planned.to_json() if args.json else planned.text())
     elif args.command == "eval":
-      loss, step = evaluate_run(args.run, args.devices)
+      loss, step = evaluate_run(args.run, args.devices, args.step)
       unit = corpora.loss_unit(config_lib.load_config(
           os.path.join(args.run, "config.yaml")))
       print(f"{args.run}: eval loss {loss:.4f} nats/{unit} at step {step}")
@@ -380,7 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise config_lib.ConfigError("--tokens must be >= 1 and --temperature >= 0")
       print(sample_run(args.run, args.prompt, args.tokens,
                        temperature=args.temperature, seed=args.seed,
-                       devices=args.devices))
+                       devices=args.devices, step=args.step))
     else:
       for path in args.configs:
         _warn_unused_devices(config_lib.load_config(path, args.set, args.data),

@@ -497,7 +497,7 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
           resume: bool = False, overwrite: bool = False,
           progress: Optional[bool] = None, source: str = "<config>",
           verbose: bool = True, model: Any = None, data: Any = None,
-          loss: Any = None) -> dict[str, Any]:
+          loss: Any = None, step: Optional[int] = None) -> dict[str, Any]:
   """Train ``cfg``'s model on its data, writing the run's files into ``out_dir``.
 
   The model and data are the tiny LM and its corpus, or what ``model.provider`` and
@@ -521,6 +521,9 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     model: a user's model, or a function ``(cfg) ->`` one (`run`).
     data: a user's data source, or a function ``(cfg) ->`` one (`run`).
     loss: the loss of a Flax ``model`` (`run`).
+    step: with ``resume``, the checkpoint to continue from (default: the latest);
+      the later ones are deleted, so that the run goes on from there (a corrupt
+      latest checkpoint is the reason to pick one).
 
   Returns:
     The summary also written to ``summary.json``.
@@ -536,11 +539,15 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
       cfg, source, out_dir=os.path.abspath(out_dir), resume=resume, overwrite=overwrite,
       model=_kind(model), data=_kind(data), loss=_kind(loss))
   check_out_dir(out_dir, resume, overwrite)
+  if step is not None and not resume:
+    raise RunDirError("--step picks the checkpoint to resume from: give --resume too")
   run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss)
   start = 0
   if resume:
-    run.state, start, run.data_state = _restore(run)
+    run.state, start, run.data_state = _restore(run, step=step)
     _check_consumed(run, start, source)
+    if step is not None:
+      _drop_later_checkpoints(run, step, verbose)
   if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
     # Nothing to train: say so, and leave the finished run's files as they are.
     with open(run.summary_path) as f:
@@ -563,14 +570,31 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   return summary
 
 
-def _restore(run: _Run, opt_state: bool = True) -> tuple[TrainState, int, Any]:
+def _restore(run: _Run, opt_state: bool = True, step: Optional[int] = None
+            ) -> tuple[TrainState, int, Any]:
   """`checkpoints.restore_latest` into ``run.state``: the checkpoint's layers are in
   model order, the state's as the step stores them (`builders.Setup.to_model_order`).
   """
   restored, step, data_state = checkpoints.restore_latest(
-      run.ckpt_dir, run.setup.to_model_order(run.state), opt_state=opt_state)
+      run.ckpt_dir, run.setup.to_model_order(run.state), opt_state=opt_state,
+      step=step)
   return (builders.place_like(run.setup.to_device_order(restored), run.state), step,
           data_state)
+
+
+def _drop_later_checkpoints(run: _Run, step: int, verbose: bool) -> None:
+  """Deletes the checkpoints after ``step`` (main process), saying so: the run
+  resumed from ``step`` writes its own."""
+  if not run.main_process:
+    return
+  with ocp.CheckpointManager(run.ckpt_dir) as manager:
+    later = [s for s in manager.all_steps() if s > step]
+    for s in later:
+      manager.delete(s)
+  if later and verbose:
+    Console(stderr=True).print(
+        f"{run.cfg.name}: resuming from step {step}; deleted the later checkpoints "
+        f"(steps {', '.join(map(str, sorted(later)))})", soft_wrap=True)
 
 
 def _check_consumed(run: _Run, start: int, source: str) -> None:
@@ -661,9 +685,11 @@ def run(config: Any, *, model: Any = None, data: Any = None, loss: Any = None,
                source=source, verbose=verbose, model=model, data=data, loss=loss)
 
 
-def load_run(out_dir: str, devices: Optional[int] = None) -> tuple[_Run, int]:
+def load_run(out_dir: str, devices: Optional[int] = None,
+             step: Optional[int] = None) -> tuple[_Run, int]:
   """A finished or interrupted run, rebuilt from its ``config.yaml`` (providers
-  included) with the state of its latest checkpoint, and that checkpoint's step.
+  included) with the state of its latest checkpoint (or of ``step``), and that
+  checkpoint's step.
 
   On fewer devices than the run's mesh needs (a run trained with ``--devices 4``,
   read in a process that has one), the run is rebuilt on one device (every mesh
@@ -704,7 +730,7 @@ def load_run(out_dir: str, devices: Optional[int] = None) -> tuple[_Run, int]:
     raise RunDirError(f"{out_dir}: its mesh ({saved.mesh.shape_text}) needs "
                       f"{saved.mesh.num_devices} devices, {available} here, and it "
                       f"cannot be rebuilt on one: {e}") from None
-  run.state, step, run.data_state = _restore(run, opt_state=own_mesh)
+  run.state, step, run.data_state = _restore(run, opt_state=own_mesh, step=step)
   if step == 0:
     raise RunDirError(f"{out_dir} holds no checkpoint yet")
   if not own_mesh:
@@ -712,15 +738,18 @@ def load_run(out_dir: str, devices: Optional[int] = None) -> tuple[_Run, int]:
   return run, step
 
 
-def evaluate_run(out_dir: str, devices: Optional[int] = None) -> tuple[float, int]:
-  """``(eval loss, step)`` of a run's latest checkpoint on its evaluation data, on
-  the run's mesh or, with fewer devices than it needs, on one (`load_run`)."""
-  run, step = load_run(out_dir, devices)
+def evaluate_run(out_dir: str, devices: Optional[int] = None,
+                 step: Optional[int] = None) -> tuple[float, int]:
+  """``(eval loss, step)`` of a run's latest checkpoint (or ``step``'s) on its
+  evaluation data, on the run's mesh or, with fewer devices than it needs, on one
+  (`load_run`)."""
+  run, step = load_run(out_dir, devices, step)
   return evaluate(run.setup, run.state, run.data), step
 
 
 def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,
-               seed: int = 0, devices: Optional[int] = None) -> str:
+               seed: int = 0, devices: Optional[int] = None,
+               step: Optional[int] = None) -> str:
   """Text the run's latest checkpoint writes after ``prompt`` (the tiny LM only),
   on the run's mesh or, with fewer ``devices`` than it needs, on one (`load_run`):
   ``num_tokens`` bytes, or with a token corpus ``num_tokens`` tokens encoded and
@@ -730,7 +759,7 @@ def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float
   Raises:
     RunDirError: for a run of a user's model, or of tokens without a tokenizer.
   """
-  run, _ = load_run(out_dir, devices)
+  run, _ = load_run(out_dir, devices, step)
   if not isinstance(run.setup.model, lm_lib.TinyLM):
     raise RunDirError(f"{out_dir}: sample writes text with the built-in tiny LM; this "
                       "run trained a user's model (model.provider)")
@@ -753,8 +782,10 @@ def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float
   return tokenizing.decode(tokenizer, tokens)
 
 
-def load(out_dir: str, devices: Optional[int] = None) -> Any:
-  """The trained model of a run's latest checkpoint, in the form it was given:
+def load(out_dir: str, devices: Optional[int] = None,
+         step: Optional[int] = None) -> Any:
+  """The trained model of a run's latest checkpoint (or ``step``'s), in the form it
+  was given:
 
   - a Flax NNX module: the module ``model.provider`` builds, with the trained
     parameters and model state (BatchNorm statistics) put in, in ``eval()`` mode;
@@ -771,7 +802,7 @@ def load(out_dir: str, devices: Optional[int] = None) -> Any:
   Raises:
     RunDirError: if ``out_dir`` holds no run or no checkpoint.
   """
-  run_, _ = load_run(out_dir, devices)
+  run_, _ = load_run(out_dir, devices, step)
   state = jax.device_get(run_.state._replace(
       params=run_.setup.to_model_order(run_.state.params)))
   export = getattr(run_.setup.model, "export", None)
