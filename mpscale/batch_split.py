@@ -37,6 +37,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -107,10 +108,24 @@ def keep_batch_split(fn: Callable[..., Any], mesh: Optional[Mesh],
     dims = [0 if num_params <= i < num_params + num_batch and jax.numpy.ndim(x) > 0
             else None for i, x in enumerate(leaves)]
     weights = dict(zip(closed.jaxpr.invars, split.gathered(params, param_specs)))
-    outs, _ = split.run(closed.jaxpr, closed.consts, leaves, dims, weights)
+    with split.body():
+      outs, _ = split.run(closed.jaxpr, closed.consts, leaves, dims, weights)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
   return wrapped
+
+
+@jax.custom_vjp
+def _route(value: jax.Array, grad_to: jax.Array) -> jax.Array:
+  """``value`` forward; its cotangent goes to ``grad_to`` (zeros to ``value``): a
+  prefetched weight (`_Split.product`) whose gradient flows back through the
+  barrier over its product's own operands."""
+  del grad_to
+  return value
+
+
+_route.defvjp(lambda value, grad_to: (value, None),
+              lambda _, ct: (jax.numpy.zeros_like(ct), ct))
 
 
 class _Split:
@@ -119,6 +134,19 @@ class _Split:
   def __init__(self, mesh: Mesh, axes: tuple[str, ...]):
     self.mesh, self.axes = mesh, axes
     self.size = sharding_lib.axis_size(mesh, axes)
+    self.previous: Optional[list] = None
+    """The last product's inputs and a token of its gathered weight, in the body
+    being evaluated: what the next product's gather waits on (`product`)."""
+
+  @contextlib.contextmanager
+  def body(self):
+    """A scan or checkpoint body (a trace of its own): its products look ahead
+    among themselves only, and none of its values leaves it."""
+    self.previous = None
+    try:
+      yield
+    finally:
+      self.previous = None
 
   def pin(self, x: Any, dim: Dim) -> Any:
     """``x`` constrained to the batch split along ``dim`` (when it divides)."""
@@ -187,16 +215,36 @@ class _Split:
     """A product with its weights gathered over the data axes, under
     ``jax.checkpoint``: the backward gathers them again rather than keeping every
     layer's gathered weights from the forward (PyTorch FSDP's default,
-    ``reshard_after_forward``). An optimization barrier over the operands ties each
-    gather to the product's input, so XLA does not hoist every layer's gather to
-    the start of the step (no prefetch of the next layer's weights, then)."""
-    def gathered(*values):
-      # Tied to the product's other operands: a weight is gathered once its layer's
-      # input is there, not all of them when the step starts.
-      values = lax.optimization_barrier(values)
-      return jaxprs.bind(eqn, [x if s is None else sharding_lib.constrain(x, s, self.mesh)
-                               for x, s in zip(values, specs)])
-    return list(jax.checkpoint(gathered)(*values))
+    ``reshard_after_forward``).
+
+    Optimization barriers place the gathers. In the forward a weight is gathered
+    once the *previous* product's input is there (and a one-element token of the
+    previous gathered weight, so that XLA's all-gather combiner does not merge the
+    two gathers into one that waits for the later input): one product of prefetch,
+    its gather overlapping the previous product, and never every layer's gather at
+    the start of the step. The barrier over the product's own operands stays for
+    the backward, the weight's cotangent routed through it (`_route`), so the
+    backward gathers each weight again at its product and reduce-scatters its
+    gradient there, one layer at a time."""
+    inputs = [x for x, s in zip(values, specs) if s is None]
+    tie = [lax.stop_gradient(t) for t in (self.previous or inputs)]
+    weights = [i for i, s in enumerate(specs) if s is not None]
+    n = len(values)
+
+    def gathered(*args):
+      values, tie = list(args[:n]), args[n:]
+      own = list(lax.optimization_barrier(values))
+      _, early = lax.optimization_barrier(
+          (tie, [lax.stop_gradient(values[i]) for i in weights]))
+      for i, x in zip(weights, early):
+        own[i] = sharding_lib.constrain(_route(x, own[i]), specs[i], self.mesh)
+      first = own[weights[0]]
+      token = lax.slice(first, (0,) * first.ndim, (1,) * first.ndim)
+      return [*jaxprs.bind(eqn, own), token]
+
+    *outs, token = jax.checkpoint(gathered)(*values, *tie)
+    self.previous = inputs + [token]
+    return outs
 
   def scan(self, eqn: Any, values: list, dims: list[Dim], specs: list
           ) -> tuple[list, list]:
@@ -213,8 +261,9 @@ class _Split:
     inner = dict(zip(body.jaxpr.invars, [*specs[:nc], *([None] * nk), *x_specs]))
 
     def step(carry, x):
-      outs, out_dims = self.run(body.jaxpr, body.consts, [*consts, *carry, *x],
-                                [*dims[:nc], *carry_dims, *x_dims], inner)
+      with self.body():
+        outs, out_dims = self.run(body.jaxpr, body.consts, [*consts, *carry, *x],
+                                  [*dims[:nc], *carry_dims, *x_dims], inner)
       seen["dims"] = out_dims
       return outs[:nk], outs[nk:]
 
@@ -231,7 +280,8 @@ class _Split:
     inner = dict(zip(p["jaxpr"].invars, specs))
 
     def body(*args):
-      outs, seen["dims"] = self.run(p["jaxpr"], (), args, dims, inner)
+      with self.body():
+        outs, seen["dims"] = self.run(p["jaxpr"], (), args, dims, inner)
       return outs
 
     outs = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True),

@@ -9,8 +9,10 @@ functions are evaluated inline, so what they hold is reached too.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from mpscale import sharding as sharding_lib
@@ -61,3 +63,54 @@ def bind(eqn: Any, values: Sequence[Any]) -> list:
     out = eqn.primitive.bind(*subfuns, *values, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 
+
+
+def _sub_jaxprs(value: Any) -> list:
+  """The jaxprs held in an equation parameter's ``value`` (a jaxpr, a closed jaxpr,
+  or a tuple of them, as ``cond``'s branches)."""
+  if isinstance(value, jcore.ClosedJaxpr):
+    return [value.jaxpr]
+  if isinstance(value, jcore.Jaxpr):
+    return [value]
+  if isinstance(value, (tuple, list)):
+    return [j for v in value for j in _sub_jaxprs(v)]
+  return []
+
+
+def matmul_flops(jaxpr: Any) -> dict[str, float]:
+  """The FLOPs of the matrix products (``dot_general``: ``2 * prod(result) *
+  prod(contracted)``) and convolutions (``2 * prod(result) * prod(kernel) / output
+  features``) of ``jaxpr`` (a jaxpr or closed jaxpr), by the dtype of their
+  operands (what decides the hardware's matrix units, whatever
+  ``preferred_element_type`` accumulates in). A ``scan`` body counts ``length``
+  times, a ``cond`` its costliest branch, any other body (``jit``, ``checkpoint``,
+  custom derivatives, ``while``) once."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  totals: dict[str, float] = {}
+
+  def add(found: dict[str, float], times: float = 1.0) -> None:
+    for dtype, flops in found.items():
+      totals[dtype] = totals.get(dtype, 0.0) + times * flops
+
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("dot_general", "conv_general_dilated"):
+      lhs, rhs = (v.aval for v in eqn.invars[:2])
+      out = eqn.outvars[0].aval
+      if name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        work = math.prod(lhs.shape[d] for d in contract)
+      else:
+        features = eqn.params["dimension_numbers"].rhs_spec[0]  # the output features
+        work = math.prod(rhs.shape) / max(rhs.shape[features], 1)
+      add({jnp.dtype(lhs.dtype).name: 2.0 * math.prod(out.shape) * work})
+      continue
+    if name == "cond":
+      branches = [matmul_flops(b) for b in eqn.params["branches"]]
+      add(max(branches, key=lambda f: sum(f.values()), default={}))
+      continue
+    times = float(eqn.params["length"]) if name == "scan" else 1.0
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        add(matmul_flops(sub), times)
+  return totals

@@ -38,6 +38,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional, Union
 
 import jax
@@ -180,6 +181,32 @@ class Policy:
   def cast_to_output(self, tree: Any) -> Any:
     """``tree`` with every floating leaf cast to ``output_dtype``."""
     return _cast(tree, self.output_dtype)
+
+  def wide_share(self, flops: dict[str, float]) -> Optional[float]:
+    """The share of matrix FLOPs (`mpscale.jaxprs.matmul_flops`, by operand dtype)
+    that run in float32 or wider under a 16-bit ``compute_dtype``; ``None`` when
+    the compute dtype is not 16-bit or there are no such FLOPs."""
+    if jnp.dtype(self.compute_dtype).itemsize != 2:
+      return None
+    total = sum(flops.values())
+    if not total:
+      return None
+    return sum(f for name, f in flops.items()
+               if jnp.dtype(name).itemsize >= 4) / total
+
+  def check_compute(self, flops: dict[str, float], stacklevel: int = 2) -> None:
+    """Warns when most of a model's matrix FLOPs (``flops``, by operand dtype) stay
+    in float32 under a 16-bit policy: the model fixes its layers' dtype (Flax's
+    ``dtype=jnp.float32``, as many published models do), so the policy speeds up
+    nothing (issue #42's Flax ResNet under O2 computed entirely in float32)."""
+    share = self.wide_share(flops)
+    if share is not None and share > 0.5:
+      warnings.warn(
+          f"policy {self} computes in {self.compute_dtype.name}, but {share:.0%} of "
+          "the loss's matrix FLOPs run in float32: the model casts its inputs or "
+          "weights back (e.g. Flax layers built with dtype=jnp.float32). Leave the "
+          "layers' dtype unset (or set it to the compute dtype) for the policy to "
+          "take effect.", stacklevel=stacklevel + 1)
 
   def __str__(self) -> str:
     return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"

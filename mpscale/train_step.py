@@ -82,6 +82,7 @@ import numpy as np
 import optax
 
 from mpscale import batch_split as batch_split_lib
+from mpscale import jaxprs
 from mpscale import keys as keys_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import metrics as metrics_lib
@@ -697,9 +698,11 @@ def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
       out, _ = _split_state_output(out, model_state)
     return out
 
-  _check_loss_structure(
-      jax.eval_shape(call, _shapes(state.params), micro_batch, key,
-                     _shapes(state.model_state)), per_token_loss)
+  closed, out_shape = jax.make_jaxpr(call, return_shape=True)(
+      _shapes(state.params), micro_batch, key, _shapes(state.model_state))
+  _check_loss_structure(out_shape, per_token_loss)
+  # A 16-bit policy that the model overrides (its layers fixed to float32) says so.
+  policy.check_compute(jaxprs.matmul_flops(closed), stacklevel=4)
 
 
 def _check_takes(fn: Callable, keywords: list[str]) -> None:

@@ -89,6 +89,8 @@ def test_fsdp_plan_reports_activations_a_device_and_one_weight_gathered():
   assert one.activations == pytest.approx(8 * dp.activations, rel=0.01)
   assert dp.largest_gather == 0
   assert fsdp.largest_gather == 128 * 512 * 2
+  # The tiny LM's matrix products follow its float16 policy: none left in float32.
+  assert one.float32_share == 0.0 and "in float32" in one.text()
   text = fsdp.text()
   assert "activations" in text and "gathered" in text and "gathered" not in dp.text()
 

@@ -1,5 +1,7 @@
 """Tests for mpscale.policy: parsing, presets, casts and the keep-float32 predicate."""
 
+from typing import Any
+
 import chex
 import flax.linen as nn
 import jax
@@ -153,3 +155,37 @@ def test_policy_is_hashable_and_frozen():
 def test_module_names_the_presets_in_its_error():
   with pytest.raises(ValueError, match="O0"):
     policy_lib.get_policy("mixed")
+
+
+def test_a_model_that_fixes_float32_under_a_16_bit_policy_is_warned_about():
+  """Issue #42: Flax's ResNet fixes ``dtype=jnp.float32`` on its layers, so under O2
+  it computed entirely in float32 and nothing said so. The step warns, naming the
+  share of matrix FLOPs left in float32; a model whose layers follow the policy
+  gets no warning."""
+  import warnings
+
+  class Net(nn.Module):
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+      h = nn.relu(nn.Dense(64, dtype=self.dtype)(x))
+      return nn.Dense(1, dtype=self.dtype)(h)[:, 0]
+
+  batch = {"x": jnp.ones((16, 32)), "y": jnp.zeros((16,))}
+  for dtype, warns in ((jnp.float32, True), (None, False)):
+    net = Net(dtype)
+    params = net.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss(p, b, net=net):
+      out = net.apply({"params": p}, b["x"].astype(jnp.bfloat16))
+      return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
+
+    init, step = mpscale.make_train_step(loss, optax.sgd(0.1), policy="bf16")
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      step.lower(init(params), batch)
+    said = [str(w.message) for w in caught if "matrix FLOPs" in str(w.message)]
+    assert bool(said) == warns, said
+    if warns:
+      assert "100% of the loss's matrix FLOPs run in float32" in said[0]

@@ -61,8 +61,8 @@ from mpscale.trainer.checkpoints import CheckpointError
 from mpscale.trainer.compare import compare
 from mpscale.trainer import distributed
 from mpscale.trainer.devices import set_host_device_count
-from mpscale.trainer.loop import (RunDirError, evaluate_run, existing_run_files,
-                                  sample_run, train)
+from mpscale.trainer.loop import (RunDirError, evaluate_run, evaluate_run_metrics,
+                                  existing_run_files, sample_run, train)
 
 
 def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> str:
@@ -157,7 +157,10 @@ def _version_text() -> str:
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="mpscale", description="Train the tiny mixed-precision LM from a config.")
+      prog="mpscale", description=(
+          "Mixed-precision and parallel training for JAX: train a config (the "
+          "built-in tiny LM, or your model and data), compare configs, plan a run on "
+          "hardware you do not have, evaluate or sample a run, tokenize text."))
   parser.add_argument("--version", action="version", version=_version_text())
   sub = parser.add_subparsers(dest="command", required=True)
 
@@ -375,10 +378,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise config_lib.as_config_error(e).located(args.config) from None
       print(planned.to_json() if args.json else planned.text())
     elif args.command == "eval":
-      loss, step = evaluate_run(args.run, args.devices, args.step)
+      values, step = evaluate_run_metrics(args.run, args.devices, args.step)
       unit = corpora.loss_unit(config_lib.load_config(
           os.path.join(args.run, "config.yaml")))
-      print(f"{args.run}: eval loss {loss:.4f} nats/{unit} at step {step}")
+      said = [f"eval loss {values.pop('loss'):.4f}"
+              + ("" if unit is None else f" nats/{unit}")]
+      said += [f"{name} {value:.4f}" for name, value in sorted(values.items())]
+      print(f"{args.run}: {', '.join(said)} at step {step}")
     elif args.command == "tokenize":
       _tokenize(args)
     elif args.command == "sample":

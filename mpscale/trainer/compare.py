@@ -9,6 +9,7 @@ import shutil
 from typing import Any, Optional, Sequence
 
 from mpscale.trainer import config as config_lib
+from mpscale.trainer import corpora
 from mpscale.trainer.loop import check_out_dir, train
 from mpscale.trainer.plots import plot_runs
 
@@ -69,7 +70,9 @@ def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "co
     f.write("\n".join(md) + "\n")
   runs = {s["name"]: os.path.join(s["out_dir"], "metrics.csv") for s in summaries}
   png = os.path.join(out_dir, "comparison.png")
-  plot_runs(runs, png, title="mpscale compare")
+  units = {corpora.loss_unit(cfg) for cfg in cfgs}
+  plot_runs(runs, png, title="mpscale compare",
+            loss_unit=units.pop() if len(units) == 1 else None)
   if plot_path:
     os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
     shutil.copyfile(png, plot_path)

@@ -79,9 +79,12 @@ def uses_tokens(data: schema.DataConfig) -> bool:
   return bool(data.tokens or data.blend or data.tokenize is not None)
 
 
-def loss_unit(cfg: schema.RunConfig) -> str:
-  """What the logged loss is per: ``"token"`` for a token corpus, else ``"byte"``
-  (the built-in text)."""
+def loss_unit(cfg: schema.RunConfig) -> Optional[str]:
+  """What the logged loss is per: ``"token"`` for a token corpus, ``"byte"`` for
+  the built-in text; ``None`` for a user's model (``model.provider``), whose loss is
+  per whatever its ``num_tokens`` counts (examples, for a classifier)."""
+  if cfg.model.provider is not None:
+    return None
   return "token" if uses_tokens(cfg.data) else "byte"
 
 

@@ -486,7 +486,8 @@ def _finish(run: _Run, state: TrainState, start: int,
       json.dump(summary, f, indent=2)
     plot_runs({cfg.name: logger.path}, os.path.join(out_dir, "metrics.png"),
               title=f"{cfg.name} ({summary['policy']}, loss scale "
-                    f"{summary['loss_scale']}, {summary['optimizer']})")
+                    f"{summary['loss_scale']}, {summary['optimizer']})",
+              loss_unit=corpora.loss_unit(cfg))
     logger.say(f"{cfg.name}: {final_step} steps, train loss {fmt(train_loss)}, eval "
                f"loss {fmt(logger.eval_loss)}, skipped {summary['skipped']} -> "
                f"{out_dir}")
@@ -743,8 +744,16 @@ def evaluate_run(out_dir: str, devices: Optional[int] = None,
   """``(eval loss, step)`` of a run's latest checkpoint (or ``step``'s) on its
   evaluation data, on the run's mesh or, with fewer devices than it needs, on one
   (`load_run`)."""
+  values, step = evaluate_run_metrics(out_dir, devices, step)
+  return values["loss"], step
+
+
+def evaluate_run_metrics(out_dir: str, devices: Optional[int] = None,
+                         step: Optional[int] = None) -> tuple[dict[str, float], int]:
+  """`evaluate_run` with the model's evaluation metrics too (``model.metrics``, e.g.
+  ``accuracy``): ``({"loss": ..., name: ...}, step)``."""
   run, step = load_run(out_dir, devices, step)
-  return evaluate(run.setup, run.state, run.data), step
+  return evaluate_metrics(run.setup, run.state, run.data), step
 
 
 def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,

@@ -63,6 +63,7 @@ from typing import Any, Optional
 import jax
 
 from mpscale import hlo as hlo_lib
+from mpscale import jaxprs
 from mpscale import pipeline as pipeline_lib
 from mpscale import sharding as sharding_lib
 from mpscale import validation
@@ -165,6 +166,10 @@ class Plan:
   """An unpipelined config's activation bytes a device: what autodiff keeps for the
   backward of one micro-batch of the device's rows (`activation_bytes`); ``None``
   for a pipeline (its `residuals` say it per schedule)."""
+  float32_share: Optional[float] = None
+  """Under a 16-bit compute dtype, the share of the loss's matrix FLOPs that still
+  run in float32 (`mpscale.Policy.wide_share`: a model that fixes its layers'
+  dtype); ``None`` otherwise, or for a pipeline."""
   largest_gather: int = 0
   """The largest single all-gather of the step, bytes a device
   (`mpscale.hlo.largest_collective`): under FSDP, the most weights gathered at once
@@ -218,6 +223,11 @@ class Plan:
            + ("fits" if self.fits else "DOES NOT FIT")),
         f"  FLOPs per step    {self.flops_per_device:12.3e}  (all devices "
         f"{self.flops_per_step:.3e}{model_flops})",
+        *([] if self.float32_share is None else [
+            f"    in float32      {self.float32_share:12.0%}  (the policy computes in "
+            f"{self.compute_dtype}"
+            + ("; the model keeps its own float32 layers)" if self.float32_share > 0.5
+               else ")")]),
         f"pipeline bubble     {self.bubble:12.1%}",
         *self._residual_lines(),
         *self._schedule_lines(),
@@ -459,7 +469,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
           state.params, batch, mesh=mesh, data_axis=builders.data_axes(mesh),
           per_token_loss=provided or cfg.train.per_token_loss,
           cast=setup.policy.cast_to_compute)
-  activations = None
+  activations = float32_share = None
   if not isinstance(loss, pipeline_lib.Pipeline):
     replicas = 1 if mesh is None else sharding_lib.axis_size(
         mesh, builders.data_axes(mesh))
@@ -472,6 +482,11 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
       kwargs["model_state"] = state.model_state
     activations = activation_bytes(loss, state.params, batch, rows,
                                    setup.policy.cast_to_compute, **kwargs)
+    local = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype), batch)
+    forward = jax.make_jaxpr(lambda p, b, kw: loss(
+        setup.policy.cast_to_compute(p), b, **kw))(state.params, local, kwargs)
+    float32_share = setup.policy.wide_share(jaxprs.matmul_flops(forward))
   compute_dtype = jax.numpy.dtype(setup.policy.compute_dtype).name
   narrow = compute_dtype in ("bfloat16", "float16")
   work = hlo_lib.kernels(hlo, float32_bytes=2 if narrow else 4)
@@ -495,7 +510,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
       collectives_over=hlo_lib.collectives_over(hlo, dict(mesh.shape) if mesh is not
                                                 None else {}),
       compute_dtype=compute_dtype, schedules=schedules, residuals=residuals,
-      activations=activations,
+      activations=activations, float32_share=float32_share,
       largest_gather=hlo_lib.largest_collective(hlo, "all-gather"))
   if hardware is not None:
     planned.estimate = step_time_lib.estimate(planned, hardware)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from mpscale.trainer.metrics_log import EVAL_PREFIX, NORM_PREFIX, read_rows, to_float
 
@@ -18,7 +18,8 @@ def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float
   return steps, values
 
 
-def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
+def plot_runs(runs: dict[str, str], path: str, title: str = "",
+              loss_unit: Optional[str] = "byte") -> Any:
   """One PNG of every logged series: loss (train solid, eval dashed), loss scale,
   global norm, learning rate, group ("local") norms, overflows and, when a run logs
   them, the model's evaluation metrics (``eval_<name>``, e.g. accuracy).
@@ -30,6 +31,8 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
     runs: run label -> its ``metrics.csv``.
     path: the PNG to write.
     title: the figure's title.
+    loss_unit: what the loss is per (``"byte"``, ``"token"``), in nats; ``None``
+      for a user's model (no unit said).
 
   Returns:
     The matplotlib ``Figure``.
@@ -63,7 +66,8 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "") -> Any:
       metric = key.removeprefix(EVAL_PREFIX)
       axes[6].plot(*_series(rows, key), "o" + styles[j % len(styles)], color=color,
                    ms=3, label=f"{label}: {metric}" if len(runs) > 1 else metric)
-  titles = ("loss, nats/byte (train: interval mean; dashed: eval)", "loss scale",
+  unit = "" if loss_unit is None else f", nats/{loss_unit}"
+  titles = (f"loss{unit} (train: interval mean; dashed: eval)", "loss scale",
             "gradient global norm (logged step)", "learning rate",
             "group norms (logged step)", "overflows (skipped steps), total")
   if metric_keys:
