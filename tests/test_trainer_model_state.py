@@ -140,10 +140,26 @@ def test_digits_cnn_example_reaches_95_percent_in_fp16(tmp_path):
   summary = mpscale.trainer.run(DIGITS, out_dir=str(tmp_path), progress=False,
                                 verbose=False)
   assert summary["final_eval_accuracy"] >= 0.95, summary
+  # What the README says of it (issue #42 found 99.5% there and 99.2% in a run).
+  import re
+  with open(os.path.join(ROOT, "README.md")) as f:
+    stated = float(re.search(r"([\d.]+)% test accuracy after 200", f.read()).group(1))
+  assert abs(100 * summary["final_eval_accuracy"] - stated) <= 0.5, summary
   assert summary["policy"] == "O2" and summary["loss_scale"].startswith("dynamic")
   assert (tmp_path / "metrics.png").exists()
   with open(tmp_path / "summary.json") as f:
     assert json.load(f)["final_eval_accuracy"] == summary["final_eval_accuracy"]
+  # mpscale eval says the classifier's accuracy, and no nats/byte (issue #42).
+  import contextlib
+  import io
+
+  from mpscale.trainer import cli
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert cli.main(["eval", str(tmp_path)]) == 0
+  said = printed.getvalue()
+  assert f"accuracy {summary['final_eval_accuracy']:.4f}" in said, said
+  assert "nats" not in said
 
 
 PMAP_ERA_MODELS = textwrap.dedent('''
