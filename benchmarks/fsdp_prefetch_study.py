@@ -1,21 +1,34 @@
-"""Does FSDP's per-product weight gather overlap compute? Baseline against a
-one-product lookahead, on XLA's H100 compiler (no GPU needed).
+"""Does FSDP's per-product weight gather overlap compute? mpscale's one-product
+lookahead against the gathers it replaced, on XLA's H100 compiler (no GPU needed).
 
 `mpscale.batch_split` gathers each weight where a matrix product uses it, under
-``jax.checkpoint``, and ties the gather to that product's own input with
-``lax.optimization_barrier`` so XLA does not hoist every layer's gather to the step's
-start. The *lookahead* variant (patched in here, `lookahead`) ties each weight's
-gather to the input of the *previous* product instead (one product of prefetch), so
-product k+1's gather may start while product k runs.
+``jax.checkpoint`` (the backward gathers it again). Since issue #47 it gathers a
+weight once the *previous* product's input is there, one product ahead
+(`_Split.product`, scoped by `_Split.body` to the step, a scan step or a remat
+body). The two variants before it are patched in here (nothing in ``mpscale``
+edited) to show what the lookahead changed:
+
+  own input                the code before: an ``lax.optimization_barrier`` over the
+                           product's own operands, so a weight is gathered once its
+                           own product's input is there (no prefetch)
+  tie-only                 the weights' barrier over the previous product's input
+                           instead, and nothing else (XLA's all-gather combiner may
+                           merge consecutive gathers into one that waits for the
+                           later input)
+  lookahead (mpscale now)  `_Split.product` as it is: that barrier plus a 1-element
+                           token of the previous gathered weight (no merging), the
+                           own-input barrier kept for the backward with the shard's
+                           cotangent routed through it (`batch_split._route`)
 
 For each model and variant this compiles the FSDP train step for 8 H100s
 (``jax.experimental.topologies``; shapes only, nothing runs) and prints the compiled
-temporaries and, for every ``all-gather-start``/``all-gather-done`` pair in the entry
-computation and in loop bodies (the compiled text is scheduled: its order is the
-order the GPU's stream is fed), how many compute ops (fusion, custom-call, dot,
-convolution) and how many matrix products (gemm fusions, dots, cuBLAS calls) are
-scheduled between them. ``--check`` first compares the loss and gradients of the two
-variants on 8 CPU devices.
+temporaries, the collectives, and, for every ``all-gather-start``/``all-gather-done``
+pair in the entry computation and in loop bodies (the compiled text is scheduled: its
+order is the order the GPU's stream is fed), whether compute ops (fusion,
+custom-call, dot, convolution) and matrix products (gemm fusions, dots, cuBLAS calls)
+are scheduled between them, forward and backward apart. ``--check`` first compares
+the loss and every gradient of each variant with mpscale's and with the loss without
+``batch_split``, on 8 CPU devices.
 
 ::
 
@@ -33,6 +46,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import NamedTuple
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -43,7 +57,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax._src import core as jax_core  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -52,18 +65,27 @@ import bench_fsdp  # noqa: E402
 from mpscale import batch_split, hlo, jaxprs, sharding  # noqa: E402
 
 _Split = batch_split._Split
+NOW = "lookahead (mpscale now)"
 
 
-# ------------------------------------------------------------- the lookahead variant
-def _lookahead_product(self, eqn, values, specs):
-  """`_Split.product` with each weight's gather tied to the *previous* product's
-  input (the operands that are not weights) rather than its own: one product of
-  prefetch. The first product of a trace (a step, a scan body) ties to its own."""
+# ------------------------------------------------------ the variants it replaced
+def _own_input_product(self, eqn, values, specs):
+  """`_Split.product` before issue #47's lookahead: the weights tied to the
+  product's own input, so each is gathered once that input is there."""
+  def gathered(*values):
+    values = lax.optimization_barrier(values)
+    return jaxprs.bind(eqn, [x if s is None else sharding.constrain(x, s, self.mesh)
+                             for x, s in zip(values, specs)])
+  return list(jax.checkpoint(gathered)(*values))
+
+
+def _naive_product(self, eqn, values, specs):
+  """`_Split.product` with the weights' barrier over the *previous* product's input
+  (``self.previous``, reset by `_Split.body` for each step, scan step and remat
+  body) instead of its own, and nothing else."""
   inputs = [x for x, s in zip(values, specs) if s is None]
-  prev = getattr(self, "_prev", None)
-  # Only a value of the trace being built: never a scan body's value outside it.
-  tie = prev[1] if prev is not None and prev[0] is jax_core.trace_ctx.trace else inputs
-  self._prev = (jax_core.trace_ctx.trace, inputs)
+  tie = self.previous or inputs
+  self.previous = inputs
   n = len(values)
 
   def gathered(*args):
@@ -77,32 +99,42 @@ def _lookahead_product(self, eqn, values, specs):
   return list(jax.checkpoint(gathered)(*values, *tie))
 
 
-def _scoped(method):
-  """A scan or remat body starts with no previous product (and leaves none)."""
-  def wrapped(self, *args):
-    self._prev = None
+def _patched(product):
+  @contextlib.contextmanager
+  def ctx():
+    saved = _Split.product
+    _Split.product = product
     try:
-      return method(self, *args)
+      yield
     finally:
-      self._prev = None
-  return wrapped
+      _Split.product = saved
+  return ctx
 
 
-@contextlib.contextmanager
-def lookahead():
-  saved = _Split.product, _Split.scan, _Split.remat
-  _Split.product = _lookahead_product
-  _Split.scan, _Split.remat = _scoped(saved[1]), _scoped(saved[2])
-  try:
-    yield
-  finally:
-    _Split.product, _Split.scan, _Split.remat = saved
-
-
-VARIANTS = {"baseline": contextlib.nullcontext, "lookahead": lookahead}
+VARIANTS = {"own input": _patched(_own_input_product),
+            "tie-only": _patched(_naive_product),
+            NOW: contextlib.nullcontext}
 
 
 # ------------------------------------------------------------------- the HLO reading
+COMPUTE = ("fusion", "custom-call", "dot", "convolution")
+
+
+class Pair(NamedTuple):
+  """An ``all-gather-start`` and its ``all-gather-done`` in a scheduled computation."""
+  computation: str
+  start: str
+  mib: float
+  """What it gathers (the done's result), MiB."""
+  compute: int
+  """Compute ops (`COMPUTE`) scheduled between start and done."""
+  matmuls: int
+  """Of those, matrix products (gemm fusions, dots, cuBLAS calls)."""
+  backward: bool
+  """From the backward (its op_name has ``transpose(``)."""
+  lines: tuple
+
+
 def _is_matmul(ins):
   if ins.op in ("dot", "convolution"):
     return True
@@ -112,52 +144,48 @@ def _is_matmul(ins):
 
 
 def gather_pairs(text):
-  """``(computation, start name, result type, compute ops between, matmuls between,
-  op_name)`` for each all-gather-start in a computation that is not a fusion's."""
+  """Every all-gather start/done pair in the entry computation and in loop bodies
+  (the compiled text is scheduled: its order is the order the stream is fed)."""
   module = hlo.parse(text)
-  bodies = set()
-  for inss in module.computations.values():
-    for ins in inss:
-      if ins.op == "while":
-        bodies.update(x.split(",")[0].strip("%")
-                      for x in ins.rest.split("body=")[1:])
+  bodies = {x.split(",")[0].split("}")[0].strip().lstrip("%")
+            for inss in module.computations.values() for ins in inss
+            if ins.op == "while" for x in ins.rest.split("body=")[1:]}
   out = []
   for comp, inss in module.computations.items():
     if comp != module.entry and comp not in bodies:
       continue
-    where = {ins.name: k for k, ins in enumerate(inss)}
     for k, ins in enumerate(inss):
       if ins.op != "all-gather-start":
         continue
       done = next(j for j in range(k + 1, len(inss)) if inss[j].op == "all-gather-done"
-                  and inss[j].rest.split(")")[0].strip().strip("%") == ins.name)
+                  and inss[j].rest.split(")")[0].strip().lstrip("%") == ins.name)
       between = inss[k + 1:done]
-      compute = sum(i.op in ("fusion", "custom-call", "dot", "convolution")
-                    for i in between)
-      mm = sum(_is_matmul(i) for i in between)
       op_name = ins.rest.split('op_name="')[1].split('"')[0] if 'op_name="' in ins.rest else ""
-      out.append((comp, ins.name, ins.result.split("}")[0] if False else ins.result,
-                  compute, mm, op_name, where[ins.name], done))
+      out.append(Pair(comp, ins.name, hlo._shape_bytes(inss[done].result) / 2.0**20,
+                      sum(i.op in COMPUTE for i in between),
+                      sum(_is_matmul(i) for i in between),
+                      "transpose(" in op_name, (k, done)))
   return out
-
-
-def _gathered_mib(result):
-  # The result tuple's second half is what is gathered: count it.
-  half = result[result.find("), (") + 3:] if "), (" in result else result
-  return hlo._shape_bytes(half) / 2.0**20
 
 
 # ---------------------------------------------------------------------- the checks
 def check_values(models, rows, seq):
-  """Loss and gradients of both variants on 8 CPU devices (the same step code)."""
+  """Loss and gradients of each variant against mpscale's (`NOW`) and against the
+  loss without `batch_split`, on 8 CPU devices."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(1, 8), ("data", "fsdp"))
+
+  def worst(xs, ys):
+    return max(float(np.max(np.abs(np.asarray(x, np.float64)
+                                   - np.asarray(y, np.float64))))
+               for x, y in zip(xs, ys))
+
   for name, (shapes, loss_fn, _) in models.items():
-    keys = jax.random.split(jax.random.key(1), len(jax.tree_util.tree_leaves(shapes)))
+    leaves = jax.tree_util.tree_leaves(shapes)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
     params = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(shapes),
-        [0.05 * jax.random.normal(k, s.shape, s.dtype)
-         for k, s in zip(keys, jax.tree_util.tree_leaves(shapes))])
+        [0.05 * jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)])
     specs = sharding.fsdp_specs(params, mesh)
     params = jax.device_put(params, jax.tree_util.tree_map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=sharding.is_spec))
@@ -168,16 +196,18 @@ def check_values(models, rows, seq):
     for variant, ctx in VARIANTS.items():
       with ctx():
         f = batch_split.keep_batch_split(loss_fn, mesh, ("data", "fsdp"), specs)
-        got[variant] = jax.jit(jax.value_and_grad(f))(params, batch)
-    ref = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
-    a, b, r = (jax.tree_util.tree_leaves(got["baseline"]),
-               jax.tree_util.tree_leaves(got["lookahead"]), jax.tree_util.tree_leaves(ref))
-    same = all(np.array_equal(x, y) for x, y in zip(a, b))
-    err = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
-    err_ref = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-                  for x, y in zip(b, r))
-    print(f"  {name:<10} loss+grads lookahead vs baseline: bitwise {same}, "
-          f"max |diff| {err:.2e}; vs plain jit {err_ref:.2e}")
+        got[variant] = jax.tree_util.tree_leaves(
+            jax.jit(jax.value_and_grad(f))(params, batch))
+    plain = jax.tree_util.tree_leaves(jax.jit(jax.value_and_grad(loss_fn))(params, batch))
+    for variant, leaves in got.items():
+      vs_now = ""
+      if variant != NOW:
+        same = all(np.array_equal(x, y) for x, y in zip(got[NOW], leaves))
+        vs_now = ("bitwise equal to mpscale's" if same else
+                  f"differ from mpscale's, max |diff| {worst(got[NOW], leaves):.1e}")
+        vs_now += "; "
+      print(f"  {name:<10} {variant:<24} loss and every gradient {vs_now}"
+            f"vs no batch_split max |diff| {worst(leaves, plain):.1e}")
 
 
 def main(argv=None):
@@ -195,20 +225,20 @@ def main(argv=None):
   args = ap.parse_args(argv)
 
   def pick(ms):
-    return ms if args.models == "all" else {
-        k: ms[k] for k in args.models.split(",")}
+    return ms if args.models == "all" else {k: ms[k] for k in args.models.split(",")}
 
   if args.check:
-    print("values, 8 CPU devices, width 64, 2 layers, 16 x 32 tokens:")
+    print("values on 8 CPU devices (width 64, 2 layers, 16 x 32 tokens):")
     check_values(pick(bench_fsdp.models(64, 2, 512, 32)), 16, 32)
 
   mesh = Mesh(np.array(bench_fsdp.devices(not args.cpu)).reshape(1, 8),
               ("data", "fsdp"))
   print(f"\n{'CPU' if args.cpu else 'H100 (XLA GPU compiler)'}: width {args.width}, "
-        f"{args.layers} layers, {args.rows} x {args.seq} tokens, FSDP over 8")
-  print(f"{'model':<10}{'variant':<11}{'temp MiB':>9}{'gathers':>8}"
-        f"{'overlap compute':>16}{'overlap matmul':>15}{'fwd ovl/n':>10}"
-        f"{'bwd ovl/n':>10}{'MiB hidden':>11}")
+        f"{args.layers} layers, {args.rows} x {args.seq} tokens, FSDP over 8\n"
+        "gathers overlapped: with at least one matmul (compute op) between start and "
+        "done, of all pairs")
+  print(f"{'model':<10}{'variant':<24}{'temp MiB':>9}{'forward':>14}{'backward':>14}"
+        f"{'MiB hidden/gathered':>21}  collectives (count, MiB)")
   for name, (params, loss_fn, _) in pick(bench_fsdp.models(
       args.width, args.layers, 512, args.seq)).items():
     for variant, ctx in VARIANTS.items():
@@ -216,21 +246,24 @@ def main(argv=None):
         comp = bench_fsdp.compile_step(params, loss_fn, mesh, "fsdp", args.rows,
                                        args.seq)
       temp = comp.memory_analysis().temp_size_in_bytes / 2.0**20
-      pairs = gather_pairs(comp.as_text())
-      fwd = [p for p in pairs if "transpose(" not in p[5]]
-      bwd = [p for p in pairs if "transpose(" in p[5]]
-      hidden = sum(_gathered_mib(p[2]) for p in pairs if p[4])
-      print(f"{name:<10}{variant:<11}{temp:>9.1f}{len(pairs):>8}"
-            f"{sum(p[3] > 0 for p in pairs):>16}{sum(p[4] > 0 for p in pairs):>15}"
-            f"{sum(p[4] > 0 for p in fwd):>6}/{len(fwd):<3}"
-            f"{sum(p[4] > 0 for p in bwd):>6}/{len(bwd):<3}"
-            f"{hidden:>11.1f}")
+      text = comp.as_text()
+      pairs = gather_pairs(text)
+      cols = []
+      for back in (False, True):
+        ps = [p for p in pairs if p.backward == back]
+        cols.append(f"{sum(p.matmuls > 0 for p in ps)}({sum(p.compute > 0 for p in ps)})"
+                    f"/{len(ps)}")
+      hidden = sum(p.mib for p in pairs if p.matmuls)
+      coll = ", ".join(f"{k} {v['count']}x {v['bytes'] / 2.0**20:.0f}"
+                       for k, v in sorted(hlo.collectives(text).items()))
+      print(f"{name:<10}{variant:<24}{temp:>9.1f}{cols[0]:>14}{cols[1]:>14}"
+            f"{hidden:>11.0f}/{sum(p.mib for p in pairs):<9.0f}  {coll}")
       if args.pairs:
-        for comp_name, start, result, n, mm, op, i, j in pairs:
-          where = "entry" if comp_name.startswith("main") else comp_name[:18]
-          print(f"    {where:<18} {start:<22} {_gathered_mib(result):7.2f} MiB "
-                f"lines {i:>5}-{j:<5} compute {n:>3} matmul {mm:>3}  "
-                f"{'bwd' if 'transpose(' in op else 'fwd'}")
+        for p in pairs:
+          where = "entry" if p.computation == hlo.parse(text).entry else p.computation
+          print(f"    {where[:20]:<20} {p.start:<22}{p.mib:7.2f} MiB  lines "
+                f"{p.lines[0]:>5}-{p.lines[1]:<5} compute {p.compute:>3} "
+                f"matmul {p.matmuls:>3}  {'bwd' if p.backward else 'fwd'}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from mpscale.norms import (
 from mpscale.parameter_groups import ParamGroup, ParamGroupsState, param_groups
 from mpscale.pipeline import (Pipeline, SplitPipeline, bubble_fraction, schedule_chunks,
                               schedule_table, stage_groups)
-from mpscale.schedules import lr_schedule, weight_decay_schedule
+from mpscale.schedules import count_samples, lr_schedule, weight_decay_schedule
 from mpscale.sharding import flax_specs, fsdp_specs, logical_specs
 from mpscale.policy import Policy, default_keep_fp32, get_policy, keep_fp32_by_name
 from mpscale.train_step import TrainState, accumulate_gradients, make_train_step
@@ -78,6 +78,7 @@ __all__ = [
     "logical_specs",
     "loss_scale_for",
     "loss_scale_of",
+    "count_samples",
     "lr_schedule",
     "make_train_step",
     "no_loss_scale",

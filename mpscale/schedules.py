@@ -38,7 +38,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -171,3 +171,87 @@ def weight_decay_schedule(start: float, end: float, steps: int,
     return optax.linear_schedule(start, end, steps)
   rise = optax.cosine_decay_schedule(start - end, steps)
   return lambda count: end + rise(count)
+
+
+SCHEDULE_STATES = ("InjectHyperparamsState", "InjectStatefulHyperparamsState",
+                   "WrappedScheduleState", "CameLearningRateState", "ParamGroupsState")
+"""The states whose ``count`` a schedule of theirs reads (``optax.inject_hyperparams``
+and the state of each schedule it wraps, `mpscale.came`'s learning rate,
+`mpscale.param_groups`' reported rates): what `count_samples` makes count
+samples."""
+
+
+def count_samples(inner: optax.GradientTransformation
+                 ) -> optax.GradientTransformationExtraArgs:
+  """``inner`` with its schedules counting samples, as Megatron-LM's scheduler does.
+
+  Megatron-LM advances its ``OptimizerParamScheduler`` by each *applied* step's own
+  global batch size (``step(increment=batch_size)``, only when the update
+  succeeded), so during a batch-size ramp-up a skipped step moves neither the
+  learning rate nor the weight decay, and later steps move them by their larger
+  batches. Here the ``count`` of every state inside ``inner`` that evaluates a
+  schedule (`SCHEDULE_STATES`: ``optax.inject_hyperparams``, `mpscale.came`'s
+  learning rate, `mpscale.param_groups`) is that sum: each update evaluates its schedules at the samples of
+  the steps applied before it, then adds the extra argument ``samples`` (the step's
+  global batch size, which `mpscale.make_train_step` passes). Inside a skip or
+  loss-scale wrapper a skipped step keeps the inner state, so it adds nothing.
+  Other counts (Adam's bias correction, CAME's second-moment decay) still count
+  updates.
+
+  Give ``inner``'s schedules in samples (e.g. ``lr_schedule(peak, warmup_steps=
+  warmup_samples, decay_steps=decay_samples)``).
+
+  Args:
+    inner: the optimizer, built with ``optax.inject_hyperparams`` (or `mpscale.came`)
+      around schedules of the samples consumed.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s; its
+    update needs ``samples=`` (an int).
+
+  Raises:
+    TypeError: at trace time, when an update is called without ``samples``.
+
+  References:
+    Megatron-LM ``megatron/training/training.py`` (``train_step``: ``increment =
+    get_num_microbatches() * micro_batch_size * data_parallel_size``, stepped only
+    when ``update_successful``) and ``megatron/core/optimizer_param_scheduler.py``.
+  """
+  inner = optax.with_extra_args_support(validation.transformation("inner", inner))
+
+  def update_fn(updates, state, params=None, *, samples=None, **extra_args):
+    if samples is None:
+      raise TypeError("count_samples: update(..., samples=N) needs the step's global "
+                      "batch size (mpscale.make_train_step passes it)")
+    before = _schedule_counts(state)
+    updates, new_state = inner.update(updates, state, params, **extra_args)
+    step = jnp.asarray(samples, jnp.int32)
+    return updates, _with_schedule_counts(new_state, [c + step for c in before])
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def _is_schedule_state(x: Any) -> bool:
+  return type(x).__name__ in SCHEDULE_STATES and hasattr(x, "count")
+
+
+def _map_counts(state: Any, fn: Any) -> Any:
+  """``state`` with ``fn`` applied to the ``count`` of each schedule state in it,
+  outermost first (their inner states too)."""
+  def visit(x):
+    if not _is_schedule_state(x):
+      return x
+    return type(x)(**{f: fn(v) if f == "count" else _map_counts(v, fn)
+                      for f, v in x._asdict().items()})
+  return jax.tree_util.tree_map(visit, state, is_leaf=_is_schedule_state)
+
+
+def _schedule_counts(state: Any) -> list:
+  counts: list = []
+  _map_counts(state, lambda c: counts.append(c) or c)
+  return counts
+
+
+def _with_schedule_counts(state: Any, counts: list) -> Any:
+  counts = iter(counts)
+  return _map_counts(state, lambda _: next(counts))

@@ -1027,8 +1027,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         state.params, batch, scale, key, state.model_state)
     # The unscaled loss, for a skip_spikes inside (optax drops it for a
     # transformation that takes no extra arguments).
+    # ``samples``: the step's global batch size, for schedules counted in samples
+    # (`mpscale.count_samples`).
     updates, opt_state = optax.with_extra_args_support(tx).update(
-        grads, state.opt_state, state.params, loss=loss)
+        grads, state.opt_state, state.params, loss=loss,
+        samples=jnp.asarray(jax.tree_util.tree_leaves(batch)[0].shape[0], jnp.int32))
     params = optax.apply_updates(state.params, updates)
     if model_state is not None:
       # A skipped step's statistics may hold the overflow's Inf/NaN: keep the old.

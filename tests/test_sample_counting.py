@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -110,17 +111,104 @@ def test_the_learning_rate_is_a_function_of_the_samples_consumed():
   sizes = BatchSizes(32, (8, 8, 480))
   for count in range(86):  # every step of the run, and one past it
     consumed = sizes.consumed_at(count)
-    np.testing.assert_allclose(float(schedule(count)),
+    np.testing.assert_allclose(float(schedule(consumed)),
                                float(by_samples(consumed)), rtol=1e-6)
     # Megatron-LM's OptimizerParamScheduler.get_lr with num_steps = consumed samples.
-    np.testing.assert_allclose(float(schedule(count)), megatron_lr(
+    np.testing.assert_allclose(float(schedule(consumed)), megatron_lr(
         consumed, peak=cfg.optimizer.learning_rate, warmup=320, decay_steps=2000,
         style="cosine", min_lr=1e-4), rtol=1e-5)
   # The warm-up ends after 320 samples: 20 steps of 8 then 10 of 16.
   assert sizes.consumed_at(30) == 320
-  assert float(schedule(29)) < 0.99 * cfg.optimizer.learning_rate
-  np.testing.assert_allclose(float(schedule(30)), cfg.optimizer.learning_rate,
-                             rtol=1e-6)
+
+
+def _applied_lrs(cfg, steps, skipped):
+  """The learning rate of each step of ``cfg``'s optimizer, stepped as the train step
+  steps it (``samples=`` each step's batch size, from the samples consumed by all
+  steps), the steps in ``skipped`` overflowing (their gradients NaN)."""
+  opt = builders.build_optimizer(cfg)
+  sizes = builders.build_batch_sizes(cfg)
+  params = {"w": jnp.ones(3)}
+  state = opt.init(params)
+  update = jax.jit(lambda g, s, n: opt.update(g, s, params, samples=n))
+  lrs = []
+  for step in range(steps):
+    g = jnp.full(3, jnp.nan if step in skipped else 1e-3)
+    scale = mpscale.loss_scale_of(state)
+    _, state = update({"w": g * scale}, state, sizes.size_at(step))
+    lrs.append(float(mpscale.step_metrics(state)["learning_rate"]))
+  return lrs, [sizes.size_at(s) for s in range(steps)]
+
+
+def _megatron_rule(peak, warmup, decay, sizes, skipped, style="linear"):
+  """Megatron-LM's scheduler as its train loop drives it: the rate of each step is
+  the schedule at the samples of the steps applied before it; a skipped step does
+  not step it (``update_successful`` false)."""
+  applied, lrs = 0, []
+  for step, size in enumerate(sizes):
+    lrs.append(megatron_lr(applied, peak=peak, warmup=warmup, decay_steps=decay,
+                           style=style))
+    if step not in skipped:
+      applied += size
+  return lrs
+
+
+RAMPED_SKIPS = _merge(
+    RAMP, data={"batch_size": 64, "rampup_batch_size": [32, 32, 64]},
+    train={"samples": 4000}, schedule={"warmup_samples": 1000, "style": "linear"},
+    optimizer={"learning_rate": 1e-3}, loss_scale={"kind": "dynamic"},
+    precision={"policy": "O2"})
+
+
+def test_a_skipped_step_moves_no_learning_rate_during_a_ramp():
+  """Issue #42's minimal case against Megatron's rule: batch 64 ramped up [32, 32,
+  64], warm-up 1,000 samples, step 0 skipped. Megatron steps its scheduler by each
+  *applied* step's batch size: at step 3 it has seen steps 1 (32) and 2 (64), lr
+  9.6e-5 (mpscale used the first two steps' sizes, 6.4e-5). Then a run with skips
+  in and after the ramp."""
+  cfg = _config(RAMPED_SKIPS)
+  lrs, _ = _applied_lrs(cfg, 4, {0})
+  assert lrs[3] == pytest.approx(9.6e-5, rel=1e-5)
+  skipped = {0, 1, 2, 5, 9, 10, 30}
+  lrs, sizes = _applied_lrs(cfg, 40, skipped)
+  want = _megatron_rule(1e-3, 1000, 4000, sizes, skipped)
+  applied = [s for s in range(40) if s not in skipped]  # a skipped step uses none
+  np.testing.assert_allclose([lrs[s] for s in applied], [want[s] for s in applied],
+                             rtol=1e-5)
+
+
+def test_megatron_cores_own_scheduler_agrees_on_a_ramped_run_with_skips():
+  """Against Megatron-Core's own ``OptimizerParamScheduler`` and microbatch
+  calculator (the optional ``megatron`` extra), driven as Megatron-LM's
+  ``train_step`` drives them: the calculator sized by all consumed samples, the
+  scheduler stepped by the batch size of each applied step only."""
+  scheduler_lib = pytest.importorskip(
+      "megatron.core.optimizer_param_scheduler",
+      reason="Megatron-Core is not installed: pip install torch==2.13.0 && "
+             "pip install -e '.[megatron]'")
+  calculator_lib = pytest.importorskip("megatron.core.num_microbatches_calculator")
+  import torch
+  cfg = _config(RAMPED_SKIPS)
+  skipped = {0, 1, 2, 5, 9, 10, 30}
+  lrs, sizes = _applied_lrs(cfg, 40, skipped)
+  optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+  scheduler = scheduler_lib.OptimizerParamScheduler(
+      optimizer, init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=1000,
+      lr_decay_steps=4000, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+      wd_incr_steps=4000, wd_incr_style="constant")
+  calculator = calculator_lib.RampupBatchsizeNumMicroBatchesCalculator(
+      64, 1, 1, False, 0, 32, 32, 64)
+  consumed, want = 0, []
+  for step in range(40):
+    calculator.update(consumed, consistency_check=False)
+    size = calculator.get_current_global_batch_size()
+    assert size == sizes[step]
+    want.append(optimizer.param_groups[0]["lr"])
+    if step not in skipped:  # train_step: opt_param_scheduler.step(increment=size)
+      scheduler.step(increment=size)
+    consumed += size
+  applied = [s for s in range(40) if s not in skipped]  # a skipped step uses none
+  np.testing.assert_allclose([lrs[s] for s in applied], [want[s] for s in applied],
+                             rtol=1e-5)
 
 
 # ------------------------------------------------------------------ the loader

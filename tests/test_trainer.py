@@ -53,6 +53,19 @@ def example_run(tmp_path_factory):
 # ------------------------------------------------------------------ the example
 
 
+def test_the_default_initial_scale_skips_at_most_one_step_of_the_example(example_run):
+  """Issue #42: a user's LM (a per-token loss, the sum over its tokens) skipped its
+  first steps from 2^15 until the scale fell to fit. ``loss_scale.init_scale:
+  null`` starts it at 2^15 over the micro-batch's tokens (8 rows x 16: 2^15 / 2^7),
+  written into the run's config.yaml; the example (float16, O2) then skips at most
+  one step, and its layers compute in float16 (no float32-compute warning)."""
+  cfg = config_lib.load_config(os.path.join(example_run, "config.yaml"))
+  assert cfg.loss_scale.init_scale == 2.0**15 / 2**7
+  with open(os.path.join(example_run, "summary.json")) as f:
+    assert json.load(f)["skipped"] <= 1
+  assert float(rows(example_run)[0]["loss_scale"]) == 2.0**8
+
+
 def test_the_command_trains_a_user_nnx_model_from_its_config(example_run):
   for name in RUN_FILES:
     assert os.path.exists(os.path.join(example_run, name)), name

@@ -3,7 +3,10 @@ learns to add numbers written as text.
 
 Nothing here knows about mpscale except the three functions the config names:
 
-- ``build(config)``: the model (a plain ``nnx.Module``), sized by ``model.args``;
+- ``build(config)``: the model (a plain ``nnx.Module``), sized by ``model.args``,
+  its layers computing in the run's compute dtype (``dtype=``, as Flax layers take
+  it: under O2, float16; the policy keeps norm scales and biases in float32, which
+  would otherwise promote every layer whose ``dtype`` is unset to float32);
 - ``loss(model, batch)``: ``(loss_sum, num_tokens)`` over the answer digits;
 - ``source(config)``: ``{"train": ..., "eval": ...}``, random-access sources of
   examples (``len`` and ``[i]``), each a dict of numpy arrays.
@@ -24,16 +27,31 @@ VOCAB = 16
 PLUS, EQUALS, END, PAD = 10, 11, 12, 13
 
 
+def attention(query, key, value, mask=None, **kwargs):
+  """Softmax attention in the inputs' dtype (``jax.nn.dot_product_attention``, which
+  ``nnx.MultiHeadAttention`` calls by default, accumulates float16 products in
+  float32, which XLA's CPU backend cannot compile)."""
+  del kwargs  # dropout and the like: none here
+  scale = jnp.asarray(query.shape[-1] ** -0.5, query.dtype)
+  logits = jnp.einsum("...qhd,...khd->...hqk", query * scale, key)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+  # The softmax in float32 (an exponent and a sum), the products in the inputs' dtype.
+  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(value.dtype)
+  return jnp.einsum("...hqk,...khd->...qhd", weights, value)
+
+
 class Block(nnx.Module):
   """Pre-norm causal self-attention and MLP."""
 
-  def __init__(self, d_model: int, num_heads: int, rngs: nnx.Rngs):
-    self.norm1 = nnx.LayerNorm(d_model, rngs=rngs)
+  def __init__(self, d_model: int, num_heads: int, rngs: nnx.Rngs, dtype=None):
+    self.norm1 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(num_heads=num_heads, in_features=d_model,
-                                            decode=False, rngs=rngs)
-    self.norm2 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.up = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
-    self.down = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+                                            decode=False, dtype=dtype, rngs=rngs,
+                                            attention_fn=attention)
+    self.norm2 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+    self.up = nnx.Linear(d_model, 4 * d_model, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
     x = x + self.attention(self.norm1(x), mask=mask)
@@ -44,14 +62,14 @@ class Transformer(nnx.Module):
   """A decoder-only transformer over `VOCAB` tokens with learned positions."""
 
   def __init__(self, *, d_model: int, num_heads: int, num_layers: int, max_len: int,
-               rngs: nnx.Rngs):
-    self.embed = nnx.Embed(VOCAB, d_model, rngs=rngs)
-    self.position = nnx.Embed(max_len, d_model, rngs=rngs)
+               rngs: nnx.Rngs, dtype=None):
+    self.embed = nnx.Embed(VOCAB, d_model, dtype=dtype, rngs=rngs)
+    self.position = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
     # nnx.List holds submodules in flax >= 0.12; older flax takes a plain list.
     self.blocks = getattr(nnx, "List", list)(
-        Block(d_model, num_heads, rngs) for _ in range(num_layers))
-    self.norm = nnx.LayerNorm(d_model, rngs=rngs)
-    self.head = nnx.Linear(d_model, VOCAB, rngs=rngs)
+        Block(d_model, num_heads, rngs, dtype) for _ in range(num_layers))
+    self.norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(d_model, VOCAB, dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Logits ``[batch, length, VOCAB]`` of the next token at each position."""
@@ -63,11 +81,14 @@ class Transformer(nnx.Module):
 
 
 def build(config) -> Transformer:
-  """The model provider: ``model.args`` gives the sizes, ``seed`` the initialization."""
+  """The model provider: ``model.args`` gives the sizes, ``seed`` the initialization,
+  ``precision.policy`` the dtype its layers compute in."""
+  import mpscale  # noqa: PLC0415 (the run's policy: what its layers compute in)
   args = config.model.args
   return Transformer(d_model=args.get("d_model", 64), num_heads=args.get("num_heads", 4),
                      num_layers=args.get("num_layers", 2),
-                     max_len=args.get("max_len", 32), rngs=nnx.Rngs(config.seed))
+                     max_len=args.get("max_len", 32), rngs=nnx.Rngs(config.seed),
+                     dtype=mpscale.get_policy(config.precision.policy).compute_dtype)
 
 
 def loss(model: Transformer, batch: dict) -> tuple[jax.Array, jax.Array]:

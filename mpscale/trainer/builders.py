@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -225,9 +226,11 @@ def build_lr_schedule(cfg: config_lib.RunConfig) -> Optional[optax.Schedule]:
   relative step, `mpscale.came`'s ``relative_step``).
 
   Counted in samples (`counts_samples`), it is Megatron's sample-based schedule:
-  ``lr_schedule(peak, warmup_steps=warmup_samples, decay_steps=decay_samples)``
-  of the samples consumed before the update (`mpscale.trainer.samples.in_samples`
-  with `build_batch_sizes`), so a batch-size ramp-up warms up by samples, not steps.
+  ``lr_schedule(peak, warmup_steps=warmup_samples, decay_steps=decay_samples)`` of
+  the samples the applied steps consumed before the update, which
+  `build_inner_optimizer` counts with `mpscale.count_samples` (Megatron's scheduler
+  steps by each applied step's batch size), so a batch-size ramp-up warms up by
+  samples, not steps, and a skipped step moves nothing.
 
   Raises:
     ArgumentError: naming ``optimizer.learning_rate`` when it is null for an
@@ -266,23 +269,29 @@ def _sample_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
              else sizes.consumed_at(cfg.train.steps))
     keys["decay_steps"] = ("train.samples" if cfg.train.samples is not None
                            else "train.steps")
-  schedule = _keyed("schedule", lambda: schedules_lib.lr_schedule(
+  return _keyed("schedule", lambda: schedules_lib.lr_schedule(
       cfg.optimizer.learning_rate, warmup_steps=s.warmup_samples or 0,
       warmup_fraction=s.warmup_fraction, decay_steps=decay, style=s.style,
       min_lr=s.min_lr), keys)
-  return samples_lib.in_samples(schedule, sizes)
 
 
 def build_weight_decay(cfg: config_lib.RunConfig) -> Any:
   """``optimizer.weight_decay``, or a schedule to ``schedule.weight_decay_end``
-  over ``train.steps`` (counted in steps, in a sample-counted run too)."""
+  over ``train.steps``; in a sample-counted run (`counts_samples`) over the run's
+  samples, counted as the learning rate is (Megatron's ``wd_incr_steps`` is
+  ``train_samples`` there)."""
   start, end = cfg.optimizer.weight_decay, cfg.schedule.weight_decay_end
   if end is None:
     return validation.non_negative_float("optimizer.weight_decay", start)
   keys = {"start": "optimizer.weight_decay", "end": "schedule.weight_decay_end",
           "steps": "train.steps", "style": "schedule.weight_decay_style"}
+  total = cfg.train.steps
+  if counts_samples(cfg):
+    total = (cfg.train.samples if cfg.train.samples is not None
+             else build_batch_sizes(cfg).consumed_at(cfg.train.steps))
+    keys["steps"] = "train.samples" if cfg.train.samples is not None else "train.steps"
   return _keyed("schedule", lambda: schedules_lib.weight_decay_schedule(
-      start, end, cfg.train.steps, style=cfg.schedule.weight_decay_style), keys)
+      start, end, total, style=cfg.schedule.weight_decay_style), keys)
 
 
 def weight_decay_mask(kind: str) -> Optional[Callable[[Any], Any]]:
@@ -384,10 +393,13 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
                  weight_decay="optimizer.weight_decay", mask="optimizer.weight_decay_mask",
                  groups="optimizer.groups")
   if not opt.groups:
-    return _keyed(section, lambda: make(lr, wd, mask), keys)
-  groups = _param_groups(cfg)
-  return _keyed(section, lambda: param_groups_lib.param_groups(
-      make, groups, learning_rate=lr, weight_decay=wd, mask=mask), keys)
+    inner = _keyed(section, lambda: make(lr, wd, mask), keys)
+  else:
+    groups = _param_groups(cfg)
+    inner = _keyed(section, lambda: param_groups_lib.param_groups(
+        make, groups, learning_rate=lr, weight_decay=wd, mask=mask), keys)
+  # Megatron's scheduler steps by each applied step's samples.
+  return schedules_lib.count_samples(inner) if counts_samples(cfg) else inner
 
 
 def check_param_groups(cfg: config_lib.RunConfig, param_shapes: Any) -> None:
@@ -413,6 +425,49 @@ def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
   return None
 
 
+DEFAULT_SCALE = 2.0**15
+"""The first loss scale of a mean loss (jmp's, PyTorch's ``GradScaler``'s 2^16 / 2)."""
+
+
+def micro_batch_tokens(cfg: config_lib.RunConfig, batch: Any = None) -> int:
+  """How many tokens one micro-batch's per-token loss sums at most: the built-in
+  LM's rows x ``model.seq_len``; a user's batch's smallest array (``[rows, seq]``
+  for a language model's ids or mask, ``[rows]`` for a classifier's labels), over
+  ``train.num_microbatches``."""
+  if batch is None:
+    tokens = cfg.data.batch_size * cfg.model.seq_len
+  else:
+    sizes = [int(np.prod(np.shape(x))) for x in jax.tree_util.tree_leaves(batch)
+             if np.ndim(x) >= 1]
+    tokens = min(sizes) if sizes else 1
+  return max(1, tokens // max(1, cfg.train.num_microbatches))
+
+
+def initial_scale(cfg: config_lib.RunConfig, per_token: bool, tokens: int) -> float:
+  """``loss_scale.init_scale``, or when it is ``null``: `DEFAULT_SCALE` for a mean
+  loss, and for a per-token loss (a sum over ``tokens``) `DEFAULT_SCALE` over
+  ``tokens`` rounded up to a power of two, at least ``loss_scale.min_scale``: the
+  sum's weight gradients are ``tokens`` times the mean's (issue #42: a user's LM of
+  2,048 tokens a batch skipped its first 9 steps from 2^15)."""
+  given = cfg.loss_scale.init_scale
+  if given is not None:
+    return given
+  if not per_token:
+    return DEFAULT_SCALE
+  return max(DEFAULT_SCALE / 2.0 ** math.ceil(math.log2(max(tokens, 1))),
+             cfg.loss_scale.min_scale)
+
+
+def with_initial_scale(cfg: config_lib.RunConfig, per_token: bool,
+                       tokens: int) -> config_lib.RunConfig:
+  """``cfg`` with ``loss_scale.init_scale`` set (`initial_scale`): what a run folder's
+  ``config.yaml`` keeps, so a resumed run starts from the same numbers."""
+  if cfg.loss_scale.init_scale is not None:
+    return cfg
+  return dataclasses.replace(cfg, loss_scale=dataclasses.replace(
+      cfg.loss_scale, init_scale=initial_scale(cfg, per_token, tokens)))
+
+
 def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
   """Loss scaling around ``chain(clip_by_global_norm, optimizer)``, with
   ``skip_spikes`` between the two when ``skip.spikes`` is set (it judges the
@@ -429,6 +484,9 @@ def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
         warmup=spikes.warmup, watch=spikes.watch, reset_after=spikes.reset_after),
                    _fields("skip.spikes", spikes))
   scaling = cfg.loss_scale
+  if scaling.init_scale is None:  # the built-in model's, when no one resolved it
+    scaling = dataclasses.replace(scaling, init_scale=initial_scale(
+        cfg, cfg.train.per_token_loss, micro_batch_tokens(cfg)))
   keys = _fields("loss_scale", scaling, scale="loss_scale.init_scale")
   if scaling.kind == "dynamic":
     return _keyed("loss_scale", lambda: loss_scale_lib.dynamic_loss_scale(
@@ -735,7 +793,8 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) 
 def describe(cfg: config_lib.RunConfig) -> dict[str, str]:
   """Short labels of a run for tables: policy, loss scaling, optimizer, mesh."""
   init = cfg.loss_scale.init_scale
-  scaling = {"dynamic": f"dynamic (init {init:g})", "fixed": f"fixed {init:g}",
+  init = "auto" if init is None else f"{init:g}"
+  scaling = {"dynamic": f"dynamic (init {init})", "fixed": f"fixed {init}",
              "none": "none"}[cfg.loss_scale.kind]
   return {"policy": cfg.precision.policy, "loss_scale": scaling,
           "optimizer": cfg.optimizer.name,

@@ -210,6 +210,11 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     run_data = _load_data(cfg, data)
     first_batch = run_data.train[0]
     user_model, model_key = _load_model(cfg, model, loss, first_batch)
+    # loss_scale.init_scale: null starts a per-token (sum) loss's scale from its tokens.
+    user = user_model is not None
+    cfg = builders.with_initial_scale(
+        cfg, user or cfg.train.per_token_loss,
+        builders.micro_batch_tokens(cfg, first_batch if user else None))
     setup = builders.build(cfg, model=user_model)
     params = setup.init_params()
     state = setup.init(params)

@@ -414,6 +414,8 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
   provided = cfg.model.provider is not None
   if provided:
     user_model, batch, tokens, data_key = _provided_model(cfg)
+    cfg = builders.with_initial_scale(cfg, True,
+                                      builders.micro_batch_tokens(cfg, batch))
     setup = builders.build(cfg, model=user_model)
   else:
     setup = builders.build(cfg)

@@ -159,11 +159,3 @@ class BatchSizes:
     """Every global batch size a run may see, in order: each one compiles the step
     once."""
     return tuple(p.size for p in self.phases())
-
-
-def in_samples(schedule: Callable[[jax.Array], jax.Array], sizes: BatchSizes
-              ) -> Callable[[jax.Array], jax.Array]:
-  """``schedule`` of the samples consumed, as a schedule of the step count: what
-  Megatron's scheduler computes with ``lr_warmup_samples``/``lr_decay_samples``."""
-  consumed = sizes.consumed_fn()
-  return lambda count: schedule(consumed(count))

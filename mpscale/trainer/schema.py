@@ -213,8 +213,12 @@ class LossScaleConfig:
   """Loss scaling (`mpscale.dynamic_loss_scale`, `fixed_loss_scale`, `no_loss_scale`)."""
   kind: Literal["dynamic", "fixed", "none"] = "none"
   """``dynamic``, ``fixed`` (a constant ``init_scale``) or ``none`` (scale 1)."""
-  init_scale: float = 32768.0
-  """The first scale (dynamic) or the scale (fixed)."""
+  init_scale: Optional[float] = None
+  """The first scale (dynamic) or the scale (fixed). ``null``: 2^15 for a mean loss;
+  for a per-token loss (a sum over the micro-batch's tokens, whose weight gradients
+  grow with them) 2^15 over the micro-batch's tokens, rounded up to a power of two
+  (`mpscale.trainer.builders.initial_scale`), so that it starts where a mean
+  loss's 2^15 would and no early step overflows for it."""
   growth_factor: float = 2.0
   backoff_factor: float = 0.5
   growth_interval: int = 2000
