@@ -198,8 +198,8 @@ def count_samples(inner: optax.GradientTransformation
   Other counts (Adam's bias correction, CAME's second-moment decay) still count
   updates.
 
-  Give ``inner``'s schedules in samples (e.g. ``lr_schedule(peak, warmup_steps=
-  warmup_samples, decay_steps=decay_samples)``).
+  Give ``inner``'s schedules in samples: `lr_schedule` with ``warmup_steps`` and
+  ``decay_steps`` set to the warm-up's and the decay's samples.
 
   Args:
     inner: the optimizer, built with ``optax.inject_hyperparams`` (or `mpscale.came`)
@@ -207,15 +207,15 @@ def count_samples(inner: optax.GradientTransformation
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s; its
-    update needs ``samples=`` (an int).
+    update needs the keyword ``samples`` (an int).
 
   Raises:
     TypeError: at trace time, when an update is called without ``samples``.
 
   References:
-    Megatron-LM ``megatron/training/training.py`` (``train_step``: ``increment =
-    get_num_microbatches() * micro_batch_size * data_parallel_size``, stepped only
-    when ``update_successful``) and ``megatron/core/optimizer_param_scheduler.py``.
+    Megatron-LM ``megatron/training/training.py`` (its ``train_step`` steps the
+    scheduler by the global batch size when ``update_successful``) and
+    ``megatron/core/optimizer_param_scheduler.py``.
   """
   inner = optax.with_extra_args_support(validation.transformation("inner", inner))
 
