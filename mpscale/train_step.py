@@ -702,7 +702,7 @@ def _check_step_inputs(model: LossFn, policy: policy_lib.Policy, tx: Any,
       _shapes(state.params), micro_batch, key, _shapes(state.model_state))
   _check_loss_structure(out_shape, per_token_loss)
   # A 16-bit policy that the model overrides (its layers fixed to float32) says so.
-  policy.check_compute(jaxprs.matmul_flops(closed), stacklevel=4)
+  policy.check_compute(jaxprs.matmul_flops(closed), stacklevel=1)
 
 
 def _check_takes(fn: Callable, keywords: list[str]) -> None:
