@@ -502,12 +502,11 @@ class _Gathers:
     p = eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
     # A carried weight, or a stack split along its layers, is gathered first.
-    values = [self.whole(x, s) if (nc <= i < nc + nk) or (
-        i >= nc + nk and s is not None and any(d == 0 for d, _ in s.dims)) else x
-              for i, (x, s) in enumerate(zip(values, shards))]
-    shards = [None if (nc <= i < nc + nk) or (
-        i >= nc + nk and s is not None and any(d == 0 for d, _ in s.dims)) else s
-              for i, s in enumerate(shards)]
+    first = [s is not None and (nc <= i < nc + nk or (
+        i >= nc + nk and any(d == 0 for d, _ in s.dims)))
+             for i, s in enumerate(shards)]
+    values = [self.whole(x, s) if g else x for x, s, g in zip(values, shards, first)]
+    shards = [None if g else s for s, g in zip(shards, first)]
     consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
     # A stacked weight's slice is one layer's shard.
     inner = [*shards[:nc], *([None] * nk),

@@ -64,7 +64,6 @@ def bind(eqn: Any, values: Sequence[Any]) -> list:
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-
 def _sub_jaxprs(value: Any) -> list:
   """The jaxprs held in an equation parameter's ``value`` (a jaxpr, a closed jaxpr,
   or a tuple of them, as ``cond``'s branches)."""

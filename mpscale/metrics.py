@@ -69,7 +69,8 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
 
   Returns:
     A dict of the fields of `StepMetrics` by name: ``loss_scale`` (the step's; 1
-    without a loss-scale wrapper), ``next_loss_scale``, ``overflow``, ``nan``, ``inf``, ``skipped`` (total),
+    without a loss-scale wrapper), ``next_loss_scale``, ``overflow``, ``nan``,
+    ``inf``, ``skipped`` (total),
     ``consecutive_skipped``, ``global_norm`` (unscaled, before clipping),
     ``group_norms`` and ``group_sizes`` (dicts by group name), ``learning_rate``
     where the inner optimizer records one, ``group_learning_rates`` (by group

@@ -709,9 +709,7 @@ class _FSDP:
           shape[dim] //= math.prod(lax.axis_size(a) for a in over)
         out.append(jnp.zeros(shape, jnp.float32))
         continue
-      for dim, over in reversed(dims):
-        g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
-      out.append(g)
+      out.append(sharding_lib.scatter_dims(g, dims))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

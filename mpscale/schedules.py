@@ -191,9 +191,10 @@ def count_samples(inner: optax.GradientTransformation
   learning rate nor the weight decay, and later steps move them by their larger
   batches. Here the ``count`` of every state inside ``inner`` that evaluates a
   schedule (`SCHEDULE_STATES`: ``optax.inject_hyperparams``, `mpscale.came`'s
-  learning rate, `mpscale.param_groups`) is that sum: each update evaluates its schedules at the samples of
-  the steps applied before it, then adds the extra argument ``samples`` (the step's
-  global batch size, which `mpscale.make_train_step` passes). Inside a skip or
+  learning rate, `mpscale.param_groups`) is that sum: each update evaluates its
+  schedules at the samples of the steps applied before it, then adds the extra
+  argument ``samples`` (the step's global batch size, which `mpscale.make_train_step`
+  passes). Inside a skip or
   loss-scale wrapper a skipped step keeps the inner state, so it adds nothing.
   Other counts (Adam's bias correction, CAME's second-moment decay) still count
   updates.

@@ -623,10 +623,17 @@ def _gather_cast_fwd(x, dtype, dims, master):
 
 def _gather_cast_bwd(dtype, dims, master, _, ct):
   del dtype
-  g = ct.astype(master)
+  return (scatter_dims(ct.astype(master), dims),)
+
+
+def scatter_dims(g: jax.Array, dims: Sequence[tuple[int, tuple[str, ...]]]
+                ) -> jax.Array:
+  """Inside ``shard_map``: ``g`` summed over the axes of ``dims`` (`split_dims`'
+  pairs), keeping this device's slice along each dim: the reduce-scatter that
+  undoes `gather_cast`'s gather."""
   for dim, over in reversed(dims):
     g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
-  return (g,)
+  return g
 
 
 _gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)

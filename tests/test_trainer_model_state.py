@@ -58,6 +58,23 @@ def test_nnx_cnn_with_batchnorm_and_dropout_loads_back_as_the_module(tmp_path):
   assert first[0] == pytest.approx(summary["final_eval_loss"], rel=1e-6)
 
 
+ROWS_SOURCE = textwrap.dedent('''
+    class Rows:
+      def __init__(self, n, seed):
+        rng = np.random.default_rng(seed)
+        self.x = rng.normal(size=(n, 5)).astype(np.float32)
+        self.y = (self.x.sum(1) > 0).astype(np.float32)
+      def __len__(self):
+        return len(self.x)
+      def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+    def source(config):
+      return {"train": Rows(256, 0), "eval": Rows(64, 1)}
+''')
+"""The data provider both model files end with: 5 features, a sign to learn."""
+
+
 LINEN_MODEL = textwrap.dedent('''
     import flax.linen as nn
     import jax.numpy as jnp
@@ -77,19 +94,7 @@ LINEN_MODEL = textwrap.dedent('''
       err = (model(batch["x"], train).astype(jnp.float32) - batch["y"]) ** 2
       return jnp.sum(err), batch["x"].shape[0]
 
-    class Rows:
-      def __init__(self, n, seed):
-        rng = np.random.default_rng(seed)
-        self.x = rng.normal(size=(n, 5)).astype(np.float32)
-        self.y = (self.x.sum(1) > 0).astype(np.float32)
-      def __len__(self):
-        return len(self.x)
-      def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
-
-    def source(config):
-      return {"train": Rows(256, 0), "eval": Rows(64, 1)}
-''')
+''') + ROWS_SOURCE
 
 
 def _linen_config(tmp_path, *extra):
@@ -199,19 +204,7 @@ PMAP_ERA_MODELS = textwrap.dedent('''
       err = (model(batch["x"]).astype(jnp.float32) - batch["y"]) ** 2
       return jnp.sum(err), batch["x"].shape[0]
 
-    class Rows:
-      def __init__(self, n, seed):
-        rng = np.random.default_rng(seed)
-        self.x = rng.normal(size=(n, 5)).astype(np.float32)
-        self.y = (self.x.sum(1) > 0).astype(np.float32)
-      def __len__(self):
-        return len(self.x)
-      def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
-
-    def source(config):
-      return {"train": Rows(256, 0), "eval": Rows(64, 1)}
-''')
+''') + ROWS_SOURCE
 
 
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])

@@ -338,10 +338,11 @@ def _check_ids(cfg: schema.RunConfig, corpora: list[_Corpus],
     limits.append((size, tokenizer_key, "{1} was written by another tokenizer: "
                    "give the one that wrote it"))
   for c in corpora:
+    top = None  # the corpus is read once, and only where its dtype could exceed
     for size, key, fix in limits:
       if np.iinfo(c.corpus.dtype).max < size:
         continue  # no id of its dtype reaches it
-      top = max_token_id(c.corpus)
+      top = max_token_id(c.corpus) if top is None else top
       if top >= size:
         raise validation.ArgumentError(
             (key, c.key), f"{{0}} ({size} ids) must hold every token id; {{1}} holds "

@@ -395,10 +395,10 @@ def _interrupt_after(state: Any):
     yield
     return
   caught = []
-  leaves = [x for x in jax.tree_util.tree_leaves(state) if hasattr(x, "is_deleted")]
 
   def handler(signum, frame):
-    if not any(x.is_deleted() for x in leaves):
+    if not any(getattr(x, "is_deleted", lambda: False)()
+               for x in jax.tree_util.tree_leaves(state)):
       raise KeyboardInterrupt  # nothing donated yet: the state is still whole
     caught.append(signum)
 

@@ -346,7 +346,7 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
 
 
 def activation_bytes(loss_fn: Any, params: Any, batch: Any, rows: int,
-                     cast: Any = lambda p: p, **kwargs: Any) -> int:
+                     cast: Any = lambda p: p, **kwargs: Any) -> tuple[int, Any]:
   """What autodiff keeps for the backward of ``loss_fn`` on ``rows`` rows of
   ``batch`` (one micro-batch of a device's share), from a trace (shapes are enough;
   nothing is compiled or run): the residuals of its ``jax.vjp`` in the parameters,
@@ -364,7 +364,8 @@ def activation_bytes(loss_fn: Any, params: Any, batch: Any, rows: int,
     **kwargs: passed to ``loss_fn`` (``rng``, ``model_state``).
 
   Returns:
-    The bytes.
+    ``(bytes, forward)``: the bytes, and the traced forward (a closed jaxpr, e.g.
+    for `mpscale.jaxprs.matmul_flops`): one trace serves both.
   """
   local = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype), batch)
@@ -376,8 +377,8 @@ def activation_bytes(loss_fn: Any, params: Any, batch: Any, rows: int,
     return [x for x in jax.tree_util.tree_leaves(pullback)
             if not any(x is y for y in inputs) and tuple(x.shape) not in shapes]
 
-  kept = jax.eval_shape(residuals, params, local, kwargs)
-  return int(sum(x.size * x.dtype.itemsize for x in kept))
+  forward, kept = jax.make_jaxpr(residuals, return_shape=True)(params, local, kwargs)
+  return int(sum(x.size * x.dtype.itemsize for x in kept)), forward
 
 
 def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
@@ -482,12 +483,8 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
       kwargs["rng"] = jax.random.key(0)
     if state.model_state is not None:
       kwargs["model_state"] = state.model_state
-    activations = activation_bytes(loss, state.params, batch, rows,
-                                   setup.policy.cast_to_compute, **kwargs)
-    local = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype), batch)
-    forward = jax.make_jaxpr(lambda p, b, kw: loss(
-        setup.policy.cast_to_compute(p), b, **kw))(state.params, local, kwargs)
+    activations, forward = activation_bytes(loss, state.params, batch, rows,
+                                            setup.policy.cast_to_compute, **kwargs)
     float32_share = setup.policy.wide_share(jaxprs.matmul_flops(forward))
   compute_dtype = jax.numpy.dtype(setup.policy.compute_dtype).name
   narrow = compute_dtype in ("bfloat16", "float16")
