@@ -42,7 +42,7 @@ The code reads the same way (``_loss_scaling``'s ``update_fn``; fixed and no sca
 are the same function with ``dynamic=False``)::
 
   scaled = norms.measure(raw)                    # sums of squares of scale * g
-  leaf_squares = scaled.sums * inv_scale ** 2    # those of g, handed down the chain
+  leaf_squares = scaled.vector * inv_scale ** 2  # those of g, handed down the chain
   updates, skip_state = skip.apply_or_skip(inner, unscaled, ...)  # all_finite, skip
   if dynamic:
     scale, growth_count, hysteresis_left = next_scale(state, skip_state.overflow)
@@ -140,9 +140,7 @@ def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bo
     # power-of-two scales; a scaled sum past float32's range counts as an overflow.
     scaled = norms_lib.measure(raw, norms_lib.splits_for(raw, groups))
     unscaled = jax.tree_util.tree_map(lambda g: g * inv_scale, raw)
-    leaf_squares = norms_lib.LeafSquares(
-        tuple(jax.tree_util.tree_leaves(unscaled)),
-        tuple(s * (inv_scale * inv_scale) for s in scaled.sums), scaled.paths)
+    leaf_squares = scaled.scaled(jax.tree_util.tree_leaves(unscaled), inv_scale)
     updates, skip_state = skip_lib.apply_or_skip(
         inner, unscaled, state.skip_state, params, skip_nonfinite=skip_nonfinite,
         groups=groups, axis_name=axis_name, extra_args=extra_args,

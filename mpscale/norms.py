@@ -19,7 +19,7 @@ The code reads the same way::
 
   leaf_squares = measure(tree, splits_for(tree, groups))       # s, a LeafSquares
   leaf_squares = reuse_or_measure(tree, leaf_squares, groups)  # or a wrapper's s
-  global_norm = jnp.sqrt(total(leaf_squares.sums))
+  global_norm = jnp.sqrt(leaf_squares.total())                 # s is one vector
   group_norms, group_sizes = grouped(leaf_squares, groups)
   clip_by_global_norm: factor = max_norm / jnp.maximum(norm, max_norm)
 """
@@ -70,22 +70,47 @@ class LeafSquares(NamedTuple):
   """Per-leaf float32 sums of squares of one gradient tree, made in a single pass.
 
   Not a state: it lives for one ``update`` call and travels to inner transformations as
-  the extra argument ``leaf_squares``.
+  the extra argument ``leaf_squares``. The sums are one float32 vector, leaf by leaf
+  (``parts[i]`` entries for leaf ``i``), so that a consumer reads all of them in one
+  small kernel: the finiteness flags, the global norm and the group norms are each a
+  reduction of this vector, not one operation per leaf.
   """
   leaves: tuple[Any, ...]
   """The very arrays (or tracers) that were measured, so a consumer can check by
   identity that the sums describe its own inputs."""
-  sums: tuple[jax.Array, ...]
-  """Per leaf, ``sum(leaf.astype(float32) ** 2)``: a float32 scalar, or a vector of
-  ``k`` partial sums for a leaf split into ``k`` parts along its leading axis."""
+  vector: jax.Array
+  """float32 ``[sum(parts)]``: leaf ``i``'s ``sum(leaf.astype(float32) ** 2)`` (or its
+  ``parts[i]`` partial sums, one per equal part along its leading axis) at
+  ``starts[i]``, in the order the reductions made them."""
   paths: tuple[KeyPath, ...]
   """Key path of each leaf."""
+  parts: tuple[int, ...]
+  """Per leaf, the number of parts measured separately (1: the whole leaf)."""
+  starts: tuple[int, ...]
+  """Per leaf, where its sums start in `vector`."""
 
   def describes(self, tree: Any) -> bool:
     """True when ``tree``'s leaves are exactly the measured arrays."""
     leaves = jax.tree_util.tree_leaves(tree)
     return len(leaves) == len(self.leaves) and all(
         a is b for a, b in zip(leaves, self.leaves))
+
+  @property
+  def sums(self) -> tuple[jax.Array, ...]:
+    """Per leaf, its sum of squares: a float32 scalar, or a vector of ``k`` partial
+    sums for a leaf measured in ``k`` parts."""
+    return tuple(self.vector[o] if k == 1 else self.vector[o:o + k]
+                 for o, k in zip(self.starts, self.parts))
+
+  def total(self) -> jax.Array:
+    """The sum of all the sums: the squared global norm, a float32 scalar."""
+    return jnp.sum(self.vector, dtype=jnp.float32)
+
+  def scaled(self, leaves: Sequence[Any], factor: jax.Array) -> "LeafSquares":
+    """The sums of ``factor``-times the measured leaves, describing ``leaves`` (those
+    scaled arrays): ``vector * factor**2``, one multiply for the whole vector."""
+    return self._replace(leaves=tuple(leaves),
+                         vector=self.vector * jnp.square(factor).astype(jnp.float32))
 
 
 def _names(groups: Groups, path: KeyPath) -> tuple[str, ...]:
@@ -105,17 +130,94 @@ def splits_for(tree: Any, groups: Groups) -> tuple[int, ...]:
   return tuple(len(_names(groups, p)) for p in paths)
 
 
-def _sum_squares(x: Any, parts: int) -> jax.Array:
-  x = jnp.asarray(x).astype(jnp.float32)
-  if parts == 1:
-    return jnp.sum(jnp.square(x))
-  if x.ndim == 0 or x.shape[0] % parts:
-    raise ValueError(f"cannot split a leaf of shape {x.shape} into {parts} groups "
+def _check_split(x: Any, parts: int) -> None:
+  shape = np.shape(x)
+  if parts > 1 and (not shape or shape[0] % parts):
+    raise ValueError(f"cannot split a leaf of shape {shape} into {parts} groups "
                      "along its leading axis")
+
+
+def _sum_squares(x: Any, parts: int, stacked: int = 0) -> jax.Array:
+  """``x``'s float32 sum of squares as a vector of ``parts`` partial sums, or of the
+  ``stacked`` leaves stacked on ``x``'s leading axis, ``[stacked * parts]``."""
+  x = jnp.asarray(x).astype(jnp.float32)
+  lead = x.shape[:1] if stacked else ()
+  rest = x.shape[1:] if stacked else x.shape
   # Split the leading axis only: flattening the rest would merge a tensor-parallel
   # axis into one dimension, and GSPMD would gather the whole leaf to do it.
-  split = x.reshape((parts, x.shape[0] // parts) + x.shape[1:])
-  return jnp.sum(jnp.square(split), axis=tuple(range(1, split.ndim)))
+  split = x.reshape(lead + ((parts, rest[0] // parts) + rest[1:] if parts > 1 else
+                            (1,) + rest))
+  axes = tuple(range(len(lead) + 1, split.ndim))
+  return jnp.sum(jnp.square(split), axis=axes).reshape(-1)
+
+
+_STACK_MAX = 32
+"""Leaves stacked into one reduction at most: a GPU fusion reads each as an operand,
+and XLA caps a fusion's operands."""
+
+_SMALL = 1 << 16
+"""Leaves of at most this many elements (biases, norms' scales) are flattened and
+measured together whatever their shapes: moving one is cheap even if its sharding
+differs from its neighbours'."""
+
+_SMALL_MAX = 128
+"""Small leaves measured by one reduction at most."""
+
+
+def _pattern(path: KeyPath) -> tuple[Any, ...]:
+  """``path`` with its integer keys (a layer's index in a list) made one wildcard:
+  the same weight of every layer shares a pattern, and so (as a rule) its sharding."""
+  out = []
+  for key in path:
+    name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+    out.append("*" if isinstance(name, int) or (
+        isinstance(name, str) and name.isdigit()) else str(name))
+  return tuple(out)
+
+
+def _starts(parts, order) -> tuple[int, ...]:
+  """Where each leaf's sums start in a vector holding them in ``order``."""
+  ends = np.cumsum([parts[i] for i in order])
+  at = {i: int(end - parts[i]) for i, end in zip(order, ends)}
+  return tuple(at[i] for i in range(len(parts)))
+
+
+def _leafwise(leaves, parts) -> jax.Array:
+  """One reduction per leaf (every backend), in leaf order."""
+  return jnp.concatenate([jnp.zeros((0,), jnp.float32)] + [
+      _sum_squares(x, k) for x, k in zip(leaves, parts)])
+
+
+def _buckets(leaves, parts, paths) -> list[list[int]]:
+  """Leaves one reduction measures together, as lists of indices: the same weight of
+  up to `_STACK_MAX` layers (same shape, dtype, parts and path pattern), or up to
+  `_SMALL_MAX` small leaves of one shape and dtype."""
+  buckets: dict[Any, list[list[int]]] = {}
+  for i, (x, k, path) in enumerate(zip(leaves, parts, paths)):
+    small = k == 1 and np.size(x) <= _SMALL
+    key = (np.shape(x), jnp.result_type(x), k, None if small else _pattern(path))
+    runs = buckets.setdefault(key, [[]])
+    if len(runs[-1]) == (_SMALL_MAX if small else _STACK_MAX):
+      runs.append([])
+    runs[-1].append(i)
+  return [run for runs in buckets.values() for run in runs]
+
+
+def _stacked(leaves, parts, buckets) -> jax.Array:
+  """One reduction per bucket (`_buckets`), the bucket's leaves stacked: XLA's GPU
+  compiler fuses the stack into the reduction, so each leaf is still read once, with
+  no copy, by far fewer kernels. The CPU backend would write the stack out:
+  `_leafwise` there."""
+  pieces = [jnp.zeros((0,), jnp.float32)]
+  for run in buckets:
+    if len(run) == 1:
+      pieces.append(_sum_squares(leaves[run[0]], parts[run[0]]))
+    else:
+      pieces.append(_sum_squares(jnp.stack([jnp.asarray(leaves[i]) for i in run]),
+                                 parts[run[0]], stacked=len(run)))
+  # XLA would otherwise fold a later ``sum(vector)`` into the big reductions and read
+  # every leaf a second time.
+  return jax.lax.optimization_barrier(jnp.concatenate(pieces))
 
 
 def measure(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
@@ -125,17 +227,42 @@ def measure(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
   A finite leaf whose squared norm exceeds the float32 range (norm > ~1.8e19) also gives
   +Inf: its norm, and so any clip, would be infinite, so it counts as an overflow.
 
+  On an NVIDIA GPU the same weight of many layers (same shape, dtype and key path up
+  to list indices) is measured by one reduction kernel over the stacked leaves, which
+  XLA fuses without writing the stack; elsewhere each leaf is its own reduction
+  (``lax.platform_dependent`` picks at lowering). Both read each leaf once.
+
   Args:
     tree: a pytree of arrays.
     splits: per leaf, the number of equal parts along its leading axis to measure
       separately (default 1 each).
+
+  Returns:
+    The `LeafSquares` of ``tree``.
   """
   with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
   paths = tuple(p for p, _ in with_path)
   leaves = tuple(x for _, x in with_path)
-  splits = splits or (1,) * len(leaves)
-  sums = tuple(_sum_squares(x, k) for x, k in zip(leaves, splits))
-  return LeafSquares(leaves, sums, paths)
+  parts = tuple(splits or (1,) * len(leaves))
+  for x, k in zip(leaves, parts):
+    _check_split(x, k)
+  if not leaves:
+    return LeafSquares(leaves, jnp.zeros((0,), jnp.float32), paths, parts, ())
+  # Both orders are static: on a GPU the sums come bucket by bucket, elsewhere leaf by
+  # leaf; the branches agree on where each leaf's sums sit by permuting the default's.
+  buckets = _buckets(leaves, parts, paths)
+  order = [i for run in buckets for i in run]
+  starts = _starts(parts, order)
+  leaf_order = np.concatenate([np.arange(k) + s for s, k in zip(
+      _starts(parts, range(len(leaves))), parts)])  # default's position of each entry
+  to_buckets = np.concatenate([leaf_order[s:s + parts[i]] for i, s in zip(
+      order, np.cumsum([0] + [parts[i] for i in order][:-1]))]).astype(np.int32)
+  identity = np.array_equal(to_buckets, np.arange(to_buckets.size))
+  vector = jax.lax.platform_dependent(
+      *leaves, cuda=lambda *xs: _stacked(xs, parts, buckets),
+      default=lambda *xs: (lambda v: v if identity else v[to_buckets])(
+          _leafwise(xs, parts)))
+  return LeafSquares(leaves, vector, paths, parts, starts)
 
 
 def reuse_or_measure(tree: Any, leaf_squares: Optional[LeafSquares],
@@ -144,26 +271,29 @@ def reuse_or_measure(tree: Any, leaf_squares: Optional[LeafSquares],
   ``groups`` needs, else measures ``tree``."""
   splits = splits_for(tree, groups)
   if leaf_squares is not None and leaf_squares.describes(tree) and all(
-      k == 1 or np.size(s) == k for k, s in zip(splits, leaf_squares.sums)):
+      k == 1 or p == k for k, p in zip(splits, leaf_squares.parts)):
     return leaf_squares
   return measure(tree, splits)
 
 
-def total(sums: Sequence[jax.Array]) -> jax.Array:
-  """Sum of per-leaf sums (scalars or split vectors) as one float32 scalar."""
-  return sum((jnp.sum(s) for s in sums), jnp.zeros((), jnp.float32))
-
-
 def grouped(leaf_squares: LeafSquares, groups: Groups = None
            ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-  """Group norms and sizes from per-leaf sums; groups keep first-appearance order."""
-  sq: dict[str, list[jax.Array]] = {}
-  for path, s in zip(leaf_squares.paths, leaf_squares.sums):
-    names = _names(groups, path)
-    parts = [jnp.sum(s)] if len(names) == 1 else [s[i] for i in range(len(names))]
-    for name, part in zip(names, parts):
-      sq.setdefault(name, []).append(part)
-  norms = {k: jnp.sqrt(total(v)) for k, v in sq.items()}
+  """Group norms and sizes from per-leaf sums; groups keep first-appearance order.
+
+  Each group norm is a masked sum of the sums' vector."""
+  names: dict[str, int] = {}
+  segment = np.zeros(int(np.sum(leaf_squares.parts, dtype=np.int64)), np.int32)
+  for path, k, start in zip(leaf_squares.paths, leaf_squares.parts,
+                            leaf_squares.starts):
+    leaf_names = _names(groups, path)
+    for j in range(k):
+      name = leaf_names[0] if len(leaf_names) == 1 else leaf_names[j]
+      segment[start + j] = names.setdefault(name, len(names))
+  vector = leaf_squares.vector
+  # One masked sum per group over the whole vector: sibling reductions of one input,
+  # which XLA fuses into one kernel with the finiteness flags and the total.
+  norms = {name: jnp.sqrt(jnp.sum(jnp.where(segment == g, vector, 0.0)))
+           for name, g in names.items()}
   return norms, _group_sizes(leaf_squares.paths, leaf_squares.leaves, groups)
 
 
@@ -179,6 +309,18 @@ def _group_sizes(paths, leaves, groups: Groups) -> dict[str, jax.Array]:
           for k, v in sizes.items()}
 
 
+def static_sizes(sizes: dict[str, jax.Array], previous: Any) -> Any:
+  """``previous`` (a state's group sizes) when it holds the same groups as ``sizes``:
+  sizes are static, and passing the state's own arrays through costs nothing, where
+  new constants cost a copy into the (donated) state each step."""
+  same = (jax.tree_util.tree_structure(sizes) ==
+          jax.tree_util.tree_structure(previous) and all(
+              np.shape(a) == np.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+              for a, b in zip(jax.tree_util.tree_leaves(sizes),
+                              jax.tree_util.tree_leaves(previous))))
+  return previous if same else sizes
+
+
 def global_norm(tree: Any) -> jax.Array:
   """The L2 norm of all leaves of ``tree`` together, accumulated in float32.
 
@@ -188,7 +330,7 @@ def global_norm(tree: Any) -> jax.Array:
   Returns:
     A float32 scalar.
   """
-  return jnp.sqrt(total(measure(tree).sums))
+  return jnp.sqrt(measure(tree).total())
 
 
 def group_norms(tree: Any, groups: Groups = None
@@ -256,12 +398,13 @@ def clip_by_global_norm(max_norm: float, *, groups: Groups = None
     return ClipByGlobalNormState(jnp.zeros((), jnp.float32), norms, sizes)
 
   def update_fn(updates, state, params=None, *, leaf_squares=None, **extra_args):
-    del params, state, extra_args
+    del params, extra_args
     leaf_squares = reuse_or_measure(updates, leaf_squares, groups)
-    norm = jnp.sqrt(total(leaf_squares.sums))
+    norm = jnp.sqrt(leaf_squares.total())
     factor = max_norm / jnp.maximum(norm, max_norm)
     clipped = jax.tree_util.tree_map(lambda u: (u * factor).astype(u.dtype), updates)
     norms, sizes = grouped(leaf_squares, groups)
-    return clipped, ClipByGlobalNormState(norm, norms, sizes)
+    return clipped, ClipByGlobalNormState(norm, norms,
+                                          static_sizes(sizes, state.group_sizes))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

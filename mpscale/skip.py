@@ -127,13 +127,8 @@ def apply_or_skip(inner: optax.GradientTransformationExtraArgs, updates: Any,
   instead of a new pass; it is passed on to ``inner`` either way.
   """
   leaf_squares = norms_lib.reuse_or_measure(updates, leaf_squares, groups)
-  nan = jnp.zeros((), jnp.bool_)
-  inf = jnp.zeros((), jnp.bool_)
-  for s in leaf_squares.sums:
-    nan = nan | jnp.any(jnp.isnan(s))
-    inf = inf | jnp.any(jnp.isinf(s))
-  nan = _any_across(nan, axis_name)
-  inf = _any_across(inf, axis_name)
+  nan = _any_across(jnp.any(jnp.isnan(leaf_squares.vector)), axis_name)
+  inf = _any_across(jnp.any(jnp.isinf(leaf_squares.vector)), axis_name)
   overflow = nan | inf
 
   run_inner = lambda: inner.update(
@@ -153,13 +148,14 @@ def apply_or_skip(inner: optax.GradientTransformationExtraArgs, updates: Any,
   # The unselected state, so a skipped step still reports its own norms.
   group_norms, group_sizes = _reported_groups(
       raw_inner, lambda: norms_lib.grouped(leaf_squares, groups))
+  group_sizes = norms_lib.static_sizes(group_sizes, state.group_sizes)
 
   new_state = SkipNonfiniteState(
       inner_state=new_inner,
       skipped=state.skipped + skipped_now,
       consecutive_skipped=(state.consecutive_skipped + 1) * skipped_now,
       overflow=overflow, nan=nan, inf=inf,
-      global_norm=jnp.sqrt(norms_lib.total(leaf_squares.sums)),
+      global_norm=jnp.sqrt(leaf_squares.total()),
       group_norms=group_norms, group_sizes=group_sizes)
   return new_updates, new_state
 

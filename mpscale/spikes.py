@@ -53,7 +53,7 @@ would judge scaled gradients; `mpscale.make_train_step` refuses that nesting.
 
 The code reads the same way (``update_fn``)::
 
-  values = {"loss": loss, "global_norm": sqrt(total(leaf_squares.sums))}  # pmean
+  values = {"loss": loss, "global_norm": sqrt(leaf_squares.total())}  # pmean
   loss_spike = _is_outlier(values["loss"], state.losses, state.filled, ...)
   norm_spike = _is_outlier(values["global_norm"], state.norms, state.filled, ...)
   new_updates, new_inner, _ = producer_select.update_or_skip(
@@ -255,7 +255,7 @@ def skip_spikes(inner: optax.GradientTransformation, *, window: int = 128,
     if "global_norm" in watched:
       leaf_squares = norms_lib.reuse_or_measure(updates, leaf_squares)
       values["global_norm"] = _mean_across(
-          jnp.sqrt(norms_lib.total(leaf_squares.sums)), axis_name)
+          jnp.sqrt(leaf_squares.total()), axis_name)
       outliers["global_norm"] = _is_outlier(values["global_norm"], state.norms,
                                             state.filled, threshold, warmup)
     loss_spike = outliers.get("loss", false)

@@ -129,21 +129,28 @@ def _sub_jaxprs(params):
         yield v.jaxpr
 
 
-def _reductions_over_gradients(fn, *args):
-  """Counts reduce ops over non-scalar operands in ``fn``'s jaxpr (all sub-jaxprs)."""
+def _reductions_over_gradients(fn, grads, *args):
+  """Counts reduce ops over operands at least as large as the smallest non-scalar
+  gradient leaf in ``fn``'s jaxpr (all sub-jaxprs; of a ``platform_dependent``, the
+  branch every backend but CUDA runs)."""
   count = 0
+  smallest = min(x.size for x in jax.tree.leaves(grads) if x.size > 1)
 
   def walk(jaxpr):
     nonlocal count
     for eqn in jaxpr.eqns:
       if eqn.primitive.name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_or",
                                 "reduce_and", "argmax"):
-        if any(np.prod(v.aval.shape) > 1 for v in eqn.invars):
+        if any(np.prod(v.aval.shape) >= smallest for v in eqn.invars):
           count += 1
+      platforms = eqn.params.get("branches_platforms")
+      if platforms:
+        walk(eqn.params["branches"][platforms.index(None)].jaxpr)
+        continue
       for sub in _sub_jaxprs(eqn.params):
         walk(sub)
 
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  walk(jax.make_jaxpr(fn)(grads, *args).jaxpr)
   return count
 
 
