@@ -4,9 +4,12 @@ Each optimizer step is compiled ahead of time for one NVIDIA H100
 (``jax.experimental.topologies`` with ``gpu_specs/h100_sxm.txtpb``; nothing runs) and
 its program is read, against a baseline compiled in the same run:
 
-* ``kernels``: the entry computation's instructions other than parameters, tuples,
-  get-tuple-elements, bitcasts and constants (fusions, copies, custom-calls, ...): one
-  launch each. ``reductions``: the fusions of kind ``kInput`` (a reduction kernel).
+* ``kernels``: `mpscale.hlo.launches`, the instructions one step runs other than
+  parameters, tuples, get-tuple-elements, bitcasts and constants (fusions, copies,
+  custom-calls, collectives), a loop body's times its trip count: one launch each.
+  The columns that break them down read the entry computation only (the optimizer
+  steps have no loops; TinyLM's stacked blocks run in one):
+  ``reductions``: the fusions of kind ``kInput`` (a reduction kernel).
   ``scalar``: the other kernels whose result is rank 0 (a tuple of rank-0 arrays
   included), copies aside. ``copies``: the ``copy`` ops; ``whole-leaf copies``: those
   whose result is at least as large as the smallest parameter leaf (a copy of a whole
@@ -20,10 +23,11 @@ its program is read, against a baseline compiled in the same run:
 The optimizer steps are ``step(params, opt_state, grads) -> (params, opt_state)``
 (``tx.update`` + ``optax.apply_updates``, params and opt_state donated) on the
 GPT-2-small-like tree of `gpt2_tree.gpt2_like_shapes` (``--layers`` blocks, float32).
-The last two rows are whole train steps of a Flax linen MLP (4 Dense layers of width
-1024, float16 compute, policy "O2"): `mpscale.make_train_step` with
-``dynamic_loss_scale(adamw)`` against a hand-written jitted step doing the same math
-without the skip (gradient of ``scale * loss``, unscale, adamw, apply).
+The last rows are whole train steps (float16 compute, policy "O2") of a Flax linen MLP
+(4 Dense layers of width 1024) and of mpscale's TinyLM (width 768, 12 stacked blocks,
+8 x 256 tokens): `mpscale.make_train_step` with ``dynamic_loss_scale(adamw)`` against
+a hand-written jitted step doing the same math without the skip (gradient of
+``scale * loss``, unscale, adamw, apply).
 
 Needs JAX's CUDA build for the H100 (``pip install "jax[cuda12]"``); on a plain CPU
 install it prints why it skips and exits 0. ``--cpu`` compiles for the host CPU
@@ -102,7 +106,7 @@ def measure(compiled, params) -> dict:
   rank0 = lambda i: not any(dims for _, dims in _result_arrays(i))
   k = hlo.kernels(module)
   return {
-      "kernels": len(work),
+      "kernels": hlo.launches(module),
       "reductions": sum(map(reduction, work)),
       "scalar": sum(rank0(i) and not reduction(i) and i.op != "copy" for i in work),
       "copies": sum(i.op == "copy" for i in work),
@@ -164,47 +168,69 @@ def mlp(width: int, depth: int, dtype=None):
   return MLP()
 
 
-def train_step_rows(dev, width: int = 1024, depth: int = 4, batch_size: int = 512):
-  """``make_train_step`` (O2, dls(adamw)) against the same step written by hand."""
+def train_step_rows(dev, which: str = "both"):
+  """``make_train_step`` (O2, dls(adamw)) against the same step written by hand, on
+  the Flax MLP and on mpscale's TinyLM (GPT-2-small-like: width 768, 12 stacked
+  blocks, 8 x 256 tokens)."""
   policy = mpscale.get_policy("O2")
-  model = mlp(width, depth, policy.compute_dtype)
-  params = jax.eval_shape(lambda: model.init(
-      jax.random.PRNGKey(0), jnp.zeros((1, width), jnp.float32))["params"])
-  batch = placed({"x": jax.ShapeDtypeStruct((batch_size, width), jnp.float32),
-                  "y": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}, dev)
+  models = []
+  if which in ("both", "mlp"):
+    width, depth = 1024, 4
+    model = mlp(width, depth, policy.compute_dtype)
+    params = jax.eval_shape(lambda: model.init(
+        jax.random.PRNGKey(0), jnp.zeros((1, width), jnp.float32))["params"])
+    batch = {"x": jax.ShapeDtypeStruct((512, width), jnp.float32),
+             "y": jax.ShapeDtypeStruct((512,), jnp.int32)}
 
-  def loss_fn(p, b):
-    logits = model.apply({"params": p}, policy.cast_to_compute(b["x"]))
-    logits = policy.cast_to_output(logits).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    def mlp_loss(p, b):
+      logits = model.apply({"params": p}, policy.cast_to_compute(b["x"]))
+      logits = policy.cast_to_output(logits).astype(jnp.float32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    models.append((f"MLP {depth}x{width}", params, mlp_loss, batch))
+  if which in ("both", "tinylm"):
+    from mpscale.trainer.lm import TinyLM
+    tiny = TinyLM(vocab_size=8192, d_model=768, num_heads=12, num_layers=12,
+                  d_ff=3072, seq_len=256)
+    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32)
 
-  def mpscale_step():
-    init, step = mpscale.make_train_step(
-        loss_fn, mpscale.dynamic_loss_scale(optax.adamw(1e-3)), policy=policy)
-    # mesh=None: init gives shapes without a device; place them on the H100.
-    state = placed(init(params), dev)
-    return measure(step.lower(state, batch).compile(), params)
+    def tiny_loss(p, b):
+      total, count = tiny.loss_fn(p, b)
+      return total / count
+    models.append(("TinyLM 12x768", jax.eval_shape(tiny.init, jax.random.key(0)),
+                   tiny_loss, {"inputs": tokens, "targets": tokens}))
 
-  def hand_step():
-    tx = optax.adamw(1e-3)
+  rows = []
+  for label, params, loss_fn, batch in models:
+    batch = placed(batch, dev)
 
-    def step(state, b):
-      p, opt_state, scale = state
-      loss_of = lambda q: loss_fn(policy.cast_to_compute(q), b)
-      loss, grads = jax.value_and_grad(lambda q: scale * loss_of(q))(p)
-      grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) / scale, grads)
-      updates, opt_state = tx.update(grads, opt_state, p)
-      return (optax.apply_updates(p, updates), opt_state, scale), loss / scale
+    def mpscale_step(params=params, loss_fn=loss_fn, batch=batch):
+      init, step = mpscale.make_train_step(
+          loss_fn, mpscale.dynamic_loss_scale(optax.adamw(1e-3)), policy=policy)
+      # mesh=None: init gives shapes without a device; place them on the H100.
+      state = placed(init(params), dev)
+      return measure(step.lower(state, batch).compile(), params)
 
-    p = jax.eval_shape(policy.cast_to_param, params)
-    state = placed((p, jax.eval_shape(tx.init, p),
-                    jax.ShapeDtypeStruct((), jnp.float32)), dev)
-    return measure(jax.jit(step, donate_argnums=0).lower(state, batch).compile(),
-                   params)
+    def hand_step(params=params, loss_fn=loss_fn, batch=batch):
+      tx = optax.adamw(1e-3)
 
-  name = f"make_train_step MLP {depth}x{width} O2 dls(adamw)"
-  return [("hand: scale, unscale, adamw", None, hand_step),
-          (name, "hand: scale, unscale, adamw", mpscale_step)]
+      def step(state, b):
+        p, opt_state, scale = state
+        loss_of = lambda q: loss_fn(policy.cast_to_compute(q), b)
+        loss, grads = jax.value_and_grad(lambda q: scale * loss_of(q))(p)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32) / scale, grads)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return (optax.apply_updates(p, updates), opt_state, scale), loss / scale
+
+      p = jax.eval_shape(policy.cast_to_param, params)
+      state = placed((p, jax.eval_shape(tx.init, p),
+                      jax.ShapeDtypeStruct((), jnp.float32)), dev)
+      return measure(jax.jit(step, donate_argnums=0).lower(state, batch).compile(),
+                     params)
+
+    hand = f"hand {label}: scale, unscale, adamw"
+    rows += [(hand, None, hand_step),
+             (f"make_train_step {label} O2 dls(adamw)", hand, mpscale_step)]
+  return rows
 
 
 def main():
@@ -215,6 +241,8 @@ def main():
                       help="compile for the host CPU instead of an H100")
   parser.add_argument("--dump", metavar="DIR",
                       help="write each step's compiled HLO text under DIR")
+  parser.add_argument("--train", choices=("both", "mlp", "tinylm", "none"),
+                      default="both", help="which train-step rows to add")
   parser.add_argument("--ops", action="store_true",
                       help="also print each step's kernel ops by opcode")
   args = parser.parse_args()
@@ -233,7 +261,7 @@ def main():
 
   rows = optimizer_rows(args.layers, dev)
   try:
-    rows += train_step_rows(dev)
+    rows += [] if args.train == "none" else train_step_rows(dev, args.train)
   except ImportError as e:
     print(f"(train-step rows skipped: {e})")
   results: dict[str, dict] = {}

@@ -553,6 +553,37 @@ def _accessed(module: Module, name: str, ins: Instruction,
   return total
 
 
+def launches(hlo: Union[str, Module]) -> int:
+  """How many kernels one step of the compiled HLO ``hlo`` launches per device: the
+  instructions of the entry, of each loop body (times its trip count) and of a
+  conditional's costliest branch, other than bookkeeping (`kernels`' free ops) and the
+  second halves of asynchronous pairs; a fusion, a copy, a collective, a library call
+  is one each. On a GPU each is a launch (or a node of a command buffer), a cost of
+  its own beside the bytes it moves.
+
+  Example:
+
+    >>> from mpscale import hlo
+    >>> text = '''HloModule m
+    ... ENTRY %main (a: f32[8]) -> f32[8] {
+    ...   %a = f32[8]{0} parameter(0)
+    ...   %e = f32[8]{0} exponential(%a)
+    ...   ROOT %n = f32[8]{0} negate(%e)
+    ... }'''
+    >>> hlo.launches(text)
+    2
+  """
+  module = _as_module(hlo)
+  fused = _fused(module)
+
+  def cost(name: str, ins: Instruction) -> dict[str, float]:
+    if name in fused or ins.op in _FREE or ins.op.endswith("-done"):
+      return {}
+    return {"launches": 1}
+
+  return int(round(_per_step(module, cost).get("launches", 0.0)))
+
+
 def _product_flops(module: Module, name: str, ins: Instruction) -> float:
   """The FLOPs of one ``dot`` or ``convolution`` (0 for any other op)."""
   if ins.op == "dot":

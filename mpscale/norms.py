@@ -141,12 +141,14 @@ def _sum_squares(x: Any, parts: int, stacked: int = 0) -> jax.Array:
   """``x``'s float32 sum of squares as a vector of ``parts`` partial sums, or of the
   ``stacked`` leaves stacked on ``x``'s leading axis, ``[stacked * parts]``."""
   x = jnp.asarray(x).astype(jnp.float32)
+  if parts == 1 and not stacked:
+    return jnp.sum(jnp.square(x))[None]  # reduced to a scalar: a scalar all-reduce
   lead = x.shape[:1] if stacked else ()
   rest = x.shape[1:] if stacked else x.shape
   # Split the leading axis only: flattening the rest would merge a tensor-parallel
   # axis into one dimension, and GSPMD would gather the whole leaf to do it.
   split = x.reshape(lead + ((parts, rest[0] // parts) + rest[1:] if parts > 1 else
-                            (1,) + rest))
+                            (1,) + rest))  # stacked whole leaves: one part each
   axes = tuple(range(len(lead) + 1, split.ndim))
   return jnp.sum(jnp.square(split), axis=axes).reshape(-1)
 
