@@ -87,7 +87,8 @@ class ScaleByCameState(NamedTuple):
   """State of `scale_by_came`.
 
   Every tree has the structure of the params; a leaf that does not use a statistic
-  holds an empty array (size 0) there, so the state's size is exactly what CAME needs.
+  holds a one-element placeholder there (as optax's factored state does), so the
+  state is what CAME needs plus one element per unused statistic.
   """
   count: jax.Array
   """int32 number of steps taken."""
@@ -161,8 +162,11 @@ def _compute_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _empty(dtype) -> jax.Array:
-  return jnp.zeros((0,), dtype)
+def _unused(dtype) -> jax.Array:
+  """The placeholder of a statistic a leaf does not use: one element, as optax's
+  factored state keeps. A zero-size array would cost a copy every step: XLA writes
+  each zero-size output anew instead of aliasing it to its (donated) input."""
+  return jnp.zeros((1,), dtype)
 
 
 def _pack(x: jax.Array, dtype, low: float) -> jax.Array:
@@ -265,10 +269,10 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
         # Separate arrays for every field, so that the state can be donated.
         row = lambda: jnp.zeros_like(jnp.sum(p, axis=-1), dtype=cdt)  # noqa: E731
         col = lambda: jnp.zeros_like(jnp.sum(p, axis=-2), dtype=cdt)  # noqa: E731
-        per_leaf.append((mu, row(), col(), _empty(mdt), row(), col()))
+        per_leaf.append((mu, row(), col(), _unused(mdt), row(), col()))
       else:
-        per_leaf.append((mu, _empty(cdt), _empty(cdt), jnp.zeros_like(p, dtype=mdt),
-                         _empty(cdt), _empty(cdt)))
+        per_leaf.append((mu, _unused(cdt), _unused(cdt), jnp.zeros_like(p, dtype=mdt),
+                         _unused(cdt), _unused(cdt)))
     trees = [treedef.unflatten(t) for t in zip(*per_leaf)] if leaves else [params] * 6
     return ScaleByCameState(jnp.zeros((), jnp.int32), *trees)
 

@@ -1,6 +1,7 @@
 """Tests for mpscale.loss_scale: dynamic/fixed/no loss scaling around Optax."""
 
 import functools
+from pathlib import Path
 
 import chex
 import jax
@@ -551,3 +552,96 @@ def test_the_three_hysteresis_modes_on_the_seeds_example():
   assert scales([bad, good, bad]) == [1024, 1024, 512]
   assert scales([bad, good, bad], consecutive_hysteresis=True) == [1024, 1024, 1024]
   assert scales([bad, good, bad], refill_after_backoff=True) == [1024, 1024, 512]
+
+
+# ------------------------------------------------------------- the compiled program
+
+_H100_SPEC = (Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_specs" /
+              "h100_sxm.txtpb")
+
+
+def _h100():
+  """One H100 of XLA's compile-only CUDA topology, or a skip where this JAX has no
+  CUDA compiler (a plain CPU install)."""
+  try:
+    from jax.experimental import topologies  # noqa: PLC0415
+    topo = topologies.get_topology_desc("h100", "cuda", topology="1x1x1",
+                                        target_config=_H100_SPEC.read_text())
+  except Exception as e:  # noqa: BLE001  (no jax_cuda12_plugin here)
+    pytest.skip(f"no CUDA compiler in this JAX: {type(e).__name__}")
+  return topo.devices[0]
+
+
+def _gpt2_like(layers=12, d=64):
+  """GPT-2 small's leaves (149: 12 a block), narrow: what the H100 ratio is set on."""
+  block = lambda: {
+      "ln_1": {"scale": (d,), "bias": (d,)}, "ln_2": {"scale": (d,), "bias": (d,)},
+      "attn": {"c_attn": {"kernel": (d, 3 * d), "bias": (3 * d,)},
+               "c_proj": {"kernel": (d, d), "bias": (d,)}},
+      "mlp": {"c_fc": {"kernel": (d, 4 * d), "bias": (4 * d,)},
+              "c_proj": {"kernel": (4 * d, d), "bias": (d,)}}}
+  return {"embed": {"wte": (512, d), "wpe": (256, d)},
+          "h": [block() for _ in range(layers)],
+          "ln_f": {"scale": (d,), "bias": (d,)}, "lm_head": (d, 512)}
+
+
+def _compiled_step(tx, device, step=None):
+  """``step(params, opt_state, grads)`` (an optimizer step, params and state
+  donated) compiled for ``device`` from shapes, as a parsed module."""
+  from mpscale import hlo  # noqa: PLC0415
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  on = lambda t: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
+  params = on(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+                           _gpt2_like(), is_leaf=lambda x: isinstance(x, tuple)))
+
+  def optimizer_step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  compiled = jax.jit(step or optimizer_step, donate_argnums=(0, 1)).lower(
+      params, on(jax.eval_shape(tx.init, params)), params).compile()
+  return hlo.parse(compiled.as_text()), params
+
+
+def _leaf_copies(module, params):
+  """The entry's copies at least as large as the smallest parameter leaf."""
+  smallest = min(x.size * 4 for x in jax.tree.leaves(params))
+  entry = module.computations[module.entry]
+  out = []
+  for ins in entry:
+    if ins.op == "copy":
+      dims = ins.result.split("[", 1)[1].split("]", 1)[0]
+      size = int(np.prod([int(d) for d in dims.split(",") if d]))
+      if size * 4 >= smallest:
+        out.append(ins.result)
+  return out
+
+
+def _copying_step(tx):
+  """An optimizer step that reads the old params after writing the new ones into
+  their (donated) buffers: XLA must copy a whole leaf to keep them."""
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    new = optax.apply_updates(p, u)
+    return new, s, jax.tree.map(lambda a, b: a[::-1] - b, p, new)
+  return step
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100"])
+def test_dynamic_loss_scale_step_copies_no_donated_leaf(target):
+  """The skip's select sits at each state leaf's producer, so XLA updates donated
+  params and state in place: no whole-leaf copy on the CPU program nor on the one
+  XLA compiles for an H100; and there, the wrapper launches at most 1.2x AdamW's
+  kernels (one reduction per bucket of like leaves, not one per leaf)."""
+  from mpscale import hlo  # noqa: PLC0415
+  device = jax.devices("cpu")[0] if target == "cpu" else _h100()
+  adamw = optax.adamw(1e-3)
+  module, params = _compiled_step(mpscale.dynamic_loss_scale(adamw), device)
+  assert _leaf_copies(module, params) == []
+  # The check would see a copy: a step that keeps the old params makes them.
+  copying, _ = _compiled_step(adamw, device, _copying_step(adamw))
+  assert _leaf_copies(copying, params)
+  if target == "h100":
+    plain, _ = _compiled_step(adamw, device)
+    assert hlo.launches(module) <= 1.2 * hlo.launches(plain), (
+        hlo.launches(module), hlo.launches(plain))

@@ -204,3 +204,71 @@ def test_per_stage_norms_of_a_tensor_parallel_stack_gather_nothing():
   assert sum(c["bytes"] for c in over.values()) < 1024
   (sums,) = fn(stack)
   np.testing.assert_allclose(np.asarray(sums), [2 * 64 * 192] * 2)
+
+
+def _mixed_tree(poison=None):
+  """Leaves of every kind the GPU path buckets: the same weight of three layers (two
+  shapes), small leaves of several shapes and dtypes, a scalar, a split leaf."""
+  rng = np.random.default_rng(3)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  tree = {
+      "h": [{"w": normal(8, 16), "b": normal(16), "ln": normal(8).astype(jnp.bfloat16)}
+            for _ in range(3)],
+      "stack": normal(4, 300, 300),  # > _SMALL elements, split in 2 below
+      "big": [normal(300, 260) for _ in range(2)],
+      "head": normal(5),
+      "t": normal(),
+  }
+  if poison is not None:
+    tree["h"][1]["w"] = tree["h"][1]["w"].at[2, 3].set(poison)
+  return tree
+
+
+def _splits(tree):
+  return tuple(2 if np.shape(x) == (4, 300, 300) else 1
+               for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf")])
+def test_gpu_buckets_measure_what_the_leafwise_pass_measures(monkeypatch, poison):
+  """The CUDA branch of `measure` (stacked buckets) gives every leaf the sums the
+  per-leaf branch gives, at the same positions, and so the same flags and norms."""
+  tree = _mixed_tree(poison)
+  splits = _splits(tree)
+  default = norms.measure(tree, splits)
+  monkeypatch.setattr(jax.lax, "platform_dependent",
+                      lambda *args, cuda, default: cuda(*args))
+  stacked = norms.measure(tree, splits)
+  buckets = norms._buckets(stacked.leaves, stacked.parts, stacked.paths)
+  assert max(map(len, buckets)) == 3 and len(buckets) < len(stacked.leaves)
+  assert stacked.starts == default.starts
+  for a, b in zip(stacked.sums, default.sums):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+  for x, s in zip(stacked.leaves, stacked.sums):  # against float64
+    want = np.sum(np.asarray(x, np.float64).reshape(np.size(s), -1) ** 2, axis=1)
+    np.testing.assert_allclose(np.asarray(s, np.float64), want, rtol=1e-5)
+  by_layer = lambda path: norms.path_str(path[:2]) if path[0].key == "h" else "rest"
+  got, sizes = norms.grouped(stacked, by_layer)
+  want, want_sizes = norms.grouped(default, by_layer)
+  assert list(got) == list(want) and set(want) == {"h/0", "h/1", "h/2", "rest"}
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
+    assert int(sizes[k]) == int(want_sizes[k])
+  assert bool(jnp.any(jnp.isnan(stacked.vector))) == (poison is not None and
+                                                       np.isnan(poison))
+  np.testing.assert_allclose(stacked.total(), default.total(), rtol=1e-5)
+
+
+def test_gpu_buckets_keep_differently_named_weights_apart():
+  """Same-shaped weights of different roles (a column- and a row-parallel matrix)
+  may be sharded differently: stacking them would make GSPMD move a whole leaf, so
+  only the same path up to list indices shares a bucket; small leaves of one shape
+  share one whatever their names."""
+  w = jnp.zeros((300, 300))
+  tree = {"layers": [{"q": w, "o": w, "b1": jnp.zeros(8), "b2": jnp.zeros(8)}
+                     for _ in range(2)]}
+  measured = norms.measure(tree)
+  buckets = norms._buckets(measured.leaves, measured.parts, measured.paths)
+  names = [sorted(norms.path_str(measured.paths[i]) for i in run) for run in buckets]
+  assert sorted(names) == [["layers/0/b1", "layers/0/b2", "layers/1/b1", "layers/1/b2"],
+                           ["layers/0/o", "layers/1/o"], ["layers/0/q", "layers/1/q"]]
