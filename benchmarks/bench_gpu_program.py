@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import os
 import re
 import sys
@@ -62,18 +61,12 @@ SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
                     "h100_sxm.txtpb")
 _BOOKKEEPING = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")  # f32[768,3072]
-_BITS = re.compile(r"[a-z]+(\d+)")
 
 
 def _result_arrays(ins) -> list[tuple[str, list[int]]]:
   """``(dtype, dims)`` of each array in an instruction's result type."""
   return [(dtype, [int(d) for d in dims.split(",") if d])
           for dtype, dims in _ARRAY.findall(ins.result)]
-
-
-def _result_bytes(ins) -> int:
-  return sum(math.prod(dims) * max(1, int(_BITS.fullmatch(dtype).group(1)) // 8)
-             for dtype, dims in _result_arrays(ins) if _BITS.fullmatch(dtype))
 
 
 def h100_device():
@@ -110,7 +103,7 @@ def measure(compiled, params) -> dict:
       "reductions": sum(map(reduction, work)),
       "scalar": sum(rank0(i) and not reduction(i) and i.op != "copy" for i in work),
       "copies": sum(i.op == "copy" for i in work),
-      "leaf_copies": sum(i.op == "copy" and _result_bytes(i) >= smallest
+      "leaf_copies": sum(i.op == "copy" and hlo._shape_bytes(i.result) >= smallest
                          for i in work),
       "ops": collections.Counter(i.op for i in work),
       "bytes": k.bytes + sum(b * n for _, b, n in k.dots),
@@ -292,7 +285,8 @@ def main():
       fname = "".join(c if c.isalnum() else "_" for c in name).strip("_") + ".txt"
       with open(os.path.join(args.dump, fname), "w") as f:
         f.write(r["text"])
-  print("kernels: entry instructions that launch (fusions, copies, custom-calls, ...);"
+  print("kernels: launches a step (mpscale.hlo.launches: fusions, copies, custom-calls,"
+        " collectives; loop bodies by trip count); the rest read the entry:"
         " reduct: kInput fusions; scalar: other kernels with a rank-0 result (copies"
         " aside); leafcp: copies at least one parameter leaf in size; GiB: bytes one"
         " step reads and writes (mpscale.hlo.kernels); temp: compiled temporaries")

@@ -169,9 +169,9 @@ _STACK_MAX = 32
 and XLA caps a fusion's operands."""
 
 _SMALL = 1 << 16
-"""Leaves of at most this many elements (biases, norms' scales) are flattened and
-measured together whatever their shapes: moving one is cheap even if its sharding
-differs from its neighbours'."""
+"""Leaves of at most this many elements (biases, norms' scales) of one shape and
+dtype are measured together whatever their names: moving one is cheap even if its
+sharding differs from its neighbours'."""
 
 _SMALL_MAX = 128
 """Small leaves measured by one reduction at most."""
@@ -197,8 +197,7 @@ def _starts(parts, order) -> tuple[int, ...]:
 
 def _leafwise(leaves, parts) -> jax.Array:
   """One reduction per leaf (every backend), in leaf order."""
-  return jnp.concatenate([jnp.zeros((0,), jnp.float32)] + [
-      _sum_squares(x, k) for x, k in zip(leaves, parts)])
+  return jnp.concatenate([_sum_squares(x, k) for x, k in zip(leaves, parts)])
 
 
 def _buckets(leaves, parts, paths) -> list[list[int]]:
@@ -221,7 +220,7 @@ def _stacked(leaves, parts, buckets) -> jax.Array:
   compiler fuses the stack into the reduction, so each leaf is still read once, with
   no copy, by far fewer kernels. The CPU backend would write the stack out:
   `_leafwise` there."""
-  pieces = [jnp.zeros((0,), jnp.float32)]
+  pieces = []
   for run in buckets:
     if len(run) == 1:
       pieces.append(_sum_squares(leaves[run[0]], parts[run[0]]))

@@ -605,16 +605,10 @@ def _compiled_step(tx, device, step=None):
 
 def _leaf_copies(module, params):
   """The entry's copies at least as large as the smallest parameter leaf."""
+  from mpscale import hlo  # noqa: PLC0415
   smallest = min(x.size * 4 for x in jax.tree.leaves(params))
-  entry = module.computations[module.entry]
-  out = []
-  for ins in entry:
-    if ins.op == "copy":
-      dims = ins.result.split("[", 1)[1].split("]", 1)[0]
-      size = int(np.prod([int(d) for d in dims.split(",") if d]))
-      if size * 4 >= smallest:
-        out.append(ins.result)
-  return out
+  return [ins.result for ins in module.computations[module.entry]
+          if ins.op == "copy" and hlo._shape_bytes(ins.result) >= smallest]
 
 
 def _copying_step(tx):
