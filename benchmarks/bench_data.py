@@ -18,7 +18,7 @@ Measured per batch (or per step), in microseconds, for batches of ``B x T`` toke
   e  ``loader.text_data(text, cfg).train[step]``: grain's random access to a's batches,
      no read-ahead thread (diagnostic: grain's per-item cost alone)
   f  the trainer's loop fed by a: next batch, dispatch the step, wait for the previous
-     step (one step in flight, as `mpscale.trainer.loop` does with a progress bar)
+     step (one step in flight, as `mpscale.trainer.runs.loop` does with a progress bar)
   g  the same loop fed by the grain loader (a second iterator like b's)
   h  the same loop fed by a token corpus on disk: ``corpora.token_data(cfg)
      .iterator()`` with ``data.tokens`` naming a Megatron indexed dataset (uint16,
@@ -87,8 +87,12 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from mpscale.trainer import builders, config as config_lib, corpora  # noqa: E402
-from mpscale.trainer import data as data_lib, loader, token_files  # noqa: E402
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import corpora  # noqa: E402
+from mpscale.trainer.data import text as data_lib
+from mpscale.trainer.data import loader
+from mpscale.trainer.data import token_files  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
 CHECK_STEPS = 4

@@ -43,7 +43,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import mpscale  # noqa: E402
 from mpscale import batch_split, hlo, sharding  # noqa: E402
-from mpscale.trainer.lm import TinyLM  # noqa: E402
+from mpscale.trainer.models.lm import TinyLM  # noqa: E402
 
 # The user's linen LM and the HLO reading are the tests' own (tests/test_batch_split.py).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,7 +70,7 @@ def models(width, layers, vocab, seq):
   def tiny_loss(params, batch):
     total, tokens = tiny.loss_fn(params, batch)
     return total / tokens
-  from mpscale.trainer import models as models_lib
+  from mpscale.trainer.models import user as models_lib
   nnx_model = models_lib.from_nnx(nnx_lm(width, layers, vocab), nnx_loss)
 
   def nnx_mean(params, batch):

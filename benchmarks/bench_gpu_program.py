@@ -181,7 +181,7 @@ def train_step_rows(dev, which: str = "both"):
       return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
     models.append((f"MLP {depth}x{width}", params, mlp_loss, batch))
   if which in ("both", "tinylm"):
-    from mpscale.trainer.lm import TinyLM
+    from mpscale.trainer.models.lm import TinyLM
     tiny = TinyLM(vocab_size=8192, d_model=768, num_heads=12, num_layers=12,
                   d_ff=3072, seq_len=256)
     tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32)

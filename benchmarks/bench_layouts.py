@@ -38,9 +38,9 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpscale  # noqa: E402
 from mpscale import hlo as hlo_lib  # noqa: E402
-from mpscale.trainer import lm as lm_lib  # noqa: E402
+from mpscale.trainer.models import lm as lm_lib  # noqa: E402
 from mpscale import sharding  # noqa: E402
-from mpscale.trainer.config import ModelConfig  # noqa: E402
+from mpscale.trainer.config.load import ModelConfig  # noqa: E402
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
 
 AXES = ("data", "fsdp", "stage", "tensor")

@@ -9,7 +9,7 @@ M = S). Each is compiled on a mesh of (data=1, stage=S) devices and timed. Print
 (S - 1) / (v M + S - 1) for GPipe and 1F1B and (S - 1) / (3 M + S - 1) for ZB-H1, whose
 tick runs one of F, B (input gradient) or W (weight gradient), at equal costs a third of
 a 1F1B forward-and-backward pair (1F1B's backward is B and W in one tick); the most
-stage inputs alive per device (``pipeline._live_slots`` of the table: GPipe v M, 1F1B
+stage inputs alive per device (``pipeline.live_slots`` of the table: GPipe v M, 1F1B
 and ZB-H1 min(S, M), interleaved 1F1B at most (v + 1) S - 1 whatever M), the compile
 time, the compiled temp bytes per device (``memory_analysis``), and the median step time
 (value-and-grad of the pipelined model, with the micro-batch size held fixed, so the
@@ -185,7 +185,7 @@ def main():
         times.append(time.perf_counter() - t0)
       step_ms = 1e3 * float(np.median(times))
       table = pl.schedule_table(schedule, S, M, v)
-      bubble, alive = pl.bubble_fraction(table), pl._live_slots(table)  # pylint: disable=protected-access
+      bubble, alive = pl.bubble_fraction(table), pl.live_slots(table)  # pylint: disable=protected-access
       work = 3 * M if schedule == "zb_h1" else v * M  # the ideal's (S-1)/(work+S-1)
       print(f"{label:9} {M:3d} {bubble:7.3f} {(S - 1) / (work + S - 1):7.3f} "
             f"{alive:5d} {compile_s:9.2f} {temp / 1024:9.1f} {step_ms:8.1f} "

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpscale.trainer import builders, config as config_lib
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import load as config_lib
 
 _CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
 

@@ -82,9 +82,9 @@ def gradient_errors(seeds, batches: int = 4) -> dict[str, float]:
   import jax
   import numpy as np
   import mpscale
-  from mpscale.trainer import builders
-  from mpscale.trainer import config as config_lib
-  from mpscale.trainer import data as data_lib
+  from mpscale.trainer.config import build as builders
+  from mpscale.trainer.config import load as config_lib
+  from mpscale.trainer.data import text as data_lib
 
   def flat(tree):
     return np.concatenate([np.ravel(np.asarray(x, np.float64))

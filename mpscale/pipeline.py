@@ -32,7 +32,7 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
            y = layers of chunk c (x); head(y) if s == S - 1 and c == v - 1
            send y to stage s + 1 (mod S)      # one ppermute per tick
 
-  1f1b:  for t, row in enumerate(_schedule("1f1b", S, M, v)):   # paired ticks
+  1f1b:  for t, row in enumerate(chunk_table("1f1b", S, M, v)):   # paired ticks
            the dx of tick t - 1 leaves down (it lands after F: F hides it)
            op, m, c = row[s, 0]             # slot 0: F of chunk c of micro-batch m
            F: x = embed(m) if (s, c) == (0, 0) else inbox[k]
@@ -42,13 +42,13 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
            op, m, c = row[s, 1]             # slot 1: B of another micro-batch
            B: dx, dp = each layer's pullback rebuilt from kept[k], from ct[k] down
               grads += dp (+ the embedding's after virtual stage 0)
-           y and dx land in the receivers' slots (_slots)
+           y and dx land in the receivers' slots (item_slots)
          (`mpscale.pipeline_schedules`: the warm-up ticks run F only, the cool-down
          ticks B only, each phase its own scan, so a step costs GPipe's (v M + S - 1)
          (F + B); a stage keeps at most 2 S - 1 micro-batches' residuals, (v + 1) S
          - 1 interleaved, whatever M. ``recompute`` chooses what a layer keeps.)
 
-  zb_h1: one op a tick (F, B or W), from _schedule("zb_h1", S, M):
+  zb_h1: one op a tick (F, B or W), from chunk_table("zb_h1", S, M):
            B: dx, dp = the pullbacks with each weight product's weight held fixed
               (`mpscale.backward_split`); cts[k] = those products' output
               cotangents; grads += dp; send dx down
@@ -83,7 +83,7 @@ The code reads the same way::
       grads: summed where invariant (_sum_invariant)
   gpipe: jax.grad of objective, a lax.scan of tick(carry, t) over v * M + S - 1
   1f1b, zb_h1: _ticked(run, params), a lax.scan a phase of the table, carry holding
-         inbox, kept, ct (and cts) in K item slots (_slots) and the gradient sums;
+         inbox, kept, ct (and cts) in K item slots (item_slots) and the gradient sums;
          the ops are _Ticks.forward, .backward and .weights
 
 References:
@@ -116,7 +116,7 @@ from mpscale import validation
 from mpscale.gradients import Gradients, check_grad_reduce_dtype
 
 from mpscale.pipeline_schedules import (BWD, FWD, IDLE, SCHEDULES, WGT,  # noqa: F401
-                                       _live_slots, _schedule, _slots,
+                                       chunk_table, item_slots, live_slots,
                                        bubble_fraction, check_schedule, schedule_chunks,
                                        schedule_table)
 
@@ -508,7 +508,7 @@ class Pipeline:
       if self.schedule == "gpipe":
         items = v * run.M + run.S - 1
       else:
-        items = _slots(_schedule(self.schedule, run.S, run.M, v), v, run.M)[1]
+        items = item_slots(chunk_table(self.schedule, run.S, run.M, v), v, run.M)[1]
       layer = sum(x.size * x.dtype.itemsize for x in ops.kept_shapes + ops.cts_shapes)
       report.update(layer=int(layer), items=int(items), layers=ops.n,
                     total=int(layer) * int(items) * ops.n)
@@ -1190,13 +1190,13 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
   (`mpscale.pipeline_schedules`): per tick, the op of each slot (`_Ticks`), one
   ``ppermute`` up and one down (paired ticks: the forward's output right after the
   forward, the backward's input gradient at the start of the next tick). Buffers
-  hold ``K`` item slots (`_slots`). Returns ``(loss sum, count sum, grads)`` of this
+  hold ``K`` item slots (`item_slots`). Returns ``(loss sum, count sum, grads)`` of this
   device."""
   pipe, S, M = run.pipeline, run.S, run.M
   v = pipe.virtual_stages
   ops = _Ticks(run, params)
-  table = _schedule(pipe.schedule, S, M, v)
-  slot_of, K = _slots(table, v, M)
+  table = chunk_table(pipe.schedule, S, M, v)
+  slot_of, K = item_slots(table, v, M)
   slot_of = jnp.asarray(slot_of)
   bwd_slot = 0 if ops.split else 1     # a one-op tick (zb_h1) or a paired one
   fill = lambda shape, dtype: run.vary(  # noqa: E731

@@ -66,7 +66,7 @@ def schedule_table(schedule: str, num_stages: int, num_microbatches: int,
   slot 1 (the module docstring). With ``virtual_stages=v`` an op runs one of a
   device's ``v`` layer chunks (`schedule_chunks` says which).
   """
-  return _schedule(schedule, num_stages, num_microbatches, virtual_stages)[..., :2]
+  return chunk_table(schedule, num_stages, num_microbatches, virtual_stages)[..., :2]
 
 
 def schedule_chunks(schedule: str, num_stages: int, num_microbatches: int,
@@ -74,7 +74,7 @@ def schedule_chunks(schedule: str, num_stages: int, num_microbatches: int,
   """The layer chunk of each op of `schedule_table`, ``[ticks, stages, 2]`` (0 for an
   idle slot, and always 0 without virtual stages): stage ``s``'s chunk ``c`` is
   virtual stage ``c S + s``."""
-  return _schedule(schedule, num_stages, num_microbatches, virtual_stages)[..., 2]
+  return chunk_table(schedule, num_stages, num_microbatches, virtual_stages)[..., 2]
 
 
 def check_schedule(schedule: str, num_stages: int, num_microbatches: int,
@@ -98,8 +98,8 @@ def _item(k: int, S: int, v: int, backward: bool) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(schedule: str, num_stages: int, num_microbatches: int,
-              virtual_stages: int = 1) -> np.ndarray:
+def chunk_table(schedule: str, num_stages: int, num_microbatches: int,
+                virtual_stages: int = 1) -> np.ndarray:
   """`schedule_table` with each op's chunk: ``[ticks, stages, 2, 3]`` of ``(op, m,
   chunk)`` (read-only; cached)."""
   check_schedule(schedule, num_stages, num_microbatches, virtual_stages)
@@ -209,7 +209,7 @@ def _frees(table: np.ndarray) -> int:
   return WGT if (table[..., 0] == WGT).any() else BWD
 
 
-def _live_slots(table: np.ndarray) -> int:
+def live_slots(table: np.ndarray) -> int:
   """Most work items whose stage input (and residuals) a stage keeps at once, over
   stages and ticks: from its forward to its backward (its weight gradient, with
   ``WGT`` ops); slot 0 runs before slot 1."""
@@ -223,7 +223,7 @@ def _live_slots(table: np.ndarray) -> int:
   return most
 
 
-def _slots(table: np.ndarray, v: int, M: int) -> tuple[np.ndarray, int]:
+def item_slots(table: np.ndarray, v: int, M: int) -> tuple[np.ndarray, int]:
   """Buffer slots for a 1F1B or ZB-H1 ``table`` (``[ticks, S, 2, 3]``): item ``(m,
   chunk)`` of stage ``s`` holds one slot of each buffer (received input, residuals,
   received cotangent) from its input's arrival until its last op (``BWD``, or

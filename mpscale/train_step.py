@@ -947,7 +947,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     ``jax.ShapeDtypeStruct``, e.g. ``jax.eval_shape(model.init, key)``), ``init``
     returns the state as ``ShapeDtypeStruct``s with the shardings it would place it
     in, allocating nothing: ``step.lower(state, batch).compile()`` then compiles the
-    step ahead of time (`mpscale.trainer.planning` plans a run that way). ``metrics`` is a dict of device arrays:
+    step ahead of time (`mpscale.trainer.planning.compiled` plans a run that way). ``metrics`` is a dict of device arrays:
     ``loss`` (unscaled; per token with ``per_token_loss``), ``num_tokens`` (batch rows
     without ``per_token_loss``), ``loss_scale`` (the scale this step's loss was
     multiplied by; the next one is ``mpscale.loss_scale_of(state.opt_state)``),

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import mpscale
-from mpscale.trainer import config as config_lib
+from mpscale.trainer.config import load as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")

@@ -283,9 +283,9 @@ def nnx_loss(module, batch):
 
 def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
   """The same for a Flax NNX model, as the trainer adapts it
-  (`mpscale.trainer.models.from_nnx`): no global-batch dot or gather, where GSPMD
+  (`mpscale.trainer.models.user.from_nnx`): no global-batch dot or gather, where GSPMD
   alone made them."""
-  from mpscale.trainer import models
+  from mpscale.trainer.models import user as models
 
   model = models.from_nnx(nnx_lm(WIDTH), nnx_loss)
   params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -1,4 +1,4 @@
-"""The trainer's builders (mpscale.trainer.builders): config to optimizer and step."""
+"""The trainer's builders (mpscale.trainer.config.build): config to optimizer and step."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,9 @@ import pytest
 
 import mpscale
 from mpscale.came import relative_step_size
-from mpscale.trainer import builders
-from mpscale.trainer import config as config_lib
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import errors
+from mpscale.trainer.config import load as config_lib
 
 SMALL = {"model": {"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64,
                    "seq_len": 16},
@@ -70,11 +71,11 @@ def test_keyed_renames_names_and_leaves_the_text_alone():
   def bad():
     raise mpscale.ArgumentError(("a", "b"), "{0} must be < {1}; a and b are sizes")
   with pytest.raises(mpscale.ArgumentError) as err:
-    builders._keyed("section", bad, {"a": "s.a", "b": "t.b"})
+    errors.keyed("section", bad, {"a": "s.a", "b": "t.b"})
   assert str(err.value) == "s.a must be < t.b; a and b are sizes"
   # An error the table does not know, or one without names, gets the section.
   with pytest.raises(mpscale.ArgumentTypeError) as err:
-    builders._keyed("section", lambda: (_ for _ in ()).throw(TypeError("oops")), {})
+    errors.keyed("section", lambda: (_ for _ in ()).throw(TypeError("oops")), {})
   assert err.value.names == ("section",) and str(err.value) == "section: oops"
 
 

@@ -15,8 +15,11 @@ import sys
 import numpy as np
 import pytest
 
-from mpscale.trainer import cli, metrics_log, plots, progress
-from mpscale.trainer import config
+from mpscale.trainer import cli
+from mpscale.trainer.runs import metrics_log
+from mpscale.trainer.runs import plots
+from mpscale.trainer.runs import progress
+from mpscale.trainer.config import load as config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FP16 = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
@@ -211,7 +214,7 @@ def test_version_names_mpscale_jax_and_the_floors(capsys):
 @pytest.mark.slow  # three short runs
 def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, monkeypatch,
                                                                   capsys):
-  from mpscale.trainer import data as data_lib
+  from mpscale.trainer.data import text as data_lib
   out = tmp_path / "interrupted"
   overrides = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
                        "train.checkpoint_every=4"]
@@ -249,7 +252,7 @@ def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
 
   from jax import core as jax_core
 
-  from mpscale.trainer import builders
+  from mpscale.trainer.config import build as builders
   out = tmp_path / "interrupted"
   overrides = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
                        "train.checkpoint_every=4"]

@@ -12,7 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from mpscale.trainer import cli, config, loop
+from mpscale.trainer import cli
+from mpscale.trainer.config import load as config
+from mpscale.trainer.runs import loop
 from tests.test_cli import FP16, ROOT, SMALL, rows, sets
 
 DP_PP = os.path.join(ROOT, "configs", "tiny_lm_dp_pp.yaml")

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from mpscale.trainer import config
+from mpscale.trainer.config import load as config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every run config shipped; configs/published/runs.yaml lists published measurements

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpscale.trainer import data
+from mpscale.trainer.data import text as data
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The trainer across processes (mpscale.trainer.distributed).
+"""The trainer across processes (mpscale.trainer.runs.distributed).
 
 The slow tests start real runs of ``mpscale train`` as 2 local processes x 4 fake CPU
 devices each, on JAX's distributed runtime (gloo collectives), and compare them with
@@ -31,10 +31,10 @@ import time
 import numpy as np
 import pytest
 
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import data as data_lib
-from mpscale.trainer import distributed
-from mpscale.trainer import loader
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import text as data_lib
+from mpscale.trainer.runs import distributed
+from mpscale.trainer.data import loader
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +116,7 @@ def test_rows_must_be_an_aligned_block_of_the_batch():
 def test_one_process_reads_every_row_and_builds_no_global_array():
   import jax
   from jax.sharding import Mesh
-  from mpscale.trainer import builders
+  from mpscale.trainer.config import build as builders
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "stage"))
   sharding = builders.batch_sharding(mesh)
   assert sharding.spec == jax.sharding.PartitionSpec(("data",))

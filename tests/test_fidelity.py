@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import data as data_lib
-from mpscale.trainer import lm
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import text as data_lib
+from mpscale.trainer.models import lm
 from tests.helpers import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +84,7 @@ def test_without_scaling_fp16_trains_worse_by_more_than_the_seed_spread(tmp_path
   """A shortened experiment (b): 20 steps, seeds 0-2, with and without the dynamic
   scale, where the per-token gradients are those of a 0.5M-token mean (at 20 steps
   no-scaling is already about 0.45 nats behind, against a spread of about 0.13)."""
-  from mpscale.trainer.compare import compare
+  from mpscale.trainer.runs.compare import compare
   study = _study()
   runs, seeds = ["fp16_noscale", "fp16_dynamic"], [0, 1, 2]
   for seed in seeds:  # what study.run_seed runs, in this process (its compile cache)

@@ -12,8 +12,8 @@ import pytest
 import mpscale
 from mpscale import hlo
 from mpscale import pipeline as pl
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import planning
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.planning import compiled as planning
 from tests import test_pipeline as tp
 
 IN, HIDDEN, OUT, ROWS = 32, 64, 16, 256
@@ -264,8 +264,8 @@ def test_a_bad_config_value_names_the_key():
 
 
 def test_a_model_with_a_state_is_refused_by_key():
-  from mpscale.trainer import builders
-  from mpscale.trainer import models
+  from mpscale.trainer.config import build as builders
+  from mpscale.trainer.models import user as models
 
   def stateful(p, b, model_state):
     return loss_fn(p, b), model_state
@@ -285,7 +285,7 @@ def test_fsdp_float32_sums_gather_a_layer_at_a_time():
   are stacked and scanned, no all-gather is larger than one layer's largest weight
   in bfloat16 (the step once gathered every stacked leaf whole, each micro-batch),
   the gradient sums stay float32, and the gradients equal one device's."""
-  from mpscale.trainer import lm as lm_lib
+  from mpscale.trainer.models import lm as lm_lib
   tiny = lm_lib.TinyLM(vocab_size=64, d_model=64, num_heads=4, num_layers=4,
                        d_ff=256, seq_len=16)
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))

@@ -1,4 +1,4 @@
-"""Hardware profiles (`mpscale.trainer.hardware`): the built-ins load, cite every
+"""Hardware profiles (`mpscale.trainer.planning.hardware`): the built-ins load, cite every
 number and match their datasheets; a user's file loads; mistakes name the field."""
 
 import math
@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from mpscale import validation
-from mpscale.trainer import hardware
-from mpscale.trainer.hardware import Hardware, Link, builtin_names, load_hardware
-from mpscale.trainer.schema import ConfigError, ConfigTypeError
+from mpscale.trainer.planning import hardware
+from mpscale.trainer.planning.hardware import Hardware, Link, builtin_names, load_hardware
+from mpscale.trainer.config.schema import ConfigError, ConfigTypeError
 
 USER_FILE = """\
 name: my-gpu
@@ -273,7 +273,7 @@ def test_a_builtin_number_without_a_source_is_refused(monkeypatch, tmp_path):
   (tmp_path / "mine.yaml").write_text(USER_FILE.replace("name: my-gpu", "name: mine"))
   monkeypatch.setattr(hardware, "_folder", lambda: tmp_path)
   assert builtin_names() == ["mine"]
-  with pytest.raises(ConfigError, match=r"hardware/mine.yaml: peak_flops.bfloat16: "
+  with pytest.raises(ConfigError, match=r"profiles/mine.yaml: peak_flops.bfloat16: "
                      "uncited"):
     load_hardware("mine")
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import mpscale
-from mpscale.trainer import config
-from mpscale.trainer import lm
+from mpscale.trainer.config import load as config
+from mpscale.trainer.models import lm
 
 CFG = config.ModelConfig(d_model=32, num_heads=4, num_layers=3, d_ff=64, seq_len=16)
 
@@ -123,7 +123,7 @@ def test_too_long_sequence_is_an_error(model, params):
 
 
 def test_generate_continues_the_prompt_past_the_window():
-  from mpscale.trainer.lm import TinyLM
+  from mpscale.trainer.models.lm import TinyLM
   model = TinyLM(vocab_size=256, d_model=16, num_heads=2, num_layers=1, d_ff=32,
                  seq_len=8)
   params = model.init(jax.random.key(0))

@@ -1,11 +1,11 @@
-"""The rows of metrics.csv (mpscale.trainer.metrics_log): each column computed from a
+"""The rows of metrics.csv (mpscale.trainer.runs.metrics_log): each column computed from a
 log interval's step metrics, by hand, and the header the rows are written under."""
 
 import math
 
 import numpy as np
 
-from mpscale.trainer import metrics_log
+from mpscale.trainer.runs import metrics_log
 
 
 def _step(loss, overflow, skipped, scale, norm, groups, **more):

@@ -1,6 +1,6 @@
 """Stochastic and stateful models through `make_train_step` and `Pipeline`: the keys
 each draw uses, BatchNorm statistics across devices and micro-batches, the skip, and
-Flax NNX and linen models with dropout and BatchNorm (via `mpscale.trainer.models`)."""
+Flax NNX and linen models with dropout and BatchNorm (via `mpscale.trainer.models.user`)."""
 
 import flax.linen as nn
 from flax import nnx
@@ -13,7 +13,7 @@ import pytest
 
 import mpscale
 from mpscale import keys
-from mpscale.trainer import models
+from mpscale.trainer.models import user as models
 
 
 def _mesh(shape, names):

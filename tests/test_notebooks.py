@@ -95,7 +95,7 @@ def _check_03(s):
 
   def alive(schedule, m, vs=1):
     table = pl.schedule_table(schedule, S, m, vs)
-    return int(pl._live_slots(table))  # pylint: disable=protected-access
+    return int(pl.live_slots(table))  # pylint: disable=protected-access
 
   plain = ("gpipe", "1f1b")
   assert s["bubble_S4_M8"] == {"gpipe": 0.273, "1f1b": 0.273} == {

@@ -453,7 +453,7 @@ def test_schedule_table_is_a_valid_pipeline(schedule, stages, micro, virtual):
   assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
   from mpscale import pipeline_schedules as ps
   assert ps.tick_costs(table).sum() == 3 * (v * M + S - 1)  # GPipe's F + B ticks
-  live = pl._live_slots(table)
+  live = pl.live_slots(table)
   if schedule == "gpipe":
     assert live == v * M
   else:  # a hop a tick: 2 (S v - 1 - vs) + 1 ticks alive, whatever M
@@ -465,10 +465,10 @@ def test_interleaved_1f1b_keeps_its_inputs_bounded_as_m_grows():
   while interleaved GPipe's grow as v M."""
   for S, v in ((2, 2), (4, 2), (4, 4)):
     bound = (v + 1) * S - 1
-    lives = [pl._live_slots(pl.schedule_table("1f1b", S, M, v))
+    lives = [pl.live_slots(pl.schedule_table("1f1b", S, M, v))
              for M in (S, 2 * S, 4 * S, 8 * S)]
     assert max(lives) <= bound and lives[-1] == lives[-2]
-    assert pl._live_slots(pl.schedule_table("gpipe", S, 8 * S, v)) == 8 * S * v
+    assert pl.live_slots(pl.schedule_table("gpipe", S, 8 * S, v)) == 8 * S * v
 
 
 def test_clear_errors():
@@ -733,7 +733,7 @@ def test_zb_h1_table_splits_the_backward_and_fills_1f1bs_bubble(stages, micro):
   if M >= S:
     assert zb == pytest.approx((S - 1) / (3 * M + S - 1))
   assert zb < ofob if S > 1 else zb == ofob == 0
-  assert pl._live_slots(table) <= min(S, M)
+  assert pl.live_slots(table) <= min(S, M)
 
 
 @pytest.mark.parametrize("data, stage, micro", [

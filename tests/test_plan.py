@@ -1,13 +1,13 @@
-"""Planning a step from shapes only (mpscale.trainer.planning), checked against the real
+"""Planning a step from shapes only (mpscale.trainer.planning.compiled), checked against the real
 arrays and the model's arithmetic."""
 
 import jax
 import numpy as np
 import pytest
 
-from mpscale.trainer import builders
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import planning as plan_lib
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.planning import compiled as plan_lib
 
 SMALL = ["model.d_model=128", "model.d_ff=512", "model.num_layers=4", "model.seq_len=32",
          "data.batch_size=16", "train.steps=10", "schedule.warmup_steps=1"]
@@ -110,7 +110,7 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
       table = pl.schedule_table(schedule, S, M, vs)
       want.append({"schedule": schedule, "virtual_stages": vs,
                    "bubble": pl.bubble_fraction(table),
-                   "inputs_alive": pl._live_slots(table),  # pylint: disable=protected-access
+                   "inputs_alive": pl.live_slots(table),
                    "config": schedule == "1f1b" and vs == v})
   assert planned.schedules == want
   # M, min(M, 2S-1) (paired ticks: a hop a tick), min(S, M), vM, (v+1)S-1
@@ -123,7 +123,7 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
   # What a device keeps for the backward: 1F1B's item slots x a chunk's layers'
   # residuals (a slot holds one chunk's pass, of 8 / S / v layers).
   r = planned.residuals
-  slots = pl._slots(pl._schedule("1f1b", S, M, v), v, M)[1]  # pylint: disable=protected-access
+  slots = pl.item_slots(pl.chunk_table("1f1b", S, M, v), v, M)[1]
   assert (r["items"], r["layers"]) == (slots, 8 // S // v)
   assert r["total"] == r["items"] * r["layers"] * r["layer"] > 0
   assert any(line.strip().startswith("residuals") and f"{r['items']} micro-batches"
@@ -211,7 +211,8 @@ _MEASURE = r'''
 import gc, json, os, sys
 import jax
 import numpy as np
-from mpscale.trainer import builders, config as config_lib
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import load as config_lib
 
 def status(field):
   with open("/proc/self/status") as f:

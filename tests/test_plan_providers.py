@@ -16,11 +16,11 @@ import jax
 import numpy as np
 import pytest
 
-from mpscale.trainer import builders
+from mpscale.trainer.config import build as builders
 from mpscale.trainer import cli
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import loop
-from mpscale.trainer import planning as plan_lib
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.runs import loop
+from mpscale.trainer.planning import compiled as plan_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = os.path.join(ROOT, "examples", "digits_cnn", "config.yaml")
@@ -40,8 +40,8 @@ def _device_bytes(tree, device):
 def _real_state(cfg):
   """The trainer's initial state of ``cfg``'s user model (built as `loop._prepare`
   builds it) and the device whose shards to count."""
-  data = loop._load_data(cfg, None)
-  model, _ = loop._load_model(cfg, None, None, data.train[0])
+  data = loop.open_data(cfg, None)
+  model, _ = loop.open_model(cfg, None, None, data.train[0])
   setup = builders.build(cfg, model=model)
   state = setup.init(setup.init_params())
   device = (jax.devices()[0] if setup.mesh is None
@@ -65,7 +65,7 @@ def _check_against_real(planned, cfg):
 def _nnx_param_bytes(cfg):
   """Bytes of the ``nnx.Param``s of the module ``cfg``'s provider builds."""
   from flax import nnx
-  from mpscale.trainer import models
+  from mpscale.trainer.models import user as models
   build = models.load_object(cfg.model.provider, "model.provider")
   module = build(cfg)
   return sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(module, nnx.Param)))

@@ -51,7 +51,7 @@ def test_readme_python_blocks_run_and_their_stated_results_hold(monkeypatch):
 def test_readme_config_fragments_load():
   """Each YAML block of the README that is not a file of examples/ loads as a config
   (over the defaults) and passes every check."""
-  from mpscale.trainer import config as config_lib
+  from mpscale.trainer.config import load as config_lib
   with open(os.path.join(ROOT, "README.md")) as f:
     blocks = re.findall(r"```yaml\n(.*?)```", f.read(), flags=re.S)
   fragments = [b for b in blocks if not b.startswith("# examples/")]

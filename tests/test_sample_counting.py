@@ -18,9 +18,12 @@ import pytest
 
 import mpscale
 import mpscale.trainer
-from mpscale.trainer import builders, checkpoints, config as config_lib, loader
-from mpscale.trainer import data as data_lib
-from mpscale.trainer.samples import BatchSizes
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.runs import checkpoints
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import loader
+from mpscale.trainer.data import text as data_lib
+from mpscale.trainer.data.samples import BatchSizes
 from tests.test_schedules import megatron_lr
 
 RAMP = {"train": {"samples": 2000}, "data": {"batch_size": 32,

@@ -1,4 +1,4 @@
-"""mpscale plan --search (mpscale.trainer.search): layouts ranked by estimated step
+"""mpscale plan --search (mpscale.trainer.planning.search): layouts ranked by estimated step
 time, only those that fit, the same answer twice, a cache, and errors naming their
 cause."""
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import search as search_lib
-from mpscale.trainer.hardware import load_hardware
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.planning import search as search_lib
+from mpscale.trainer.planning.hardware import load_hardware
 
 CONFIG = "configs/tiny_lm_dp_pp.yaml"  # 4 layers, per-token loss: pipelines allowed
 A100 = load_hardware("a100-80g")

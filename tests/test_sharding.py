@@ -18,9 +18,9 @@ import optax
 import pytest
 
 import mpscale
-from mpscale.trainer import lm as lm_lib
+from mpscale.trainer.models import lm as lm_lib
 from mpscale import sharding
-from mpscale.trainer.config import ModelConfig
+from mpscale.trainer.config.load import ModelConfig
 
 AXES = ("data", "fsdp", "stage", "tensor")
 CONFIG = ModelConfig(d_model=32, num_heads=8, num_layers=4, d_ff=64, seq_len=16)
@@ -372,7 +372,7 @@ def test_sequence_parallel_splits_the_residual_stream_over_the_sequence():
 @pytest.mark.slow  # about 30 s on 2 cores
 def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
   import orbax.checkpoint as ocp
-  from mpscale.trainer import checkpoints
+  from mpscale.trainer.runs import checkpoints
 
   mesh_a, mesh_b = make_mesh(data=2, fsdp=2, tensor=2), make_mesh(fsdp=4, tensor=2)
   model, (init_a, step_a) = make_step(mesh_a, "adamw", donate=False)
@@ -504,7 +504,9 @@ def test_flax_partitioning_metadata():
 @pytest.mark.slow  # about 40 s on 2 cores
 def test_the_all_axes_config_trains_like_one_device():
   import dataclasses
-  from mpscale.trainer import builders, config as config_lib, data as data_lib
+  from mpscale.trainer.config import build as builders
+  from mpscale.trainer.config import load as config_lib
+  from mpscale.trainer.data import text as data_lib
 
   # float32 and no loss scale, so that one device and eight can agree to 1e-5.
   cfg = config_lib.load_config(

@@ -1,4 +1,4 @@
-"""The step-time model (mpscale.trainer.step_time): each term on a case computed by
+"""The step-time model (mpscale.trainer.planning.step_time): each term on a case computed by
 hand, the link a mesh axis maps to, and a real plan's estimate."""
 
 import dataclasses
@@ -7,10 +7,10 @@ import types
 
 import pytest
 
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import planning
-from mpscale.trainer import step_time
-from mpscale.trainer.hardware import Hardware, Link, load_hardware
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.planning import compiled as planning
+from mpscale.trainer.planning import step_time
+from mpscale.trainer.planning.hardware import Hardware, Link, load_hardware
 
 FAST = Link("fast", bandwidth=4e11, latency=2e-6, span="node")
 SLOW = Link("slow", bandwidth=5e10, latency=1e-5, span="nodes")

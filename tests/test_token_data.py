@@ -1,4 +1,4 @@
-"""Token corpora in the trainer (mpscale.trainer.corpora, tokenizing): training from a
+"""Token corpora in the trainer (mpscale.trainer.data.corpora, tokenizing): training from a
 Megatron indexed dataset or a flat token file, blends and their logged shares, the
 rows each process reads, exact resume, ``mpscale tokenize``, and the keys that name
 a mistake.
@@ -18,9 +18,13 @@ import numpy as np
 import pytest
 
 import mpscale.trainer
-from mpscale.trainer import cli, config as config_lib, corpora, loader, tokenizing
-from mpscale.trainer.token_files import FlatTokens, IndexedDataset, write_indexed
-from mpscale.trainer.tokens import GPTSamples
+from mpscale.trainer import cli
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import corpora
+from mpscale.trainer.data import loader
+from mpscale.trainer.data import tokenizing
+from mpscale.trainer.data.token_files import FlatTokens, IndexedDataset, write_indexed
+from mpscale.trainer.data.token_datasets import GPTSamples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOD = 0

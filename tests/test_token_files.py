@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from mpscale import validation
-from mpscale.trainer import token_files
-from mpscale.trainer.token_files import (FlatTokens, IndexedDataset,
+from mpscale.trainer.data import token_files
+from mpscale.trainer.data.token_files import (FlatTokens, IndexedDataset,
                                          IndexedDatasetWriter, open_corpus,
                                          token_dtype, write_indexed)
 

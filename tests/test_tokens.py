@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mpscale import validation
-from mpscale.trainer.token_files import FlatTokens, IndexedDataset, write_indexed
-from mpscale.trainer.tokens import (BlendedSamples, GPTSamples, blend,
+from mpscale.trainer.data.token_files import FlatTokens, IndexedDataset, write_indexed
+from mpscale.trainer.data.token_datasets import (BlendedSamples, GPTSamples, blend,
                                     blending_indices)
 
 

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import mpscale.trainer
-from mpscale.trainer import cli, config as config_lib, loader
+from mpscale.trainer import cli
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import loader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "nnx_transformer")
@@ -85,7 +87,7 @@ def test_the_command_trains_a_user_nnx_model_from_its_config(example_run):
   # The saved config names the providers by absolute path: the run folder stands alone.
   assert os.path.isabs(cfg.model.provider.rpartition(":")[0])
   # A checkpoint holds the data loader's position beside the state.
-  run, step = mpscale.trainer.loop.load_run(example_run)
+  run, step = mpscale.trainer.runs.loop.load_run(example_run)
   assert step == 16 and run.data_state == {"next_index": 16}
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mpscale.trainer
-from mpscale.trainer import loop
-from mpscale.trainer.metrics_log import read_rows
+from mpscale.trainer.runs import loop
+from mpscale.trainer.runs.metrics_log import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIGITS = os.path.join(ROOT, "examples", "digits_cnn", "config.yaml")

@@ -1,32 +1,33 @@
 """The trainer: mpscale's library driven by a config, with run folders and resume.
 
 What the ``mpscale`` command does, as a library a program can call with its own model
-and data (`run`), or a config can name (``model.provider``, ``data.provider``):
+and data (`run`), or a config can name (``model.provider``, ``data.provider``). Its
+rooms, from the bottom up:
 
-- `config`: the typed YAML config (`load_config`, `RunConfig`);
-- `builders`: from a config to the policy, optimizer, mesh and train step;
-- `models` and `data`: the model (the built-in `TinyLM`, or a user's Flax NNX, linen or
-  plain model) and the data (the embedded corpus, a text file, or a user's source,
-  through a `grain` loader whose position is checkpointed);
-- `token_files`, `tokens`, `tokenizing`, `corpora`: token corpora (Megatron's indexed
-  datasets, flat token files, blends; ``mpscale tokenize``) as a run's data;
-- `loop`: prepare, restore, train (log, evaluate, checkpoint), finish;
-- `checkpoints`, `metrics_log`, `plots`, `progress`: what a run writes and shows;
-- `distributed`: one run across processes (hosts) on JAX's distributed runtime;
-- `planning`: a step's per-device memory, FLOPs and collectives, compiled from shapes;
-- `compare` and `cli`: the command.
+- `config`: the typed YAML config (`load_config`, `RunConfig`) and, from it, the
+  policy, optimizer, mesh and train step (`config.build`);
+- `models`: the built-in `TinyLM`, or a user's Flax NNX, linen or plain `Model`;
+- `data`: the embedded corpus, a text file, token corpora (Megatron's indexed
+  datasets, flat token files, blends; ``mpscale tokenize``) or a user's source,
+  through a `grain` loader whose position is checkpointed;
+- `runs`: the loop (prepare, restore, train, finish), what a run writes
+  (checkpoints, metrics, plots), its progress bar, its processes, and `compare`;
+- `planning`: a step's memory, FLOPs and collectives compiled from shapes, its time
+  on a hardware profile, and the search over layouts;
+- `cli`: the command.
 
-The library (`mpscale`) never imports this package.
+Each room's ``__init__`` says what it may import (``tests/trainer/test_layering.py``
+checks it). The library (`mpscale`) never imports this package.
 """
 
-from mpscale.trainer.checkpoints import CheckpointError
-from mpscale.trainer.config import ConfigError, RunConfig, load_config
-from mpscale.trainer.data import TextData, load_data
-from mpscale.trainer.lm import TinyLM
-from mpscale.trainer.loop import RunDirError, load, run, train
-from mpscale.trainer.models import Model
-from mpscale.trainer.compare import compare
-from mpscale.trainer.planning import Plan, plan
+from mpscale.trainer.runs.checkpoints import CheckpointError
+from mpscale.trainer.config.load import ConfigError, RunConfig, load_config
+from mpscale.trainer.data.text import TextData, load_data
+from mpscale.trainer.models.lm import TinyLM
+from mpscale.trainer.runs.loop import RunDirError, load, run, train
+from mpscale.trainer.models.user import Model
+from mpscale.trainer.runs.compare import compare
+from mpscale.trainer.planning.compiled import Plan, plan
 
 __all__ = [
     "CheckpointError",

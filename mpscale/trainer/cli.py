@@ -37,7 +37,7 @@ Across hosts, one process per host runs the same command with ``--distributed``
 (JAX finds its peers under SLURM, Open MPI, Cloud TPU or Kubernetes), or with
 ``--coordinator HOST:PORT --num-processes N --process-id I`` (or the environment
 variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``);
-see `mpscale.trainer.distributed`::
+see `mpscale.trainer.runs.distributed`::
 
   mpscale train --config c.yaml --coordinator 10.0.0.1:1234 --num-processes 2 \
                 --process-id 0      # and --process-id 1 on the other host
@@ -54,14 +54,14 @@ import sys
 from typing import Any, Optional, Sequence
 
 from mpscale import validation
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import corpora
-from mpscale.trainer import tokenizing
-from mpscale.trainer.checkpoints import CheckpointError
-from mpscale.trainer.compare import compare
-from mpscale.trainer import distributed
-from mpscale.trainer.devices import set_host_device_count
-from mpscale.trainer.loop import (RunDirError, evaluate_run, evaluate_run_metrics,
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import corpora
+from mpscale.trainer.data import tokenizing
+from mpscale.trainer.runs.checkpoints import CheckpointError
+from mpscale.trainer.runs.compare import compare
+from mpscale.trainer.runs import distributed
+from mpscale.trainer.runs.devices import set_host_device_count
+from mpscale.trainer.runs.loop import (RunDirError, evaluate_run, evaluate_run_metrics,
                                   existing_run_files, sample_run, train)
 
 
@@ -181,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--quiet", action="store_true", help="print only errors")
     hosts = command.add_argument_group(
         "several processes (hosts)",
-        "start the same command on every host; see mpscale.trainer.distributed")
+        "start the same command on every host; see mpscale.trainer.runs.distributed")
     hosts.add_argument("--distributed", action="store_true", help=(
         "join a multi-process run, finding the peers from the cluster (SLURM, Open "
         "MPI, Cloud TPU, Kubernetes) or the flags and JAX_* variables below"))
@@ -291,7 +291,7 @@ def _parser() -> argparse.ArgumentParser:
 _TOKENIZE_FLAGS = {"inputs": "INPUT", "out": "--out", "tokenizer": "--tokenizer",
                    "vocab_size": "--vocab-size", "key": "--key", "fmt": "--format",
                    "eod_token": "--eod-token"}
-"""`mpscale.trainer.tokenizing.tokenize`'s arguments as the command's flags."""
+"""`mpscale.trainer.data.tokenizing.tokenize`'s arguments as the command's flags."""
 
 
 def _tokenize(args: argparse.Namespace) -> None:
@@ -320,7 +320,7 @@ def _initialize(args: argparse.Namespace) -> None:
 
 def _search(args: argparse.Namespace, hardware: Any) -> None:
   """``mpscale plan --search``: rank the layouts, with a progress bar on a terminal."""
-  from mpscale.trainer import search as search_lib  # noqa: PLC0415
+  from mpscale.trainer.planning import search as search_lib  # noqa: PLC0415
   if hardware is None or not args.devices:
     raise config_lib.ConfigError("--search needs --devices N and --hardware NAME")
   cache = (search_lib.default_cache_dir() if args.cache is None else
@@ -364,8 +364,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             progress=args.progress, source=args.config, verbose=not args.quiet,
             step=args.step)
     elif args.command == "plan":
-      from mpscale.trainer import planning as plan_lib  # noqa: PLC0415
-      from mpscale.trainer.hardware import load_hardware  # noqa: PLC0415
+      from mpscale.trainer.planning import compiled as plan_lib  # noqa: PLC0415
+      from mpscale.trainer.planning.hardware import load_hardware  # noqa: PLC0415
       hardware = None if args.hardware is None else load_hardware(args.hardware)
       if args.search:
         _search(args, hardware)

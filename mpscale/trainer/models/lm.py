@@ -202,7 +202,7 @@ class TinyLM:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from mpscale.trainer.lm import TinyLM
+    >>> from mpscale.trainer.models.lm import TinyLM
     >>> model = TinyLM(vocab_size=256, d_model=64, num_heads=4, num_layers=2,
     ...                d_ff=256, seq_len=64)
     >>> params = model.init(jax.random.key(0))

@@ -27,7 +27,7 @@ plus the pipeline bubble of the config's schedule and the tokens per step; for a
 time on named hardware, the kernels (`mpscale.hlo.kernels`: each matrix product's
 FLOPs and bytes, every other kernel's bytes) and the collectives split by the mesh
 axes they span (`mpscale.hlo.collectives_over`), which
-`mpscale.trainer.step_time.estimate` prices (``plan(cfg, hardware=...)``,
+`mpscale.trainer.planning.step_time.estimate` prices (``plan(cfg, hardware=...)``,
 ``mpscale plan --hardware a100-80g``). A pipelined
 config (``mesh.stage > 1``) also gets every schedule side by side for its stages,
 micro-batches and virtual stages (`Plan.schedules`): GPipe and 1F1B, and both
@@ -39,7 +39,7 @@ A user's model (``model.provider``: a Flax NNX module, a linen module or a
 `mpscale.trainer.Model`) is planned as the trainer would train it: its data provider
 is loaded and the batch's shapes are those of the first batch (``data.batch_size``
 rows), and the model is built from that batch by the trainer's own code
-(`mpscale.trainer.loop`). Building it runs the provider: a Flax module is built with
+(`mpscale.trainer.runs.loop`). Building it runs the provider: a Flax module is built with
 its real parameters (a linen module is initialized on the first batch), held once;
 what is compiled is still shapes only (the parameters, the model's state and the
 optimizer state are ``jax.ShapeDtypeStruct``s), so nothing is allocated a second time.
@@ -67,11 +67,11 @@ from mpscale import jaxprs
 from mpscale import pipeline as pipeline_lib
 from mpscale import sharding as sharding_lib
 from mpscale import validation
-from mpscale.trainer import builders
-from mpscale.trainer import lm as lm_lib
-from mpscale.trainer import loop
-from mpscale.trainer import step_time as step_time_lib
-from mpscale.trainer.hardware import Hardware, load_hardware
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.models import lm as lm_lib
+from mpscale.trainer.runs import loop
+from mpscale.trainer.planning import step_time as step_time_lib
+from mpscale.trainer.planning.hardware import Hardware, load_hardware
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -152,7 +152,7 @@ class Plan:
   compute_dtype: str = "float32"
   """The policy's compute dtype: the peak the matrix products run at."""
   estimate: Optional[step_time_lib.Estimate] = None
-  """The step time on the hardware given to `plan` (`mpscale.trainer.step_time`)."""
+  """The step time on the hardware given to `plan` (`mpscale.trainer.planning.step_time`)."""
   schedules: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   """A pipelined config's schedules side by side (`schedule_rows`), for its stages,
   micro-batches and virtual stages: ``schedule``, ``virtual_stages``, ``bubble``,
@@ -195,7 +195,7 @@ class Plan:
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "Plan":
     """The `Plan` that `to_dict` wrote (derived keys dropped; an estimate is
-    recomputed with `mpscale.trainer.step_time.estimate`, not read)."""
+    recomputed with `mpscale.trainer.planning.step_time.estimate`, not read)."""
     fields = {f.name for f in dataclasses.fields(cls)} - {"estimate"}
     return cls(**{k: v for k, v in d.items() if k in fields})
 
@@ -300,7 +300,7 @@ def schedule_rows(num_stages: int, num_microbatches: int, virtual_stages: int = 
       table = pipeline_lib.schedule_table(name, num_stages, num_microbatches, v)
       rows.append({"schedule": name, "virtual_stages": v,
                    "bubble": pipeline_lib.bubble_fraction(table),
-                   "inputs_alive": int(pipeline_lib._live_slots(table)),
+                   "inputs_alive": int(pipeline_lib.live_slots(table)),
                    "config": name == schedule and v == virtual_stages})
   return rows
 
@@ -320,7 +320,7 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
   of a global batch and the tokens in one.
 
   The data provider is loaded and its first batch taken, and the model is built on
-  that batch, by the trainer's own code (`mpscale.trainer.loop`); the model's state
+  that batch, by the trainer's own code (`mpscale.trainer.runs.loop`); the model's state
   (`mpscale.trainer.Model.init_state`) is given as shapes.
 
   Returns:
@@ -333,9 +333,9 @@ def _provided_model(cfg: Any) -> tuple[Any, dict[str, Any], int, str]:
       returns the wrong type (a linen module's loss runs on the first batch).
   """
   # pylint: disable=protected-access
-  data = loop._load_data(cfg, None)
+  data = loop.open_data(cfg, None)
   first_batch = data.train[0]
-  model, _ = loop._load_model(cfg, None, None, first_batch)
+  model, _ = loop.open_model(cfg, None, None, first_batch)
   # pylint: enable=protected-access
   if model.init_state is not None:
     init_state = model.init_state
@@ -395,7 +395,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
       `mpscale.trainer.Model`).
     device_memory: a device's memory (bytes, or text such as ``"80GB"``), to say
       whether the peak fits; default: ``hardware``'s, if given.
-    hardware: a `mpscale.trainer.hardware.Hardware`, or a built-in profile's name or
+    hardware: a `mpscale.trainer.planning.hardware.Hardware`, or a built-in profile's name or
       a profile file's path (`load_hardware`): the plan then holds its step-time
       `Plan.estimate` there.
 

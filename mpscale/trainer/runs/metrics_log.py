@@ -25,7 +25,7 @@ LR_PREFIX = "lr/"
 (``optimizer.groups``, `mpscale.param_groups`)."""
 DATA_PREFIX = "data/"
 """Names the column of a blended corpus's realised share of the samples trained on:
-``data/<name>`` (``data.blend``, `mpscale.trainer.corpora`)."""
+``data/<name>`` (``data.blend``, `mpscale.trainer.data.corpora`)."""
 
 
 class Interval(NamedTuple):

@@ -1,7 +1,7 @@
 """From a `RunConfig` to the pieces of a run: model, policy, optimizer, mesh, step.
 
-Data flows one way: the config's schema (`mpscale.trainer.schema`) -> these builders ->
-the training loop (`mpscale.trainer.loop`); `mpscale.trainer.config` builds the pieces
+Data flows one way: the config's schema (`mpscale.trainer.config.schema`) -> these builders ->
+the training loop (`mpscale.trainer.runs.loop`); `mpscale.trainer.config.load` builds the pieces
 once, with `check`, when it loads a config::
 
   policy    = get_policy(precision.policy)
@@ -19,7 +19,7 @@ A builder's error is a `mpscale.validation.ArgumentError` (a ``ValueError``; als
 ``TypeError`` for a wrong type) whose ``names`` are config keys, the one at fault first,
 and whose message names them, e.g. ``loss_scale.backoff_factor must be in (0, 1)``
 or ``precision.policy: unknown policy 'O7'``. The constructors' own errors name their
-arguments; the builders rename them to the keys that feed them (`_keyed`), and never
+arguments; the builders rename them to the keys that feed them (`mpscale.trainer.config.errors.keyed`), and never
 read an error's text.
 """
 
@@ -36,10 +36,11 @@ from jax.sharding import Mesh, NamedSharding
 import numpy as np
 import optax
 
-from mpscale.trainer import schema as config_lib
-from mpscale.trainer import lm as lm_lib
-from mpscale.trainer import models as models_lib
-from mpscale.trainer import samples as samples_lib
+from mpscale.trainer.config import errors
+from mpscale.trainer.config import schema
+from mpscale.trainer.models import lm as lm_lib
+from mpscale.trainer.models import user as models_lib
+from mpscale.trainer.data import samples as samples_lib
 from mpscale import gradients as gradients_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib
@@ -60,62 +61,21 @@ TENSOR_AXIS = "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, TENSOR_AXIS)
 
 
-def _keyed(where: str, fn: Callable[[], Any],
-           keys: Optional[Mapping[str, str]] = None) -> Any:
-  """``fn()``, its ``ValueError``/``TypeError`` re-raised naming config keys.
-
-  An `mpscale.validation.ArgumentError` whose culprit is in ``keys`` (a mapping from
-  the argument names ``fn``'s constructors use to config keys; an item index such as
-  ``eps[1]`` is kept) is renamed through it. Any other error is re-raised as an
-  ``ArgumentError`` of the key ``where`` (a section, or the key at fault), which its
-  message then starts with.
-  """
-  keys = {} if keys is None else keys
-  try:
-    return fn()
-  except validation.ArgumentError as e:
-    if _base(e.name) in keys:
-      raise e.renamed(lambda n: keys.get(_base(n), _base(n)) + n[len(_base(n)):]
-                      ) from None
-    raise _at(where, e) from None
-  except (ValueError, TypeError) as e:
-    raise _at(where, e) from None
-
-
-def _base(name: str) -> str:
-  """An argument's name without an item index: ``eps[1]`` -> ``eps``."""
-  return name.split("[", 1)[0]
-
-
-def _at(key: str, error: Exception) -> validation.ArgumentError:
-  """``error`` as an `ArgumentError` of ``key``: ``key: <its message>``."""
-  cls = (validation.ArgumentTypeError if isinstance(error, TypeError)
-         else validation.ArgumentError)
-  return cls(key, "{0}: " + validation.literal(error))
-
-
-def _fields(section: str, config: Any, **renamed: str) -> dict[str, str]:
-  """Each field of a config section as its dotted key, plus ``renamed`` arguments."""
-  keys = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(config)}
-  keys.update(renamed)
-  return keys
-
-
-def build_policy(cfg: config_lib.RunConfig) -> policy_lib.Policy:
+def build_policy(cfg: schema.RunConfig) -> policy_lib.Policy:
   """The precision policy named by ``precision.policy``."""
-  return _keyed("precision.policy",
+  return errors.keyed("precision.policy",
                 lambda: policy_lib.get_policy(cfg.precision.policy))
 
 
-def build_grad_reduce_dtype(cfg: config_lib.RunConfig) -> Any:
+def build_grad_reduce_dtype(cfg: schema.RunConfig) -> Any:
   """``precision.grad_reduce_dtype``, checked: ``None`` or float32
   (`mpscale.gradients.check_grad_reduce_dtype`)."""
-  return _keyed("precision.grad_reduce_dtype",
+  return errors.keyed("precision.grad_reduce_dtype",
                 lambda: gradients_lib.check_grad_reduce_dtype(
                     cfg.precision.grad_reduce_dtype))
 
 
-def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
+def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None
                ) -> lm_lib.TinyLM:
   """The tiny LM with ``model`` sizes and ``train.remat``; on a mesh with ``fsdp`` or
   ``tensor`` axes its activations are laid out for them (``mesh.sequence_parallel``).
@@ -126,9 +86,9 @@ def build_model(cfg: config_lib.RunConfig, mesh: Optional[Mesh] = None
     shard = lm_lib.ActivationSharding(
         mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
         sequence_parallel=cfg.mesh.sequence_parallel)
-  return _keyed("model", lambda: lm_lib.TinyLM.from_sizes(
+  return errors.keyed("model", lambda: lm_lib.TinyLM.from_sizes(
       cfg.model, remat=cfg.train.remat, shard=shard),
-                _fields("model", cfg.model, remat="train.remat"))
+                errors.fields("model", cfg.model, remat="train.remat"))
 
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
@@ -148,18 +108,18 @@ def batch_sharding(mesh: Optional[Mesh]) -> Optional[NamedSharding]:
           else sharding_lib.batch_sharding(mesh, data_axes(mesh)))
 
 
-def build_param_specs(cfg: config_lib.RunConfig, model: lm_lib.TinyLM,
+def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
                       mesh: Optional[Mesh]) -> Any:
   """The params' PartitionSpecs (`TinyLM.param_specs`) when ``mesh.fsdp`` or
   ``mesh.tensor`` split them; ``None`` (replicated, or split by stage only) else."""
   if mesh is None or (cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1):
     return None
-  return _keyed("mesh", lambda: model.param_specs(mesh), _fields("model", cfg.model))
+  return errors.keyed("mesh", lambda: model.param_specs(mesh), errors.fields("model", cfg.model))
 
 
-def build_batch_sizes(cfg: config_lib.RunConfig) -> samples_lib.BatchSizes:
+def build_batch_sizes(cfg: schema.RunConfig) -> samples_lib.BatchSizes:
   """The global batch size of each step: ``data.batch_size``, after
-  ``data.rampup_batch_size``'s ramp-up (`mpscale.trainer.samples.BatchSizes`).
+  ``data.rampup_batch_size``'s ramp-up (`mpscale.trainer.data.samples.BatchSizes`).
 
   Raises:
     ArgumentError: naming ``data.rampup_batch_size`` for a ramp that does not climb
@@ -171,14 +131,14 @@ def build_batch_sizes(cfg: config_lib.RunConfig) -> samples_lib.BatchSizes:
     raise validation.ArgumentError(
         ("data.rampup_batch_size", "train.samples"), "{0} needs {1}: a ramp-up is "
         "counted in samples, so the run is too (set {1}; train.steps follows)")
-  return _keyed("data.rampup_batch_size", lambda: samples_lib.BatchSizes(
+  return errors.keyed("data.rampup_batch_size", lambda: samples_lib.BatchSizes(
       data.batch_size, data.rampup_batch_size),
                 {"batch_size": "data.batch_size", "rampup": "data.rampup_batch_size"})
 
 
-def train_steps(cfg: config_lib.RunConfig) -> int:
+def train_steps(cfg: schema.RunConfig) -> int:
   """The steps of the run: ``train.steps``, or with ``train.samples`` the steps
-  that consume them (`mpscale.trainer.samples.BatchSizes.steps_for`).
+  that consume them (`mpscale.trainer.data.samples.BatchSizes.steps_for`).
 
   Raises:
     ArgumentError: naming ``train.samples`` (or the batch keys, `build_batch_sizes`).
@@ -186,11 +146,11 @@ def train_steps(cfg: config_lib.RunConfig) -> int:
   if cfg.train.samples is None:
     return cfg.train.steps
   sizes = build_batch_sizes(cfg)
-  return _keyed("train.samples", lambda: sizes.steps_for(cfg.train.samples),
+  return errors.keyed("train.samples", lambda: sizes.steps_for(cfg.train.samples),
                 {"samples": "train.samples"})
 
 
-def counts_samples(cfg: config_lib.RunConfig) -> bool:
+def counts_samples(cfg: schema.RunConfig) -> bool:
   """Whether the learning rate is a function of the samples consumed:
   ``train.samples``, ``schedule.warmup_samples`` or ``schedule.decay_samples`` set
   (Megatron's sample-based training)."""
@@ -199,7 +159,7 @@ def counts_samples(cfg: config_lib.RunConfig) -> bool:
           or s.decay_samples is not None)
 
 
-def _sample_schedule_keys(cfg: config_lib.RunConfig) -> None:
+def _sample_schedule_keys(cfg: schema.RunConfig) -> None:
   """A schedule counted in samples takes no step counts (Megatron refuses
   ``lr_warmup_iters``/``lr_decay_iters`` in sample-based training)."""
   s = cfg.schedule
@@ -220,7 +180,7 @@ def _sample_schedule_keys(cfg: config_lib.RunConfig) -> None:
         "give {0} or {1}, not both")
 
 
-def build_lr_schedule(cfg: config_lib.RunConfig) -> Optional[optax.Schedule]:
+def build_lr_schedule(cfg: schema.RunConfig) -> Optional[optax.Schedule]:
   """``schedule`` applied to ``optimizer.learning_rate`` (`mpscale.lr_schedule`);
   ``None`` for CAME without a learning rate (``optimizer.learning_rate: null``: its
   relative step, `mpscale.came`'s ``relative_step``).
@@ -247,20 +207,20 @@ def build_lr_schedule(cfg: config_lib.RunConfig) -> Optional[optax.Schedule]:
   if counts_samples(cfg):
     return _sample_schedule(cfg)
   decay_steps = cfg.train.steps if s.decay_steps is None else s.decay_steps
-  keys = _fields("schedule", s, peak="optimizer.learning_rate")
+  keys = errors.fields("schedule", s, peak="optimizer.learning_rate")
   if s.decay_steps is None:
     keys["decay_steps"] = "train.steps"
-  return _keyed("schedule", lambda: schedules_lib.lr_schedule(
+  return errors.keyed("schedule", lambda: schedules_lib.lr_schedule(
       cfg.optimizer.learning_rate, warmup_steps=s.warmup_steps,
       warmup_fraction=s.warmup_fraction, decay_steps=decay_steps, style=s.style,
       min_lr=s.min_lr), keys)
 
 
-def _sample_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
+def _sample_schedule(cfg: schema.RunConfig) -> optax.Schedule:
   """`build_lr_schedule` counted in samples."""
   _sample_schedule_keys(cfg)
   s, sizes = cfg.schedule, build_batch_sizes(cfg)
-  keys = _fields("schedule", s, peak="optimizer.learning_rate",
+  keys = errors.fields("schedule", s, peak="optimizer.learning_rate",
                  warmup_steps="schedule.warmup_samples",
                  decay_steps="schedule.decay_samples")
   decay = s.decay_samples
@@ -269,13 +229,13 @@ def _sample_schedule(cfg: config_lib.RunConfig) -> optax.Schedule:
              else sizes.consumed_at(cfg.train.steps))
     keys["decay_steps"] = ("train.samples" if cfg.train.samples is not None
                            else "train.steps")
-  return _keyed("schedule", lambda: schedules_lib.lr_schedule(
+  return errors.keyed("schedule", lambda: schedules_lib.lr_schedule(
       cfg.optimizer.learning_rate, warmup_steps=s.warmup_samples or 0,
       warmup_fraction=s.warmup_fraction, decay_steps=decay, style=s.style,
       min_lr=s.min_lr), keys)
 
 
-def build_weight_decay(cfg: config_lib.RunConfig) -> Any:
+def build_weight_decay(cfg: schema.RunConfig) -> Any:
   """``optimizer.weight_decay``, or a schedule to ``schedule.weight_decay_end``
   over ``train.steps``; in a sample-counted run (`counts_samples`) over the run's
   samples, counted as the learning rate is (Megatron's ``wd_incr_steps`` is
@@ -290,7 +250,7 @@ def build_weight_decay(cfg: config_lib.RunConfig) -> Any:
     total = (cfg.train.samples if cfg.train.samples is not None
              else build_batch_sizes(cfg).consumed_at(cfg.train.steps))
     keys["steps"] = "train.samples" if cfg.train.samples is not None else "train.steps"
-  return _keyed("schedule", lambda: schedules_lib.weight_decay_schedule(
+  return errors.keyed("schedule", lambda: schedules_lib.weight_decay_schedule(
       start, end, total, style=cfg.schedule.weight_decay_style), keys)
 
 
@@ -310,7 +270,7 @@ def _scheduled(value: Any) -> Callable[[Any], Any]:
   return value if callable(value) else (lambda count: value)
 
 
-def optimizer_factory(cfg: config_lib.RunConfig) -> Callable[..., Any]:
+def optimizer_factory(cfg: schema.RunConfig) -> Callable[..., Any]:
   """``make(learning_rate, weight_decay, mask)``: the optimizer ``optimizer.name``
   with its sub-section's settings (no clip or scale); its errors name the library's
   arguments (`build_inner_optimizer` renames them to keys).
@@ -365,7 +325,7 @@ def optimizer_factory(cfg: config_lib.RunConfig) -> Callable[..., Any]:
   raise validation.fail("optimizer.name", f": unknown optimizer {opt.name!r}")
 
 
-def _param_groups(cfg: config_lib.RunConfig) -> list[param_groups_lib.ParamGroup]:
+def _param_groups(cfg: schema.RunConfig) -> list[param_groups_lib.ParamGroup]:
   """``optimizer.groups`` as `mpscale.ParamGroup`s: a group that sets its weight
   decay applies it to every parameter it holds (no ``weight_decay_mask``)."""
   groups = []
@@ -379,7 +339,7 @@ def _param_groups(cfg: config_lib.RunConfig) -> list[param_groups_lib.ParamGroup
   return groups
 
 
-def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
+def build_inner_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation:
   """The optimizer named by ``optimizer.name``, with its schedules (no clip or scale)
   (`optimizer_factory`), and ``optimizer.groups`` (`mpscale.param_groups`)."""
   opt = cfg.optimizer
@@ -388,21 +348,21 @@ def build_inner_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransforma
   mask = weight_decay_mask(opt.weight_decay_mask)
   make = optimizer_factory(cfg)
   section = f"optimizer.{opt.name}"
-  keys = _fields(section, getattr(opt, opt.name),
+  keys = errors.fields(section, getattr(opt, opt.name),
                  learning_rate="optimizer.learning_rate",
                  weight_decay="optimizer.weight_decay", mask="optimizer.weight_decay_mask",
                  groups="optimizer.groups")
   if not opt.groups:
-    inner = _keyed(section, lambda: make(lr, wd, mask), keys)
+    inner = errors.keyed(section, lambda: make(lr, wd, mask), keys)
   else:
     groups = _param_groups(cfg)
-    inner = _keyed(section, lambda: param_groups_lib.param_groups(
+    inner = errors.keyed(section, lambda: param_groups_lib.param_groups(
         make, groups, learning_rate=lr, weight_decay=wd, mask=mask), keys)
   # Megatron's scheduler steps by each applied step's samples.
   return schedules_lib.count_samples(inner) if counts_samples(cfg) else inner
 
 
-def check_param_groups(cfg: config_lib.RunConfig, param_shapes: Any) -> None:
+def check_param_groups(cfg: schema.RunConfig, param_shapes: Any) -> None:
   """Each of ``optimizer.groups`` matches some parameter of ``param_shapes``.
 
   Raises:
@@ -410,11 +370,11 @@ def check_param_groups(cfg: config_lib.RunConfig, param_shapes: Any) -> None:
   """
   if cfg.optimizer.groups:
     groups = _param_groups(cfg)
-    _keyed("optimizer.groups", lambda: param_groups_lib.labels(param_shapes, groups),
+    errors.keyed("optimizer.groups", lambda: param_groups_lib.labels(param_shapes, groups),
            {"groups": "optimizer.groups"})
 
 
-def build_groups(cfg: config_lib.RunConfig) -> norms_lib.Groups:
+def build_groups(cfg: schema.RunConfig) -> norms_lib.Groups:
   """The groups of the logged norms: ``clip.groups`` depth, or per pipeline stage."""
   if cfg.clip.groups is not None:
     return cfg.clip.groups
@@ -429,7 +389,7 @@ DEFAULT_SCALE = 2.0**15
 """The first loss scale of a mean loss (jmp's, PyTorch's ``GradScaler``'s 2^16 / 2)."""
 
 
-def micro_batch_tokens(cfg: config_lib.RunConfig, batch: Any = None) -> int:
+def micro_batch_tokens(cfg: schema.RunConfig, batch: Any = None) -> int:
   """How many tokens one micro-batch's per-token loss sums at most: the built-in
   LM's rows x ``model.seq_len``; a user's batch's smallest array (``[rows, seq]``
   for a language model's ids or mask, ``[rows]`` for a classifier's labels), over
@@ -443,7 +403,7 @@ def micro_batch_tokens(cfg: config_lib.RunConfig, batch: Any = None) -> int:
   return max(1, tokens // max(1, cfg.train.num_microbatches))
 
 
-def initial_scale(cfg: config_lib.RunConfig, per_token: bool, tokens: int) -> float:
+def initial_scale(cfg: schema.RunConfig, per_token: bool, tokens: int) -> float:
   """``loss_scale.init_scale``, or when it is ``null``: `DEFAULT_SCALE` for a mean
   loss, and for a per-token loss (a sum over ``tokens``) `DEFAULT_SCALE` over
   ``tokens`` rounded up to a power of two, at least ``loss_scale.min_scale``: the
@@ -458,8 +418,8 @@ def initial_scale(cfg: config_lib.RunConfig, per_token: bool, tokens: int) -> fl
              cfg.loss_scale.min_scale)
 
 
-def with_initial_scale(cfg: config_lib.RunConfig, per_token: bool,
-                       tokens: int) -> config_lib.RunConfig:
+def with_initial_scale(cfg: schema.RunConfig, per_token: bool,
+                       tokens: int) -> schema.RunConfig:
   """``cfg`` with ``loss_scale.init_scale`` set (`initial_scale`): what a run folder's
   ``config.yaml`` keeps, so a resumed run starts from the same numbers."""
   if cfg.loss_scale.init_scale is not None:
@@ -468,28 +428,28 @@ def with_initial_scale(cfg: config_lib.RunConfig, per_token: bool,
       cfg.loss_scale, init_scale=initial_scale(cfg, per_token, tokens)))
 
 
-def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
+def build_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation:
   """Loss scaling around ``chain(clip_by_global_norm, optimizer)``, with
   ``skip_spikes`` between the two when ``skip.spikes`` is set (it judges the
   unscaled, unclipped gradients and the loss)."""
   groups = build_groups(cfg)
   inner = build_inner_optimizer(cfg)
   if cfg.clip.max_norm:  # null or 0: no clipping
-    inner = optax.chain(_keyed("clip", lambda: norms_lib.clip_by_global_norm(
-        cfg.clip.max_norm, groups=groups), _fields("clip", cfg.clip)), inner)
+    inner = optax.chain(errors.keyed("clip", lambda: norms_lib.clip_by_global_norm(
+        cfg.clip.max_norm, groups=groups), errors.fields("clip", cfg.clip)), inner)
   spikes = cfg.skip.spikes
   if spikes is not None:
-    inner = _keyed("skip.spikes", lambda: spikes_lib.skip_spikes(
+    inner = errors.keyed("skip.spikes", lambda: spikes_lib.skip_spikes(
         inner, window=spikes.window, threshold=spikes.threshold,
         warmup=spikes.warmup, watch=spikes.watch, reset_after=spikes.reset_after),
-                   _fields("skip.spikes", spikes))
+                   errors.fields("skip.spikes", spikes))
   scaling = cfg.loss_scale
   if scaling.init_scale is None:  # the built-in model's, when no one resolved it
     scaling = dataclasses.replace(scaling, init_scale=initial_scale(
         cfg, cfg.train.per_token_loss, micro_batch_tokens(cfg)))
-  keys = _fields("loss_scale", scaling, scale="loss_scale.init_scale")
+  keys = errors.fields("loss_scale", scaling, scale="loss_scale.init_scale")
   if scaling.kind == "dynamic":
-    return _keyed("loss_scale", lambda: loss_scale_lib.dynamic_loss_scale(
+    return errors.keyed("loss_scale", lambda: loss_scale_lib.dynamic_loss_scale(
         inner, init_scale=scaling.init_scale, growth_factor=scaling.growth_factor,
         backoff_factor=scaling.backoff_factor,
         growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis,
@@ -497,13 +457,13 @@ def build_optimizer(cfg: config_lib.RunConfig) -> optax.GradientTransformation:
         refill_after_backoff=scaling.refill_after_backoff,
         min_scale=scaling.min_scale, max_scale=scaling.max_scale, groups=groups), keys)
   if scaling.kind == "fixed":
-    return _keyed("loss_scale", lambda: loss_scale_lib.fixed_loss_scale(
+    return errors.keyed("loss_scale", lambda: loss_scale_lib.fixed_loss_scale(
         inner, scaling.init_scale, skip_nonfinite=scaling.skip_nonfinite,
         groups=groups), keys)
   return loss_scale_lib.no_loss_scale(inner, groups=groups)
 
 
-def build_mesh(cfg: config_lib.RunConfig,
+def build_mesh(cfg: schema.RunConfig,
                devices: Optional[Sequence[Any]] = None) -> Optional[Mesh]:
   """A mesh of ``mesh.data x fsdp x stage x tensor`` devices, or ``None`` for a single
   device. Its axes are ``data`` and every other axis of size > 1, in the order
@@ -530,7 +490,7 @@ def build_mesh(cfg: config_lib.RunConfig,
               axes)
 
 
-def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
+def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
   """What `make_train_step` differentiates: the model's loss, or a `Pipeline`.
 
   With ``mesh.stage > 1`` this is ``mpscale.Pipeline(model.embed_fn, model.stage_fn,
@@ -542,10 +502,10 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   ``model.mean_loss_fn``.
   """
   if cfg.mesh.stage > 1:
-    keys = _fields("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
+    keys = errors.fields("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
                    num_microbatches="train.num_microbatches", remat="train.remat",
                    recompute="train.recompute")
-    return _keyed("mesh", lambda: pipeline_lib.Pipeline(
+    return errors.keyed("mesh", lambda: pipeline_lib.Pipeline(
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
@@ -555,7 +515,7 @@ def build_loss(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
 
 
-def check(cfg: config_lib.RunConfig) -> None:
+def check(cfg: schema.RunConfig) -> None:
   """Builds what ``cfg`` describes without a mesh, devices or arrays: the precision
   policy, the model, the optimizer (schedules, clip, loss scaling) and the pipeline,
   and imports the providers it names. Each constructor checks its own arguments
@@ -589,9 +549,9 @@ def check(cfg: config_lib.RunConfig) -> None:
   build_optimizer(cfg)
 
 
-def check_train_steps(cfg: config_lib.RunConfig) -> None:
+def check_train_steps(cfg: schema.RunConfig) -> None:
   """With ``train.samples``, ``train.steps`` is the step count it takes
-  (`train_steps`; `mpscale.trainer.config.load_config` sets it so).
+  (`train_steps`; `mpscale.trainer.config.load.load_config` sets it so).
 
   Raises:
     ArgumentError: naming ``train.steps`` and ``train.samples`` when they disagree.
@@ -630,7 +590,7 @@ class Setup(NamedTuple):
   """The inverse of ``to_model_order``."""
 
 
-def user_param_specs(cfg: config_lib.RunConfig, model: models_lib.Model,
+def user_param_specs(cfg: schema.RunConfig, model: models_lib.Model,
                      mesh: Optional[Mesh]) -> Any:
   """A user's model's layout: its ``param_specs`` (a function of the mesh, or specs),
   plus FSDP over ``fsdp`` when ``mesh.fsdp`` > 1.
@@ -658,19 +618,19 @@ def user_param_specs(cfg: config_lib.RunConfig, model: models_lib.Model,
         + "; they must agree (the provider reads config.mesh.pipeline_split)")
   specs = model.param_specs
   if callable(specs) and mesh is not None:
-    specs = _keyed("mesh", lambda: specs(mesh))
+    specs = errors.keyed("mesh", lambda: specs(mesh))
   if cfg.mesh.tensor > 1 and specs is None:
     raise validation.ArgumentError(
         ("mesh.tensor", "model.provider"), f"{{0}} ({cfg.mesh.tensor}) > 1 needs the "
         "model's layout: return an mpscale.trainer.Model with param_specs from {1}")
   if mesh is not None and cfg.mesh.fsdp > 1:
     shapes = jax.eval_shape(model.init, jax.random.key(cfg.seed))
-    specs = _keyed("mesh.fsdp", lambda: sharding_lib.fsdp_specs(
+    specs = errors.keyed("mesh.fsdp", lambda: sharding_lib.fsdp_specs(
         shapes, mesh, FSDP_AXIS, specs))
   return specs
 
 
-def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
+def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
           model: Optional[models_lib.Model] = None) -> Setup:
   """Model, policy, optimizer, mesh, train step and evaluation for ``cfg``.
 
@@ -680,7 +640,7 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
   Args:
     cfg: the run.
     devices: the devices of the mesh; default ``jax.devices()``.
-    model: a user's model (`mpscale.trainer.models.as_model`); default: the tiny LM
+    model: a user's model (`mpscale.trainer.models.user.as_model`); default: the tiny LM
       ``model`` describes. A user's loss is per token (``(loss_sum, num_tokens)``;
       a mean counts as one token), whatever ``train.per_token_loss`` says.
 
@@ -714,7 +674,7 @@ def build(cfg: config_lib.RunConfig, devices: Optional[Sequence[Any]] = None, *,
         "{0}: float32 sums each data replica's own gradient, but the model of {1} "
         "keeps a state (synchronized BatchNorm statistics), which makes every "
         "micro-batch's gradient span all replicas' rows; set {0}: null")
-  make_init, step = _keyed("train", lambda: train_step_lib.make_train_step(
+  make_init, step = errors.keyed("train", lambda: train_step_lib.make_train_step(
       loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
       num_microbatches=1 if pipelined else cfg.train.num_microbatches,
       per_token_loss=per_token,
@@ -773,13 +733,13 @@ def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], An
   return lambda tree: place_like(permute(tree), tree)
 
 
-def run_key(cfg: config_lib.RunConfig) -> jax.Array:
+def run_key(cfg: schema.RunConfig) -> jax.Array:
   """The run's key for random draws in training (dropout): ``fold_in(key(seed), 1)``,
   apart from the parameters' ``key(seed)``."""
   return jax.random.fold_in(jax.random.key(cfg.seed), 1)
 
 
-def init_params(cfg: config_lib.RunConfig, model: lm_lib.TinyLM) -> Any:
+def init_params(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
   """The model's float32 initial parameters, from ``seed``."""
   return model.init(jax.random.key(cfg.seed))
 
@@ -790,7 +750,7 @@ def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) 
                                  per_device=False)
 
 
-def describe(cfg: config_lib.RunConfig) -> dict[str, str]:
+def describe(cfg: schema.RunConfig) -> dict[str, str]:
   """Short labels of a run for tables: policy, loss scaling, optimizer, mesh."""
   init = cfg.loss_scale.init_scale
   init = "auto" if init is None else f"{init:g}"

@@ -1,7 +1,7 @@
 """How long a planned step takes on named hardware: the compiled work, priced.
 
-`estimate` prices what `mpscale.trainer.planning.plan` read from the compiled step
-(per device, per step) on a `mpscale.trainer.hardware.Hardware` profile:
+`estimate` prices what `mpscale.trainer.planning.compiled.plan` read from the compiled step
+(per device, per step) on a `mpscale.trainer.planning.hardware.Hardware` profile:
 
 - **compute**: each matrix-product kernel (`mpscale.hlo.kernels`) at the peak of the
   compute dtype times the profile's ``matmul_efficiency`` (the measured share of the
@@ -63,7 +63,7 @@ import math
 from typing import Any, Optional
 
 from mpscale import validation
-from mpscale.trainer.hardware import Hardware, Link
+from mpscale.trainer.planning.hardware import Hardware, Link
 
 _RING_STEPS = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
 """Ring passes of each collective kind: an all-reduce is a reduce-scatter then an
@@ -170,7 +170,7 @@ def peak_for(hardware: Hardware, dtype: str) -> float:
 
 
 def estimate(plan: Any, hardware: Hardware) -> Estimate:
-  """The step time of ``plan`` (a `mpscale.trainer.planning.Plan`) on ``hardware``.
+  """The step time of ``plan`` (a `mpscale.trainer.planning.compiled.Plan`) on ``hardware``.
 
   Args:
     plan: its ``mesh``, ``devices``, ``kernels``, ``collectives_over``,

@@ -1,5 +1,5 @@
 """Devices before JAX starts: simulated CPU devices (the distributed runtime is in
-`mpscale.trainer.distributed`)."""
+`mpscale.trainer.runs.distributed`)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ the replicas and micro-batches) is never built. Then, cheapest first:
    alone (exact per-device bytes from shapes, nothing compiled) exceed the device's
    memory is dropped.
 2. **Compile and estimate.** Each remaining layout is planned
-   (`mpscale.trainer.planning.plan`: the real step, compiled from shapes) and priced
-   on the hardware (`mpscale.trainer.step_time`); a layout whose compiled peak exceeds
+   (`mpscale.trainer.planning.compiled.plan`: the real step, compiled from shapes) and priced
+   on the hardware (`mpscale.trainer.planning.step_time`); a layout whose compiled peak exceeds
    the memory is dropped, and without a pipeline the layout is tried again with
    twice the micro-batches (they only save memory, and cost a pass over the
    weights each): the first count that fits is the one ranked. ZeRO-1 and
@@ -51,11 +51,11 @@ import jax
 
 from mpscale import sharding as sharding_lib
 from mpscale import validation
-from mpscale.trainer import builders
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import planning
-from mpscale.trainer import step_time as step_time_lib
-from mpscale.trainer.hardware import Hardware, load_hardware
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.planning import compiled as planning
+from mpscale.trainer.planning import step_time as step_time_lib
+from mpscale.trainer.planning.hardware import Hardware, load_hardware
 
 CACHE_VERSION = 1
 """Bumped when what a cached plan holds changes (the key also holds a digest of

@@ -17,7 +17,7 @@ From the config to the loader::
              # one corpus, no ramp-up: train read as SampleBatches(train), the same
              # batches gathered a batch at a time
 
-- **Order**: the samples come shuffled by ``seed`` (`mpscale.trainer.tokens`: the
+- **Order**: the samples come shuffled by ``seed`` (`mpscale.trainer.data.token_datasets`: the
   documents, then the samples, as Megatron's ``GPTDataset``), and a blend draws from
   its corpora by Megatron's deterministic rule; the loader reads them in that order
   (``data.shuffle`` does not apply). Step ``i`` reads samples ``i * batch_size`` to
@@ -43,7 +43,7 @@ From the config to the loader::
   without those flags) and refuses them.
 - **Blends** log each corpus's realised share of the samples trained on
   (``data/<name>`` columns of ``metrics.csv``, ``data_fractions`` in the summary),
-  counted once from the blend's index (`mpscale.trainer.loader.SourceShares`).
+  counted once from the blend's index (`mpscale.trainer.data.loader.SourceShares`).
 
 Errors name the config keys, checked when the config loads (`check`: which keys
 go together, the files exist, the weights, the vocabulary) or when the data is
@@ -60,12 +60,13 @@ import grain
 import numpy as np
 
 from mpscale import validation
-from mpscale.trainer import builders
-from mpscale.trainer import loader
-from mpscale.trainer import schema
-from mpscale.trainer import token_files
-from mpscale.trainer import tokenizing
-from mpscale.trainer import tokens as tokens_lib
+from mpscale.trainer.config import errors
+from mpscale.trainer.data import loader
+from mpscale.trainer.data import samples as samples_lib
+from mpscale.trainer.config import schema
+from mpscale.trainer.data import token_files
+from mpscale.trainer.data import tokenizing
+from mpscale.trainer.data import token_datasets as tokens_lib
 
 _OPTIONS = ("token_dtype", "eod", "eod_mask_loss", "reset_position_ids",
             "reset_attention_mask", "tokenizer")
@@ -301,7 +302,7 @@ class _Corpus:
 
 def _open(cfg: schema.RunConfig, key: str, path: str, name: str,
           eod: Optional[int]) -> _Corpus:
-  corpus = builders._keyed(key, lambda: token_files.open_corpus(
+  corpus = errors.keyed(key, lambda: token_files.open_corpus(
       path, _dtype(cfg.data.token_dtype), eod),
       {"path": key, "prefix": key, "dtype": "data.token_dtype", "eod": "data.eod"})
   if len(corpus) < 2:
@@ -374,10 +375,11 @@ def _samples(cfg: schema.RunConfig, corpora: list[_Corpus], eod: Optional[int],
                  reset_attention_mask=data.reset_attention_mask)
   part = (lambda c: c.held_out) if held_out else (lambda c: c.train)
   # The samples of the whole run: train.steps x data.batch_size, or a ramp-up's.
-  count = builders.build_batch_sizes(cfg).consumed_at(cfg.train.steps)
+  count = samples_lib.BatchSizes(
+      cfg.data.batch_size, cfg.data.rampup_batch_size).consumed_at(cfg.train.steps)
   if not data.blend:
     c = corpora[0]
-    return builders._keyed(c.key, lambda: tokens_lib.GPTSamples(
+    return errors.keyed(c.key, lambda: tokens_lib.GPTSamples(
         c.corpus, seq_len, cfg.seed, None if held_out else count,
         documents=part(c), **options), _sample_keys(c.key))
   if held_out:
@@ -386,7 +388,7 @@ def _samples(cfg: schema.RunConfig, corpora: list[_Corpus], eod: Optional[int],
         (int(np.sum(s[c.held_out], dtype=np.int64)) - 1) // seq_len
         for s, c in zip(sizes, corpora))
   weights = [b.weight for b in data.blend]
-  return builders._keyed("data.blend", lambda: tokens_lib.blend(
+  return errors.keyed("data.blend", lambda: tokens_lib.blend(
       [c.corpus for c in corpora], weights, seq_len, count, cfg.seed,
       documents=[part(c) for c in corpora], **options), _sample_keys("data.blend"))
 
@@ -424,7 +426,7 @@ class SampleBatches:
 
 def token_data(cfg: schema.RunConfig, rows: Optional[tuple[int, int]] = None, *,
                progress: Optional[bool] = False) -> loader.Data:
-  """The run's `mpscale.trainer.loader.Data` from its token corpora (the module
+  """The run's `mpscale.trainer.data.loader.Data` from its token corpora (the module
   docstring); ``rows`` of each batch (default: all). ``data.tokenize`` builds its
   cached copy first if it is not there (with a progress bar if ``progress``).
 
@@ -436,7 +438,7 @@ def token_data(cfg: schema.RunConfig, rows: Optional[tuple[int, int]] = None, *,
   data = cfg.data
   tokenizer = data.tokenizer
   if data.tokenize is not None:
-    cached = builders._keyed("data.tokenize", lambda: tokenizing.cached_corpus(
+    cached = errors.keyed("data.tokenize", lambda: tokenizing.cached_corpus(
         data.path, vocab_size=data.tokenize.vocab_size, tokenizer=data.tokenizer,
         cache_dir=data.tokenize.cache_dir, progress=progress),
         {"inputs": "data.path", "vocab_size": "data.tokenize.vocab_size",

@@ -1,6 +1,6 @@
 """Token corpora on disk: Megatron's indexed dataset format and flat token files.
 
-A **corpus** is what `mpscale.trainer.tokens.GPTSamples` cuts samples from: numbered
+A **corpus** is what `mpscale.trainer.data.token_datasets.GPTSamples` cuts samples from: numbered
 sequences of token ids (one per document here), memory-mapped, with
 
 - ``len(corpus)``, the number of sequences, and ``sequence_lengths`` (int32);
@@ -189,7 +189,7 @@ class IndexedDatasetWriter:
 
   Example:
     >>> import os, tempfile
-    >>> from mpscale.trainer.token_files import (IndexedDataset,
+    >>> from mpscale.trainer.data.token_files import (IndexedDataset,
     ...                                          IndexedDatasetWriter, token_dtype)
     >>> prefix = os.path.join(tempfile.mkdtemp(), "corpus")
     >>> with IndexedDatasetWriter(prefix, token_dtype(50257)) as writer:
@@ -400,7 +400,7 @@ class FlatTokens:
   that end with the end-of-document token ``eod`` (see the module docstring).
 
   The same interface as `IndexedDataset` (one sequence per document), for
-  `mpscale.trainer.tokens.GPTSamples`. Finding the documents reads the whole file
+  `mpscale.trainer.data.token_datasets.GPTSamples`. Finding the documents reads the whole file
   once, in chunks.
 
   Args:

@@ -81,7 +81,7 @@ def _docstrings(source: bytes) -> list[str]:
 def stdlib_documents() -> tuple[str, ...]:
   """The embedded corpus as documents, one per module of `STDLIB_MODULES` present in
   this Python: a ``# module NAME`` line, then its docstrings, separated by blank
-  lines (cached). The token corpora's documents (`mpscale.trainer.tokenizing`)."""
+  lines (cached). The token corpora's documents (`mpscale.trainer.data.tokenizing`)."""
   root = sysconfig.get_paths()["stdlib"]
   parts = []
   for module in STDLIB_MODULES:

@@ -1,4 +1,4 @@
-"""Loading a run's configuration: read it (`mpscale.trainer.schema`), then check it.
+"""Loading a run's configuration: read it (`mpscale.trainer.config.schema`), then check it.
 
 One YAML file fully describes a run. `load_config` reads it, applies command-line
 overrides (``--set train.steps=50``, values parsed as YAML scalars), converts the result
@@ -10,7 +10,7 @@ file and the dotted key, and holding the keys (``keys``)::
   configs/x.yaml: model.num_layers (3) must be divisible by mesh.stage (2)
 
 A value is checked once: its type where the schema reads it, its value by the
-constructor that uses it (`check` asks `mpscale.trainer.builders.check` to build the
+constructor that uses it (`check` asks `mpscale.trainer.config.build.check` to build the
 pieces, whose errors name the config keys), and the rules that span sections here.
 The schema's names (`RunConfig`, its sections, `ConfigError`, `to_dict`,
 `dump_config`, ...) are re-exported here.
@@ -24,9 +24,11 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from mpscale import sharding
 from mpscale import validation
-from mpscale.trainer import builders
-from mpscale.trainer import corpora
-from mpscale.trainer.schema import (  # noqa: F401 (re-exported)
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import errors
+from mpscale.trainer.config.errors import as_config_error  # noqa: F401 (re-exported)
+from mpscale.trainer.data import corpora
+from mpscale.trainer.config.schema import (  # noqa: F401 (re-exported)
     AdafactorConfig, AdamWConfig, BlendConfig, CameConfig, ClipConfig, ConfigError,
     ConfigTypeError, DataConfig, LossScaleConfig, MeshConfig, ModelConfig,
     OptimizerConfig, ParamGroupConfig, PrecisionConfig, RunConfig, ScheduleConfig,
@@ -34,27 +36,9 @@ from mpscale.trainer.schema import (  # noqa: F401 (re-exported)
     apply_overrides, dump_config, parse_override, parse_yaml, read_config, to_dict)
 
 
-def as_config_error(error: Exception) -> ConfigError:
-  """``error`` as a `ConfigError` (`ConfigTypeError` for a ``TypeError``): itself if it
-  is one, else with the keys of an `mpscale.validation.ArgumentError` whose names are
-  config keys (the builders'), else with none."""
-  if isinstance(error, ConfigError):
-    return error
-  cls = ConfigTypeError if isinstance(error, TypeError) else ConfigError
-  return cls(str(error), getattr(error, "names", ()))
-
-
-def _checked(fn, *args) -> Any:
-  """``fn(*args)``, a ``ValueError``/``TypeError`` re-raised as a `ConfigError`."""
-  try:
-    return fn(*args)
-  except (ValueError, TypeError) as e:
-    raise as_config_error(e) from None
-
-
 def check(cfg: RunConfig) -> None:
   """Checks the values of ``cfg``: the keys no constructor takes, then each section's
-  constructors (`mpscale.trainer.builders.check`), then the rules that span sections.
+  constructors (`mpscale.trainer.config.build.check`), then the rules that span sections.
 
   Raises:
     ConfigError: naming the keys (``keys``; no file: `load_config` adds it).
@@ -77,22 +61,22 @@ def check(cfg: RunConfig) -> None:
     raise ConfigError("data.path and data.provider are exclusive (one source of data)",
                       ("data.path", "data.provider"))
   # Keys no constructor takes.
-  _checked(validation.integer, "seed", cfg.seed, 0)
-  _checked(lambda: validation.float_in("data.eval_fraction", data.eval_fraction, 0.0,
+  errors.checked(validation.integer, "seed", cfg.seed, 0)
+  errors.checked(lambda: validation.float_in("data.eval_fraction", data.eval_fraction, 0.0,
                                        1.0, low_open=True, high_open=True))
-  _checked(validation.positive_int, "data.batch_size", data.batch_size)
-  _checked(validation.integer, "data.eval_batches", data.eval_batches, 0)
+  errors.checked(validation.positive_int, "data.batch_size", data.batch_size)
+  errors.checked(validation.integer, "data.eval_batches", data.eval_batches, 0)
   for key in ("data", "fsdp", "stage", "tensor"):
-    _checked(validation.positive_int, f"mesh.{key}", getattr(mesh, key))
+    errors.checked(validation.positive_int, f"mesh.{key}", getattr(mesh, key))
   for key in ("steps", "num_microbatches", "log_every", "keep_checkpoints"):
-    _checked(validation.positive_int, f"train.{key}", getattr(train, key))
+    errors.checked(validation.positive_int, f"train.{key}", getattr(train, key))
   for key in ("eval_every", "checkpoint_every"):
-    _checked(validation.integer, f"train.{key}", getattr(train, key), 0)
+    errors.checked(validation.integer, f"train.{key}", getattr(train, key), 0)
   if mesh.virtual_stages > 1 and mesh.stage == 1:
     raise ConfigError("mesh.virtual_stages > 1 needs mesh.stage > 1",
                       ("mesh.virtual_stages", "mesh.stage"))
   if mesh.pipeline_split is not None:
-    _checked(validation.positive_int, "mesh.pipeline_split", mesh.pipeline_split)
+    errors.checked(validation.positive_int, "mesh.pipeline_split", mesh.pipeline_split)
     if mesh.pipeline_split >= mesh.stage:
       raise ConfigError(
           f"mesh.pipeline_split ({mesh.pipeline_split}) must be below mesh.stage "
@@ -117,8 +101,8 @@ def check(cfg: RunConfig) -> None:
                       f"{max(0, train.steps // 10)})",
                       ("train.steps", "schedule.warmup_steps"))
   # Each section's own rules, checked by the constructors it feeds.
-  _checked(builders.check, cfg)
-  _checked(corpora.check, cfg)
+  errors.checked(builders.check, cfg)
+  errors.checked(corpora.check, cfg)
   if model.provider is None:
     _check_model_sizes(cfg)
   try:
@@ -143,7 +127,7 @@ def _check_rampup_sizes(cfg: RunConfig) -> None:
   ``data.batch_size`` must; each process's rows then scale with it (a process holds
   a whole number of the ``mesh.data x mesh.fsdp`` shards)."""
   mesh, train = cfg.mesh, cfg.train
-  sizes = _checked(builders.build_batch_sizes, cfg).sizes()
+  sizes = errors.checked(builders.build_batch_sizes, cfg).sizes()
   for size in sizes[:-1]:
     try:
       sharding.check_batch_size(size, mesh.data * mesh.fsdp, train.num_microbatches)
@@ -161,7 +145,7 @@ def _check_rampup_sizes(cfg: RunConfig) -> None:
 
 def steps_from_samples(cfg: RunConfig, explicit_steps: bool = False) -> RunConfig:
   """``cfg`` with ``train.steps`` derived from ``train.samples`` when that is set
-  (`mpscale.trainer.builders.train_steps`), so every reader of ``train.steps``
+  (`mpscale.trainer.config.build.train_steps`), so every reader of ``train.steps``
   sees the run's step count; ``cfg`` itself without it.
 
   Args:
@@ -178,7 +162,7 @@ def steps_from_samples(cfg: RunConfig, explicit_steps: bool = False) -> RunConfi
       raise ConfigError("train.steps is null: give train.steps or train.samples",
                         ("train.steps", "train.samples"))
     return cfg
-  steps = _checked(builders.train_steps, cfg)
+  steps = errors.checked(builders.train_steps, cfg)
   if explicit_steps and cfg.train.steps is not None and cfg.train.steps != steps:
     raise ConfigError(
         f"train.steps ({cfg.train.steps}) disagrees with train.samples "
@@ -241,7 +225,7 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
                      overrides: Sequence[str] = (), default_name: str = "run",
                      base_dir: Optional[str] = None) -> RunConfig:
   """A checked `RunConfig` from a parsed mapping plus ``--set`` overrides: read by
-  `mpscale.trainer.schema.read_config` (same arguments), ``train.steps`` derived
+  `mpscale.trainer.config.schema.read_config` (same arguments), ``train.steps`` derived
   from ``train.samples`` (`steps_from_samples`), then `check`.
 
   Returns:
@@ -280,7 +264,7 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
       impossible value, naming the file and the key.
 
   Example:
-    >>> from mpscale.trainer.config import load_config
+    >>> from mpscale.trainer.config.load import load_config
     >>> cfg = load_config("configs/tiny_lm_fp16.yaml", ["train.steps=50"])
     >>> cfg.train.steps
     50

@@ -1,6 +1,6 @@
 """Training samples cut from token corpora, as Megatron's GPT dataset does, and blends.
 
-`GPTSamples` turns a corpus (`mpscale.trainer.token_files`: a Megatron indexed
+`GPTSamples` turns a corpus (`mpscale.trainer.data.token_files`: a Megatron indexed
 dataset or a flat token file) into a random-access source of training examples, each
 ``seq_len + 1`` consecutive tokens as ``inputs``/``targets``/``mask``: the tiny LM's
 batch rows (`GPTSamples.examples` reads a batch of them at once). It builds the same three indices as Megatron-Core's ``GPTDataset`` (for
@@ -35,7 +35,7 @@ when any of these changes. Each file is written to a temporary name and moved in
 place, so processes building the same index at once leave a whole one.
 
 An example is ``{"inputs": int32 [L], "targets": int32 [L], "mask": float32 [L]}``
-(`mpscale.trainer.data.Batch`'s row). Megatron's options at document boundaries,
+(`mpscale.trainer.data.text.Batch`'s row). Megatron's options at document boundaries,
 by the end-of-document token ``eod`` in the inputs:
 
 - ``eod_mask_loss``: ``mask`` is 0 where the input is ``eod`` (the target after an end
@@ -44,7 +44,7 @@ by the end-of-document token ``eod`` in the inputs:
   each ``eod``;
 - ``reset_attention_mask``: adds ``segment_ids`` (int32 [L]), 0 from the start and one
   more after each ``eod``: a token may attend to the earlier tokens of its segment
-  (Megatron's mask). The tiny LM (`mpscale.trainer.lm.TinyLM`) reads neither: it uses
+  (Megatron's mask). The tiny LM (`mpscale.trainer.models.lm.TinyLM`) reads neither: it uses
   learned positions ``0..L-1`` and plain causal attention.
 
 `BlendedSamples` mixes several sources by weight with Megatron's ``BlendedDataset``
@@ -77,7 +77,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from mpscale import validation
-from mpscale.trainer import token_files
+from mpscale.trainer.data import token_files
 
 _INDICES = ("document_index", "sample_index", "shuffle_index")
 _SEPARATE_FINAL_EPOCH_BELOW = 0.8
@@ -179,7 +179,7 @@ def _corpus(corpus: Any) -> Any:
   if not all(hasattr(corpus, a) for a in ("sequence_lengths", "get", "__len__")):
     raise validation.fail(
         "corpus", " must be a token corpus (sequence_lengths, get(i, offset, "
-        "length)): an IndexedDataset or FlatTokens of mpscale.trainer.token_files; "
+        "length)): an IndexedDataset or FlatTokens of mpscale.trainer.data.token_files; "
         f"got {type(corpus).__name__}", validation.ArgumentTypeError)
   return corpus
 
@@ -203,7 +203,7 @@ class GPTSamples:
   ``GPTDataset`` cuts them (the module docstring): a random-access source for grain.
 
   Args:
-    corpus: an `mpscale.trainer.token_files.IndexedDataset` or ``FlatTokens`` (or
+    corpus: an `mpscale.trainer.data.token_files.IndexedDataset` or ``FlatTokens`` (or
       anything with ``sequence_lengths``, ``get(i, offset, length)`` and ``path``);
       each of its sequences is a document.
     seq_len: tokens per example (the model's ``seq_len``); a sample holds one more.
@@ -236,8 +236,8 @@ class GPTSamples:
 
   Example:
     >>> import os, tempfile
-    >>> from mpscale.trainer.token_files import IndexedDataset, write_indexed
-    >>> from mpscale.trainer.tokens import GPTSamples
+    >>> from mpscale.trainer.data.token_files import IndexedDataset, write_indexed
+    >>> from mpscale.trainer.data.token_datasets import GPTSamples
     >>> prefix = write_indexed(os.path.join(tempfile.mkdtemp(), "corpus"),
     ...                        [range(10), range(10, 30)], "uint16")
     >>> samples = GPTSamples(IndexedDataset(prefix), seq_len=8, seed=0)
@@ -398,7 +398,7 @@ class GPTSamples:
     """Examples ``indices`` stacked (``[len(indices), seq_len]`` each): the batch
     ``grain`` makes of ``[self[i] for i in indices]``, the same arrays (and keys, in
     its sorted order), read in one vectorized pass (the loader's batches of one corpus,
-    `mpscale.trainer.corpora.SampleBatches`).
+    `mpscale.trainer.data.corpora.SampleBatches`).
 
     Each row is the ``seq_len + 1`` tokens of the stream from its sample's start
     (``sample_index``): the documents it spans are found by a ``searchsorted`` over
@@ -623,7 +623,7 @@ def blend(corpora: Sequence[Any], weights: Sequence[float], seq_len: int,
   ``BlendedMegatronDatasetBuilder`` asks (``mid_level_dataset_surplus``).
 
   Args:
-    corpora: token corpora (`mpscale.trainer.token_files`).
+    corpora: token corpora (`mpscale.trainer.data.token_files`).
     weights: one positive float per corpus.
     seq_len: tokens per example.
     num_samples: examples in the blend.

@@ -1,8 +1,8 @@
 """The run configuration's schema: typed, frozen dataclasses read from YAML.
 
 This module reads a config and checks each value's *type* where it is read; the values
-themselves are checked by the constructors that use them (`mpscale.trainer.config`
-asks `mpscale.trainer.builders` to build the pieces). It imports nothing else of the
+themselves are checked by the constructors that use them (`mpscale.trainer.config.load`
+asks `mpscale.trainer.config.build` to build the pieces). It imports nothing else of the
 trainer, so every other trainer module may import it.
 
 `read_config` converts a parsed YAML mapping plus command-line overrides
@@ -31,44 +31,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-  """A configuration mistake.
-
-  Attributes:
-    keys: the dotted config keys the message speaks of, the one at fault first (e.g.
-      ``("train.steps", "schedule.warmup_steps")``); empty for a file that cannot be
-      read or parsed. Whether a key was set by ``--set`` is decided from them.
-  """
-
-  def __init__(self, message: str, keys: Sequence[str] = ()):
-    super().__init__(message)
-    self.keys = tuple(keys)
-
-  def __reduce__(self):  # pickles (e.g. across processes) with its keys
-    return type(self), (str(self), self.keys)
-
-  def located(self, source: str, overridden: Sequence[str] = ()) -> "ConfigError":
-    """The same error (same type and keys) with ``source`` (the file) first, and
-    ``(set by --set)`` last when one of its keys is in, under or above one of the
-    ``overridden`` keys."""
-    by_set = any(_related(_base_key(k), t) for k in self.keys for t in overridden)
-    return type(self)(f"{source}: {self}" + (" (set by --set)" if by_set else ""),
-                      self.keys)
-
-
-class ConfigTypeError(ConfigError, TypeError):
-  """A configuration value of the wrong type."""
-
-
-def _base_key(key: str) -> str:
-  """``key`` without an item index: ``optimizer.came.eps[1]`` -> ``...eps``."""
-  return key.split("[", 1)[0]
-
-
-def _related(key: str, other: str) -> bool:
-  """Whether ``key`` is ``other``, inside its section, or the section holding it."""
-  return key == other or key.startswith(other + ".") or other.startswith(key + ".")
+from mpscale.trainer.config.errors import ConfigError, ConfigTypeError  # noqa: F401
 
 
 # ------------------------------------------------------------------ the dataclasses
@@ -76,14 +39,14 @@ def _related(key: str, other: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The model: the tiny decoder-only transformer (`mpscale.trainer.lm.TinyLM`) these
+  """The model: the tiny decoder-only transformer (`mpscale.trainer.models.lm.TinyLM`) these
   sizes describe, or a user's model (``provider``; the sizes are then unused, but
   ``seq_len`` still cuts the built-in corpus)."""
   provider: Optional[str] = None
   """A user's model: ``"package.module:function"`` or ``"file.py:function"`` (a path
   relative to the config file), called with the `RunConfig`; it returns a Flax NNX
   module, a Flax linen module or an `mpscale.trainer.Model`
-  (`mpscale.trainer.models`)."""
+  (`mpscale.trainer.models.user`)."""
   loss: Optional[str] = None
   """With a Flax module from ``provider``: its loss, ``loss(model, batch) ->
   (loss_sum, num_tokens)`` or a mean, named like ``provider``."""
@@ -113,7 +76,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class BlendConfig:
   """One token corpus of ``data.blend`` and its weight
-  (`mpscale.trainer.corpora`)."""
+  (`mpscale.trainer.data.corpora`)."""
   path: str = ""
   """A Megatron indexed dataset's prefix (``<path>.bin`` + ``<path>.idx``) or a flat
   token file; relative to the config file."""
@@ -126,7 +89,7 @@ class BlendConfig:
 @dataclasses.dataclass(frozen=True)
 class TokenizeConfig:
   """Tokenizing the text of ``data.path`` (or the embedded corpus) once, into a
-  cache, and training on its tokens (`mpscale.trainer.tokenizing`)."""
+  cache, and training on its tokens (`mpscale.trainer.data.tokenizing`)."""
   vocab_size: Optional[int] = None
   """Train a byte-level BPE of this many ids on the text; ``null``: encode with
   ``data.tokenizer``."""
@@ -137,7 +100,7 @@ class TokenizeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where the data comes from and how it is batched (`mpscale.trainer.loader`)."""
+  """Where the data comes from and how it is batched (`mpscale.trainer.data.loader`)."""
   provider: Optional[str] = None
   """A user's data: ``"package.module:function"`` or ``"file.py:function"``, called
   with the `RunConfig`; it returns a random-access source of examples (dicts of
@@ -159,13 +122,13 @@ class DataConfig:
   rampup_batch_size: Optional[tuple[int, int, int]] = None
   """Megatron's ``--rampup-batch-size``, ``[start, increment, ramp_samples]``: the
   global batch starts at ``start`` rows and grows by ``increment`` over the first
-  ``ramp_samples`` samples to ``batch_size`` (`mpscale.trainer.samples`); needs
+  ``ramp_samples`` samples to ``batch_size`` (`mpscale.trainer.data.samples`); needs
   ``train.samples``. Every size must split over the data replicas and micro-batches
   as ``batch_size`` does; the train step compiles once per size."""
   eval_batches: int = 8
   """Batches of the held-out split per evaluation; 0 for all of it."""
   tokens: Optional[str] = None
-  """A token corpus (`mpscale.trainer.corpora`): a Megatron indexed dataset's prefix
+  """A token corpus (`mpscale.trainer.data.corpora`): a Megatron indexed dataset's prefix
   (``<tokens>.bin`` + ``<tokens>.idx``) or a flat token file (nanoGPT's
   ``train.bin``), relative to the config file; exclusive with ``path``,
   ``provider`` and ``blend``."""
@@ -217,7 +180,7 @@ class LossScaleConfig:
   """The first scale (dynamic) or the scale (fixed). ``null``: 2^15 for a mean loss;
   for a per-token loss (a sum over the micro-batch's tokens, whose weight gradients
   grow with them) 2^15 over the micro-batch's tokens, rounded up to a power of two
-  (`mpscale.trainer.builders.initial_scale`), so that it starts where a mean
+  (`mpscale.trainer.config.build.initial_scale`), so that it starts where a mean
   loss's 2^15 would and no early step overflows for it."""
   growth_factor: float = 2.0
   backoff_factor: float = 0.5
@@ -431,7 +394,7 @@ class TrainConfig:
   samples: Optional[int] = None
   """Train on this many samples (rows of global batches; Megatron's
   ``train_samples``): the run ends at the first step whose samples reach it, and
-  ``steps`` is that step count (`mpscale.trainer.samples.BatchSizes.steps_for`).
+  ``steps`` is that step count (`mpscale.trainer.data.samples.BatchSizes.steps_for`).
   Megatron-LM instead drops a partial last batch and may stop short of it."""
   num_microbatches: int = 1
   """Gradient accumulation, or the pipeline's micro-batches when ``mesh.stage`` > 1."""
@@ -674,7 +637,7 @@ def read_config(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
                 overrides: Sequence[str] = (), default_name: str = "run",
                 base_dir: Optional[str] = None) -> tuple[RunConfig, set[str]]:
   """A `RunConfig` from a parsed mapping plus ``--set`` overrides, each value of its
-  field's type (its value is not checked here: `mpscale.trainer.config.check`).
+  field's type (its value is not checked here: `mpscale.trainer.config.load.check`).
 
   Args:
     raw: the parsed YAML (``None`` for all defaults).

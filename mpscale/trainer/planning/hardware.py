@@ -19,7 +19,7 @@ for estimating a layout's step time from its FLOPs, bytes and collectives (issue
   depends on the topology (one axis of a TPU torus uses 2 of a chip's 6 ICI links):
   that is the estimator's concern, not the profile's.
 
-The built-in profiles (`builtin_names`) are ``mpscale/trainer/hardware/<name>.yaml``.
+The built-in profiles (`builtin_names`) are ``mpscale/trainer/planning/profiles/<name>.yaml``.
 In them every number carries its origin, either sources (keys of the file's
 ``sources:`` mapping, each a document's title and URL) or ``assumed: true`` with a
 ``reason``; ``note`` says how a figure was derived::
@@ -65,7 +65,7 @@ from typing import Any, Union
 import numpy as np
 
 from mpscale import validation
-from mpscale.trainer.schema import ConfigError, ConfigTypeError, parse_yaml
+from mpscale.trainer.config.schema import ConfigError, ConfigTypeError, parse_yaml
 
 SPANS = {
     "node": "the devices of one node (devices_per_node of them)",
@@ -75,8 +75,8 @@ SPANS = {
 }
 """What a `Link` reaches, by its ``span``."""
 
-_PACKAGE = "mpscale.trainer"
-_FOLDER = "hardware"
+_PACKAGE = "mpscale.trainer.planning"
+_FOLDER = "profiles"
 _SUFFIX = ".yaml"
 _TOP_KEYS = ("name", "description", "peak_flops", "hbm_bandwidth", "hbm_bytes",
              "devices_per_node", "links", "matmul_efficiency", "memory_efficiency",
@@ -156,7 +156,7 @@ class Hardware:
   matmul_efficiency: float = DEFAULT_EFFICIENCY["matmul_efficiency"]
   """The share of `peak` a large matrix product reaches, in (0, 1]: measured peaks
   fall short of the datasheet's (clocks, tiling); the step-time estimate
-  (`mpscale.trainer.step_time`) runs matrix products at ``peak * matmul_efficiency``."""
+  (`mpscale.trainer.planning.step_time`) runs matrix products at ``peak * matmul_efficiency``."""
   memory_efficiency: float = DEFAULT_EFFICIENCY["memory_efficiency"]
   """The share of `hbm_bandwidth` a streaming (memory-bound) kernel reaches, in
   (0, 1]."""
@@ -281,7 +281,7 @@ def load_hardware(name_or_path: Union[str, os.PathLike]) -> Hardware:
       the wrong type.
 
   Example:
-    >>> from mpscale.trainer.hardware import load_hardware
+    >>> from mpscale.trainer.planning.hardware import load_hardware
     >>> a100 = load_hardware("a100-80g")
     >>> a100.peak("bfloat16"), [link.name for link in a100.links]
     (312000000000000.0, ['nvlink3', 'infiniband-hdr'])

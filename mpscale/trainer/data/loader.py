@@ -6,7 +6,7 @@ of step ``i`` (a dict of numpy arrays, ``data.batch_size`` rows), through a
 beside the model, so ``--resume`` continues at the very next batch.
 
 - The **embedded corpus** or a text file (``data.path``): `TrainBatches`, the random
-  windows of `mpscale.trainer.data.TextData.train_batch`, a pure function of ``(seed,
+  windows of `mpscale.trainer.data.text.TextData.train_batch`, a pure function of ``(seed,
   step)``; evaluation reads the held-out split in order.
 - A **user's source** (``data.provider``, or ``data=`` in Python): a random-access
   source of examples (``len(source)`` and ``source[i]``, a dict of arrays; any
@@ -15,18 +15,18 @@ beside the model, so ``--resume`` continues at the very next batch.
   false`` keeps its order), repeats it, and batches it; evaluation reads the first
   ``data.eval_batches`` full batches of ``eval`` in order.
 - **Token corpora** (``data.tokens``, ``data.blend``, ``data.tokenize``;
-  `mpscale.trainer.corpora`): Megatron's GPT samples (`mpscale.trainer.tokens`),
+  `mpscale.trainer.data.corpora`): Megatron's GPT samples (`mpscale.trainer.data.token_datasets`),
   already shuffled by ``seed``, read as a user's source without another shuffle; a
   blend's share of each corpus is counted per step (`SourceShares`) for the log.
 
-Across processes (`mpscale.trainer.distributed`) each process reads only its rows
+Across processes (`mpscale.trainer.runs.distributed`) each process reads only its rows
 ``[start, stop)`` of each global batch (``rows``), the ones its devices hold: the
 text's windows for those rows, or a user source's examples ``i * batch_size + start``
 to ``i * batch_size + stop``, batched as blocks of ``stop - start`` and strided
 (``ds.batch(stop - start)[start // size :: batch_size // size]``), so the processes
 together read exactly the batches one process would.
 
-With a **batch-size ramp-up** (``data.rampup_batch_size``, `mpscale.trainer.samples`)
+With a **batch-size ramp-up** (``data.rampup_batch_size``, `mpscale.trainer.data.samples`)
 step ``i``'s global batch has ``n = size_at(i)`` rows: the text's windows of
 ``(seed, i, n)``, or the next ``n`` examples of the stream, ``consumed_at(i)``
 onward (`RampedBatches`); a process reads the same share of it as of a full batch,
@@ -45,8 +45,8 @@ import grain
 import numpy as np
 
 from mpscale import validation
-from mpscale.trainer import data as data_lib
-from mpscale.trainer import samples as samples_lib
+from mpscale.trainer.data import text as data_lib
+from mpscale.trainer.data import samples as samples_lib
 
 _READ = dict(num_threads=1, prefetch_buffer_size=2)
 """One background thread reads up to two batches ahead of the step."""

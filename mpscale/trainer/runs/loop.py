@@ -23,20 +23,20 @@ from rich.progress import TaskID
 from mpscale import sharding as sharding_lib
 from mpscale import validation
 from mpscale.train_step import TrainState
-from mpscale.trainer import builders
-from mpscale.trainer import checkpoints
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import corpora
-from mpscale.trainer import data as data_lib
-from mpscale.trainer import distributed
-from mpscale.trainer import lm as lm_lib
-from mpscale.trainer import loader
-from mpscale.trainer import metrics_log
-from mpscale.trainer import models
-from mpscale.trainer import tokenizing
-from mpscale.trainer.metrics_log import MetricsLog, read_rows, to_float
-from mpscale.trainer.plots import plot_runs
-from mpscale.trainer.progress import fmt, make_progress, progress_info, scale_text
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.runs import checkpoints
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import corpora
+from mpscale.trainer.data import text as data_lib
+from mpscale.trainer.runs import distributed
+from mpscale.trainer.models import lm as lm_lib
+from mpscale.trainer.data import loader
+from mpscale.trainer.runs import metrics_log
+from mpscale.trainer.models import user as models
+from mpscale.trainer.data import tokenizing
+from mpscale.trainer.runs.metrics_log import MetricsLog, read_rows, to_float
+from mpscale.trainer.runs.plots import plot_runs
+from mpscale.trainer.runs.progress import fmt, make_progress, progress_info, scale_text
 
 
 RUN_FILES = ("config.yaml", "metrics.csv", "summary.json", "metrics.png", "tb",
@@ -65,7 +65,7 @@ def check_out_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
 def _global_batch(batch: dict[str, Any], setup: builders.Setup,
                   data: loader.Data) -> Any:
   """The host batch, or across processes one global array from every process's rows
-  of it (`mpscale.trainer.distributed.global_batch`)."""
+  of it (`mpscale.trainer.runs.distributed.global_batch`)."""
   return distributed.global_batch(batch, builders.batch_sharding(setup.mesh),
                                   data.batch_size, data.rows)
 
@@ -74,8 +74,8 @@ def evaluate_metrics(setup: builders.Setup, state: TrainState,
                      data: loader.Data) -> dict[str, float]:
   """The model's loss (``"loss"``, the mean per-token loss) and metrics (each total
   sum over total count) on the evaluation batches of ``data`` (a
-  `mpscale.trainer.loader.Data`), in inference mode (no dropout, running averages:
-  `mpscale.trainer.models`); NaN when it has none. Across processes each reads its
+  `mpscale.trainer.data.loader.Data`), in inference mode (no dropout, running averages:
+  `mpscale.trainer.models.user`); NaN when it has none. Across processes each reads its
   rows of each batch and every process gets the same values."""
   sums: dict[str, list[float]] = {}
   for batch in data.eval_batches():
@@ -151,7 +151,7 @@ def _is_model_object(obj: Any) -> bool:
   return False
 
 
-def _load_data(cfg: config_lib.RunConfig, given: Any) -> loader.Data:
+def open_data(cfg: config_lib.RunConfig, given: Any) -> loader.Data:
   """The run's data: a user's source, a token corpus, or the text; across
   processes, this process's rows of each batch."""
   rows = distributed.process_rows(builders.batch_sharding(builders.build_mesh(cfg)),
@@ -173,9 +173,9 @@ def _load_data(cfg: config_lib.RunConfig, given: Any) -> loader.Data:
   return loader.text_data(text, cfg, rows)
 
 
-def _load_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: Any,
+def open_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: Any,
                 metrics: Any = None) -> tuple[Optional[models.Model], str]:
-  """A user's `mpscale.trainer.models.Model` (``None`` for the tiny LM) and its key."""
+  """A user's `mpscale.trainer.models.user.Model` (``None`` for the tiny LM) and its key."""
   obj, key = _provided(given, cfg.model.provider, "model.provider", cfg)
   if obj is None:
     if loss is not None:
@@ -207,9 +207,9 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     raise config_lib.as_config_error(e).located(source) from None
 
   try:
-    run_data = _load_data(cfg, data)
+    run_data = open_data(cfg, data)
     first_batch = run_data.train[0]
-    user_model, model_key = _load_model(cfg, model, loss, first_batch)
+    user_model, model_key = open_model(cfg, model, loss, first_batch)
     # loss_scale.init_scale: null starts a per-token (sum) loss's scale from its tokens.
     user = user_model is not None
     cfg = builders.with_initial_scale(
@@ -342,7 +342,7 @@ class _Logger:
 
   def flush(self, state: TrainState, done: int,
             evaluating: bool) -> Optional[dict[str, Any]]:
-    """Logs one row (`mpscale.trainer.metrics_log.csv_row`) for the steps recorded
+    """Logs one row (`mpscale.trainer.runs.metrics_log.csv_row`) for the steps recorded
     since the last (ending at ``done``), evaluating ``state`` first if
     ``evaluating``; returns it, or ``None`` when no step is recorded."""
     if not self.pending:
@@ -645,11 +645,11 @@ def run(config: Any, *, model: Any = None, data: Any = None, loss: Any = None,
   Args:
     config: a `RunConfig`, a YAML file's path, or a mapping of the YAML's keys.
     model: a Flax NNX module (built), a Flax linen module, an
-      `mpscale.trainer.models.Model`, or a function ``(config) ->`` one; default:
+      `mpscale.trainer.models.user.Model`, or a function ``(config) ->`` one; default:
       what ``model.provider`` names, else the tiny LM.
     data: a random-access source of examples (dicts of arrays), ``{"train": source,
       "eval": source}``, or a function ``(config) ->`` one; default: what
-      ``data.provider`` names, else the corpus (`mpscale.trainer.loader`).
+      ``data.provider`` names, else the corpus (`mpscale.trainer.data.loader`).
     loss: for a Flax module, ``loss(model, batch) -> (loss_sum, num_tokens)`` or a
       mean; default: what ``model.loss`` names.
     out_dir: the run's folder; default ``runs/<name>``.

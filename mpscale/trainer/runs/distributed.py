@@ -134,7 +134,8 @@ def _file_digest(paths: list[str], root: str = "") -> str:
 
 def _package_digest() -> str:
   """A digest of mpscale's own source files (the code every process must share)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  import mpscale  # noqa: PLC0415  (the library never imports the trainer)
+  root = os.path.dirname(os.path.abspath(mpscale.__file__))
   paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root)
                  for f in files if f.endswith(".py"))
   return _file_digest(paths, root)
@@ -145,7 +146,7 @@ def _provider_digest(spec: Optional[str]) -> Optional[str]:
   ``"file.py:fn"``), or ``None`` when it has none."""
   if not spec:
     return None
-  from mpscale.trainer import models
+  from mpscale.trainer.models import user as models
   try:
     obj = models.load_object(spec, "provider")
   except (ValueError, TypeError):
@@ -160,7 +161,7 @@ def fingerprint(cfg: Any, **run: Any) -> dict[str, Any]:
   providers' source files, and the versions of Python and the libraries."""
   import yaml
   from mpscale import _versions
-  from mpscale.trainer import config as config_lib
+  from mpscale.trainer.config import load as config_lib
   out = _flat(yaml.safe_load(config_lib.dump_config(cfg)))
   out.update({f"run.{k}": v for k, v in run.items()})
   out["code.mpscale"] = f"{_versions.installed('mpscale')} {_package_digest()}"
@@ -207,12 +208,12 @@ def check_same_run(cfg: Any, source: str = "<config>", **run: Any) -> None:
   or been written yet. A no-op with one process.
 
   Raises:
-    mpscale.trainer.config.ConfigError: naming ``source``, each differing key and its
+    mpscale.trainer.config.load.ConfigError: naming ``source``, each differing key and its
       value on each process.
   """
   if not is_multiprocess():
     return
-  from mpscale.trainer import config as config_lib
+  from mpscale.trainer.config import load as config_lib
   mine = fingerprint(cfg, **run)
   prints = [json.loads(t) for t in
             _allgather_text(json.dumps(mine, sort_keys=True, default=str))]
@@ -231,7 +232,7 @@ def check_same_run(cfg: Any, source: str = "<config>", **run: Any) -> None:
 def process_rows(sharding: Any, batch_size: int) -> tuple[int, int]:
   """The rows ``[start, stop)`` of each global batch that this process's devices
   hold, the batch laid out by ``sharding`` (split on its first dimension, e.g.
-  `mpscale.trainer.builders.batch_sharding`); all rows with one process or without a
+  `mpscale.trainer.config.build.batch_sharding`); all rows with one process or without a
   sharding.
 
   Raises:

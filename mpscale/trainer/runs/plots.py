@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from mpscale.trainer.metrics_log import EVAL_PREFIX, NORM_PREFIX, read_rows, to_float
+from mpscale.trainer.runs.metrics_log import EVAL_PREFIX, NORM_PREFIX, read_rows, to_float
 
 
 def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:

@@ -8,10 +8,10 @@ import os
 import shutil
 from typing import Any, Optional, Sequence
 
-from mpscale.trainer import config as config_lib
-from mpscale.trainer import corpora
-from mpscale.trainer.loop import check_out_dir, train
-from mpscale.trainer.plots import plot_runs
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.data import corpora
+from mpscale.trainer.runs.loop import check_out_dir, train
+from mpscale.trainer.runs.plots import plot_runs
 
 
 def comparison_table(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], list[list]]:

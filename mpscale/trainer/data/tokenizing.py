@@ -8,13 +8,13 @@ The text comes as **documents** (`read_documents`):
 - any other file: the whole file is one document (UTF-8; invalid bytes replaced);
 - a folder: each of its non-hidden files, sorted, as above;
 - the embedded corpus: one document per standard-library module
-  (`mpscale.trainer.data.stdlib_documents`).
+  (`mpscale.trainer.data.text.stdlib_documents`).
 
 `tokenize` encodes each document without the tokenizer's own special tokens, appends
 the end-of-document token (``<|endoftext|>``; Megatron's ``--append-eod``) and writes
 it as one sequence of a Megatron indexed dataset (``<out>.bin`` + ``<out>.idx``) or
-appends it to a flat token file (`mpscale.trainer.token_files`), in the dtype the
-vocabulary needs (`mpscale.trainer.token_files.token_dtype`)::
+appends it to a flat token file (`mpscale.trainer.data.token_files`), in the dtype the
+vocabulary needs (`mpscale.trainer.data.token_files.token_dtype`)::
 
   tokenizer = tokenizer.json given, or train_bpe(documents, vocab_size)
   for each document:  ids = tokenizer.encode(text).ids + [eod];  write(ids)
@@ -52,9 +52,9 @@ import tokenizers
 from rich.console import Console
 
 from mpscale import validation
-from mpscale.trainer import data as data_lib
-from mpscale.trainer import progress as progress_lib
-from mpscale.trainer import token_files
+from mpscale.trainer.data import text as data_lib
+from mpscale.trainer.runs import progress as progress_lib
+from mpscale.trainer.data import token_files
 
 EOD_TOKEN = "<|endoftext|>"
 """The end-of-document token `tokenize` appends (GPT-2's)."""
@@ -148,7 +148,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eod_token: str = EOD_TOKEN,
       end-of-document token).
 
   Example:
-    >>> from mpscale.trainer.tokenizing import decode, encode, train_bpe
+    >>> from mpscale.trainer.data.tokenizing import decode, encode, train_bpe
     >>> bpe = train_bpe(["the cat sat on the mat"] * 10, vocab_size=300)
     >>> ids = encode(bpe, "the mat, ünïcödé")
     >>> bpe.token_to_id("<|endoftext|>"), decode(bpe, ids)
