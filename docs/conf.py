@@ -1,6 +1,6 @@
 """Sphinx configuration for the mpscale API reference.
 
-Build (``-W``: every warning is an error; tests/test_docs.py runs the same command)::
+Build (``-W``: every warning is an error; tests/integration/test_docs.py runs the same command)::
 
   python -m pip install -e ".[docs]"
   sphinx-build -W --keep-going -b html docs /tmp/mpscale-docs

@@ -1,4 +1,4 @@
-"""A worker for tests/test_multiprocess.py: one of two processes, 4 CPU devices each.
+"""A worker for tests/integration/test_multiprocess.py: one of two processes, 4 CPU devices each.
 
 Also imported by the test itself, which runs the same `train` on 8 local devices.
 """

@@ -16,7 +16,7 @@ rooms, from the bottom up:
   on a hardware profile, and the search over layouts;
 - `cli`: the command.
 
-Each room's ``__init__`` says what it may import (``tests/trainer/test_layering.py``
+Each room's ``__init__`` says what it may import (``tests/test_layering.py``
 checks it). The library (`mpscale`) never imports this package.
 """
 

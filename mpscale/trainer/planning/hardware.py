@@ -43,7 +43,7 @@ A user adds a profile by writing a file of the same form and passing its path
 (``--hardware my-gpu.yaml``, ``load_hardware("my-gpu.yaml")``). There a number may
 also be bare (``hbm_bandwidth: 2.0e12``), and ``name`` (default: the file's name),
 ``description`` and ``sources`` may be left out. A new built-in profile goes in the
-folder above, every number cited or marked assumed; tests/test_hardware.py loads it.
+folder above, every number cited or marked assumed; tests/trainer/planning/test_hardware.py loads it.
 
 References:
   Each figure's source is cited in its file. A link's latency and bandwidth are the

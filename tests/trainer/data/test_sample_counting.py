@@ -3,7 +3,7 @@
 (``data.rampup_batch_size``), ``consumed_samples`` in metrics.csv, the summary and
 the checkpoints, exact resume mid-ramp, and the step across a batch-size change.
 
-The batch-size rule itself is checked against Megatron's in tests/test_samples.py."""
+The batch-size rule itself is checked against Megatron's in tests/trainer/data/test_samples.py."""
 
 import csv
 import os
@@ -24,7 +24,7 @@ from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import loader
 from mpscale.trainer.data import text as data_lib
 from mpscale.trainer.data.samples import BatchSizes
-from tests.test_schedules import megatron_lr
+from tests.library.test_schedules import megatron_lr
 
 RAMP = {"train": {"samples": 2000}, "data": {"batch_size": 32,
                                              "rampup_batch_size": [8, 8, 480]}}

@@ -14,7 +14,7 @@ from mpscale.trainer.data import text as data_lib
 from mpscale.trainer.models import lm
 from tests.helpers import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _study():

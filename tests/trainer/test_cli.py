@@ -21,7 +21,7 @@ from mpscale.trainer.runs import plots
 from mpscale.trainer.runs import progress
 from mpscale.trainer.config import load as config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FP16 = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
 FP32 = os.path.join(ROOT, "configs", "tiny_lm_fp32.yaml")
 SMALL = ["model.d_model=32", "model.num_heads=2", "model.num_layers=1", "model.d_ff=64",

@@ -15,7 +15,7 @@ import pytest
 from mpscale.trainer import cli
 from mpscale.trainer.config import load as config
 from mpscale.trainer.runs import loop
-from tests.test_cli import FP16, ROOT, SMALL, rows, sets
+from tests.trainer.test_cli import FP16, ROOT, SMALL, rows, sets
 
 DP_PP = os.path.join(ROOT, "configs", "tiny_lm_dp_pp.yaml")
 # data 2 x stage 2 on 4 devices, shrunk as in test_cli.test_data_by_stage_mesh_trains

@@ -12,7 +12,7 @@ import pytest
 import mpscale
 from mpscale.trainer.config import load as config_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CONFIG = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
 sgd = optax.sgd(0.1)
 embed, stage, head = (lambda p, b: b), (lambda lp, x: x), (lambda p, x, b: 0.0)

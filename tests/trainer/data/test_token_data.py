@@ -26,7 +26,7 @@ from mpscale.trainer.data import tokenizing
 from mpscale.trainer.data.token_files import FlatTokens, IndexedDataset, write_indexed
 from mpscale.trainer.data.token_datasets import GPTSamples
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 EOD = 0
 SMALL = {"model": {"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64,
                    "seq_len": 16},
@@ -344,7 +344,7 @@ def test_a_blend_logs_the_share_of_each_corpus(tmp_path):
 def test_sigkill_then_resume_is_bit_identical(tmp_path, monkeypatch):
   # test_resume's run on a blend of an indexed corpus (about three epochs of it:
   # killed mid-epoch) and a flat file, killed mid-blend.
-  from tests import test_resume as resume
+  from tests.trainer.runs import test_resume as resume
   a = _indexed(tmp_path / "a", _documents(4, count=30, low=20, high=60))
   b = _flat(tmp_path / "b.bin", _documents(5, count=30, low=20, high=60))
   data = {"blend": [{"path": a, "weight": 0.7}, {"path": b, "weight": 0.3}],

@@ -16,7 +16,7 @@ import mpscale.trainer
 from mpscale.trainer.runs import loop
 from mpscale.trainer.runs.metrics_log import read_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 DIGITS = os.path.join(ROOT, "examples", "digits_cnn", "config.yaml")
 FP32 = ["precision.policy=O0", "loss_scale.kind=none"]
 SHORT = ["train.steps=30", "train.log_every=10", "train.eval_every=15",

@@ -8,7 +8,7 @@ import pytest
 
 from mpscale.trainer.config import load as config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 # Every run config shipped; configs/published/runs.yaml lists published measurements
 # (docs/published_table.py), not a run.
 RUNS_LIST = os.path.join(ROOT, "configs", "published", "runs.yaml")

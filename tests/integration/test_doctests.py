@@ -16,7 +16,7 @@ import pytest
 
 import mpscale
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 MODULES = sorted(info.name for info in pkgutil.walk_packages(mpscale.__path__, "mpscale."))
 """Every module of the package; none has side effects on import (``mpscale.__main__``

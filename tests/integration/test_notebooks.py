@@ -14,7 +14,7 @@ import os
 import nbformat
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 NOTEBOOKS = {os.path.basename(p): p
              for p in sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))}
 assert len(NOTEBOOKS) >= 4, "expected the four notebooks"

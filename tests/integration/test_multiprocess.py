@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_two_processes_match_one_process(kind, tmp_path):
   port, out = helpers.free_port(), tmp_path / "result.npz"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   # No persistent compilation cache (conftest.py) for the two workers: they compile
   # the same program at the same moment, so one could read the entry the other is

@@ -17,7 +17,7 @@ import mpscale.trainer
 
 pytest.importorskip("sphinx")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from mpscale import _versions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _blocks():

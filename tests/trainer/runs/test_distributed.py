@@ -37,7 +37,7 @@ from mpscale.trainer.runs import distributed
 from mpscale.trainer.data import loader
 from tests import helpers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 EXAMPLE = os.path.join(ROOT, "examples", "nnx_transformer", "config.yaml")
 TINY_LM = os.path.join(ROOT, "configs", "tiny_lm_dp_pp.yaml")
 STEPS, EVERY = 12, 2

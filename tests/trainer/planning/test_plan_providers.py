@@ -22,7 +22,7 @@ from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.runs import loop
 from mpscale.trainer.planning import compiled as plan_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 DIGITS = os.path.join(ROOT, "examples", "digits_cnn", "config.yaml")
 TRANSFORMER = os.path.join(ROOT, "examples", "nnx_transformer", "config.yaml")
 SMALLER = {TRANSFORMER: ["model.args.num_layers=1", "data.args.train_size=512",

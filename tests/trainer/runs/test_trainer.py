@@ -20,7 +20,7 @@ from mpscale.trainer import cli
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import loader
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 EXAMPLE = os.path.join(ROOT, "examples", "nnx_transformer")
 EXAMPLE_CONFIG = os.path.join(EXAMPLE, "config.yaml")
 SMALL = ["model.args.d_model=32", "model.args.num_layers=1", "data.batch_size=8",

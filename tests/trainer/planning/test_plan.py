@@ -18,7 +18,7 @@ plan its data-parallel step several times: the persistent compilation cache
 
 def _cfg(*sets, config="configs/tiny_lm_fp16.yaml"):
   import os
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
   return config_lib.load_config(os.path.join(root, config), SMALL + list(sets))
 
 
@@ -191,7 +191,7 @@ def test_the_command_prints_the_plan_as_text_or_json(capsys):
   import json
   import os
   from mpscale.trainer import cli
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
   config = os.path.join(root, "configs", "tiny_lm_fp16.yaml")
   sets = [a for s in SMALL + ["mesh.data=8"] for a in ("--set", s)]
   assert cli.main(["plan", "--config", config, *sets, "--json",
@@ -260,7 +260,7 @@ def test_planned_peak_is_within_15_percent_of_a_real_step(tmp_path):
   import sys
   if not _peak_rss_reset():
     pytest.skip("cannot reset the peak RSS here (/proc/self/clear_refs)")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
   config = os.path.join(root, "configs", "tiny_lm_fp32_adamw.yaml")
   sets = ["mesh.data=8", "model.d_model=256", "model.d_ff=1024", "model.num_layers=4",
           "model.seq_len=128", "data.batch_size=64", "train.steps=10",

@@ -18,7 +18,7 @@ from tests import helpers
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 STEPS, EVERY = 12, 2
 SETTINGS = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
             f"train.log_every={EVERY}", f"train.eval_every={STEPS}",

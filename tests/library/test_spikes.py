@@ -371,7 +371,7 @@ def test_the_train_step_still_takes_an_optimizer_without_extra_arguments():
 
 # ---- a long ordinary run
 
-def _soak_params():  # tests/test_soak.py's
+def _soak_params():  # tests/integration/test_soak.py's
   rng = np.random.default_rng(0)
   return {"a": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
           "b": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
@@ -379,7 +379,7 @@ def _soak_params():  # tests/test_soak.py's
 
 
 def test_no_false_skip_in_10000_ordinary_steps():
-  """tests/test_soak.py's model and gradients (0.1 p + unit noise) under its dynamic
+  """tests/integration/test_soak.py's model and gradients (0.1 p + unit noise) under its dynamic
   loss scale, with the loss of a noisy quadratic: over 10,000 steps nothing is
   skipped; the same run with one 100x step skips that step only."""
   steps = 10_000

@@ -8,7 +8,7 @@ import pytest
 
 from mpscale import _versions
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _pyproject_floors():
