@@ -20,14 +20,37 @@ Each room's ``__init__`` says what it may import (``tests/test_layering.py``
 checks it). The library (`mpscale`) never imports this package.
 """
 
-from mpscale.trainer.runs.checkpoints import CheckpointError
-from mpscale.trainer.config.load import ConfigError, RunConfig, load_config
-from mpscale.trainer.data.text import TextData, load_data
-from mpscale.trainer.models.lm import TinyLM
-from mpscale.trainer.runs.loop import RunDirError, load, run, train
-from mpscale.trainer.models.user import Model
-from mpscale.trainer.runs.compare import compare
-from mpscale.trainer.planning.compiled import Plan, plan
+import importlib.util
+
+LIBRARIES = {"flax": "flax", "yaml": "PyYAML", "orbax.checkpoint": "orbax-checkpoint", "grain": "grain",
+             "rich": "rich", "matplotlib": "matplotlib", "tensorboardX": "tensorboardX",
+             "tokenizers": "tokenizers"}
+"""The trainer's own libraries (module: distribution), which ``pip install
+"mpscale[trainer]"`` installs and the library (`mpscale`) never imports."""
+
+
+def _found(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    return False
+
+
+_missing = [dist for module, dist in LIBRARIES.items() if not _found(module)]
+if _missing:
+  raise ImportError(
+      f"mpscale.trainer needs {', '.join(_missing)}, which the library alone does not "
+      "install: pip install \"mpscale[trainer]\" (in a clone: pip install -e "
+      "\".[trainer]\")")
+
+from mpscale.trainer.runs.checkpoints import CheckpointError  # noqa: E402
+from mpscale.trainer.config.load import ConfigError, RunConfig, load_config  # noqa: E402
+from mpscale.trainer.data.text import TextData, load_data  # noqa: E402
+from mpscale.trainer.models.lm import TinyLM  # noqa: E402
+from mpscale.trainer.runs.loop import RunDirError, load, run, train  # noqa: E402
+from mpscale.trainer.models.user import Model  # noqa: E402
+from mpscale.trainer.runs.compare import compare  # noqa: E402
+from mpscale.trainer.planning.compiled import Plan, plan  # noqa: E402
 
 __all__ = [
     "CheckpointError",
