@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import optax
 
@@ -110,7 +110,8 @@ def data_axes(mesh: Optional[Mesh], data_axis: AxisNames) -> tuple[str, ...]:
   """``data_axis`` as the tuple of data-parallel axes of ``mesh`` (``()`` without one).
 
   Args:
-    mesh: a ``jax.sharding.Mesh`` with Auto axes, or ``None`` for one device.
+    mesh: a ``jax.sharding.Mesh`` with Auto axes, or ``None`` for one device (or a
+      ``jax.sharding.AbstractMesh``, to build a step that is checked, not run).
     data_axis: the mesh axis the batch is split over, or a tuple of them.
 
   Returns:
@@ -124,7 +125,7 @@ def data_axes(mesh: Optional[Mesh], data_axis: AxisNames) -> tuple[str, ...]:
   """
   if mesh is None:
     return ()
-  if not isinstance(mesh, Mesh):
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
   axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis or ())
   if not axes or not all(isinstance(a, str) for a in axes):

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 import numpy as np
 import optax
 
@@ -490,6 +490,17 @@ def build_mesh(cfg: schema.RunConfig,
               axes)
 
 
+def abstract_mesh(cfg: schema.RunConfig) -> Optional[AbstractMesh]:
+  """The mesh `build_mesh` makes, as a ``jax.sharding.AbstractMesh``: its axes and
+  sizes, no devices (``None`` for a single device)."""
+  mesh = cfg.mesh
+  if mesh.num_devices == 1:
+    return None
+  sizes = dict(zip(MESH_AXES, (mesh.data, mesh.fsdp, mesh.stage, mesh.tensor)))
+  axes = tuple(axis for axis in MESH_AXES if axis == DATA_AXIS or sizes[axis] > 1)
+  return AbstractMesh(tuple(sizes[axis] for axis in axes), axes)
+
+
 def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
   """What `make_train_step` differentiates: the model's loss, or a `Pipeline`.
 
@@ -516,37 +527,16 @@ def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
 
 
 def check(cfg: schema.RunConfig) -> None:
-  """Builds what ``cfg`` describes without a mesh, devices or arrays: the precision
-  policy, the model, the optimizer (schedules, clip, loss scaling) and the pipeline,
-  and imports the providers it names. Each constructor checks its own arguments
-  (`mpscale.validation`); this is where a config's values are checked.
+  """Checks ``cfg`` by building it on shapes: `build` with ``abstract=True``, so the
+  same code checks a config and builds its run. Nothing is placed or allocated, no
+  device is needed (the mesh is abstract), and a provider (``model.provider``,
+  ``data.provider``) is imported but not called.
 
   Raises:
     ArgumentError: (`mpscale.validation`; ``ArgumentTypeError`` for a wrong type)
       whose ``names`` are the config keys at fault.
   """
-  build_policy(cfg)
-  build_grad_reduce_dtype(cfg)
-  if cfg.model.provider is None:
-    if cfg.mesh.pipeline_split is not None:
-      raise validation.ArgumentError(
-          ("mesh.pipeline_split", "model.provider"), "{0} splits an encoder-decoder; "
-          "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
-          "model (examples/t5_split)")
-    model = build_model(cfg)
-    build_loss(cfg, model)
-    if cfg.optimizer.groups:
-      check_param_groups(cfg, jax.eval_shape(model.init, jax.random.key(cfg.seed)))
-  else:  # imported now, called when the run is prepared
-    models_lib.load_object(cfg.model.provider, "model.provider")
-    for key in ("loss", "metrics"):
-      if getattr(cfg.model, key) is not None:
-        models_lib.load_object(getattr(cfg.model, key), f"model.{key}")
-  if cfg.data.provider is not None:
-    models_lib.load_object(cfg.data.provider, "data.provider")
-  build_batch_sizes(cfg)
-  check_train_steps(cfg)
-  build_optimizer(cfg)
+  build(cfg, abstract=True)
 
 
 def check_train_steps(cfg: schema.RunConfig) -> None:
@@ -631,7 +621,8 @@ def user_param_specs(cfg: schema.RunConfig, model: models_lib.Model,
 
 
 def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
-          model: Optional[models_lib.Model] = None) -> Setup:
+          model: Optional[models_lib.Model] = None,
+          abstract: bool = False) -> Optional[Setup]:
   """Model, policy, optimizer, mesh, train step and evaluation for ``cfg``.
 
   With ``mesh.stage > 1`` the loss is a `mpscale.Pipeline` and the micro-batches are
@@ -643,15 +634,39 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
     model: a user's model (`mpscale.trainer.models.user.as_model`); default: the tiny LM
       ``model`` describes. A user's loss is per token (``(loss_sum, num_tokens)``;
       a mean counts as one token), whatever ``train.per_token_loss`` says.
+    abstract: build on shapes only, to check ``cfg`` (`check`): an abstract mesh of
+      the config's sizes (no devices), nothing allocated, and the providers a config
+      names imported, not called.
+
+  Returns:
+    The `Setup`; ``None`` when ``abstract``.
 
   Raises:
     ArgumentError: (``ArgumentTypeError`` for a wrong type) naming the config keys
-      at fault (`check`).
+      at fault.
   """
   policy = build_policy(cfg)
+  reduce_dtype = build_grad_reduce_dtype(cfg)
+  build_batch_sizes(cfg)
+  check_train_steps(cfg)
   optimizer = build_optimizer(cfg)
-  mesh = build_mesh(cfg, devices)
+  if cfg.data.provider is not None:
+    models_lib.load_object(cfg.data.provider, "data.provider")
+  if model is None and cfg.model.provider is not None:
+    if not abstract:
+      raise ValueError("model.provider names a user's model: build it first "
+                       "(mpscale.trainer.runs.loop.open_model) and pass it as model=")
+    for key in ("provider", "loss", "metrics"):  # imported now, called by the run
+      if getattr(cfg.model, key) is not None:
+        models_lib.load_object(getattr(cfg.model, key), f"model.{key}")
+    return None
+  mesh = abstract_mesh(cfg) if abstract else build_mesh(cfg, devices)
   if model is None:
+    if cfg.mesh.pipeline_split is not None:
+      raise validation.ArgumentError(
+          ("mesh.pipeline_split", "model.provider"), "{0} splits an encoder-decoder; "
+          "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
+          "model (examples/t5_split)")
     model = build_model(cfg, mesh)
     loss, evaluate_fn = build_loss(cfg, model), model.loss_fn
     per_token = cfg.train.per_token_loss
@@ -664,7 +679,6 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
   if cfg.optimizer.groups:
     check_param_groups(cfg, jax.eval_shape(init_params_fn))
   pipelined = cfg.mesh.stage > 1
-  reduce_dtype = build_grad_reduce_dtype(cfg)
   init_state = getattr(model, "init_state", None)
   if (reduce_dtype is not None and init_state is not None
       and jnp.finfo(policy.compute_dtype).bits < 32):
@@ -681,6 +695,8 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
       param_specs=specs, grad_reduce_dtype=reduce_dtype),
       {"grad_reduce_dtype": "precision.grad_reduce_dtype"})
+  if abstract:
+    return None
   stochastic = getattr(model, "stochastic", False)
   metrics_fn = getattr(model, "metrics", None)
 

@@ -100,11 +100,18 @@ def check(cfg: RunConfig) -> None:
                       "too (e.g. --set schedule.warmup_steps="
                       f"{max(0, train.steps // 10)})",
                       ("train.steps", "schedule.warmup_steps"))
-  # Each section's own rules, checked by the constructors it feeds.
+  if model.provider is None:  # before the build, whose layout needs them
+    _check_model_sizes(cfg)
+  # Each section's own rules, checked by the constructors it feeds: the run built on
+  # shapes.
   errors.checked(builders.check, cfg)
   errors.checked(corpora.check, cfg)
-  if model.provider is None:
-    _check_model_sizes(cfg)
+  if (model.provider is None and mesh.virtual_stages > 1
+      and train.num_microbatches % mesh.stage):
+    raise ConfigError(f"train.num_microbatches ({train.num_microbatches}) must be "
+                      f"divisible by mesh.stage ({mesh.stage}) with "
+                      "mesh.virtual_stages > 1",
+                      ("train.num_microbatches", "mesh.stage", "mesh.virtual_stages"))
   try:
     sharding.check_batch_size(data.batch_size, mesh.data * mesh.fsdp,
                               train.num_microbatches)
@@ -173,7 +180,7 @@ def steps_from_samples(cfg: RunConfig, explicit_steps: bool = False) -> RunConfi
 
 def _check_model_sizes(cfg: RunConfig) -> None:
   """The built-in model's sizes against the data and the mesh."""
-  model, mesh, train = cfg.model, cfg.mesh, cfg.train
+  model, mesh = cfg.model, cfg.mesh
   if model.vocab_size < 256 and not corpora.uses_tokens(cfg.data):
     raise ConfigError(f"model.vocab_size: byte-level data needs >= 256, got "
                       f"{model.vocab_size}", ("model.vocab_size",))
@@ -192,11 +199,6 @@ def _check_model_sizes(cfg: RunConfig) -> None:
     raise ConfigError(f"model.seq_len ({model.seq_len}) must be divisible by "
                       f"mesh.tensor ({mesh.tensor}) with mesh.sequence_parallel",
                       ("model.seq_len", "mesh.tensor", "mesh.sequence_parallel"))
-  if mesh.virtual_stages > 1 and train.num_microbatches % mesh.stage:
-    raise ConfigError(f"train.num_microbatches ({train.num_microbatches}) must be "
-                      f"divisible by mesh.stage ({mesh.stage}) with "
-                      "mesh.virtual_stages > 1",
-                      ("train.num_microbatches", "mesh.stage", "mesh.virtual_stages"))
 
 
 def check_user_model(cfg: RunConfig) -> None:
@@ -223,10 +225,12 @@ def check_user_model(cfg: RunConfig) -> None:
 
 def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
                      overrides: Sequence[str] = (), default_name: str = "run",
-                     base_dir: Optional[str] = None) -> RunConfig:
+                     base_dir: Optional[str] = None,
+                     data_path: Optional[str] = None) -> RunConfig:
   """A checked `RunConfig` from a parsed mapping plus ``--set`` overrides: read by
-  `mpscale.trainer.config.schema.read_config` (same arguments), ``train.steps`` derived
-  from ``train.samples`` (`steps_from_samples`), then `check`.
+  `mpscale.trainer.config.schema.read_config` (same arguments), ``data.path``
+  replaced by ``data_path`` when given (the command's ``--data``), ``train.steps``
+  derived from ``train.samples`` (`steps_from_samples`), then `check`, once.
 
   Returns:
     The frozen `RunConfig`.
@@ -239,6 +243,8 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
   train = (raw or {}).get("train") if isinstance(raw, Mapping) else None
   explicit_steps = "train.steps" in touched or (isinstance(train, Mapping)
                                                and "steps" in train)
+  if data_path is not None:
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
   try:
     cfg = steps_from_samples(cfg, explicit_steps)
     check(cfg)
@@ -278,7 +284,6 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
   stem = os.path.splitext(os.path.basename(path))[0]
   cfg = config_from_dict(parse_yaml(text, source=path), source=path,
                          overrides=overrides, default_name=stem,
-                         base_dir=os.path.dirname(os.path.abspath(path)))
-  if data_path is not None:
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=data_path))
+                         base_dir=os.path.dirname(os.path.abspath(path)),
+                         data_path=data_path)
   return cfg

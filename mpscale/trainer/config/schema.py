@@ -574,23 +574,48 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
   raise TypeError(f"unsupported config field type {tp!r} at {key}")  # a bug here
 
 
-def _to_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+def read_mapping(raw: Any, prefix: str, allowed: Sequence[str],
+                 required: Sequence[str] = ()) -> Mapping:
+  """``raw``, checked to be a mapping of only ``allowed`` keys holding every
+  ``required`` one: what every section of a config, and of a hardware profile, is.
+
+  Args:
+    raw: the parsed YAML value.
+    prefix: its dotted key (``""`` at the top level); an error names ``prefix.key``.
+    allowed: the keys it may hold.
+    required: the keys it must hold.
+
+  Raises:
+    ConfigError: (`ConfigTypeError` for a value that is no mapping) naming the key:
+      an unknown one (with the closest known key), or a missing one.
+  """
   where = prefix or "the top level"
   if not isinstance(raw, Mapping):
     raise ConfigTypeError(f"{where}: expected a mapping of keys to values, got "
                           f"{raw!r} ({_type_name(raw)})", (prefix,) if prefix else ())
-  hints = typing.get_type_hints(cls)
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  kwargs = {}
-  for name, value in raw.items():
-    key = f"{prefix}.{name}" if prefix else str(name)
-    if name not in fields:
-      close = difflib.get_close_matches(str(name), list(fields), n=1)
+  dot = prefix + "." if prefix else ""
+  for name in raw:
+    if name not in allowed:
+      close = difflib.get_close_matches(str(name), list(allowed), n=1)
       hint = (f" (did you mean {close[0]!r}?)" if close
-              else f" (known keys: {', '.join(fields)})")
-      raise ConfigError(f"{key}: unknown key{hint}", (key,))
-    kwargs[name] = _convert(hints[name], value, key)
-  return cls(**kwargs)
+              else f" (known keys: {', '.join(allowed)})")
+      raise ConfigError(f"{dot}{name}: unknown key{hint}", (f"{dot}{name}",))
+  for name in required:
+    if name not in raw:
+      raise ConfigError(f"{dot}{name}: missing ({where} needs {', '.join(required)})",
+                        (f"{dot}{name}",))
+  return raw
+
+
+def _to_dataclass(cls: type, raw: Any, prefix: str) -> Any:
+  hints = typing.get_type_hints(cls)
+  fields = [f for f in dataclasses.fields(cls)]
+  required = [f.name for f in fields if f.default is dataclasses.MISSING
+              and f.default_factory is dataclasses.MISSING]
+  raw = read_mapping(raw, prefix, [f.name for f in fields], required)
+  return cls(**{name: _convert(hints[name], value,
+                               f"{prefix}.{name}" if prefix else str(name))
+                for name, value in raw.items()})
 
 
 # ------------------------------------------------------------------ reading

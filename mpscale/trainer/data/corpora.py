@@ -434,7 +434,6 @@ def token_data(cfg: schema.RunConfig, rows: Optional[tuple[int, int]] = None, *,
     ArgumentError: naming the config keys: a corpus that cannot be read, too few
       documents or tokens to split, an id beyond ``model.vocab_size``.
   """
-  _exclusive(cfg)  # again: --data may have set data.path after the config's check
   data = cfg.data
   tokenizer = data.tokenizer
   if data.tokenize is not None:

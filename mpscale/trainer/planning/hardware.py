@@ -65,6 +65,7 @@ from typing import Any, Union
 import numpy as np
 
 from mpscale import validation
+from mpscale.trainer.config import schema
 from mpscale.trainer.config.schema import ConfigError, ConfigTypeError, parse_yaml
 
 SPANS = {
@@ -334,23 +335,12 @@ class _Reader:
 
   def mapping(self, key: str, raw: Any, allowed: Sequence[str],
               required: Sequence[str] = ()) -> Mapping:
-    """``raw`` if a mapping with only ``allowed`` keys and every ``required`` one."""
-    where = key or "the file"
-    if not isinstance(raw, Mapping):
-      raise self.fail(key or "(top level)", f"expected a mapping, got "
-                      f"{type(raw).__name__}", ConfigTypeError)
-    prefix = key + "." if key else ""
-    for k in raw:
-      if k not in allowed:
-        close = difflib.get_close_matches(str(k), allowed, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise self.fail(f"{prefix}{k}", f"unknown key{hint}; {where} takes "
-                        f"{', '.join(allowed)}")
-    for k in required:
-      if k not in raw:
-        raise self.fail(f"{prefix}{k}", f"missing ({where} needs "
-                        f"{', '.join(required)})")
-    return raw
+    """``raw`` if a mapping with only ``allowed`` keys and every ``required`` one
+    (the config schema's reader, `mpscale.trainer.config.schema.read_mapping`)."""
+    try:
+      return schema.read_mapping(raw, key, allowed, required)
+    except ConfigError as e:
+      raise type(e)(f"{self.source}: {e}", e.keys) from None
 
   def hardware(self, raw: Any, stem: str) -> Hardware:
     raw = self.mapping("", raw, _TOP_KEYS, _REQUIRED_TOP)

@@ -1,5 +1,7 @@
 """The trainer's builders (mpscale.trainer.config.build): config to optimizer and step."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import errors
 from mpscale.trainer.config import load as config_lib
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 SMALL = {"model": {"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64,
                    "seq_len": 16},
          "data": {"batch_size": 4}, "train": {"steps": 10},
@@ -239,3 +242,54 @@ def test_skip_spikes_reads_from_yaml_with_defaults(tmp_path):
   cfg = config_lib.load_config(str(path))
   assert cfg.skip.spikes.watch == ("global_norm",) and cfg.skip.spikes.window == 128
   assert config_lib.load_config(str(path), ["skip.spikes=null"]).skip.spikes is None
+
+
+# ------------------------------------------------------------------ one path
+def test_the_check_is_the_build_on_shapes(monkeypatch):
+  """Loading a config builds its train step once, on an abstract mesh of the
+  config's sizes (no devices, nothing allocated); `build` builds the same step on
+  devices. One sequence: a rule only the step's builder knows is a config error."""
+  from mpscale import train_step as train_step_lib
+  seen = []
+  real = train_step_lib.make_train_step
+
+  def recording(*args, **kwargs):
+    seen.append(kwargs["mesh"])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(train_step_lib, "make_train_step", recording)
+  raw = {**SMALL, "mesh": {"data": 2, "fsdp": 2}}
+  cfg = config_lib.config_from_dict(raw)
+  assert len(seen) == 1
+  assert isinstance(seen[0], jax.sharding.AbstractMesh)
+  assert dict(seen[0].shape) == {"data": 2, "fsdp": 2}
+  builders.build(cfg, jax.devices()[:4])
+  assert isinstance(seen[1], jax.sharding.Mesh)
+  assert dict(seen[1].shape) == dict(seen[0].shape)
+  # The step's own rule (a model state with float32 gradient sums), found at load.
+  monkeypatch.setattr(train_step_lib, "make_train_step",
+                      lambda *a, **k: (_ for _ in ()).throw(ValueError("nope")))
+  with pytest.raises(config_lib.ConfigError, match=r"^<dict>: train: nope") as err:
+    config_lib.config_from_dict(raw)
+  assert err.value.keys == ("train",)
+
+
+def test_building_a_config_of_a_users_model_needs_the_model():
+  cfg = config_lib.config_from_dict({**SMALL, "model": {
+      "provider": "examples/digits_cnn/model.py:build", "loss": "examples/digits_cnn/model.py:loss"}},
+      base_dir=ROOT)
+  with pytest.raises(ValueError, match="model.provider names a user's model"):
+    builders.build(cfg)
+
+
+def test_data_path_is_checked_with_the_rest_of_the_config(tmp_path):
+  """``--data`` (``load_config(data_path=)``) replaces ``data.path`` before the one
+  check, so its conflicts are config errors at load, not at the first batch."""
+  tokens = tmp_path / "t.bin"
+  np.arange(100, dtype=np.uint16).tofile(tokens)
+  path = tmp_path / "run.yaml"
+  path.write_text(f"data:\n  tokens: {tokens}\n  token_dtype: uint16\n  eod: 0\n")
+  config_lib.load_config(path)
+  with pytest.raises(config_lib.ConfigError, match="exclusive") as err:
+    config_lib.load_config(path, data_path=str(tmp_path / "text.txt"))
+  assert set(err.value.keys) == {"data.tokens", "data.path"}
