@@ -1,4 +1,4 @@
-"""Sphinx configuration for the mpscale API reference.
+"""Sphinx configuration for mpscale's docs: the Markdown pages and the API reference.
 
 Build (``-W``: every warning is an error; tests/integration/test_docs.py runs the same command)::
 
@@ -29,11 +29,19 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
+    "myst_parser",  # the Markdown pages (guide.md, trainer.md, ...)
 ]
 
-# The sources: index.rst and api.rst (fidelity.png and conf.py are not pages).
+# The sources: index.rst, api.rst and the Markdown pages (*.md, read by myst_parser);
+# fidelity.png and the scripts are not pages.
 root_doc = "index"
 exclude_patterns = ["_build"]
+
+# ---- Markdown (myst_parser). Headings get GitHub's anchors, so a link such as
+# ``trainer.md#several-hosts`` works both here and on GitHub. Pages name the
+# repository's other files (examples/, configs/) in code spans, not links: Sphinx
+# could not resolve a link outside docs/ (a warning, so an error under -W).
+myst_heading_anchors = 3
 
 # ---- docstrings: Google style (Args/Returns/Raises/Yields/References/Example).
 napoleon_google_docstring = True

@@ -1,4 +1,4 @@
-"""Prints the README's table of `mpscale plan --hardware` against the per-GPU
+"""Prints docs/planning.md's table of `mpscale plan --hardware` against the per-GPU
 throughputs that others measured (configs/published/runs.yaml).
 
 ::

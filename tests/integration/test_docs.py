@@ -1,7 +1,9 @@
-"""The API reference builds with Sphinx, warnings as errors, and documents every export.
+"""The docs build with Sphinx, warnings as errors: every Markdown page of docs/ and the
+API reference, which documents every export.
 
 Runs the same command as CI (``sphinx-build -W --keep-going -b html docs <out>``);
-skipped when Sphinx is not installed (``pip install -e ".[docs]"``).
+skipped when Sphinx or myst-parser is not installed (``pip install -e ".[docs]"``).
+The pages' code blocks are run by tests/integration/test_readme.py.
 """
 
 import os
@@ -16,6 +18,7 @@ import mpscale
 import mpscale.trainer
 
 pytest.importorskip("sphinx")
+pytest.importorskip("myst_parser")  # the Markdown pages
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,3 +64,14 @@ def test_every_public_name_is_documented(built_docs):
   assert not undocumented, (
       f"exported by mpscale/trainer/__init__.py but missing from docs/api.rst: "
       f"{undocumented}")
+
+
+def test_every_markdown_page_is_built(built_docs):
+  # -W already fails on a page left out of the toctree; this checks the build saw them.
+  pages = sorted(p.stem for p in (ROOT / "docs").glob("*.md"))
+  assert {"guide", "trainer", "data", "pipelines", "planning", "guarantees",
+          "architecture"} <= set(pages)
+  for page in pages:
+    assert (built_docs / f"{page}.html").exists(), page
+  index = (built_docs / "index.html").read_text(encoding="utf-8")
+  assert all(f'href="{page}.html"' in index for page in pages), index

@@ -404,8 +404,9 @@ def test_tokenize_round_trips_text_through_a_trained_bpe(tmp_path, capsys):
 
 
 def test_tokenize_refuses_to_write_over_a_corpus_or_a_tokenizer(tmp_path, capsys):
-  """Issue #42: the README's two tokenize blocks into one folder replaced a 1,024-id
-  tokenizer with a 512-id one, and the first corpus then decoded garbage. Writing
+  """Issue #42: the two tokenize blocks of the README (now docs/data.md) into one
+  folder replaced a 1,024-id tokenizer with a 512-id one, and the first corpus then
+  decoded garbage. Writing
   over a tokenizer.json or a corpus is refused before anything is written, naming
   the flag; --overwrite allows it."""
   (tmp_path / "in.txt").write_text("\n\n".join(TEXTS), encoding="utf-8")

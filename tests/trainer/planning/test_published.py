@@ -1,6 +1,6 @@
-"""The published runs (configs/published/runs.yaml) against the README's table: every
-run is in the table, the runs said to agree are within the band, and one run planned
-afresh gives the table's numbers."""
+"""The published runs (configs/published/runs.yaml) against the table of
+docs/planning.md: every run is in the table, the runs said to agree are within the
+band, and one run planned afresh gives the table's numbers."""
 
 import os
 
@@ -12,9 +12,9 @@ from tests.helpers import ROOT, load_script
 TABLE = load_script("docs", "published_table.py")
 
 
-def _readme_rows():
-  """The README's published-run table: name -> its cells."""
-  with open(os.path.join(ROOT, "README.md")) as f:
+def _table_rows():
+  """docs/planning.md's published-run table: name -> its cells."""
+  with open(os.path.join(ROOT, "docs", "planning.md")) as f:
     lines = [line for line in f if line.startswith("| megatron_")]
   rows = {}
   for line in lines:
@@ -23,8 +23,8 @@ def _readme_rows():
   return rows
 
 
-def test_every_published_run_is_in_the_readme_within_the_band_or_explained():
-  rows = _readme_rows()
+def test_every_published_run_is_in_the_table_within_the_band_or_explained():
+  rows = _table_rows()
   runs = TABLE.runs()
   assert len(runs) >= 4
   for run in runs:
@@ -58,15 +58,15 @@ def test_megatron_eq3_counts_the_papers_flops():
   assert 137e12 * 32 == pytest.approx(4.4e15, rel=0.01)
 
 
-@pytest.mark.slow  # the README's numbers are the newest releases' compile
-def test_one_run_planned_afresh_gives_the_readme_numbers():
+@pytest.mark.slow  # the table's numbers are the newest releases' compile
+def test_one_run_planned_afresh_gives_the_table_numbers():
   """Megatron's 1.7B on 32 simulated A100s (about 10 s), planned now, against the
-  README's row: the estimate within 2% (the CPU compiler's fusion may move a term
+  table's row: the estimate within 2% (the CPU compiler's fusion may move a term
   slightly between JAX releases), the ratio within the band."""
   run = TABLE.runs()[0]
   assert run["config"] == "megatron_1.7b.yaml"
   row = TABLE.plan_row(run)
-  cells = _readme_rows()["megatron_1.7b"]
+  cells = _table_rows()["megatron_1.7b"]
   assert row["estimate"] == pytest.approx(float(cells[4]), rel=0.02)
   assert row["ratio"] == pytest.approx(float(cells[5]), abs=0.02)
   assert TABLE.BAND[0] <= row["ratio"] <= TABLE.BAND[1]

@@ -379,13 +379,13 @@ def test_distributed_without_a_cluster_says_what_to_pass(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_the_readme_recipe_for_two_processes_is_what_the_tests_run():
+def test_the_docs_recipe_for_two_processes_is_what_the_tests_run():
   import re
   import shlex
   from mpscale.trainer import cli
-  with open(os.path.join(ROOT, "README.md")) as f:
-    readme = f.read()
-  section = readme[readme.index("## Several hosts"):]
+  with open(os.path.join(ROOT, "docs", "trainer.md")) as f:
+    page = f.read()
+  section = page[page.index("## Several hosts"):]
   block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
   command = re.search(r"(mpscale train .*?)&\n", block.replace("\\\n", " "),
                       flags=re.S).group(1)
