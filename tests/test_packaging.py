@@ -64,6 +64,8 @@ except ImportError as e:
   print("TRAINER:", e)
 else:
   raise AssertionError("the trainer imported without its libraries")
+from mpscale.__main__ import main  # the `mpscale` command
+assert main(["--help"]) == 1
 """
 
 
@@ -74,6 +76,8 @@ def test_the_library_runs_without_the_trainers_libraries_and_the_trainer_says_wh
       capture_output=True, text=True, cwd=PACKAGE.parent)
   assert result.returncode == 0, result.stdout + result.stderr
   message = result.stdout.split("TRAINER:", 1)[1]
+  # The command says the same in one line, without a traceback.
+  assert result.stderr.strip().splitlines() == [f"mpscale: {message.strip()}"]
   assert 'pip install "mpscale[trainer]"' in message
   for dist in mpscale.trainer.LIBRARIES.values():
     assert dist in message, dist
