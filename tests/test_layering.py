@@ -85,7 +85,7 @@ BOTTOM = ("config.errors", "runs.progress", "runs.devices",
 """Modules that import nothing of the trainer."""
 TRAINER_LAYERS = (
     ("config.errors", "runs.devices", "runs.progress", "runs.metrics_log",
-     "runs.checkpoints", "data.text", "data.token_files", "data.samples", "models.lm",
+     "runs.checkpoints", "data.text", "data.token_files", "data.batch_sizes", "models.lm",
      "models.user"),
     ("config.schema",),
     ("data.loader", "runs.plots", "data.token_datasets", "data.tokenizing",

@@ -40,7 +40,7 @@ from mpscale.trainer.config import errors
 from mpscale.trainer.config import schema
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.models import user as models_lib
-from mpscale.trainer.data import samples as samples_lib
+from mpscale.trainer.data import batch_sizes as samples_lib
 from mpscale import gradients as gradients_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib
@@ -117,9 +117,9 @@ def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
   return errors.keyed("mesh", lambda: model.param_specs(mesh), errors.fields("model", cfg.model))
 
 
-def build_batch_sizes(cfg: schema.RunConfig) -> samples_lib.BatchSizes:
+def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:
   """The global batch size of each step: ``data.batch_size``, after
-  ``data.rampup_batch_size``'s ramp-up (`mpscale.trainer.data.samples.BatchSizes`).
+  ``data.rampup_batch_size``'s ramp-up (`mpscale.trainer.data.batch_sizes.BatchSizes`).
 
   Raises:
     ArgumentError: naming ``data.rampup_batch_size`` for a ramp that does not climb
@@ -131,14 +131,14 @@ def build_batch_sizes(cfg: schema.RunConfig) -> samples_lib.BatchSizes:
     raise validation.ArgumentError(
         ("data.rampup_batch_size", "train.samples"), "{0} needs {1}: a ramp-up is "
         "counted in samples, so the run is too (set {1}; train.steps follows)")
-  return errors.keyed("data.rampup_batch_size", lambda: samples_lib.BatchSizes(
+  return errors.keyed("data.rampup_batch_size", lambda: batch_sizes_lib.BatchSizes(
       data.batch_size, data.rampup_batch_size),
                 {"batch_size": "data.batch_size", "rampup": "data.rampup_batch_size"})
 
 
 def train_steps(cfg: schema.RunConfig) -> int:
   """The steps of the run: ``train.steps``, or with ``train.samples`` the steps
-  that consume them (`mpscale.trainer.data.samples.BatchSizes.steps_for`).
+  that consume them (`mpscale.trainer.data.batch_sizes.BatchSizes.steps_for`).
 
   Raises:
     ArgumentError: naming ``train.samples`` (or the batch keys, `build_batch_sizes`).

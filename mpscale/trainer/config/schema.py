@@ -122,7 +122,7 @@ class DataConfig:
   rampup_batch_size: Optional[tuple[int, int, int]] = None
   """Megatron's ``--rampup-batch-size``, ``[start, increment, ramp_samples]``: the
   global batch starts at ``start`` rows and grows by ``increment`` over the first
-  ``ramp_samples`` samples to ``batch_size`` (`mpscale.trainer.data.samples`); needs
+  ``ramp_samples`` samples to ``batch_size`` (`mpscale.trainer.data.batch_sizes`); needs
   ``train.samples``. Every size must split over the data replicas and micro-batches
   as ``batch_size`` does; the train step compiles once per size."""
   eval_batches: int = 8
@@ -394,7 +394,7 @@ class TrainConfig:
   samples: Optional[int] = None
   """Train on this many samples (rows of global batches; Megatron's
   ``train_samples``): the run ends at the first step whose samples reach it, and
-  ``steps`` is that step count (`mpscale.trainer.data.samples.BatchSizes.steps_for`).
+  ``steps`` is that step count (`mpscale.trainer.data.batch_sizes.BatchSizes.steps_for`).
   Megatron-LM instead drops a partial last batch and may stop short of it."""
   num_microbatches: int = 1
   """Gradient accumulation, or the pipeline's micro-batches when ``mesh.stage`` > 1."""

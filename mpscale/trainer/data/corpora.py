@@ -62,7 +62,7 @@ import numpy as np
 from mpscale import validation
 from mpscale.trainer.config import errors
 from mpscale.trainer.data import loader
-from mpscale.trainer.data import samples as samples_lib
+from mpscale.trainer.data import batch_sizes as samples_lib
 from mpscale.trainer.config import schema
 from mpscale.trainer.data import token_files
 from mpscale.trainer.data import tokenizing
@@ -375,7 +375,7 @@ def _samples(cfg: schema.RunConfig, corpora: list[_Corpus], eod: Optional[int],
                  reset_attention_mask=data.reset_attention_mask)
   part = (lambda c: c.held_out) if held_out else (lambda c: c.train)
   # The samples of the whole run: train.steps x data.batch_size, or a ramp-up's.
-  count = samples_lib.BatchSizes(
+  count = batch_sizes_lib.BatchSizes(
       cfg.data.batch_size, cfg.data.rampup_batch_size).consumed_at(cfg.train.steps)
   if not data.blend:
     c = corpora[0]

@@ -26,7 +26,7 @@ to ``i * batch_size + stop``, batched as blocks of ``stop - start`` and strided
 (``ds.batch(stop - start)[start // size :: batch_size // size]``), so the processes
 together read exactly the batches one process would.
 
-With a **batch-size ramp-up** (``data.rampup_batch_size``, `mpscale.trainer.data.samples`)
+With a **batch-size ramp-up** (``data.rampup_batch_size``, `mpscale.trainer.data.batch_sizes`)
 step ``i``'s global batch has ``n = size_at(i)`` rows: the text's windows of
 ``(seed, i, n)``, or the next ``n`` examples of the stream, ``consumed_at(i)``
 onward (`RampedBatches`); a process reads the same share of it as of a full batch,
@@ -46,7 +46,7 @@ import numpy as np
 
 from mpscale import validation
 from mpscale.trainer.data import text as data_lib
-from mpscale.trainer.data import samples as samples_lib
+from mpscale.trainer.data import batch_sizes as samples_lib
 
 _READ = dict(num_threads=1, prefetch_buffer_size=2)
 """One background thread reads up to two batches ahead of the step."""
@@ -75,7 +75,7 @@ class TrainBatches:
 
   def __init__(self, text: data_lib.TextData, seed: int, batch_size: int,
                seq_len: int, rows: Optional[tuple[int, int]] = None,
-               sizes: Optional[samples_lib.BatchSizes] = None):
+               sizes: Optional[batch_sizes_lib.BatchSizes] = None):
     self.text, self.seed = text, seed
     self.batch_size, self.seq_len = batch_size, seq_len
     self.rows = slice(*rows) if rows is not None else slice(None)
@@ -119,7 +119,7 @@ class Data:
   ``None`` for one source."""
   tokenizer: Optional[str] = None
   """The ``tokenizer.json`` its tokens decode with; ``None``: bytes (or unknown)."""
-  sizes: Optional[samples_lib.BatchSizes] = None
+  sizes: Optional[batch_sizes_lib.BatchSizes] = None
   """The global batch size of each step (a ramp-up's); ``None``: ``batch_size``."""
 
   def size_at(self, step: int) -> int:
@@ -175,11 +175,11 @@ class SourceShares:
   """
 
   def __init__(self, names: Sequence[str], source_index: np.ndarray, batch_size: int,
-               steps: int, sizes: Optional[samples_lib.BatchSizes] = None):
+               steps: int, sizes: Optional[batch_sizes_lib.BatchSizes] = None):
     self.names = tuple(names)
     self.batch_size = batch_size
     if sizes is None:
-      sizes = samples_lib.BatchSizes(batch_size)
+      sizes = batch_sizes_lib.BatchSizes(batch_size)
     self.consumed = np.array([sizes.consumed_at(s) for s in range(steps + 1)],
                              np.int64)
     """int64 ``[steps + 1]``: examples of the first ``step`` steps."""
@@ -239,12 +239,12 @@ def text_data(text: data_lib.TextData, cfg: Any,
               sizes=sizes)
 
 
-def batch_sizes(cfg: Any) -> Optional[samples_lib.BatchSizes]:
+def batch_sizes(cfg: Any) -> Optional[batch_sizes_lib.BatchSizes]:
   """The batch sizes of ``data.rampup_batch_size``'s ramp-up (the config checked
   them); ``None`` without one."""
   rampup = getattr(cfg.data, "rampup_batch_size", None)
   sizes = (None if rampup is None
-           else samples_lib.BatchSizes(cfg.data.batch_size, rampup))
+           else batch_sizes_lib.BatchSizes(cfg.data.batch_size, rampup))
   return sizes if sizes is not None and sizes.ramped else None
 
 
@@ -260,7 +260,7 @@ class RampedBatches:
     rows: the rows ``[start, stop)`` of a full batch this process reads.
   """
 
-  def __init__(self, examples: Any, sizes: samples_lib.BatchSizes,
+  def __init__(self, examples: Any, sizes: batch_sizes_lib.BatchSizes,
                rows: tuple[int, int]):
     self.examples, self.sizes, self.rows = examples, sizes, rows
 

@@ -3,7 +3,7 @@
 (``data.rampup_batch_size``), ``consumed_samples`` in metrics.csv, the summary and
 the checkpoints, exact resume mid-ramp, and the step across a batch-size change.
 
-The batch-size rule itself is checked against Megatron's in tests/trainer/data/test_samples.py."""
+The batch-size rule itself is checked against Megatron's in tests/trainer/data/test_batch_sizes.py."""
 
 import csv
 import os
@@ -23,7 +23,7 @@ from mpscale.trainer.runs import checkpoints
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import loader
 from mpscale.trainer.data import text as data_lib
-from mpscale.trainer.data.samples import BatchSizes
+from mpscale.trainer.data.batch_sizes import BatchSizes
 from tests.library.test_schedules import megatron_lr
 
 RAMP = {"train": {"samples": 2000}, "data": {"batch_size": 32,

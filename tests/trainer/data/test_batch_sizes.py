@@ -1,4 +1,4 @@
-"""Training counted in samples (mpscale.trainer.data.samples): Megatron's batch-size ramp-up,
+"""Training counted in samples (mpscale.trainer.data.batch_sizes): Megatron's batch-size ramp-up,
 against a step-by-step simulation of its rule and against Megatron-Core's own
 calculator when installed."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mpscale
-from mpscale.trainer.data.samples import BatchSizes
+from mpscale.trainer.data.batch_sizes import BatchSizes
 
 
 def _simulate(batch_size, rampup, steps):
