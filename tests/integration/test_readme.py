@@ -77,6 +77,10 @@ def _check_pipelines(namespace, code):
   assert spec == eval(stated, {"PartitionSpec": PartitionSpec, "P": PartitionSpec})  # noqa: S307
   assert spec == PartitionSpec("fsdp", "tensor")
   assert not bool(namespace["sharded_metrics"]["overflow"])
+  # The pipeline's loss is the unpipelined model's.
+  assert "# the same loss" in code
+  plain = namespace["head_fn"](namespace["params"], namespace["x"], namespace["batch"])
+  assert float(namespace["pipe_metrics"]["loss"]) == pytest.approx(float(plain), rel=1e-5)
 
 
 CHECKS = {
