@@ -155,48 +155,44 @@ def _version_text() -> str:
       f"{n}>={v}" for n, v in _versions.FLOORS.items()) + ")"
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      prog="mpscale", description=(
-          "Mixed-precision and parallel training for JAX: train a config (the "
-          "built-in tiny LM, or your model and data), compare configs, plan a run on "
-          "hardware you do not have, evaluate or sample a run, tokenize text."))
-  parser.add_argument("--version", action="version", version=_version_text())
-  sub = parser.add_subparsers(dest="command", required=True)
+def _run_flags(command: argparse.ArgumentParser) -> None:
+  """The flags of the commands that train (``train``, ``compare``): overrides, data,
+  devices, resume, progress, and joining a run across processes (hosts)."""
+  command.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
+                       help="override a config value (parsed as YAML); repeatable")
+  command.add_argument("--data", metavar="PATH",
+                       help="a text file or folder instead of the embedded corpus")
+  command.add_argument("--devices", type=int, metavar="N", help=(
+      "simulate N devices on CPU (XLA host platform device count)"))
+  group = command.add_mutually_exclusive_group()
+  group.add_argument("--resume", action="store_true",
+                     help="continue the run(s) from the latest checkpoint")
+  group.add_argument("--overwrite", action="store_true",
+                     help="replace the files of an existing run")
+  command.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                       default=None, help="show a progress bar (default: on a terminal)")
+  command.add_argument("--quiet", action="store_true", help="print only errors")
+  hosts = command.add_argument_group(
+      "several processes (hosts)",
+      "start the same command on every host; see mpscale.trainer.runs.distributed")
+  hosts.add_argument("--distributed", action="store_true", help=(
+      "join a multi-process run, finding the peers from the cluster (SLURM, Open "
+      "MPI, Cloud TPU, Kubernetes) or the flags and JAX_* variables below"))
+  hosts.add_argument("--coordinator", metavar="HOST:PORT", help=(
+      "process 0's address (default: $JAX_COORDINATOR_ADDRESS or detected)"))
+  hosts.add_argument("--num-processes", type=int, metavar="N",
+                     help="processes in the run (default: $JAX_NUM_PROCESSES)")
+  hosts.add_argument("--process-id", type=int, metavar="I",
+                     help="this process's id, 0..N-1 (default: $JAX_PROCESS_ID)")
+  hosts.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS", help=(
+      "a process that stops answering for this long counts as dead and every other "
+      "process stops (default: JAX's, 100)"))
+  hosts.add_argument("--initialization-timeout", type=int, metavar="SECONDS",
+                     help="how long to wait for every process to join (default 300)")
 
-  def common(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
-                         help="override a config value (parsed as YAML); repeatable")
-    command.add_argument("--data", metavar="PATH",
-                         help="a text file or folder instead of the embedded corpus")
-    command.add_argument("--devices", type=int, metavar="N", help=(
-        "simulate N devices on CPU (XLA host platform device count)"))
-    group = command.add_mutually_exclusive_group()
-    group.add_argument("--resume", action="store_true",
-                       help="continue the run(s) from the latest checkpoint")
-    group.add_argument("--overwrite", action="store_true",
-                       help="replace the files of an existing run")
-    command.add_argument("--progress", action=argparse.BooleanOptionalAction,
-                         default=None, help="show a progress bar (default: on a terminal)")
-    command.add_argument("--quiet", action="store_true", help="print only errors")
-    hosts = command.add_argument_group(
-        "several processes (hosts)",
-        "start the same command on every host; see mpscale.trainer.runs.distributed")
-    hosts.add_argument("--distributed", action="store_true", help=(
-        "join a multi-process run, finding the peers from the cluster (SLURM, Open "
-        "MPI, Cloud TPU, Kubernetes) or the flags and JAX_* variables below"))
-    hosts.add_argument("--coordinator", metavar="HOST:PORT", help=(
-        "process 0's address (default: $JAX_COORDINATOR_ADDRESS or detected)"))
-    hosts.add_argument("--num-processes", type=int, metavar="N",
-                       help="processes in the run (default: $JAX_NUM_PROCESSES)")
-    hosts.add_argument("--process-id", type=int, metavar="I",
-                       help="this process's id, 0..N-1 (default: $JAX_PROCESS_ID)")
-    hosts.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS", help=(
-        "a process that stops answering for this long counts as dead and every other "
-        "process stops (default: JAX's, 100)"))
-    hosts.add_argument("--initialization-timeout", type=int, metavar="SECONDS",
-                       help="how long to wait for every process to join (default 300)")
 
+def _train_command(sub: Any) -> None:
+  """``mpscale train``: train one config."""
   train_cmd = sub.add_parser("train", help="train one config")
   train_cmd.add_argument("--config", required=True, help="the run's YAML config")
   train_cmd.add_argument("--out", help="the run's folder (default runs/<config name>, "
@@ -204,7 +200,11 @@ def _parser() -> argparse.ArgumentParser:
   train_cmd.add_argument("--step", type=int, metavar="N", help=(
       "with --resume: continue from the checkpoint of step N, not the latest (the "
       "later ones are deleted)"))
-  common(train_cmd)
+  _run_flags(train_cmd)
+
+
+def _compare_command(sub: Any) -> None:
+  """``mpscale compare``: train several configs, plot and tabulate them."""
   compare_cmd = sub.add_parser("compare",
                                help="train several configs, plot and tabulate them")
   compare_cmd.add_argument("configs", nargs="+", help="YAML configs")
@@ -212,7 +212,11 @@ def _parser() -> argparse.ArgumentParser:
                            "(default runs/compare, plus +<overrides> with --set)")
   compare_cmd.add_argument("--plot", metavar="PNG",
                            help="also copy the comparison plot here")
-  common(compare_cmd)
+  _run_flags(compare_cmd)
+
+
+def _plan_command(sub: Any) -> None:
+  """``mpscale plan``: compile a config's step from shapes, estimate and search."""
   plan_cmd = sub.add_parser("plan", help=(
       "compile one config's step for its mesh from shapes only and print per-device "
       "memory, FLOPs, collectives and the pipeline bubble"))
@@ -239,6 +243,10 @@ def _parser() -> argparse.ArgumentParser:
       "--search: cache compiled plans here (default ~/.cache/mpscale/plans); "
       "'none' for no cache"))
   plan_cmd.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _run_commands(sub: Any) -> None:
+  """``mpscale eval`` and ``mpscale sample``: use a run's checkpoint."""
   evaluate_cmd = sub.add_parser("eval", help="evaluate a run's latest checkpoint")
   evaluate_cmd.add_argument("run", help="the run's folder")
   sample_cmd = sub.add_parser("sample",
@@ -257,6 +265,10 @@ def _parser() -> argparse.ArgumentParser:
     command.add_argument("--devices", type=int, metavar="N", help=(
         "use at most N devices, simulating them on CPU (default: the devices JAX "
         "has); a run whose mesh needs more is rebuilt on one device"))
+
+
+def _tokenize_command(sub: Any) -> None:
+  """``mpscale tokenize``: text or JSON-lines to a token dataset."""
   tokenize_cmd = sub.add_parser("tokenize", help=(
       "turn text or JSON-lines into a token dataset (data.tokens) with a Hugging "
       "Face tokenizer"))
@@ -285,6 +297,19 @@ def _parser() -> argparse.ArgumentParser:
   tokenize_cmd.add_argument("--progress", action=argparse.BooleanOptionalAction,
                             default=None,
                             help="show a progress bar (default: on a terminal)")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="mpscale", description=(
+          "Mixed-precision and parallel training for JAX: train a config (the "
+          "built-in tiny LM, or your model and data), compare configs, plan a run on "
+          "hardware you do not have, evaluate or sample a run, tokenize text."))
+  parser.add_argument("--version", action="version", version=_version_text())
+  sub = parser.add_subparsers(dest="command", required=True)
+  for add in (_train_command, _compare_command, _plan_command, _run_commands,
+              _tokenize_command):
+    add(sub)
   return parser
 
 

@@ -40,7 +40,7 @@ from mpscale.trainer.config import errors
 from mpscale.trainer.config import schema
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.models import user as models_lib
-from mpscale.trainer.data import batch_sizes as samples_lib
+from mpscale.trainer.data import batch_sizes as batch_sizes_lib
 from mpscale import gradients as gradients_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib

@@ -62,7 +62,7 @@ import numpy as np
 from mpscale import validation
 from mpscale.trainer.config import errors
 from mpscale.trainer.data import loader
-from mpscale.trainer.data import batch_sizes as samples_lib
+from mpscale.trainer.data import batch_sizes as batch_sizes_lib
 from mpscale.trainer.config import schema
 from mpscale.trainer.data import token_files
 from mpscale.trainer.data import tokenizing

@@ -46,7 +46,7 @@ import numpy as np
 
 from mpscale import validation
 from mpscale.trainer.data import text as data_lib
-from mpscale.trainer.data import batch_sizes as samples_lib
+from mpscale.trainer.data import batch_sizes as batch_sizes_lib
 
 _READ = dict(num_threads=1, prefetch_buffer_size=2)
 """One background thread reads up to two batches ahead of the step."""
