@@ -336,8 +336,8 @@ class ScheduleConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The device mesh: ``data x fsdp x stage x tensor`` devices (see the README's layout
-  table)."""
+  """The device mesh: ``data x fsdp x stage x tensor`` devices (see the layout table
+  of docs/pipelines.md)."""
   data: int = 1
   """Data-parallel replicas: the batch is split, the parameters are replicated."""
   fsdp: int = 1
