@@ -33,15 +33,19 @@ The code reads the same way (the pseudocode's ``r, c, R, C, m`` are ``v_row, v_c
 s_row, s_col, mu``; the state keeps ``s_row, s_col`` as ``instability_row,
 instability_col``)::
 
-  b2 = beta2_at(count, dtype)
-  factored_update(g, mu, v_row, v_col, s_row, s_col, b2):     # rank >= 2
-    v_row, v_col = moving averages of row_sq, col_sq (+ eps_sq)
-    c = rsqrt(v_col);  a = _rms_factor(v_row) * inv_scale / max(rms / clip_threshold, 1)
+  scale_by_came: init _init_state, update _update  # hp: its checked arguments
+  _leaf_update(hp, g, ..., count):                # each leaf, g in the compute dtype
+    b2 = _beta2_at(hp, count, dtype)
+    _factored_update(...) if rank >= 2 else _full_update(...)
+  _factored_update(hp, g, mu, v_row, v_col, s_row, s_col, b2):
+    v_row, v_col = _factored_second_moment(hp, g, v_row, v_col, b2)  # g^2 + eps_sq
+    a, c = _clipped_factors(hp, g, v_row, v_col)   # c = rsqrt(v_col), a =
+        # _rms_factor(v_row) * inv_scale / max(rms / clip_threshold, 1)
     u = g * a (x) c                              # g still scaled: 1 / scale is in a
-    mu, mu_f = store(beta1 * mu + (1 - beta1) * u)   # mu_f: as read back (compression)
-    s_row, s_col = moving averages of res_row, res_col (+ eps_instability)
+    mu, mu_f = _store(hp, beta1 * mu + (1 - beta1) * u)  # mu_f: as read back
+    s_row, s_col = _factored_instability(hp, g, a, c, mu_f, s_row, s_col)
     d = mu_f * _rms_factor(s_row) (x) rsqrt(s_col)
-  full_update(g, mu, v, b2)                                    # rank 0 and 1
+  _full_update(hp, g, mu, v, b2)                                     # rank 0 and 1
   came = chain(scale_by_came, optax.add_decayed_weights,
                _scale_by_came_learning_rate)                   # lr = lr_at(count)
 
@@ -188,6 +192,183 @@ def _rms_factor(row: jax.Array) -> jax.Array:
   return lax.rsqrt(row / jnp.mean(row, axis=-1, keepdims=True))
 
 
+class _Hyperparameters(NamedTuple):
+  """`scale_by_came`'s arguments, checked, as its step uses them."""
+  eps_sq: float
+  """``eps[0]``, added to ``g^2``."""
+  eps_instability: float
+  """``eps[2]``, added to the instability ``(u - m)^2``."""
+  clip_threshold: float
+  beta1: float
+  beta2: Optional[float]
+  """The constant second-moment coefficient, or ``None`` for ``decay_rate``'s."""
+  decay_rate: Optional[float]
+  beta3: float
+  store_dtype: Optional[jnp.dtype]
+  """The compression dtype the momentum (and ``v``) are stored in, or ``None``."""
+  inv_scale: float
+  """``1 / loss_scale``."""
+
+
+def _init_leaf(p: Any, store_dtype: Optional[jnp.dtype]) -> tuple[jax.Array, ...]:
+  """One leaf's ``(mu, v_row, v_col, v, instability_row, instability_col)``, zeros:
+  the factored statistics for rank >= 2, ``v`` for rank 0 and 1, a placeholder
+  (`_unused`) for the others."""
+  p = jnp.asarray(p)
+  cdt = _compute_dtype(p.dtype)
+  mdt = store_dtype or cdt
+  # zeros_like keeps the parameter's sharding (under an explicit-sharding mesh, its
+  # type); the factored statistics take that of the reduction the update makes, so
+  # the state's types do not change after a step.
+  mu = jnp.zeros_like(p, dtype=mdt)
+  if p.ndim >= 2:
+    # Separate arrays for every field, so that the state can be donated.
+    row = lambda: jnp.zeros_like(jnp.sum(p, axis=-1), dtype=cdt)  # noqa: E731
+    col = lambda: jnp.zeros_like(jnp.sum(p, axis=-2), dtype=cdt)  # noqa: E731
+    return mu, row(), col(), _unused(mdt), row(), col()
+  return (mu, _unused(cdt), _unused(cdt), jnp.zeros_like(p, dtype=mdt), _unused(cdt),
+          _unused(cdt))
+
+
+def _init_state(params: Any, store_dtype: Optional[jnp.dtype]) -> ScaleByCameState:
+  """`scale_by_came`'s initial state: step 0 and `_init_leaf`'s zeros, each field a
+  tree like ``params``."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  per_leaf = [_init_leaf(p, store_dtype) for p in leaves]
+  trees = [treedef.unflatten(t) for t in zip(*per_leaf)] if leaves else [params] * 6
+  return ScaleByCameState(jnp.zeros((), jnp.int32), *trees)
+
+
+def _beta2_at(hp: _Hyperparameters, t: jax.Array, dtype) -> jax.Array:
+  """The second-moment coefficient of step ``t``: ``beta2``, or Adafactor's
+  ``1 - t ** -decay_rate``."""
+  if hp.beta2 is not None:
+    return jnp.asarray(hp.beta2, dtype)
+  return 1.0 - t.astype(dtype) ** (-hp.decay_rate)
+
+
+def _store(hp: _Hyperparameters, mu: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The momentum as stored (compressed when asked), and as read back for the rest of
+  the step."""
+  if hp.store_dtype is None:
+    return mu, mu
+  stored = _pack(mu, hp.store_dtype, 0.0)
+  return stored, stored.astype(mu.dtype)
+
+
+# Every gradient-sized expression in the factored update has a single consumer, so XLA
+# fuses it into that consumer and the step allocates no gradient-sized temporary (on
+# CPU a fresh temporary costs more than the arithmetic: its pages are faulted in at
+# every step). Hence the sums of squares are written in forms XLA cannot merge into
+# one shared array (|g|*|g| is g*g; |a| and max(a, 0) are a, for a > 0), and each
+# reduction broadcasts its own copy of the factors.
+
+def _factored_second_moment(hp: _Hyperparameters, g: jax.Array, v_row: jax.Array,
+                            v_col: jax.Array, b2: jax.Array
+                           ) -> tuple[jax.Array, jax.Array]:
+  """The moving averages ``v_row, v_col`` of the row and column means of ``g^2 +
+  eps[0]``, ``g`` still multiplied by the loss scale."""
+  rows, cols = g.shape[-2], g.shape[-1]
+  sq = hp.inv_scale * hp.inv_scale
+  row_sq = jnp.sum(g * g, axis=-1) * (sq / cols)
+  col_sq = jnp.sum(jnp.abs(g) * jnp.abs(g), axis=-2) * (sq / rows)
+  v_row = b2 * v_row + (1.0 - b2) * (row_sq + hp.eps_sq)
+  v_col = b2 * v_col + (1.0 - b2) * (col_sq + hp.eps_sq)
+  return v_row, v_col
+
+
+def _clipped_factors(hp: _Hyperparameters, g: jax.Array, v_row: jax.Array,
+                     v_col: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(a, c)`` with the clipped update ``u = g * a (x) c``: the row factor ``a``
+  holds the normalized ``rsqrt(v_row)``, ``1 / loss_scale`` and the RMS clip, ``c``
+  is ``rsqrt(v_col)``."""
+  r, c = _rms_factor(v_row), lax.rsqrt(v_col)
+  # sum(u^2) for u = g * r (x) c without forming u: sum_i r_i^2 sum_j g_ij^2 c_j^2.
+  u_sq = jnp.sum(jnp.square(r) * jnp.sum(g * jnp.square(c)[..., None, :] * g, -1))
+  sq = hp.inv_scale * hp.inv_scale
+  rms = jnp.sqrt(u_sq * sq / g.size)
+  return r * (hp.inv_scale / jnp.maximum(rms / hp.clip_threshold, 1.0)), c
+
+
+def _factored_instability(hp: _Hyperparameters, g: jax.Array, a: jax.Array,
+                          c: jax.Array, mu_f: jax.Array, s_row: jax.Array,
+                          s_col: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The moving averages ``s_row, s_col`` of the row and column means of the
+  instability ``(u - mu)^2 + eps[2]``, ``u = g * a (x) c``."""
+  res_row = jnp.mean(jnp.square(
+      g * jnp.abs(c)[..., None, :] * jnp.abs(a)[..., :, None] - mu_f), axis=-1)
+  res_col = jnp.mean(jnp.square(
+      mu_f - jnp.maximum(a, 0)[..., :, None] * (g * jnp.maximum(c, 0)[..., None, :])),
+      axis=-2)
+  s_row = hp.beta3 * s_row + (1.0 - hp.beta3) * (res_row + hp.eps_instability)
+  s_col = hp.beta3 * s_col + (1.0 - hp.beta3) * (res_col + hp.eps_instability)
+  return s_row, s_col
+
+
+def _factored_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array,
+                     v_row: jax.Array, v_col: jax.Array, s_row: jax.Array,
+                     s_col: jax.Array, b2: jax.Array
+                    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """A rank >= 2 leaf's ``d`` and new ``(mu, v_row, v_col, s_row, s_col)``, from its
+  gradient ``g`` (in the compute dtype, still scaled)."""
+  v_row, v_col = _factored_second_moment(hp, g, v_row, v_col, b2)
+  a, c = _clipped_factors(hp, g, v_row, v_col)
+  mu, mu_f = _store(hp, hp.beta1 * mu.astype(g.dtype) + (1.0 - hp.beta1) * (
+      g * a[..., :, None] * c[..., None, :]))
+  s_row, s_col = _factored_instability(hp, g, a, c, mu_f, s_row, s_col)
+  d = mu_f * _rms_factor(s_row)[..., :, None] * lax.rsqrt(s_col)[..., None, :]
+  return d, (mu, v_row, v_col, s_row, s_col)
+
+
+def _full_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array, v: jax.Array,
+                 b2: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """A rank 0 or 1 leaf's ``d`` (the momentum) and new ``(mu, v)``, from its gradient
+  ``g`` (in the compute dtype, still scaled). A compressed ``v`` is stored as its
+  square root."""
+  g = g * hp.inv_scale
+  v_prev = v.astype(g.dtype)
+  if hp.store_dtype is not None:
+    v_prev = jnp.square(v_prev)
+  v = b2 * v_prev + (1.0 - b2) * (jnp.square(g) + hp.eps_sq)
+  u = g * lax.rsqrt(v)
+  u = u / jnp.maximum(jnp.sqrt(jnp.mean(jnp.square(u))) / hp.clip_threshold, 1.0)
+  mu, mu_f = _store(hp, hp.beta1 * mu.astype(g.dtype) + (1.0 - hp.beta1) * u)
+  if hp.store_dtype is not None:
+    v = _pack(jnp.sqrt(v), hp.store_dtype, _positive_floor(hp.store_dtype))
+  return mu_f, (mu, v)
+
+
+def _leaf_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array, v_row: jax.Array,
+                 v_col: jax.Array, v: jax.Array, s_row: jax.Array, s_col: jax.Array,
+                 t: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """One leaf's ``d``, in the gradient's dtype, and its six new statistics (those it
+  does not use as they were) at step ``t``."""
+  out_dtype = g.dtype
+  g = g.astype(_compute_dtype(g.dtype))
+  b2 = _beta2_at(hp, t, g.dtype)
+  if g.ndim >= 2:
+    d, (mu, v_row, v_col, s_row, s_col) = _factored_update(
+        hp, g, mu, v_row, v_col, s_row, s_col, b2)
+  else:
+    d, (mu, v) = _full_update(hp, g, mu, v, b2)
+  return d.astype(out_dtype), (mu, v_row, v_col, v, s_row, s_col)
+
+
+def _update(hp: _Hyperparameters, updates: Any, state: ScaleByCameState
+           ) -> tuple[Any, ScaleByCameState]:
+  """`scale_by_came`'s step: `_leaf_update` on every leaf, the count incremented."""
+  count = optax.safe_increment(state.count)
+  leaves, treedef = jax.tree_util.tree_flatten(updates)
+  stats = [treedef.flatten_up_to(tree) for tree in state[1:]]
+  results = [_leaf_update(hp, jnp.asarray(g), *leaf_stats, count)
+             for g, *leaf_stats in zip(leaves, *stats)]
+  new_updates = treedef.unflatten([d for d, _ in results])
+  new_stats = [treedef.unflatten(list(t)) for t in zip(*[s for _, s in results])]
+  if not results:
+    new_stats = list(state[1:])
+  return new_updates, ScaleByCameState(count, *new_stats)
+
+
 def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
                   clip_threshold: float = 1.0,
                   decay_rate: Optional[float] = 0.8,
@@ -252,111 +433,17 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
     decay_rate = _unit("decay_rate", decay_rate)
   store_dtype = compression_dtype(compression)
   loss_scale = validation.positive_float("loss_scale", loss_scale)
-  eps_sq, _, eps_instability = eps
+  hp = _Hyperparameters(eps_sq=eps[0], eps_instability=eps[2],
+                        clip_threshold=clip_threshold, beta1=beta1, beta2=beta2,
+                        decay_rate=decay_rate, beta3=beta3, store_dtype=store_dtype,
+                        inv_scale=1.0 / loss_scale)
 
   def init_fn(params):
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    per_leaf = []
-    for p in leaves:
-      p = jnp.asarray(p)
-      cdt = _compute_dtype(p.dtype)
-      mdt = store_dtype or cdt
-      # zeros_like keeps the parameter's sharding (under an explicit-sharding mesh,
-      # its type); the factored statistics take that of the reduction the update
-      # makes, so the state's types do not change after a step.
-      mu = jnp.zeros_like(p, dtype=mdt)
-      if p.ndim >= 2:
-        # Separate arrays for every field, so that the state can be donated.
-        row = lambda: jnp.zeros_like(jnp.sum(p, axis=-1), dtype=cdt)  # noqa: E731
-        col = lambda: jnp.zeros_like(jnp.sum(p, axis=-2), dtype=cdt)  # noqa: E731
-        per_leaf.append((mu, row(), col(), _unused(mdt), row(), col()))
-      else:
-        per_leaf.append((mu, _unused(cdt), _unused(cdt), jnp.zeros_like(p, dtype=mdt),
-                         _unused(cdt), _unused(cdt)))
-    trees = [treedef.unflatten(t) for t in zip(*per_leaf)] if leaves else [params] * 6
-    return ScaleByCameState(jnp.zeros((), jnp.int32), *trees)
-
-  def beta2_at(t: jax.Array, dtype) -> jax.Array:
-    if beta2 is not None:
-      return jnp.asarray(beta2, dtype)
-    return 1.0 - t.astype(dtype) ** (-decay_rate)
-
-  inv_scale = 1.0 / loss_scale
-
-  def store(mu):
-    """The momentum as stored, and as read back for the rest of the step."""
-    if store_dtype is None:
-      return mu, mu
-    stored = _pack(mu, store_dtype, 0.0)
-    return stored, stored.astype(mu.dtype)
-
-  def factored_update(g, mu, v_row, v_col, s_row, s_col, b2):
-    # Every gradient-sized expression below has a single consumer, so XLA fuses it
-    # into that consumer and the step allocates no gradient-sized temporary (on CPU a
-    # fresh temporary costs more than the arithmetic: its pages are faulted in at
-    # every step). Hence the sums of squares are written in forms XLA cannot merge
-    # into one shared array (|g|*|g| is g*g; |a| and max(a, 0) are a, for a > 0), and
-    # each reduction broadcasts its own copy of the factors.
-    rows, cols = g.shape[-2], g.shape[-1]
-    sq = inv_scale * inv_scale
-    row_sq = jnp.sum(g * g, axis=-1) * (sq / cols)
-    col_sq = jnp.sum(jnp.abs(g) * jnp.abs(g), axis=-2) * (sq / rows)
-    v_row = b2 * v_row + (1.0 - b2) * (row_sq + eps_sq)
-    v_col = b2 * v_col + (1.0 - b2) * (col_sq + eps_sq)
-    r, c = _rms_factor(v_row), lax.rsqrt(v_col)
-    # sum(u^2) for u = g * r (x) c without forming u: sum_i r_i^2 sum_j g_ij^2 c_j^2.
-    u_sq = jnp.sum(jnp.square(r) * jnp.sum(g * jnp.square(c)[..., None, :] * g, -1))
-    rms = jnp.sqrt(u_sq * sq / g.size)
-    # u = g * a (x) c, with the loss scale and the clip folded into the row factor.
-    a = r * (inv_scale / jnp.maximum(rms / clip_threshold, 1.0))
-    mu, mu_f = store(beta1 * mu.astype(g.dtype) + (1.0 - beta1) * (
-        g * a[..., :, None] * c[..., None, :]))
-    res_row = jnp.mean(jnp.square(
-        g * jnp.abs(c)[..., None, :] * jnp.abs(a)[..., :, None] - mu_f), axis=-1)
-    res_col = jnp.mean(jnp.square(
-        mu_f - jnp.maximum(a, 0)[..., :, None] * (g * jnp.maximum(c, 0)[..., None, :])),
-        axis=-2)
-    s_row = beta3 * s_row + (1.0 - beta3) * (res_row + eps_instability)
-    s_col = beta3 * s_col + (1.0 - beta3) * (res_col + eps_instability)
-    d = mu_f * _rms_factor(s_row)[..., :, None] * lax.rsqrt(s_col)[..., None, :]
-    return d, (mu, v_row, v_col, s_row, s_col)
-
-  def full_update(g, mu, v, b2):
-    g = g * inv_scale
-    v_prev = v.astype(g.dtype)
-    if store_dtype is not None:
-      v_prev = jnp.square(v_prev)
-    v = b2 * v_prev + (1.0 - b2) * (jnp.square(g) + eps_sq)
-    u = g * lax.rsqrt(v)
-    u = u / jnp.maximum(jnp.sqrt(jnp.mean(jnp.square(u))) / clip_threshold, 1.0)
-    mu, mu_f = store(beta1 * mu.astype(g.dtype) + (1.0 - beta1) * u)
-    if store_dtype is not None:
-      v = _pack(jnp.sqrt(v), store_dtype, _positive_floor(store_dtype))
-    return mu_f, (mu, v)
-
-  def leaf_update(g, mu, v_row, v_col, v, s_row, s_col, t):
-    out_dtype = g.dtype
-    g = g.astype(_compute_dtype(g.dtype))
-    b2 = beta2_at(t, g.dtype)
-    if g.ndim >= 2:
-      d, (mu, v_row, v_col, s_row, s_col) = factored_update(
-          g, mu, v_row, v_col, s_row, s_col, b2)
-    else:
-      d, (mu, v) = full_update(g, mu, v, b2)
-    return d.astype(out_dtype), (mu, v_row, v_col, v, s_row, s_col)
+    return _init_state(params, store_dtype)
 
   def update_fn(updates, state, params=None):
     del params
-    count = optax.safe_increment(state.count)
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
-    stats = [treedef.flatten_up_to(tree) for tree in state[1:]]
-    results = [leaf_update(jnp.asarray(g), *leaf_stats, count)
-               for g, *leaf_stats in zip(leaves, *stats)]
-    new_updates = treedef.unflatten([d for d, _ in results])
-    new_stats = [treedef.unflatten(list(t)) for t in zip(*[s for _, s in results])]
-    if not results:
-      new_stats = list(state[1:])
-    return new_updates, ScaleByCameState(count, *new_stats)
+    return _update(hp, updates, state)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

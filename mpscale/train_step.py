@@ -291,8 +291,8 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   validation.positive_int("num_microbatches", num_microbatches)
   scale = jnp.asarray(loss_scale, jnp.float32)
   data_axes = sharding_lib.data_axes(mesh, data_axis)
-  rows = sharding_lib.batch_rows(batch, sharding_lib.axis_size(mesh, data_axes),
-                                 num_microbatches)
+  data_size = sharding_lib.axis_size(mesh, data_axes)
+  rows = sharding_lib.batch_rows(batch, data_size, num_microbatches)
   specs = (sharding_lib.resolve_specs(param_specs, params)
            if mesh is not None and param_specs is not None else None)
   rng = None if rng is None else keys_lib.typed(rng)
@@ -301,18 +301,44 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
       policy, gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype))
   if wide and stateful:
     raise _refuse_model_state()
-  # Replicated parameters: one accumulator per data replica (vmapped), summed once.
-  # Laid-out parameters, or a model state that must see the whole micro-batch: each
-  # micro-batch's gradient is reduced into their layout (FSDP's reduce-scatter), and
-  # the model's activation layout sees the whole batch.
-  vmap_axes = data_axes if specs is None and not stateful else ()
-  inner_axes = () if specs is None and not stateful else data_axes
 
   # Laid-out parameters: activations stay split over the batch, so GSPMD gathers
   # weights (FSDP's all-gather, a layer at a time) rather than activations.
-  model = (batch_split_lib.keep_batch_split(loss_fn, mesh, inner_axes, specs)
+  model = (batch_split_lib.keep_batch_split(loss_fn, mesh, data_axes, specs)
            if specs is not None and not wide else loss_fn)
+  scaled_loss = _scaled_loss(model, policy, scale, per_token_loss, stateful)
+  # Three strategies add up the losses and float32 gradients; _averaged divides.
+  if wide and data_size > 1:
+    sums = _float32_sums(scaled_loss, policy, params, batch, rng, mesh, data_axes,
+                         specs, num_microbatches)
+  elif num_microbatches == 1:
+    sums = _single_gradient(scaled_loss, params, batch, rng, model_state, mesh, specs)
+  else:
+    sums = _microbatch_scan(scaled_loss, params, batch, rng, model_state, mesh,
+                            data_axes, specs, num_microbatches)
+  gradients = _averaged(sums, per_token_loss, rows)
+  return gradients if not stateful else (gradients, sums.model_state)
 
+
+class _Sums(NamedTuple):
+  """What a strategy of `accumulate_gradients` adds up, before `_averaged` divides."""
+  grads: Any
+  """float32 gradients of the scaled losses, shaped and laid out like the params."""
+  loss: jax.Array
+  """The unscaled losses (float32)."""
+  tokens: jax.Array
+  """The token counts (``per_token_loss``; else zeros)."""
+  pieces: int
+  """How many losses were added: the divisor of their mean."""
+  model_state: Any
+  """The model state after the last micro-batch, or ``None``."""
+
+
+def _scaled_loss(model: Callable, policy: policy_lib.Policy, scale: jax.Array,
+                 per_token_loss: bool, stateful: bool) -> Callable:
+  """``scaled_loss(params, micro_batch, key, state) -> (scale * loss, (loss, tokens,
+  new_state))``: the function every strategy differentiates, ``model`` called on the
+  parameters cast to the compute dtype, its loss in float32."""
   def scaled_loss(p, micro_batch, key, state):
     out = model(policy.cast_to_compute(p), micro_batch, **_loss_extras(key, state))
     if stateful:
@@ -320,106 +346,148 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     loss, tokens = out if per_token_loss else (out, 0)
     loss = jnp.asarray(loss).astype(jnp.float32)
     return scale * loss, (loss, jnp.asarray(tokens), state)
+  return scaled_loss
 
+
+def _like_params(grads: Any, specs: Any, mesh: Optional[Mesh],
+                 leading: tuple[Any, ...] = ()) -> Any:
+  """Constrains gradient-shaped trees to the params' layout ``specs`` (after
+  ``leading`` dimensions); with no layout (``specs`` ``None``), ``grads``."""
+  if specs is None:
+    return grads
+  return jax.tree_util.tree_map(
+      lambda g, spec: sharding_lib.constrain(
+          g, PartitionSpec(*leading, *sharding_lib.pad(spec, g.ndim - len(leading))),
+          mesh), grads, specs)
+
+
+def _added(total: Any, new: Any) -> Any:
+  """``total + new`` leaf by leaf, in ``total``'s dtypes (the float32 sums)."""
+  return jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), total, new)
+
+
+def _zero_sums(grads: Any, loss: Any, tokens: Any) -> tuple[Any, jax.Array, jax.Array]:
+  """Zero float32 gradients shaped like ``grads`` and a zero loss and token count of
+  the shapes of ``loss`` and ``tokens``: where a ``lax.scan`` starts adding."""
+  return (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32), grads),
+          jnp.zeros(loss.shape, jnp.float32),
+          jnp.zeros(tokens.shape, _token_dtype(tokens.dtype)))
+
+
+def _single_gradient(scaled_loss: Callable, params: Any, batch: Any,
+                     rng: Optional[jax.Array], model_state: Any, mesh: Optional[Mesh],
+                     specs: Any) -> _Sums:
+  """`accumulate_gradients` with one micro-batch: one gradient of the whole batch,
+  widened to float32. Under a mesh GSPMD all-reduces (or reduce-scatters) it once."""
+  key = None if rng is None else keys_lib.microbatch_key(rng, 0)
+  grads, (loss, tokens, model_state) = jax.grad(scaled_loss, has_aux=True)(
+      params, batch, key, model_state)
+  grads = _like_params(
+      jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), specs, mesh)
+  return _Sums(grads, loss, tokens, 1, model_state)
+
+
+def _microbatch_keys(rng: Optional[jax.Array], num_microbatches: int, replicas: int
+                    ) -> Optional[jax.Array]:
+  """Micro-batch ``k``'s key ``microbatch_key(rng, k)``, ``[num_microbatches]``; with
+  several replicas, replica ``r``'s ``replica_key`` of that, ``[num_microbatches,
+  replicas]``. ``None`` without ``rng``."""
+  if rng is None:
+    return None
+  keys = jax.vmap(lambda k: keys_lib.microbatch_key(rng, k))(
+      jnp.arange(num_microbatches))
+  if replicas > 1:
+    keys = jax.vmap(lambda k: jax.vmap(lambda r: keys_lib.replica_key(k, r))(
+        jnp.arange(replicas)))(keys)
+  return keys
+
+
+def _microbatch_scan(scaled_loss: Callable, params: Any, batch: Any,
+                     rng: Optional[jax.Array], model_state: Any, mesh: Optional[Mesh],
+                     data_axes: tuple[str, ...], specs: Any, num_microbatches: int
+                    ) -> _Sums:
+  """`accumulate_gradients` over several micro-batches: a ``lax.scan`` adding their
+  gradients in float32.
+
+  Replicated parameters: one accumulator per data replica (the gradient ``jax.vmap``-ed
+  over the replicas, each seeing its own rows), the replicas summed once, after the
+  loop. Laid-out parameters, or a model state that must see the whole micro-batch:
+  each micro-batch's gradient is reduced into the parameters' layout (FSDP's
+  reduce-scatter) and accumulated there, and the model's activation layout sees the
+  whole batch.
+  """
+  per_replica = specs is None and model_state is None
+  vmap_axes = data_axes if per_replica else ()
+  inner_axes = () if per_replica else data_axes
   grad_fn = jax.grad(scaled_loss, has_aux=True)
+  replicas = sharding_lib.axis_size(mesh, vmap_axes)
+  inner = sharding_lib.axis_size(mesh, inner_axes)
+  micro_batches = _split_microbatches(batch, num_microbatches, replicas, inner)
+  piece_grad = (grad_fn if replicas == 1
+                else jax.vmap(grad_fn, in_axes=(None, 0, 0, None)))
+  lead = (vmap_axes,) if replicas > 1 else ()
+  if mesh is not None:
+    rows_spec = PartitionSpec(None, *lead, inner_axes or None)
+    micro_batches = jax.tree_util.tree_map(
+        lambda x: sharding_lib.constrain(x, rows_spec, mesh), micro_batches)
+  keys = _microbatch_keys(rng, num_microbatches, replicas)
+  first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
+  first_key = None if keys is None else keys[0]
+  grad_shapes, (loss_shape, tokens_shape, _) = jax.eval_shape(
+      piece_grad, params, first, first_key, model_state)
 
-  def like_params(grads, leading=()):
-    """Constrains gradient-shaped trees to the params' layout (after ``leading``)."""
-    if specs is None:
-      return grads
-    return jax.tree_util.tree_map(
-        lambda g, spec: sharding_lib.constrain(
-            g, PartitionSpec(*leading, *sharding_lib.pad(spec, g.ndim - len(leading))),
-            mesh), grads, specs)
+  def on_replicas(carry):
+    grads, (loss, tokens) = carry
+    if mesh is None:
+      return carry
+    grads = _like_params(grads, specs, mesh, lead)
+    if lead:
+      loss, tokens = (sharding_lib.constrain(x, PartitionSpec(*lead), mesh)
+                      for x in (loss, tokens))
+    return grads, (loss, tokens)
 
-  data_size = sharding_lib.axis_size(mesh, data_axes)
-  if wide and data_size > 1:
-    # float32 sums: each device's own gradient, summed over the replicas in float32.
-    grads, loss, tokens = _float32_sums(
-        scaled_loss, policy, params, batch, rng, mesh, data_axes, specs,
-        num_microbatches)
-    grads = like_params(grads)
-    pieces = num_microbatches * data_size
-  elif num_microbatches == 1:
-    # One gradient: under a mesh, GSPMD all-reduces (or reduce-scatters) it once.
-    key = None if rng is None else keys_lib.microbatch_key(rng, 0)
-    grads, (loss, tokens, model_state) = grad_fn(params, batch, key, model_state)
-    grads = like_params(jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads))
-    pieces = 1
-  else:
-    replicas = sharding_lib.axis_size(mesh, vmap_axes)
-    inner = sharding_lib.axis_size(mesh, inner_axes)
-    pieces = num_microbatches * replicas
-    micro_batches = _split_microbatches(batch, num_microbatches, replicas, inner)
-    piece_grad = (grad_fn if replicas == 1
-                  else jax.vmap(grad_fn, in_axes=(None, 0, 0, None)))
-    lead = (vmap_axes,) if replicas > 1 else ()
-    if mesh is not None:
-      rows_spec = PartitionSpec(None, *lead, inner_axes or None)
-      micro_batches = jax.tree_util.tree_map(
-          lambda x: sharding_lib.constrain(x, rows_spec, mesh), micro_batches)
-    keys = None
-    if rng is not None:
-      keys = jax.vmap(lambda k: keys_lib.microbatch_key(rng, k))(
-          jnp.arange(num_microbatches))
-      if replicas > 1:
-        keys = jax.vmap(lambda k: jax.vmap(lambda r: keys_lib.replica_key(k, r))(
-            jnp.arange(replicas)))(keys)
-    first = jax.tree_util.tree_map(lambda x: x[0], micro_batches)
-    first_key = None if keys is None else keys[0]
-    grad_shapes, (loss_shape, tokens_shape, _) = jax.eval_shape(
-        piece_grad, params, first, first_key, model_state)
+  def body(carry, xs):
+    carry, state = carry
+    micro_batch, key = xs
+    grads, (loss, tokens, state) = piece_grad(params, micro_batch, key, state)
+    carry = _added(carry, (grads, (loss, tokens)))
+    return (on_replicas(carry), state), None
 
-    def on_replicas(carry):
-      grads, (loss, tokens) = carry
-      if mesh is None:
-        return carry
-      grads = like_params(grads, lead)
-      if lead:
-        loss, tokens = (sharding_lib.constrain(x, PartitionSpec(*lead), mesh)
-                        for x in (loss, tokens))
-      return grads, (loss, tokens)
+  grads, loss, tokens = _zero_sums(grad_shapes, loss_shape, tokens_shape)
+  ((grads, (loss, tokens)), model_state), _ = lax.scan(
+      body, (on_replicas((grads, (loss, tokens))), model_state),
+      (micro_batches, keys))
+  if replicas > 1:
+    grads, loss, tokens = jax.tree_util.tree_map(
+        lambda x: jnp.sum(x, axis=0), (grads, loss, tokens))
+    grads = _like_params(grads, specs, mesh)
+  return _Sums(grads, loss, tokens, num_microbatches * replicas, model_state)
 
-    zeros = (jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                                    grad_shapes),
-             (jnp.zeros(loss_shape.shape, jnp.float32),
-              jnp.zeros(tokens_shape.shape, _token_dtype(tokens_shape.dtype))))
 
-    def body(carry, xs):
-      carry, state = carry
-      micro_batch, key = xs
-      grads, (loss, tokens, state) = piece_grad(params, micro_batch, key, state)
-      new = (grads, (loss, tokens))
-      carry = jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry, new)
-      return (on_replicas(carry), state), None
-
-    ((grads, (loss, tokens)), model_state), _ = lax.scan(
-        body, (on_replicas(zeros), model_state), (micro_batches, keys))
-    if replicas > 1:
-      grads, loss, tokens = jax.tree_util.tree_map(
-          lambda x: jnp.sum(x, axis=0), (grads, loss, tokens))
-      grads = like_params(grads)
-
+def _averaged(sums: _Sums, per_token_loss: bool, rows: int) -> Gradients:
+  """The mean of ``sums``: divided by the token count with ``per_token_loss`` (a step
+  with no tokens keeps its zeros), else by the number of losses added; the token
+  count is then the batch's ``rows``."""
+  grads, loss, tokens = sums.grads, sums.loss, sums.tokens
   if per_token_loss:
     tokens = tokens.astype(_token_dtype(jnp.result_type(tokens)))
     inv = 1.0 / jnp.maximum(tokens.astype(jnp.float32), 1.0)
   else:
     tokens = jnp.asarray(rows, jnp.int32)
-    inv = 1.0 / pieces
-  if per_token_loss or pieces > 1:
+    inv = 1.0 / sums.pieces
+  if per_token_loss or sums.pieces > 1:
     grads = jax.tree_util.tree_map(lambda g: g * inv, grads)
     loss = loss * inv
-  gradients = Gradients(grads, loss, tokens)
-  return gradients if not stateful else (gradients, model_state)
+  return Gradients(grads, loss, tokens)
 
 
 def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
                   batch: Any, rng: Optional[jax.Array], mesh: Mesh,
                   data_axes: tuple[str, ...], specs: Any, num_microbatches: int
-                 ) -> tuple[Any, jax.Array, jax.Array]:
-  """`accumulate_gradients` with ``grad_reduce_dtype=float32``: the sums of the
-  gradients, losses and token counts over every micro-batch and data replica (not yet
-  divided), the gradients summed in float32.
+                 ) -> _Sums:
+  """`accumulate_gradients` with ``grad_reduce_dtype=float32`` over several data
+  replicas: the sums of the gradients, losses and token counts over every micro-batch
+  and data replica, the gradients summed in float32.
 
   A ``shard_map`` manual over the data axes and automatic over the others (a tensor
   split stays GSPMD's, and so does the model's activation layout, whose
@@ -441,10 +509,10 @@ def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
   ``replica_key(microbatch_key(rng, k), r)``, as on the vmapped path.
   """
   grad_fn = jax.grad(scaled_loss, has_aux=True)
-  if specs is None:
-    specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
+  layout = (jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
+            if specs is None else specs)
   manual = jax.tree_util.tree_map(
-      lambda spec: sharding_lib.only_axes(spec, data_axes), specs,
+      lambda spec: sharding_lib.only_axes(spec, data_axes), layout,
       is_leaf=sharding_lib.is_spec)
   keys = None if rng is None else jax.random.key_data(jax.vmap(
       lambda k: keys_lib.microbatch_key(rng, k))(jnp.arange(num_microbatches)))
@@ -474,15 +542,11 @@ def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
       grads, (loss, tokens, _) = grad(p, micro_batch, key, None)
       new = (jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), loss,
              tokens)
-      return jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry,
-                                    new), None
+      return _added(carry, new), None
 
     first = jax.tree_util.tree_map(lambda x: x[0], (micro_batches, keys))
     _, (loss_shape, tokens_shape, _) = jax.eval_shape(grad, p, *first, None)
-    zeros = vary((jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                                         p),
-                  jnp.zeros(loss_shape.shape, jnp.float32),
-                  jnp.zeros(tokens_shape.shape, _token_dtype(tokens_shape.dtype))))
+    zeros = vary(_zero_sums(p, loss_shape, tokens_shape))
     (grads, loss, tokens), _ = lax.scan(body, zeros, (micro_batches, keys))
     grads = jax.tree_util.tree_map(
         lambda g, spec: _psum_over(g, tuple(
@@ -497,7 +561,9 @@ def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
                 None if keys is None else PartitionSpec()),
       out_specs=(manual, PartitionSpec(), PartitionSpec()),
       axis_names=set(data_axes))
-  return fn(params, batch, keys)
+  grads, loss, tokens = fn(params, batch, keys)
+  return _Sums(_like_params(grads, specs, mesh), loss, tokens,
+               num_microbatches * sharding_lib.axis_size(mesh, data_axes), None)
 
 
 def _psum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -868,99 +934,61 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                               Callable[[TrainState, Any], tuple[TrainState, dict]]]:
   """A jitted mixed-precision, data-parallel train step and its ``init``.
 
-  See the module docstring for the algorithm. ``init(params)`` casts the parameters to
-  the policy's ``param_dtype``, initializes the optimizer (wrapped in `no_loss_scale`
-  when it has no mpscale loss-scale or skip wrapper) and places everything on the mesh.
-  ``step(state, batch)`` is a ``jax.jit`` function; it checks the batch and the loss
-  function's output structure (with ``jax.eval_shape``) when it traces.
+  ``init(params)`` casts the parameters to the policy's ``param_dtype``, initializes
+  the optimizer (wrapped in `no_loss_scale` when it has no mpscale loss-scale or skip
+  wrapper) and places everything on the mesh. ``step(state, batch)`` is a ``jax.jit``
+  function taking one optimizer step (the algorithm is in the module docstring); it
+  checks the batch and the loss function's output structure when it traces. See
+  docs/train_step.md for the loss function and the optimizer's wrapper, layouts,
+  micro-batches, float32 gradient sums, stochastic and stateful models, pipelines,
+  compiling from shapes, and the metrics.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> loss``, a floating scalar mean loss; with
-      ``per_token_loss=True``, ``-> (loss_sum, num_tokens)``. It receives the
-      parameters cast by ``policy.cast_to_compute``; casting its inputs and outputs
-      (``policy.cast_to_compute(x)``, ``policy.cast_to_output(logits)``) is its own job.
-      Or a `mpscale.Pipeline`: the model is then pipelined over the mesh's stage axis
-      (the mesh needs it), the stacked layers are sharded over that axis (and so are
-      the optimizer-state subtrees shaped like the parameters), and micro-batching is
-      the pipeline's own (``num_microbatches`` here must be 1 or the same);
-      ``shard_optimizer_state`` splits its optimizer state as for any model. Pass
-      ``groups=mpscale.stage_groups(num_stages)`` to the optimizer's wrapper for one
-      group norm per stage.
+    loss_fn: ``loss_fn(params, batch) -> loss``, a floating scalar mean loss (with
+      ``per_token_loss``, ``-> (loss_sum, num_tokens)``) of the parameters cast by
+      ``policy.cast_to_compute``; with a model state it returns ``(that,
+      new_model_state)``. Or a `mpscale.Pipeline`, over the mesh's stage axis.
     optimizer: an optax transformation, ideally wrapped in `mpscale.dynamic_loss_scale`
-      (float16) or `mpscale.no_loss_scale`; see `mpscale.Policy.needs_loss_scaling`.
-      Leave the wrappers' ``axis_name`` unset: under jit + GSPMD the overflow check
-      already sees the gradients of the whole batch. Its ``update`` gets the step's
-      unscaled loss as the extra argument ``loss`` (for `mpscale.skip_spikes`, which
-      goes inside the loss-scale wrapper).
+      (float16) or `mpscale.no_loss_scale`, their ``axis_name`` unset. Its ``update``
+      gets the unscaled loss as the extra argument ``loss``.
     policy: a `mpscale.Policy` or a name for `mpscale.get_policy`; default float32.
-      ``init`` warns when the policy needs loss scaling (float16) and the optimizer's
-      loss scale is 1: no wrapper, `no_loss_scale`, or a fixed scale of 1.
     mesh: a ``jax.sharding.Mesh``, or ``None`` for one device.
     data_axis: the mesh axis (or tuple of axes, e.g. ``("data", "fsdp")``) the batch
       is sharded over.
     num_microbatches: gradient accumulation: the batch's leading dimension is split
-      into this many micro-batches under one loss scale, with one optimizer update.
-      Each data replica's rows are cut into contiguous micro-batches, and ``loss_fn``
-      sees ``batch_size / (num_microbatches * data-parallel size)`` rows at a time, so
-      it must be a mean (or, with ``per_token_loss``, a sum) over rows.
+      into this many micro-batches under one loss scale, with one optimizer update
+      (a `Pipeline`'s are its own: 1 or the same number here).
     per_token_loss: the gradient is divided by the token count summed over all
-      micro-batches and data replicas (mindformers/Megatron
-      ``calculate_per_token_loss``).
-    shard_optimizer_state: ZeRO-1: shard each optimizer-state leaf over the data axes
-      its spec does not use yet, along its largest free dimension they divide (others
-      stay as they are). Needs a mesh. Results are the same as unsharded.
+      micro-batches and data replicas (Megatron ``calculate_per_token_loss``).
+    shard_optimizer_state: ZeRO-1: also shard each optimizer-state leaf over the data
+      axes its spec does not use. Needs a mesh. Results are the same as unsharded.
     param_specs: the parameters' layout on ``mesh``: a pytree of ``PartitionSpec``
       like the params (or a prefix of it), a function ``(key_path, leaf) ->
-      PartitionSpec``, or `mpscale.sharding.logical_specs` of logical names;
-      `mpscale.sharding.fsdp_specs` adds FSDP and `mpscale.sharding.flax_specs` reads
-      a Flax model's own metadata. ``None``: replicated (a Pipeline's stacked layers
-      over its stage axis). Checked by ``init`` (`mpscale.sharding.check_specs`): a
-      dimension its axes do not divide, or an axis the mesh lacks, is a ``ValueError``
-      naming the leaf and the axis.
+      PartitionSpec``, or `mpscale.sharding.logical_specs`; ``None``: replicated (a
+      Pipeline's stacked layers over its stage axis). Checked by ``init``.
     donate: donate the input state's buffers to the output state.
     model_state_dtype: the dtype of the model state's floating leaves (BatchNorm
       statistics), whatever the policy; ``None`` keeps the dtypes ``init`` is given.
     grad_reduce_dtype: ``None`` (XLA's choice) or float32: under a 16-bit compute
       dtype, every gradient sum across data replicas and micro-batches is float32
-      (Megatron-LM's ``accumulate_allreduce_grads_in_fp32``), at twice the bytes of a
-      16-bit all-reduce. Each device takes the gradient of its own rows and the
-      replicas are summed in float32: an all-reduce, or FSDP's reduce-scatter
-      (`accumulate_gradients`); a `Pipeline` sums its micro-batches in float32
-      too. ``init`` refuses a model state with it (synchronized BatchNorm has no
-      per-replica gradient). Under float32 compute nothing changes.
-
-  Stochastic and stateful models: ``init(params, model_state=..., rng=seed or key)``
-  puts a model state and/or a key in the `TrainState`, and ``step`` then calls
-  ``loss_fn(params, batch, rng=key, model_state=state)`` (each keyword only when the
-  state holds it; a loss with a model state returns ``(loss, new_model_state)``). The
-  keys follow `mpscale.keys`: step ``n`` draws from ``step_key(rng, n)``, micro-batch
-  ``k`` from ``microbatch_key`` of that, folded with the data replica where each
-  replica accumulates its own gradient (see `accumulate_gradients`; a `Pipeline`
-  passes ``rng=`` to its three functions, a key per layer). The model state is replicated, threaded through the
-  micro-batches in order, each seeing every replica's rows (synchronized BatchNorm:
-  the statistics on N devices are one device's), and kept as it was on a skipped
-  step. A `Pipeline` takes no model state.
+      (Megatron-LM's ``accumulate_allreduce_grads_in_fp32``); ``init`` then refuses a
+      model state.
 
   Returns:
-    ``(init, step)``: ``init(params | flax TrainState | TrainState) -> TrainState`` and
-    ``step(state, batch) -> (state, metrics)``. Given shapes only (params of
-    ``jax.ShapeDtypeStruct``, e.g. ``jax.eval_shape(model.init, key)``), ``init``
-    returns the state as ``ShapeDtypeStruct``s with the shardings it would place it
-    in, allocating nothing: ``step.lower(state, batch).compile()`` then compiles the
-    step ahead of time (`mpscale.trainer.planning.compiled` plans a run that way). ``metrics`` is a dict of device arrays:
-    ``loss`` (unscaled; per token with ``per_token_loss``), ``num_tokens`` (batch rows
-    without ``per_token_loss``), ``loss_scale`` (the scale this step's loss was
-    multiplied by; the next one is ``mpscale.loss_scale_of(state.opt_state)``),
-    ``overflow``, ``nan``, ``inf``, ``skipped`` (total), ``consecutive_skipped``,
-    ``global_norm``, ``group_norms``, ``group_sizes``, when the optimizer records
-    one (``optax.inject_hyperparams``), ``learning_rate``, and with
-    `mpscale.skip_spikes`, ``spike`` and ``spikes`` (`mpscale.metrics.StepMetrics`).
+    ``(init, step)``: ``init(params | flax TrainState | TrainState, *,
+    model_state=None, rng=None) -> TrainState`` (given ``jax.ShapeDtypeStruct``s, the
+    state's shapes and shardings, allocating nothing) and ``step(state, batch) ->
+    (state, metrics)``, ``metrics`` a dict of device arrays: ``loss`` (unscaled),
+    ``num_tokens``, ``loss_scale`` (this step's) and `mpscale.metrics.StepMetrics`'
+    (``overflow``, ``skipped``, ``global_norm``, ``group_norms``, ...).
 
   Raises:
     ValueError: for a mesh without ``data_axis``; ``shard_optimizer_state`` without a
       mesh; a ``grad_reduce_dtype`` other than ``None`` or float32 (an
-      `mpscale.ArgumentError` naming it); and, when ``step`` traces, a batch whose
-      size is not divisible by the data-parallel size times ``num_microbatches``.
+      `mpscale.ArgumentError` naming it); by ``init``, ``param_specs`` that do not fit
+      the params or the mesh (`mpscale.sharding.check_specs`); and, when ``step``
+      traces, a batch whose size is not divisible by the data-parallel size times
+      ``num_microbatches``.
     TypeError: when ``step`` traces, for a ``loss_fn`` returning the wrong structure.
 
   Example:

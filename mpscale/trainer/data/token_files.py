@@ -279,7 +279,35 @@ def write_indexed(prefix: Path, documents: Iterable[Any], dtype: Any) -> str:
   return os.fspath(prefix)
 
 
-class IndexedDataset:
+class _Sequences:
+  """The sequence access both readers share: ``len``, ``[i]`` and `get`, over their
+  ``sequence_lengths``; a reader says how to read a sequence's tokens (``_read``)
+  and what its errors call one (``_unit``)."""
+
+  _unit = "sequence"
+  sequence_lengths: np.ndarray
+
+  def __len__(self) -> int:
+    return len(self.sequence_lengths)
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    """The tokens of sequence ``i`` (read-only, in the file's dtype)."""
+    return self.get(i)
+
+  def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+    """``length`` tokens (default: to the end) of sequence ``i`` from ``offset``
+    (read-only, in the file's dtype; a `FlatTokens` sequence is a document)."""
+    i = _index(i, len(self))
+    offset, length = _part(f"{self._unit} {i}", int(self.sequence_lengths[i]), offset,
+                           length)
+    return self._read(i, offset, length)
+
+  def _read(self, i: int, offset: int, length: int) -> np.ndarray:
+    """``length`` tokens of sequence ``i`` from ``offset``, both checked."""
+    raise NotImplementedError
+
+
+class IndexedDataset(_Sequences):
   """A Megatron indexed dataset, memory-mapped: its sequences by number.
 
   Reads what Megatron-Core's ``IndexedDatasetBuilder`` (or `IndexedDatasetWriter`)
@@ -351,18 +379,7 @@ class IndexedDataset:
         raise validation.fail("prefix", f": {bin_!r} has {len(self._data)} bytes; "
                               f"its index points up to byte {end}")
 
-  def __len__(self) -> int:
-    return len(self.sequence_lengths)
-
-  def __getitem__(self, i: int) -> np.ndarray:
-    """The tokens of sequence ``i`` (read-only, in the file's dtype)."""
-    return self.get(i)
-
-  def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-    """``length`` tokens (default: to the end) of sequence ``i`` from ``offset``."""
-    i = _index(i, len(self))
-    offset, length = _part(f"sequence {i}", int(self.sequence_lengths[i]), offset,
-                           length)
+  def _read(self, i: int, offset: int, length: int) -> np.ndarray:
     start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize
     return _read_bytes(self._data, self.dtype, start, length)
 
@@ -395,7 +412,7 @@ class IndexedDataset:
             f"{self.num_documents} documents, {self.dtype.newbyteorder('=')})")
 
 
-class FlatTokens:
+class FlatTokens(_Sequences):
   """A flat file of token ids (nanoGPT's ``train.bin``), memory-mapped, as documents
   that end with the end-of-document token ``eod`` (see the module docstring).
 
@@ -422,6 +439,8 @@ class FlatTokens:
     ValueError, TypeError: naming ``path`` (missing, or not a whole number of
       tokens), ``dtype`` (not an integer type) or ``eod`` (not an id of the dtype).
   """
+
+  _unit = "document"
 
   def __init__(self, path: Path, dtype: Any = np.uint16, eod: Optional[int] = None):
     self.path = os.fspath(path)
@@ -466,18 +485,7 @@ class FlatTokens:
       lengths = np.diff(np.append(starts, n))
     return starts, lengths.astype(np.int32)
 
-  def __len__(self) -> int:
-    return len(self.sequence_lengths)
-
-  def __getitem__(self, i: int) -> np.ndarray:
-    """The tokens of document ``i`` (read-only)."""
-    return self.get(i)
-
-  def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-    """``length`` tokens (default: to the end) of document ``i`` from ``offset``."""
-    i = _index(i, len(self))
-    offset, length = _part(f"document {i}", int(self.sequence_lengths[i]), offset,
-                           length)
+  def _read(self, i: int, offset: int, length: int) -> np.ndarray:
     start = int(self.sequence_starts[i]) + offset
     return self.tokens[start:start + length]
 
