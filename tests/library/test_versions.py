@@ -3,6 +3,7 @@ naming the floors (pyproject.toml, .ci/floors.txt, mpscale/_versions.py) agree."
 
 import os
 import re
+import tomllib
 
 import pytest
 
@@ -12,11 +13,12 @@ _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _pyproject_floors():
-  with open(os.path.join(_ROOT, "pyproject.toml")) as f:
-    text = f.read()
-  deps = text[text.index("dependencies = ["):text.index("]", text.index("dependencies"))]
+  """The lower bounds of the library's requirements and the trainer's extra."""
+  with open(os.path.join(_ROOT, "pyproject.toml"), "rb") as f:
+    project = tomllib.load(f)["project"]
+  deps = project["dependencies"] + project["optional-dependencies"]["trainer"]
   return {m.group(1).lower(): m.group(2)
-          for m in re.finditer(r'"([A-Za-z0-9_.\-]+)>=([0-9][^",]*)"', deps)}
+          for m in (re.match(r"([A-Za-z0-9_.\-]+)>=([0-9][^,;\s]*)", d) for d in deps) if m}
 
 
 def _ci_pins():

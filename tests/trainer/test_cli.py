@@ -260,6 +260,8 @@ def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
 
   def build(*args, **kwargs):
     setup = real_build(*args, **kwargs)
+    if kwargs.get("abstract"):  # the config's check, on shapes
+      return setup
     calls = []
 
     def step(state, batch):
