@@ -50,8 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.library.test_batch_split import (LM, global_batch_ops, nnx_lm,  # noqa: E402
                                     nnx_loss)
 
-SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
-                    "h100_sxm.txtpb")
+SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpscale",
+                    "trainer", "planning", "target_specs", "h100_sxm.txtpb")
 
 
 def models(width, layers, vocab, seq):

@@ -1,7 +1,7 @@
 """The optimizer steps as XLA compiles them for one H100, without a GPU (issue #45).
 
 Each optimizer step is compiled ahead of time for one NVIDIA H100
-(``jax.experimental.topologies`` with ``gpu_specs/h100_sxm.txtpb``; nothing runs) and
+(``jax.experimental.topologies`` with ``mpscale/trainer/planning/target_specs/h100_sxm.txtpb``; nothing runs) and
 its program is read, against a baseline compiled in the same run:
 
 * ``kernels``: `mpscale.hlo.launches`, the instructions one step runs other than
@@ -57,8 +57,8 @@ from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
 import mpscale  # noqa: E402
 from mpscale import hlo  # noqa: E402
 
-SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
-                    "h100_sxm.txtpb")
+SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpscale",
+                    "trainer", "planning", "target_specs", "h100_sxm.txtpb")
 _BOOKKEEPING = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")  # f32[768,3072]
 

@@ -2,7 +2,7 @@
 
 Compiles the pipelined value-and-grad of the bench model (`bench_pipeline.model`,
 bfloat16) for S H100s without a GPU (``jax.experimental.topologies`` with
-``gpu_specs/h100_sxm.txtpb``) and reads the scheduled HLO: for every loop body that
+``mpscale/trainer/planning/target_specs/h100_sxm.txtpb``) and reads the scheduled HLO: for every loop body that
 sends, each ``collective-permute-start`` / ``-done`` pair and the compute kernels the
 schedule puts between them. A ``conditional`` between them is a tick's op (a
 forward or backward switch) that hides the transfer; a pair with nothing heavy
@@ -35,8 +35,8 @@ import bench_pipeline  # noqa: E402
 
 from mpscale import pipeline as pl  # noqa: E402
 
-SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs",
-                    "h100_sxm.txtpb")
+SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpscale",
+                    "trainer", "planning", "target_specs", "h100_sxm.txtpb")
 
 
 def compiled_text(schedule, S, M, recompute, width, rows, virtual):

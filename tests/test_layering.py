@@ -80,13 +80,13 @@ ROOM_IMPORTS = {
 """What each room may import from the others (a room, or one module of it), as its
 ``__init__`` says: the modules that import nothing of the trainer (``config.schema``,
 ``config.errors``, ``runs.progress``) may be imported from anywhere."""
-BOTTOM = ("config.errors", "runs.progress", "runs.devices",
+BOTTOM = ("config.errors", "runs.progress", "planning.targets", "runs.devices",
           "models.lm", "models.user")
 """Modules that import nothing of the trainer."""
 TRAINER_LAYERS = (
     ("config.errors", "runs.devices", "runs.progress", "runs.metrics_log",
      "runs.checkpoints", "data.text", "data.token_files", "data.batch_sizes", "models.lm",
-     "models.user"),
+     "models.user", "planning.targets"),
     ("config.schema",),
     ("data.loader", "runs.plots", "data.token_datasets", "data.tokenizing",
      "planning.hardware"),

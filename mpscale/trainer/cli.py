@@ -57,10 +57,11 @@ from mpscale import validation
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import corpora
 from mpscale.trainer.data import tokenizing
+from mpscale.trainer.planning import targets
 from mpscale.trainer.runs.checkpoints import CheckpointError
 from mpscale.trainer.runs.compare import compare
 from mpscale.trainer.runs import distributed
-from mpscale.trainer.runs.devices import set_host_device_count
+from mpscale.trainer.runs.devices import set_host_device_count, start_on_cpu
 from mpscale.trainer.runs.loop import (RunDirError, evaluate_run, evaluate_run_metrics,
                                   existing_run_files, sample_run, train)
 
@@ -242,6 +243,10 @@ def _plan_command(sub: Any) -> None:
   plan_cmd.add_argument("--cache", metavar="DIR", help=(
       "--search: cache compiled plans here (default ~/.cache/mpscale/plans); "
       "'none' for no cache"))
+  plan_cmd.add_argument("--compiler", choices=targets.MODES, default="auto", help=(
+      "whose program to read: the hardware's own compiler (XLA's CUDA compiler for a "
+      "GPU profile, no GPU needed; pip install \"mpscale[plan-gpu]\") when installed, "
+      "else the CPU's (auto, the default); target: the hardware's or an error; cpu"))
   plan_cmd.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -374,6 +379,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command; returns the exit status (2 for a config or run-folder error)."""
   args = _parser().parse_args(argv)
   try:
+    if args.command == "plan":  # compile only: a GPU compiler registers on the CPU
+      start_on_cpu()
     set_host_device_count(getattr(args, "devices", None))  # tokenize has none
     _initialize(args)
   except ValueError as e:
@@ -398,7 +405,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       cfg = config_lib.load_config(args.config, args.set)
       try:
         planned = plan_lib.plan(cfg, device_memory=args.device_memory,
-                                hardware=hardware)
+                                hardware=hardware, compiler=args.compiler)
       except (ValueError, TypeError) as e:
         raise config_lib.as_config_error(e).located(args.config) from None
       print(planned.to_json() if args.json else planned.text())

@@ -556,8 +556,8 @@ def test_the_three_hysteresis_modes_on_the_seeds_example():
 
 # ------------------------------------------------------------- the compiled program
 
-_H100_SPEC = (Path(__file__).resolve().parent.parent.parent / "benchmarks" / "gpu_specs" /
-              "h100_sxm.txtpb")
+_H100_SPEC = (Path(__file__).resolve().parent.parent.parent / "mpscale" / "trainer" /
+              "planning" / "target_specs" / "h100_sxm.txtpb")
 
 
 def _h100():

@@ -1,6 +1,9 @@
 """Planning a run before it starts: memory, time and the layout to choose.
 
-- `hardware`: the hardware profiles (``profiles/*.yaml``: peaks, memory, links);
+- `hardware`: the hardware profiles (``profiles/*.yaml``: peaks, memory, links, and
+  the compiler a plan reads);
+- `targets`: that compiler: the target GPU's own (XLA's CUDA compiler, from the
+  specs in ``target_specs/``, no GPU needed) when installed, else the CPU's;
 - `step_time`: a step's time from its FLOPs, bytes and collectives on a profile;
 - `compiled`: `plan` compiles the step from shapes and reads its program;
 - `search`: ranks the layouts that fit (``mpscale plan --search``).

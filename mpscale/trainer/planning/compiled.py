@@ -71,6 +71,7 @@ from mpscale.trainer.config import build as builders
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.runs import loop
 from mpscale.trainer.planning import step_time as step_time_lib
+from mpscale.trainer.planning import targets
 from mpscale.trainer.planning.hardware import Hardware, load_hardware
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -174,6 +175,11 @@ class Plan:
   """The largest single all-gather of the step, bytes a device
   (`mpscale.hlo.largest_collective`): under FSDP, the most weights gathered at once
   (one layer's where they are gathered where used)."""
+  compiled_for: str = "fake CPU devices (XLA's CPU compiler)"
+  """The devices and compiler the program was compiled for
+  (`mpscale.trainer.planning.targets`): the hardware's own GPU compiler, or the CPU's."""
+  compile_note: str = ""
+  """Why the CPU's compiler stood in for the hardware's, and how to install it."""
 
   @property
   def flops_per_step(self) -> float:
@@ -207,7 +213,8 @@ class Plan:
     lines = [
         f"{self.name}: {_fmt_count(self.params)} params, {self.tokens_per_step} tokens "
         f"per step, {self.devices} devices ({mesh}); compiled in "
-        f"{self.compile_seconds:.1f} s",
+        f"{self.compile_seconds:.1f} s for {self.compiled_for}",
+        *([f"  note: {self.compile_note}"] if self.compile_note else []),
         "per device:",
         f"  parameters        {_fmt_bytes(b['params']):>12}",
         f"  optimizer state   {_fmt_bytes(b['optimizer_state']):>12}",
@@ -381,7 +388,17 @@ def activation_bytes(loss_fn: Any, params: Any, batch: Any, rows: int,
   return int(sum(x.size * x.dtype.itemsize for x in kept)), forward
 
 
-def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
+def _on_device(tree: Any, device: Any) -> Any:
+  """``tree``'s array shapes placed on ``device`` (a compile-only one), so the step
+  compiles for it rather than for JAX's default device."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+      if hasattr(x, "shape") and hasattr(x, "dtype") else x, tree)
+
+
+def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
+         compiler: str = "auto") -> Plan:
   """The `Plan` of one train step of ``cfg`` on its mesh (see the module docstring).
 
   For a user's model (``model.provider``) this runs the data and model providers as
@@ -398,6 +415,11 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
     hardware: a `mpscale.trainer.planning.hardware.Hardware`, or a built-in profile's name or
       a profile file's path (`load_hardware`): the plan then holds its step-time
       `Plan.estimate` there.
+    compiler: which compiler's program the plan reads (`targets.MODES`): ``auto``,
+      the hardware's own (its ``compile_target``, e.g. XLA's CUDA compiler for an
+      H100, without a GPU) when installed, else the CPU's with a note
+      (`Plan.compile_note`); ``target``: the hardware's own or an error giving the
+      install line; ``cpu``: the CPU's.
 
   Returns:
     The `Plan`.
@@ -412,14 +434,18 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
   if device_memory is None and hardware is not None:
     device_memory = int(hardware.hbm_bytes)
   memory = None if device_memory is None else parse_bytes(device_memory)
+  try:
+    target = targets.choose(hardware, cfg.mesh.num_devices, compiler)
+  except ValueError as e:
+    raise validation.fail("hardware", f": {e}") from None
   provided = cfg.model.provider is not None
   if provided:
     user_model, batch, tokens, data_key = _provided_model(cfg)
     cfg = builders.with_initial_scale(cfg, True,
                                       builders.micro_batch_tokens(cfg, batch))
-    setup = builders.build(cfg, model=user_model)
+    setup = builders.build(cfg, target.devices, model=user_model)
   else:
-    setup = builders.build(cfg)
+    setup = builders.build(cfg, target.devices)
     bs, seq = cfg.data.batch_size, cfg.model.seq_len
     batch = {k: jax.ShapeDtypeStruct((bs, seq), dtype)
              for k, dtype in (("inputs", "int32"), ("targets", "int32"),
@@ -431,6 +457,8 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                    sharding=builders.batch_sharding(mesh))
            for k, v in batch.items()}
+  if mesh is None and target.devices is not None:  # one device of the target's
+    state, batch = _on_device((state, batch), target.devices[0])
   start = time.perf_counter()
   try:
     compiled = setup.step.lower(state, batch).compile()
@@ -448,9 +476,11 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
-  # JAX leaves its structure open: a dict, or a list of one dict per program.
+  # JAX leaves its structure open: a dict, or a list of one dict per program, or
+  # None (a compile-only GPU program has no cost analysis).
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
+  cost = cost or {}
   arguments, outputs = mem.argument_size_in_bytes, mem.output_size_in_bytes
   aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
   peak = arguments + outputs - aliased + temporaries
@@ -487,7 +517,8 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
                                             setup.policy.cast_to_compute, **kwargs)
     float32_share = setup.policy.wide_share(jaxprs.matmul_flops(forward))
   compute_dtype = jax.numpy.dtype(setup.policy.compute_dtype).name
-  narrow = compute_dtype in ("bfloat16", "float16")
+  # The CPU compile widens 16-bit arrays to float32; the target's keeps their dtypes.
+  narrow = compute_dtype in ("bfloat16", "float16") and target.compiler == "cpu"
   work = hlo_lib.kernels(hlo, float32_bytes=2 if narrow else 4)
   planned = Plan(
       name=cfg.name, devices=devices,
@@ -510,7 +541,8 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None) -> Plan:
                                                 None else {}),
       compute_dtype=compute_dtype, schedules=schedules, residuals=residuals,
       activations=activations, float32_share=float32_share,
-      largest_gather=hlo_lib.largest_collective(hlo, "all-gather"))
+      largest_gather=hlo_lib.largest_collective(hlo, "all-gather"),
+      compiled_for=target.description, compile_note=target.note)
   if hardware is not None:
     planned.estimate = step_time_lib.estimate(planned, hardware)
   return planned

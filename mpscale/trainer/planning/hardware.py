@@ -60,12 +60,13 @@ import difflib
 import importlib.resources
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from mpscale import validation
 from mpscale.trainer.config import schema
+from mpscale.trainer.planning import targets
 from mpscale.trainer.config.schema import ConfigError, ConfigTypeError, parse_yaml
 
 SPANS = {
@@ -79,7 +80,8 @@ SPANS = {
 _PACKAGE = "mpscale.trainer.planning"
 _FOLDER = "profiles"
 _SUFFIX = ".yaml"
-_TOP_KEYS = ("name", "description", "peak_flops", "hbm_bandwidth", "hbm_bytes",
+_TOP_KEYS = ("name", "description", "compile_target", "peak_flops", "hbm_bandwidth",
+             "hbm_bytes",
              "devices_per_node", "links", "matmul_efficiency", "memory_efficiency",
              "sources")
 _REQUIRED_TOP = ("peak_flops", "hbm_bandwidth", "hbm_bytes", "devices_per_node",
@@ -165,6 +167,10 @@ class Hardware:
   """The documents the figures come from, ``"title <url>"``."""
   assumed: tuple[str, ...] = ()
   """The fields whose figure is assumed, not sourced (e.g. ``links[0].latency``)."""
+  compile_target: Optional[str] = None
+  """The compiler a plan for this hardware reads (`mpscale.trainer.planning.targets`):
+  ``"cuda/<spec>"`` (XLA's CUDA compiler for the GPU a spec of ``target_specs/``
+  describes, e.g. ``cuda/h100_sxm``) or ``"tpu/<chip>"``; ``None``: the CPU's."""
 
   def __post_init__(self):
     _text("name", self.name)
@@ -363,7 +369,18 @@ class _Reader:
         hbm_bytes=self.number("hbm_bytes", raw["hbm_bytes"]),
         devices_per_node=self.number("devices_per_node", raw["devices_per_node"]),
         links=tuple(self.link(i, link) for i, link in enumerate(links)),
-        **self.efficiencies(raw), sources=sources, assumed=tuple(self.assumed))
+        **self.efficiencies(raw), sources=sources, assumed=tuple(self.assumed),
+        compile_target=self.compile_target(raw.get("compile_target")))
+
+  def compile_target(self, raw: Any) -> Optional[str]:
+    """``compile_target``, checked (`mpscale.trainer.planning.targets.parse`)."""
+    if raw is None:
+      return None
+    try:
+      targets.parse(raw)
+    except ValueError as e:
+      raise self.fail("compile_target", str(e).split(": ", 1)[-1]) from None
+    return raw
 
   def efficiencies(self, raw: Mapping) -> dict[str, Any]:
     """``matmul_efficiency`` and ``memory_efficiency``: the file's, else

@@ -42,3 +42,18 @@ def set_host_device_count(n: Optional[int]) -> None:
     return
   flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
   os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
+
+
+def start_on_cpu() -> None:
+  """Make JAX start on the CPU platform (before it initializes a backend), unless
+  ``JAX_PLATFORMS`` says otherwise: ``mpscale plan`` only compiles, and on the CPU
+  platform JAX's CUDA plugin registers its compile-only GPU topologies without a
+  GPU (`mpscale.trainer.planning.targets`). Does nothing once backends run."""
+  if os.environ.get("JAX_PLATFORMS"):
+    return
+  if "jax" in sys.modules:
+    if _backends_are_initialized():
+      return
+    import jax  # noqa: PLC0415
+    jax.config.update("jax_platforms", "cpu")
+  os.environ["JAX_PLATFORMS"] = "cpu"

@@ -1,0 +1,139 @@
+"""The compiler a plan reads (mpscale.trainer.planning.targets): the hardware's own
+(XLA's CUDA compiler for a GPU profile, no GPU needed) when installed, else the CPU's,
+saying so; and the GPU program it gives, where JAX's CUDA plugin is installed."""
+
+import collections
+import re
+
+import jax
+import pytest
+
+from mpscale import hlo as hlo_lib
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.config.schema import ConfigError
+from mpscale.trainer.planning import compiled, hardware, targets
+from tests.trainer.planning.test_hardware import USER_FILE, _write
+
+_CUDA = targets.cuda_installed()
+needs_cuda = pytest.mark.skipif(not _CUDA, reason="JAX's CUDA plugin is not installed "
+                                f"({targets.INSTALL})")
+
+
+@pytest.mark.parametrize("devices, per_node, text", [
+    (1, 8, "1x1x1"), (8, 8, "1x1x8"), (4, 8, "1x1x4"), (16, 8, "2x1x8"),
+    (512, 8, "64x1x8"), (8, 4, "2x1x4")])
+def test_the_topology_is_whole_nodes(devices, per_node, text):
+  assert targets.topology(devices, per_node) == text
+
+
+def test_a_topology_that_does_not_fill_its_nodes_names_the_mesh():
+  with pytest.raises(ValueError, match=r"^mesh: 12 devices span 2 nodes of 8"):
+    targets.topology(12, 8)
+
+
+def test_each_builtin_profile_names_its_compile_target():
+  got = {n: hardware.load_hardware(n).compile_target for n in hardware.builtin_names()}
+  assert got == {"a100-80g": "cuda/a100_sxm_80", "h100-80g": "cuda/h100_sxm",
+                 "tpu-v4": "tpu/v4"}
+  for name in ("a100_sxm_80", "h100_sxm"):
+    assert 'platform_name: "CUDA"' in targets.spec_text(name)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("cuda/h200_sxm", r"no GPU target spec 'h200_sxm'; known: cuda/a100_sxm_80, "
+                      "cuda/h100_sxm"),
+    ("rocm/mi300", r"must be 'cuda/<spec>' or 'tpu/<chip>'; got 'rocm/mi300'")])
+def test_an_unknown_compile_target_names_the_key(tmp_path, value, message):
+  path = _write(tmp_path, "compile_target: " + value + "\n" + USER_FILE)
+  with pytest.raises(ConfigError, match=message) as info:
+    hardware.load_hardware(path)
+  assert info.value.keys == ("compile_target",)
+
+
+def test_without_the_cuda_compiler_auto_falls_back_and_target_gives_the_install_line(
+    monkeypatch):
+  monkeypatch.setattr(targets, "cuda_installed", lambda: False)
+  h100 = hardware.load_hardware("h100-80g")
+  chosen = targets.choose(h100, 8)
+  assert chosen.compiler == "cpu" and chosen.devices is None
+  assert "not installed" in chosen.note and targets.INSTALL in chosen.note
+  with pytest.raises(ValueError, match=r"^compiler: h100-80g's compiler .* not "
+                     r"installed; install it with: pip install \"mpscale\[plan-gpu\]\""):
+    targets.choose(h100, 8, "target")
+  assert targets.choose(h100, 8, "cpu").note == ""
+  assert targets.choose(None, 8).compiler == "cpu"
+  with pytest.raises(ValueError, match="compiler: target needs --hardware"):
+    targets.choose(None, 8, "target")
+  with pytest.raises(ValueError, match="compiler must be one of auto, target, cpu"):
+    targets.choose(h100, 8, "gpu")
+  tpu = targets.choose(hardware.load_hardware("tpu-v4"), 8)
+  assert tpu.compiler == "cpu" and "tpu/v4" in tpu.note
+
+
+def test_a_plan_says_which_compiler_it_read(monkeypatch):
+  monkeypatch.setattr(targets, "cuda_installed", lambda: False)
+  cfg = config_lib.config_from_dict({
+      "model": {"d_model": 32, "num_heads": 2, "num_layers": 1, "d_ff": 64,
+                "seq_len": 16}, "data": {"batch_size": 4}, "train": {"steps": 10},
+      "schedule": {"warmup_steps": 1}})
+  planned = compiled.plan(cfg, hardware="h100-80g")
+  assert planned.compiled_for.startswith("fake CPU devices")
+  assert targets.INSTALL in planned.compile_note
+  assert f"note: {planned.compile_note}" in planned.text()
+  with pytest.raises(Exception, match=r"hardware: compiler: .*install it with"):
+    compiled.plan(cfg, hardware="h100-80g", compiler="target")
+
+
+# ------------------------------------------------------------------ the GPU program
+def _collective_dtypes(text):
+  counts = collections.Counter()
+  module = hlo_lib.parse(text)
+  for instructions in module.computations.values():
+    for ins in instructions:
+      kind = hlo_lib._kind(ins)  # pylint: disable=protected-access
+      if kind in hlo_lib.COLLECTIVES:
+        for dtype in re.findall(r"\b(bf16|f16|f32)\[", ins.result):
+          counts[dtype] += 1
+  return counts
+
+
+def _program(cfg, mode):
+  target = targets.choose(hardware.load_hardware("h100-80g"), cfg.mesh.num_devices,
+                          mode)
+  setup = builders.build(cfg, target.devices)
+  state = setup.init(jax.eval_shape(setup.init_params))
+  shape = (cfg.data.batch_size, cfg.model.seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, d, sharding=builders.batch_sharding(setup.mesh))
+           for k, d in (("inputs", "int32"), ("targets", "int32"), ("mask", "float32"))}
+  return target, setup.step.lower(state, batch).compile().as_text()
+
+
+@needs_cuda
+def test_an_h100_plan_reads_the_gpus_program_with_16_bit_collectives_kept():
+  """Every layout at once (FSDP x pipeline x tensor, fp16 O2) compiled for 8 H100s
+  without one: the CUDA compiler keeps 16-bit collectives that the CPU's widens to
+  float32."""
+  cfg = config_lib.load_config("configs/tiny_lm_all_axes.yaml")
+  gpu_target, gpu = _program(cfg, "target")
+  cpu_target, cpu = _program(cfg, "cpu")
+  assert gpu_target.compiler == "cuda" and "H100" in gpu_target.description
+  assert len(gpu_target.devices) == 8 and cpu_target.compiler == "cpu"
+  on_gpu, on_cpu = _collective_dtypes(gpu), _collective_dtypes(cpu)
+  share = lambda c: c["f16"] / max(sum(c.values()), 1)
+  assert share(on_gpu) > share(on_cpu), (on_gpu, on_cpu)
+  planned = compiled.plan(cfg, hardware="h100-80g", compiler="target")
+  assert "NVIDIA H100" in planned.compiled_for and planned.compile_note == ""
+  assert planned.estimate is not None and planned.flops_per_device > 0
+
+
+@needs_cuda
+def test_a_one_device_h100_plan_compiles_for_the_h100():
+  cfg = config_lib.config_from_dict({
+      "model": {"d_model": 64, "num_heads": 2, "num_layers": 1, "d_ff": 128,
+                "seq_len": 32}, "data": {"batch_size": 8}, "train": {"steps": 10},
+      "precision": {"policy": "O2"}, "schedule": {"warmup_steps": 1}})
+  on_gpu = compiled.plan(cfg, hardware="h100-80g", compiler="target")
+  on_cpu = compiled.plan(cfg, hardware="h100-80g", compiler="cpu")
+  assert "1 x NVIDIA H100" in on_gpu.compiled_for
+  assert on_gpu.kernels != on_cpu.kernels  # another program
