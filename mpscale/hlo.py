@@ -148,11 +148,13 @@ _Cost = Callable[[str, Instruction], dict[str, float]]
 """``cost(computation, instruction) -> {key: value}``: what one instruction costs."""
 
 
-def _per_step(module: Module, cost: _Cost) -> dict[str, float]:
+def _per_step(module: Module, cost: _Cost, root: Optional[str] = None
+              ) -> dict[str, float]:
   """The sum of ``cost`` over everything one step runs: a while body its trip count
   times (XLA's ``known_trip_count``), a conditional its costliest branch (one runs;
   which one, the program decides), any other called computation (fusions, calls)
-  once per call."""
+  once per call. From ``root`` instead of the entry: what one run of that
+  computation runs."""
   memo: dict[str, dict[str, float]] = {}
 
   def total(name: str) -> dict[str, float]:
@@ -171,8 +173,7 @@ def _per_step(module: Module, cost: _Cost) -> dict[str, float]:
       branches = [total(c) for r, c in callees if r == "branch"]
       if branches:
         add(max(branches, key=lambda d: sum(d.values())))
-      m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
-      trips = int(m.group(1)) if m else 1
+      trips = _trips(ins)
       for role, callee in callees:
         if role == "body":
           add(total(callee), trips)
@@ -181,7 +182,8 @@ def _per_step(module: Module, cost: _Cost) -> dict[str, float]:
     memo[name] = acc
     return acc
 
-  return total(module.entry) if module.entry in module.computations else {}
+  start = module.entry if root is None else root
+  return total(start) if start in module.computations else {}
 
 
 def _operands(ins: Instruction) -> list[str]:
@@ -687,6 +689,12 @@ def kernels(hlo: Union[str, Module], float32_bytes: int = 4) -> Kernels:
     Kernels(dots=[(524288.0, 57344.0, 1)], bytes=16384.0)
   """
   module = _as_module(hlo)
+  return _as_kernels(_per_step(module, _kernel_cost(module, float32_bytes)))
+
+
+def _kernel_cost(module: Module, float32_bytes: int = 4) -> _Cost:
+  """The `_Cost` of a kernel for `kernels`: ``{"dot <flops> <bytes>": 1}`` for a
+  matrix product (or a fusion holding one), ``{"bytes": <bytes>}`` for any other."""
   fused = _fused(module)
 
   def cost(name: str, ins: Instruction) -> dict[str, float]:
@@ -704,10 +712,124 @@ def kernels(hlo: Union[str, Module], float32_bytes: int = 4) -> Kernels:
         return {f"dot {flops!r} {moved}": 1}
     return {"bytes": moved}
 
-  totals = _per_step(module, cost)
+  return cost
+
+
+def _as_kernels(totals: dict[str, float]) -> Kernels:
   dots = []
   for key, count in sorted(totals.items()):
     if key.startswith("dot "):
       _, flops, moved = key.split()
       dots.append((float(flops), float(moved), int(round(count))))
   return Kernels(dots, totals.get("bytes", 0.0))
+
+
+def _trips(ins: Instruction) -> int:
+  """A while loop's trip count (XLA's ``known_trip_count``), else 1."""
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
+  return int(m.group(1)) if m else 1
+
+
+class Overlap(NamedTuple):
+  """One asynchronous collective of a scheduled program and the work XLA placed
+  between its start and its done, which runs while it transfers (`overlaps`)."""
+  collective: str
+  """``"<kind> over <axes>"``, as `collectives_over` keys it."""
+  bytes: int
+  """Bytes it moves per device, once (as `collectives_over` counts them)."""
+  count: int
+  """How many times a step runs it (loops by their trip counts)."""
+  window: Kernels
+  """The kernels between its start and its done, once (a loop or call among them
+  with all it runs)."""
+
+
+def overlaps(hlo: Union[str, Module], mesh_shape: dict[str, int],
+             float32_bytes: int = 4) -> list[Overlap]:
+  """The asynchronous collectives (``<kind>-start`` ... ``<kind>-done``) of a
+  scheduled compiled program, each with the kernels scheduled between its two
+  halves: the work that runs while it transfers. A scheduled module
+  (``is_scheduled=true``, as ``compile().as_text()`` gives it) lists each
+  computation's instructions in the order they run. A synchronous collective (the CPU
+  backend's) has no window and is not listed. Counted per step as `collectives_over`
+  counts.
+
+  Example:
+
+    >>> from mpscale import hlo
+    >>> text = '''HloModule m, is_scheduled=true
+    ... ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
+    ...   %a = f32[64,128]{1,0} parameter(0)
+    ...   %b = f32[128,32]{1,0} parameter(1)
+    ...   %s = f32[128,32]{1,0} all-reduce-start(%b), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
+    ...   %d = f32[64,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    ...   %r = f32[128,32]{1,0} all-reduce-done(%s)
+    ...   ROOT %e = f32[64,32]{1,0} exponential(%d)
+    ... }'''
+    >>> [(o.collective, o.bytes, o.count, o.window) for o in hlo.overlaps(text, {"data": 2})]
+    [('all-reduce over data', 16384, 1, Kernels(dots=[(524288.0, 57344.0, 1)], bytes=0.0))]
+  """
+  module = _as_module(hlo)
+  devices = math.prod(mesh_shape.values())
+  fused = _fused(module)
+  cost = _kernel_cost(module, float32_bytes)
+  runs = _runs(module)
+  memo: dict[str, dict[str, float]] = {}
+
+  def work(name: str, ins: Instruction) -> dict[str, float]:
+    """The kernels ``ins`` runs: itself, and a loop's or call's callees in full."""
+    done = dict(cost(name, ins))
+    for role, callee in _callees(ins):
+      if callee in module.computations and role in ("body", "call", "branch") and (
+          role != "call" or ins.op == "call"):
+        if callee not in memo:
+          memo[callee] = _per_step(module, cost, root=callee)
+        times = _trips(ins) if role == "body" else 1
+        for k, v in memo[callee].items():
+          done[k] = done.get(k, 0.0) + times * v
+    return done
+
+  out = []
+  for name, instructions in module.computations.items():
+    if name in fused or not runs.get(name):
+      continue
+    windows: dict[str, tuple[Instruction, dict[str, float]]] = {}
+    for ins in instructions:
+      if ins.op.endswith("-done"):
+        started = _operands(ins)
+        pair = windows.pop(started[0], None) if started else None
+        if pair is not None:
+          start, acc = pair
+          axes = ",".join(group_axes(replica_groups(start, devices), mesh_shape)) or "-"
+          out.append(Overlap(f"{_kind(start)} over {axes}",
+                             _moved(module, name, start), runs[name],
+                             _as_kernels(acc)))
+      elif ins.op.endswith("-start") and _kind(ins) in COLLECTIVES:
+        windows[ins.name] = (ins, {})
+      elif windows:
+        for k, v in work(name, ins).items():
+          for _, acc in windows.values():
+            acc[k] = acc.get(k, 0.0) + v
+  return out
+
+
+def _runs(module: Module) -> dict[str, int]:
+  """How many times one step runs each computation that holds kernels: the entry
+  once, a loop body its trip count times its loop's runs, a branch or a called
+  computation as often as its caller."""
+  runs: dict[str, int] = {}
+
+  def visit(name: str, times: int) -> None:
+    runs[name] = runs.get(name, 0) + times
+    for ins in module.computations[name]:
+      for role, callee in _callees(ins):
+        if callee not in module.computations:
+          continue
+        if role == "body":
+          visit(callee, times * _trips(ins))
+        elif role == "branch" or (role == "call" and ins.op == "call"):
+          visit(callee, times)
+
+  if module.entry in module.computations:
+    visit(module.entry, 1)
+  return runs

@@ -401,3 +401,62 @@ def test_convolution_flops_are_counted_as_xla_counts_them():
   want = 2 * 4 * 16 * 8 * 46 * 46 + 2 * 4 * 32 * 4 * (8 * 2) * (8 * 2)
   assert hlo.matmul_flops(forward) == want
   assert sum(f * n for f, _, n in hlo.kernels(forward).dots) == want
+
+
+_SCHEDULED = """HloModule m, is_scheduled=true
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+%body (p: (s32[], f32[256])) -> (s32[], f32[256]) {
+  %p = (s32[], f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %v = f32[256]{0} get-tuple-element(%p), index=1
+  %g = f32[256]{0} all-gather-start(%v), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+  %t = f32[256]{0} tanh(%v)
+  %gd = f32[256]{0} all-gather-done(%g)
+  %w = f32[256]{0} add(%gd, %t)
+  ROOT %o = (s32[], f32[256]{0}) tuple(%i, %w)
+}
+%cond (p: (s32[], f32[256])) -> pred[] {
+  %p = (s32[], f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %c = pred[] compare(%i, %n), direction=LT
+}
+ENTRY %main (a: f32[64,128], b: f32[128,32], v: f32[256]) -> f32[64,32] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %b = f32[128,32]{1,0} parameter(1)
+  %v = f32[256]{0} parameter(2)
+  %s = f32[128,32]{1,0} all-reduce-start(%b), channel_id=1, replica_groups={{0,2},{1,3}}, use_global_device_ids=true, to_apply=%add
+  %d = f32[64,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %z = s32[] constant(0)
+  %init = (s32[], f32[256]{0}) tuple(%z, %v)
+  %loop = (s32[], f32[256]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %r = f32[128,32]{1,0} all-reduce-done(%s)
+  %sync = f32[64,32]{1,0} all-reduce(%d), channel_id=2, replica_groups={{0,1},{2,3}}, use_global_device_ids=true, to_apply=%add
+  ROOT %e = f32[64,32]{1,0} exponential(%sync)
+}
+"""
+
+
+def test_overlaps_are_the_kernels_between_an_async_start_and_its_done():
+  """By hand: the entry's all-reduce (over data: devices 0,2 | 1,3 of data 2 x tensor
+  2) has the 64x128x32 product and the whole loop (3 trips of a 256-float tanh and
+  add, 2 KiB and 3 KiB each) between its halves; the loop's all-gather (over both
+  axes) runs 3 times with one tanh each between its halves; the synchronous
+  all-reduce has no window."""
+  out = {o.collective: o for o in hlo.overlaps(_SCHEDULED, {"data": 2, "tensor": 2})}
+  assert set(out) == {"all-reduce over data", "all-gather over data,tensor"}
+  ar = out["all-reduce over data"]
+  assert (ar.bytes, ar.count) == (128 * 32 * 4, 1)
+  assert ar.window.dots == [(2.0 * 64 * 32 * 128, (64 * 128 + 128 * 32 + 64 * 32) * 4.0,
+                             1)]
+  assert ar.window.bytes == 3 * (2 * 1024 + 3 * 1024)
+  ag = out["all-gather over data,tensor"]
+  assert (ag.bytes, ag.count) == (1024, 3)
+  assert ag.window == hlo.Kernels([], 2 * 1024.0)
+  # Sync collectives are counted by collectives_over, with no window.
+  assert "all-reduce over tensor" in hlo.collectives_over(_SCHEDULED,
+                                                          {"data": 2, "tensor": 2})

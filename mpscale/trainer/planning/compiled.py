@@ -180,6 +180,9 @@ class Plan:
   (`mpscale.trainer.planning.targets`): the hardware's own GPU compiler, or the CPU's."""
   compile_note: str = ""
   """Why the CPU's compiler stood in for the hardware's, and how to install it."""
+  overlaps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  """The asynchronous collectives and the kernels scheduled while each transfers
+  (`mpscale.hlo.overlaps`, as dicts): the estimate hides each behind its window."""
 
   @property
   def flops_per_step(self) -> float:
@@ -542,7 +545,12 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
       compute_dtype=compute_dtype, schedules=schedules, residuals=residuals,
       activations=activations, float32_share=float32_share,
       largest_gather=hlo_lib.largest_collective(hlo, "all-gather"),
-      compiled_for=target.description, compile_note=target.note)
+      compiled_for=target.description, compile_note=target.note,
+      overlaps=[{"collective": o.collective, "bytes": o.bytes, "count": o.count,
+                 "window": {"dots": [list(d) for d in o.window.dots],
+                            "bytes": o.window.bytes}}
+                for o in hlo_lib.overlaps(hlo, {} if mesh is None else dict(mesh.shape),
+                                          float32_bytes=2 if narrow else 4)])
   if hardware is not None:
     planned.estimate = step_time_lib.estimate(planned, hardware)
   return planned

@@ -39,13 +39,18 @@ whose span holds it: a ``node`` link holds a group whose devices share one node;
 modelled); ``nodes`` and ``slices`` links hold any group. A group spanning nodes runs
 at the slower link's per-device bandwidth (each GPU of a DGX has its own adapter).
 
-**Overlap: none.** The step time is ``compute + memory + collectives``: no
-collective is assumed hidden behind computation. This is what Megatron-LM's 2021
-runs did (its tensor-parallel all-reduces block the layer that needs them, and the
-data-parallel gradient all-reduce ran after the backward pass) and an upper bound for
-XLA, whose GPU scheduler can overlap asynchronous collectives with independent work.
-The dominant term is the largest of compute, memory and the collectives of each link
-level.
+**Overlap: what the compiled program schedules.** A GPU program's collectives are
+asynchronous (``<kind>-start`` ... ``<kind>-done``), and XLA's scheduler places
+kernels between the two halves; those kernels run while the collective transfers
+(`mpscale.hlo.overlaps`). Each such collective hides behind its window, at most its
+own time: ``hidden = sum(count * min(collective, window))``, the window priced as the
+kernels are. The step time is ``compute + memory + collectives - hidden``. A CPU
+compile's collectives are synchronous, so a plan on it hides nothing: an upper bound,
+and what Megatron-LM's 2021 runs did (its tensor-parallel all-reduces block the layer
+that needs them, and the data-parallel gradient all-reduce ran after the backward).
+Two collectives in flight over the same kernels may each hide behind them (NCCL runs
+them on streams of their own). The dominant term is the largest of compute, memory
+and the collectives of each link level.
 
 References:
   Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
@@ -80,7 +85,7 @@ class Estimate:
   """One step's estimated time on a `Hardware` profile (see the module docstring)."""
   hardware: str
   seconds: float
-  """The step: ``compute + memory + collectives`` (no overlap)."""
+  """The step: ``compute + memory + collectives - hidden``."""
   compute: float
   """Seconds of matrix products at ``peak * matmul_efficiency``."""
   memory: float
@@ -103,6 +108,10 @@ class Estimate:
   dominant: str
   """``compute``, ``memory`` or ``collectives on <link>``: the largest term."""
   assumptions: dict[str, Any]
+  hidden: float = 0.0
+  """Seconds of collectives hidden behind the kernels the compiled program schedules
+  while they transfer (`mpscale.hlo.overlaps`; 0 for a program without asynchronous
+  collectives, such as the CPU backend's)."""
 
   def text(self) -> str:
     lines = [f"estimated step on {self.hardware}: {self.seconds * 1e3:.1f} ms, "
@@ -114,7 +123,9 @@ class Estimate:
              f"{self.peak_flops / 1e12:g} TFLOP/s)",
              f"  memory            {self.memory * 1e3:10.1f} ms  (at "
              f"{self.assumptions['memory_efficiency']:.1%} of HBM bandwidth)",
-             f"  collectives       {self.collectives * 1e3:10.1f} ms  (not overlapped)"]
+             f"  collectives       {self.collectives * 1e3:10.1f} ms  "
+             + (f"({self.hidden * 1e3:.1f} ms hidden behind the kernels scheduled "
+                "while they transfer)" if self.hidden else "(not overlapped)")]
     for link, seconds in self.by_link.items():
       lines.append(f"    on {link:<14} {seconds * 1e3:10.1f} ms")
     if self.bubble:
@@ -169,6 +180,34 @@ def peak_for(hardware: Hardware, dtype: str) -> float:
   return hardware.peak(dtype)  # raises, naming the dtypes the profile lists
 
 
+def _kernel_seconds(kernels: Any, flop_rate: float, byte_rate: float
+                    ) -> tuple[float, float]:
+  """``(compute, memory)`` seconds of kernels (`mpscale.hlo.Kernels`, or its dict
+  form): each matrix product at ``flop_rate``, with the excess of its bytes at
+  ``byte_rate`` over its FLOPs counted as memory (a roofline, kernel by kernel), and
+  every other kernel's bytes at ``byte_rate``."""
+  dots, other = ((kernels["dots"], kernels["bytes"]) if isinstance(kernels, dict)
+                 else kernels)
+  compute = memory = 0.0
+  for flops, nbytes, count in dots:
+    on_flops, on_bytes = flops / flop_rate, nbytes / byte_rate
+    compute += count * on_flops
+    memory += count * max(0.0, on_bytes - on_flops)
+  return compute, memory + other / byte_rate
+
+
+def _priced(key: str, nbytes: float, mesh: dict[str, int], hardware: Hardware
+            ) -> tuple[Link, int, float]:
+  """``(link, group size, seconds)`` of one ``"<kind> over <axes>"`` collective
+  moving ``nbytes`` per device."""
+  kind, _, axes_text = key.partition(" over ")
+  axes = tuple(a for a in axes_text.split(",") if a in mesh)
+  link, n = link_for(axes, mesh, hardware)
+  if kind == "collective-permute":
+    n = 2 if n > 1 else 1
+  return link, n, collective_seconds(kind, nbytes, n, link)
+
+
 def estimate(plan: Any, hardware: Hardware) -> Estimate:
   """The step time of ``plan`` (a `mpscale.trainer.planning.compiled.Plan`) on ``hardware``.
 
@@ -190,40 +229,38 @@ def estimate(plan: Any, hardware: Hardware) -> Estimate:
   peak = peak_for(hardware, plan.compute_dtype)
   flop_rate = peak * hardware.matmul_efficiency
   byte_rate = hardware.hbm_bandwidth * hardware.memory_efficiency
-  compute = memory = 0.0
-  for flops, nbytes, count in plan.kernels["dots"]:
-    on_flops, on_bytes = flops / flop_rate, nbytes / byte_rate
-    compute += count * on_flops
-    memory += count * max(0.0, on_bytes - on_flops)
-  memory += plan.kernels["bytes"] / byte_rate
+  compute, memory = _kernel_seconds(plan.kernels, flop_rate, byte_rate)
   rows, by_link = [], {}
   for key, c in sorted(plan.collectives_over.items()):
-    kind, _, axes_text = key.partition(" over ")
-    axes = tuple(a for a in axes_text.split(",") if a in plan.mesh)
-    link, n = link_for(axes, plan.mesh, hardware)
-    if kind == "collective-permute":
-      n = 2 if n > 1 else 1
-    seconds = c["count"] * collective_seconds(kind, c["bytes"] / max(c["count"], 1),
-                                              n, link)
+    link, n, once = _priced(key, c["bytes"] / max(c["count"], 1), plan.mesh, hardware)
+    seconds = c["count"] * once
     rows.append({"collective": key, "group": n, "link": link.name,
                  "count": c["count"], "bytes": c["bytes"], "seconds": seconds})
     if seconds:
       by_link[link.name] = by_link.get(link.name, 0.0) + seconds
   collectives = sum(by_link.values())
-  total = compute + memory + collectives
+  hidden = 0.0
+  for o in getattr(plan, "overlaps", None) or ():
+    once = _priced(o["collective"], o["bytes"], plan.mesh, hardware)[2]
+    window = sum(_kernel_seconds(o["window"], flop_rate, byte_rate))
+    hidden += o["count"] * min(once, window)
+  hidden = min(hidden, collectives)
+  total = compute + memory + collectives - hidden
   terms = {"compute": compute, "memory": memory,
            **{f"collectives on {k}": v for k, v in by_link.items()}}
   mfu = (None if plan.model_flops is None or total <= 0 else
          plan.model_flops / (total * plan.devices * peak))
   return Estimate(
       hardware=hardware.name, seconds=total, compute=compute, memory=memory,
-      collectives=collectives, bubble=plan.bubble * (compute + memory),
+      collectives=collectives, hidden=hidden, bubble=plan.bubble * (compute + memory),
       by_link=by_link, rows=rows,
       tokens_per_second=plan.tokens_per_step / total if total > 0 else math.inf,
       mfu=mfu, peak_flops=peak, dominant=max(terms, key=terms.get),
       assumptions={"matmul_efficiency": hardware.matmul_efficiency,
                    "memory_efficiency": hardware.memory_efficiency,
-                   "overlap": "none", "axes_onto_nodes": "row-major, "
+                   "overlap": "the compiled program's asynchronous collectives, behind "
+                   "the kernels scheduled between their start and done",
+                   "axes_onto_nodes": "row-major, "
                    + " x ".join(plan.mesh) + f"; {hardware.devices_per_node} devices "
                    "a node", "compute_dtype": plan.compute_dtype,
                    "assumed_in_profile": list(hardware.assumed)})

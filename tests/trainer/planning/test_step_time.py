@@ -133,3 +133,32 @@ def test_a_real_plan_carries_its_estimate_as_text_and_json():
   h100 = step_time.estimate(planned, load_hardware("h100-80g"))
   assert h100.compute < est.compute and h100.memory < est.memory
   assert dataclasses.asdict(h100)["hardware"] == "h100-80g"
+
+
+def test_an_asynchronous_collective_hides_behind_the_kernels_scheduled_while_it_moves():
+  # Two all-reduces over tensor (a ring of 4 on "fast"), 4e8 bytes each: 1.512 ms
+  # each. The first has a 1e12-FLOP product between its start and done (2 ms at
+  # 0.5 * 1e15): all of it hides. The second has 1e8 bytes of elementwise work
+  # (0.1 ms at 0.5 * 2e12 B/s): 0.1 ms of it hides.
+  once = 2 * 3 / 4 * 4e8 / 4e11 + 2 * 3 * 2e-6
+  plan = _plan(
+      kernels={"dots": [[1e12, 1e6, 1]], "bytes": 1e8},
+      collectives_over={"all-reduce over tensor": {"bytes": 8e8, "count": 2}},
+      overlaps=[{"collective": "all-reduce over tensor", "bytes": 4e8, "count": 1,
+                 "window": {"dots": [[1e12, 1e6, 1]], "bytes": 0.0}},
+                {"collective": "all-reduce over tensor", "bytes": 4e8, "count": 1,
+                 "window": {"dots": [], "bytes": 1e8}}])
+  est = step_time.estimate(plan, GPU)
+  assert est.collectives == pytest.approx(2 * once)
+  assert once == pytest.approx(1.512e-3)
+  assert est.hidden == pytest.approx(once + 1e8 / 1e12)
+  assert est.seconds == pytest.approx(est.compute + est.memory + 2 * once
+                                      - est.hidden)
+  assert "hidden behind the kernels" in est.text()
+  # A window longer than its collective hides the whole collective, no more; a
+  # collective run in a loop hides its count times.
+  plan.overlaps = [{"collective": "all-reduce over tensor", "bytes": 4e8, "count": 2,
+                    "window": {"dots": [[1e13, 1e6, 1]], "bytes": 0.0}}]
+  assert step_time.estimate(plan, GPU).hidden == pytest.approx(2 * once)
+  plan.overlaps = []
+  assert step_time.estimate(plan, GPU).hidden == 0.0

@@ -125,6 +125,10 @@ def test_an_h100_plan_reads_the_gpus_program_with_16_bit_collectives_kept():
   planned = compiled.plan(cfg, hardware="h100-80g", compiler="target")
   assert "NVIDIA H100" in planned.compiled_for and planned.compile_note == ""
   assert planned.estimate is not None and planned.flops_per_device > 0
+  # The GPU's scheduler makes collectives asynchronous (windows to hide them); the
+  # CPU's does not.
+  assert planned.overlaps
+  assert not compiled.plan(cfg, hardware="h100-80g", compiler="cpu").overlaps
 
 
 @needs_cuda
