@@ -148,42 +148,51 @@ _Cost = Callable[[str, Instruction], dict[str, float]]
 """``cost(computation, instruction) -> {key: value}``: what one instruction costs."""
 
 
-def _per_step(module: Module, cost: _Cost, root: Optional[str] = None
-              ) -> dict[str, float]:
-  """The sum of ``cost`` over everything one step runs: a while body its trip count
-  times (XLA's ``known_trip_count``), a conditional its costliest branch (one runs;
-  which one, the program decides), any other called computation (fusions, calls)
-  once per call. From ``root`` instead of the entry: what one run of that
-  computation runs."""
-  memo: dict[str, dict[str, float]] = {}
+class _Totals:
+  """``cost`` summed over what a computation, or one instruction, runs in a step: a
+  while body its trip count times (XLA's ``known_trip_count``), a conditional its
+  costliest branch (one runs; which one, the program decides), any other called
+  computation (fusions, calls) once per call. Memoised per computation."""
 
-  def total(name: str) -> dict[str, float]:
-    if name in memo:
-      return memo[name]
-    memo[name] = {}  # no recursion in HLO; a guard all the same
-    acc: dict[str, float] = {}
+  def __init__(self, module: Module, cost: _Cost):
+    self.module, self.cost = module, cost
+    self.memo: dict[str, dict[str, float]] = {}
+
+  def instruction(self, name: str, ins: Instruction) -> dict[str, float]:
+    """What ``ins`` (of computation ``name``) runs: itself and its callees."""
+    acc = dict(self.cost(name, ins))
 
     def add(d: dict[str, float], times: float = 1.0) -> None:
       for k, v in d.items():
         acc[k] = acc.get(k, 0.0) + times * v
 
-    for ins in module.computations[name]:
-      add(cost(name, ins))
-      callees = [(r, c) for r, c in _callees(ins) if c in module.computations]
-      branches = [total(c) for r, c in callees if r == "branch"]
-      if branches:
-        add(max(branches, key=lambda d: sum(d.values())))
-      trips = _trips(ins)
-      for role, callee in callees:
-        if role == "body":
-          add(total(callee), trips)
-        elif role == "call":
-          add(total(callee))
-    memo[name] = acc
+    callees = [(r, c) for r, c in _callees(ins) if c in self.module.computations]
+    branches = [self.computation(c) for r, c in callees if r == "branch"]
+    if branches:
+      add(max(branches, key=lambda d: sum(d.values())))
+    for role, callee in callees:
+      if role == "body":
+        add(self.computation(callee), _trips(ins))
+      elif role == "call":
+        add(self.computation(callee))
     return acc
 
-  start = module.entry if root is None else root
-  return total(start) if start in module.computations else {}
+  def computation(self, name: str) -> dict[str, float]:
+    """What one run of the computation ``name`` runs."""
+    if name not in self.memo:
+      self.memo[name] = {}  # no recursion in HLO; a guard all the same
+      acc: dict[str, float] = {}
+      for ins in self.module.computations[name]:
+        for k, v in self.instruction(name, ins).items():
+          acc[k] = acc.get(k, 0.0) + v
+      self.memo[name] = acc
+    return self.memo[name]
+
+
+def _per_step(module: Module, cost: _Cost) -> dict[str, float]:
+  """The sum of ``cost`` over everything one step runs (`_Totals`, from the entry)."""
+  return (_Totals(module, cost).computation(module.entry)
+          if module.entry in module.computations else {})
 
 
 def _operands(ins: Instruction) -> list[str]:
@@ -772,23 +781,9 @@ def overlaps(hlo: Union[str, Module], mesh_shape: dict[str, int],
   module = _as_module(hlo)
   devices = math.prod(mesh_shape.values())
   fused = _fused(module)
-  cost = _kernel_cost(module, float32_bytes)
-  runs = _runs(module)
-  memo: dict[str, dict[str, float]] = {}
-
-  def work(name: str, ins: Instruction) -> dict[str, float]:
-    """The kernels ``ins`` runs: itself, and a loop's or call's callees in full."""
-    done = dict(cost(name, ins))
-    for role, callee in _callees(ins):
-      if callee in module.computations and role in ("body", "call", "branch") and (
-          role != "call" or ins.op == "call"):
-        if callee not in memo:
-          memo[callee] = _per_step(module, cost, root=callee)
-        times = _trips(ins) if role == "body" else 1
-        for k, v in memo[callee].items():
-          done[k] = done.get(k, 0.0) + times * v
-    return done
-
+  totals = _Totals(module, _kernel_cost(module, float32_bytes))
+  runs = _per_step(module, lambda name, ins: (
+      {name: 1.0} if ins is module.computations[name][0] else {}))
   out = []
   for name, instructions in module.computations.items():
     if name in fused or not runs.get(name):
@@ -802,34 +797,12 @@ def overlaps(hlo: Union[str, Module], mesh_shape: dict[str, int],
           start, acc = pair
           axes = ",".join(group_axes(replica_groups(start, devices), mesh_shape)) or "-"
           out.append(Overlap(f"{_kind(start)} over {axes}",
-                             _moved(module, name, start), runs[name],
+                             _moved(module, name, start), int(round(runs[name])),
                              _as_kernels(acc)))
       elif ins.op.endswith("-start") and _kind(ins) in COLLECTIVES:
         windows[ins.name] = (ins, {})
       elif windows:
-        for k, v in work(name, ins).items():
+        for k, v in totals.instruction(name, ins).items():
           for _, acc in windows.values():
             acc[k] = acc.get(k, 0.0) + v
   return out
-
-
-def _runs(module: Module) -> dict[str, int]:
-  """How many times one step runs each computation that holds kernels: the entry
-  once, a loop body its trip count times its loop's runs, a branch or a called
-  computation as often as its caller."""
-  runs: dict[str, int] = {}
-
-  def visit(name: str, times: int) -> None:
-    runs[name] = runs.get(name, 0) + times
-    for ins in module.computations[name]:
-      for role, callee in _callees(ins):
-        if callee not in module.computations:
-          continue
-        if role == "body":
-          visit(callee, times * _trips(ins))
-        elif role == "branch" or (role == "call" and ins.op == "call"):
-          visit(callee, times)
-
-  if module.entry in module.computations:
-    visit(module.entry, 1)
-  return runs

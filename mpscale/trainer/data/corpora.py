@@ -375,8 +375,8 @@ def _samples(cfg: schema.RunConfig, corpora: list[_Corpus], eod: Optional[int],
                  reset_attention_mask=data.reset_attention_mask)
   part = (lambda c: c.held_out) if held_out else (lambda c: c.train)
   # The samples of the whole run: train.steps x data.batch_size, or a ramp-up's.
-  count = batch_sizes_lib.BatchSizes(
-      cfg.data.batch_size, cfg.data.rampup_batch_size).consumed_at(cfg.train.steps)
+  sizes = loader.batch_sizes(cfg) or batch_sizes_lib.BatchSizes(data.batch_size)
+  count = sizes.consumed_at(cfg.train.steps)
   if not data.blend:
     c = corpora[0]
     return errors.keyed(c.key, lambda: tokens_lib.GPTSamples(

@@ -117,6 +117,14 @@ def _cpu(reason: str) -> Target:
   return Target(None, "cpu", "fake CPU devices (XLA's CPU compiler)", reason)
 
 
+def _instead(mode: str, why: str, remedy: str) -> Target:
+  """The CPU's compile in place of the target's, saying ``why`` and the ``remedy``;
+  with ``mode="target"``, the error saying so."""
+  if mode == "target":
+    raise ValueError(f"compiler: {why}; {remedy}")
+  return _cpu(f"{why}; planned on the CPU compile instead; {remedy}")
+
+
 def choose(hardware: Any, num_devices: int, mode: str = "auto") -> Target:
   """The devices a plan compiles for, on ``hardware`` (a `Hardware`, or ``None``).
 
@@ -132,38 +140,29 @@ def choose(hardware: Any, num_devices: int, mode: str = "auto") -> Target:
   """
   if mode not in MODES:
     raise ValueError(f"compiler must be one of {', '.join(MODES)}; got {mode!r}")
-  target = getattr(hardware, "compile_target", None)
   if mode == "cpu":
     return _cpu("")
+  target = getattr(hardware, "compile_target", None)
   if target is None:
     if mode == "target":
       raise ValueError("compiler: target needs --hardware with a compile_target")
     return _cpu("")
   platform, name = parse(target)
   if platform != "cuda":
-    reason = (f"{hardware.name}'s compiler ({target}) is not tried here; planned on "
-              "the CPU compile")
-    if mode == "target":
-      raise ValueError(f"compiler: {reason}")
-    return _cpu(reason)
+    return _instead(mode, f"{hardware.name}'s compiler ({target}) is not tried here",
+                    "plan with --compiler cpu")
   if not cuda_installed():
-    missing = f"{hardware.name}'s compiler (XLA's CUDA compiler) is not installed"
-    if mode == "target":
-      raise ValueError(f"compiler: {missing}; install it with: {INSTALL}")
-    return _cpu(f"{missing}; planned on the CPU compile instead. For the GPU's "
-                f"program: {INSTALL}")
+    return _instead(mode, f"{hardware.name}'s compiler (XLA's CUDA compiler) is not "
+                    "installed", f"install it with: {INSTALL}")
   shape = topology(num_devices, int(hardware.devices_per_node))
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   try:
     devices = topologies.get_topology_desc(
         name, "cuda", target_config=spec_text(name), topology=shape).devices
   except Exception as e:  # pylint: disable=broad-except  (the plugin's own errors)
-    reason = (f"XLA's CUDA compiler did not register ({type(e).__name__}: "
-              f"{str(e)[:200]}); JAX must start with JAX_PLATFORMS=cpu (mpscale plan "
-              "sets it). Planned on the CPU compile")
-    if mode == "target":
-      raise ValueError(f"compiler: {reason}") from None
-    return _cpu(reason)
+    return _instead(mode, f"XLA's CUDA compiler did not register ({type(e).__name__}: "
+                    f"{str(e)[:200]})", "JAX must start with JAX_PLATFORMS=cpu "
+                    "(mpscale plan sets it)")
   devices = list(devices)[:num_devices]
   return Target(devices, "cuda", f"{num_devices} x {devices[0].device_kind} "
                 "(XLA's CUDA compiler, no GPU needed)")
