@@ -1,8 +1,9 @@
 """From a `RunConfig` to the pieces of a run: model, policy, optimizer, mesh, step.
 
-Data flows one way: the config's schema (`mpscale.trainer.config.schema`) -> these builders ->
-the training loop (`mpscale.trainer.runs.loop`); `mpscale.trainer.config.load` builds the pieces
-once, with `check`, when it loads a config::
+Data flows one way: the config's schema (`mpscale.trainer.config.schema`) -> these
+builders -> the training loop (`mpscale.trainer.runs.loop`);
+`mpscale.trainer.config.load` builds the pieces once on shapes, with `check`, when it
+loads a config::
 
   policy    = get_policy(precision.policy)
   optimizer = <loss_scale.kind>_loss_scale(chain(clip_by_global_norm(clip.max_norm),
@@ -19,8 +20,8 @@ A builder's error is a `mpscale.validation.ArgumentError` (a ``ValueError``; als
 ``TypeError`` for a wrong type) whose ``names`` are config keys, the one at fault first,
 and whose message names them, e.g. ``loss_scale.backoff_factor must be in (0, 1)``
 or ``precision.policy: unknown policy 'O7'``. The constructors' own errors name their
-arguments; the builders rename them to the keys that feed them (`mpscale.trainer.config.errors.keyed`), and never
-read an error's text.
+arguments; the builders rename them to the keys that feed them
+(`mpscale.trainer.config.errors.keyed`), and never read an error's text.
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, TENSOR_AXIS)
 def build_policy(cfg: schema.RunConfig) -> policy_lib.Policy:
   """The precision policy named by ``precision.policy``."""
   return errors.keyed("precision.policy",
-                lambda: policy_lib.get_policy(cfg.precision.policy))
+                      lambda: policy_lib.get_policy(cfg.precision.policy))
 
 
 def build_grad_reduce_dtype(cfg: schema.RunConfig) -> Any:
   """``precision.grad_reduce_dtype``, checked: ``None`` or float32
   (`mpscale.gradients.check_grad_reduce_dtype`)."""
   return errors.keyed("precision.grad_reduce_dtype",
-                lambda: gradients_lib.check_grad_reduce_dtype(
+                      lambda: gradients_lib.check_grad_reduce_dtype(
                     cfg.precision.grad_reduce_dtype))
 
 
@@ -88,7 +89,7 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None
         sequence_parallel=cfg.mesh.sequence_parallel)
   return errors.keyed("model", lambda: lm_lib.TinyLM.from_sizes(
       cfg.model, remat=cfg.train.remat, shard=shard),
-                errors.fields("model", cfg.model, remat="train.remat"))
+                      errors.fields("model", cfg.model, remat="train.remat"))
 
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
@@ -114,7 +115,8 @@ def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
   ``mesh.tensor`` split them; ``None`` (replicated, or split by stage only) else."""
   if mesh is None or (cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1):
     return None
-  return errors.keyed("mesh", lambda: model.param_specs(mesh), errors.fields("model", cfg.model))
+  return errors.keyed("mesh", lambda: model.param_specs(mesh),
+                      errors.fields("model", cfg.model))
 
 
 def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:
@@ -131,9 +133,10 @@ def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:
     raise validation.ArgumentError(
         ("data.rampup_batch_size", "train.samples"), "{0} needs {1}: a ramp-up is "
         "counted in samples, so the run is too (set {1}; train.steps follows)")
-  return errors.keyed("data.rampup_batch_size", lambda: batch_sizes_lib.BatchSizes(
-      data.batch_size, data.rampup_batch_size),
-                {"batch_size": "data.batch_size", "rampup": "data.rampup_batch_size"})
+  return errors.keyed(
+      "data.rampup_batch_size",
+      lambda: batch_sizes_lib.BatchSizes(data.batch_size, data.rampup_batch_size),
+      {"batch_size": "data.batch_size", "rampup": "data.rampup_batch_size"})
 
 
 def train_steps(cfg: schema.RunConfig) -> int:
@@ -147,7 +150,7 @@ def train_steps(cfg: schema.RunConfig) -> int:
     return cfg.train.steps
   sizes = build_batch_sizes(cfg)
   return errors.keyed("train.samples", lambda: sizes.steps_for(cfg.train.samples),
-                {"samples": "train.samples"})
+                      {"samples": "train.samples"})
 
 
 def counts_samples(cfg: schema.RunConfig) -> bool:
@@ -221,8 +224,8 @@ def _sample_schedule(cfg: schema.RunConfig) -> optax.Schedule:
   _sample_schedule_keys(cfg)
   s, sizes = cfg.schedule, build_batch_sizes(cfg)
   keys = errors.fields("schedule", s, peak="optimizer.learning_rate",
-                 warmup_steps="schedule.warmup_samples",
-                 decay_steps="schedule.decay_samples")
+                       warmup_steps="schedule.warmup_samples",
+                       decay_steps="schedule.decay_samples")
   decay = s.decay_samples
   if decay is None:  # Megatron's lr_decay_samples default: train_samples
     decay = (cfg.train.samples if cfg.train.samples is not None
@@ -349,9 +352,9 @@ def build_inner_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation
   make = optimizer_factory(cfg)
   section = f"optimizer.{opt.name}"
   keys = errors.fields(section, getattr(opt, opt.name),
-                 learning_rate="optimizer.learning_rate",
-                 weight_decay="optimizer.weight_decay", mask="optimizer.weight_decay_mask",
-                 groups="optimizer.groups")
+                       learning_rate="optimizer.learning_rate",
+                       weight_decay="optimizer.weight_decay",
+                       mask="optimizer.weight_decay_mask", groups="optimizer.groups")
   if not opt.groups:
     inner = errors.keyed(section, lambda: make(lr, wd, mask), keys)
   else:
@@ -370,8 +373,9 @@ def check_param_groups(cfg: schema.RunConfig, param_shapes: Any) -> None:
   """
   if cfg.optimizer.groups:
     groups = _param_groups(cfg)
-    errors.keyed("optimizer.groups", lambda: param_groups_lib.labels(param_shapes, groups),
-           {"groups": "optimizer.groups"})
+    errors.keyed("optimizer.groups",
+                 lambda: param_groups_lib.labels(param_shapes, groups),
+                 {"groups": "optimizer.groups"})
 
 
 def build_groups(cfg: schema.RunConfig) -> norms_lib.Groups:
@@ -442,7 +446,7 @@ def build_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation:
     inner = errors.keyed("skip.spikes", lambda: spikes_lib.skip_spikes(
         inner, window=spikes.window, threshold=spikes.threshold,
         warmup=spikes.warmup, watch=spikes.watch, reset_after=spikes.reset_after),
-                   errors.fields("skip.spikes", spikes))
+                         errors.fields("skip.spikes", spikes))
   scaling = cfg.loss_scale
   if scaling.init_scale is None:  # the built-in model's, when no one resolved it
     scaling = dataclasses.replace(scaling, init_scale=initial_scale(
@@ -514,8 +518,8 @@ def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
   """
   if cfg.mesh.stage > 1:
     keys = errors.fields("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
-                   num_microbatches="train.num_microbatches", remat="train.remat",
-                   recompute="train.recompute")
+                         num_microbatches="train.num_microbatches", remat="train.remat",
+                         recompute="train.recompute")
     return errors.keyed("mesh", lambda: pipeline_lib.Pipeline(
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
