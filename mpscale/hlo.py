@@ -538,8 +538,18 @@ def _accessed(module: Module, name: str, ins: Instruction,
   root = inner[-1] if inner else None
   roots = ([by_name.get(o) for o in _operands(root)]
            if root is not None and root.op == "tuple" else [root])
-  in_place = {_operands(r)[0] for r in roots
-              if r is not None and r.op == "dynamic-update-slice" and _operands(r)}
+  # A root may write its update through a change of type or layout: the CPU
+  # backend widens a 16-bit stack, ``convert(dynamic-update-slice(convert(p), u))``,
+  # and still updates ``p`` in place.
+  updates = {}
+  for r in roots:
+    dus = _through(by_name, r)
+    if dus is not None and dus.op == "dynamic-update-slice" and len(_operands(dus)) > 1:
+      updates[r.name] = dus
+  in_place = set()
+  for dus in updates.values():
+    base = _through(by_name, by_name.get(_operands(dus)[0]))
+    in_place.add(base.name if base is not None else _operands(dus)[0])
   total = 0
   for k, operand in enumerate(operands):
     p = params.get(k)
@@ -557,11 +567,29 @@ def _accessed(module: Module, name: str, ins: Instruction,
   for r in roots:
     if r is None:
       continue
-    if r.op == "dynamic-update-slice" and len(_operands(r)) > 1:
-      total += _shape_bytes(inner_types.get(_operands(r)[1], ""), float32_bytes)
+    dus = updates.get(r.name)
+    if dus is not None:
+      # The update's elements, at the width the root stores them.
+      update = math.prod(_dims(inner_types.get(_operands(dus)[1], "")))
+      whole = math.prod(_dims(r.result)) or 1
+      total += _shape_bytes(r.result, float32_bytes) * update // whole
     else:
       total += _shape_bytes(r.result, float32_bytes)
   return total
+
+
+_RELAYOUT = ("convert", "bitcast", "copy")
+"""Ops a fusion may wrap around an in-place update without changing what it
+touches: a change of element type (the CPU backend's widened 16-bit buffers) or of
+layout."""
+
+
+def _through(by_name: dict[str, Instruction],
+             ins: Optional[Instruction]) -> Optional[Instruction]:
+  """``ins`` with any `_RELAYOUT` ops above it looked through."""
+  while ins is not None and ins.op in _RELAYOUT and _operands(ins):
+    ins = by_name.get(_operands(ins)[0])
+  return ins
 
 
 def launches(hlo: Union[str, Module]) -> int:

@@ -373,6 +373,38 @@ def test_kernels_of_a_scan_read_one_layer_and_write_one_slice_a_step():
   assert got.bytes > 0
 
 
+def _bf16_scan_gradient(num_layers: int) -> str:
+  """The compiled CPU program of a bf16 scan's gradient: the backend widens the
+  bf16 stacks, so each layer's update is ``convert(dynamic-update-slice(convert(p),
+  u))`` inside a fusion."""
+  def layers(w, x):
+    def body(c, wl):
+      y = jnp.tanh(c @ wl)
+      return y, y
+    return jax.lax.scan(body, x, w)[1]
+
+  w = jax.ShapeDtypeStruct((num_layers, 128, 128), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((32, 128), jnp.bfloat16)
+  grad = jax.jit(jax.grad(lambda w, x: jnp.sum(layers(w, x).astype(jnp.float32))))
+  return grad.lower(w, x).compile().as_text()
+
+
+def test_an_update_inside_a_fusion_through_converts_counts_one_layer():
+  """A stacked buffer updated a layer per trip, through the CPU's widening
+  converts, costs one layer's bytes a trip: the step's bytes grow with the number of
+  layers, not with its square (counting the whole stack each trip made 16 layers
+  cost 8.5 times 4 layers' bytes)."""
+  texts = {n: _bf16_scan_gradient(n) for n in (4, 16)}
+  module = hlo.parse(texts[4])
+  wrapped = [c for c, body in module.computations.items()
+             if body and body[-1].op == "convert"
+             and any(x.op == "dynamic-update-slice" for x in body)]
+  if jax.default_backend() == "cpu":
+    assert wrapped, "the compiled scan no longer wraps its update in converts"
+  moved = {n: hlo.kernels(t).bytes for n, t in texts.items()}
+  assert 3.5 < moved[16] / moved[4] < 4.5, moved
+
+
 def test_convolution_flops_are_counted_as_xla_counts_them():
   """A CNN's convolutions (forward, and the input and kernel gradients the backward
   runs as convolutions too) count their multiply-adds, within 5% of XLA's own
