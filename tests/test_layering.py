@@ -92,7 +92,7 @@ TRAINER_LAYERS = (
      "planning.hardware"),
     ("data.corpora", "planning.step_time"),
     ("config.build",),
-    ("config.load",),
+    ("config.load", "planning.analytic"),
     ("runs.distributed",),
     ("runs.loop",),
     ("planning.compiled", "runs.compare"),

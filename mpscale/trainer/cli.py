@@ -5,7 +5,7 @@
   mpscale train --config configs/tiny_lm_fp16.yaml [--set train.steps=50 ...]
                 [--out runs/NAME] [--resume | --overwrite] [--devices N] [--data PATH]
   mpscale plan --config configs/x.yaml [--devices N] [--device-memory 80GB] [--hardware a100-80g] [--json]
-  mpscale plan --config configs/x.yaml --search --devices N --hardware a100-80g [--budget S]
+  mpscale plan --config configs/x.yaml --search --devices N --hardware a100-80g [--budget S] [--compile-top K]
   mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
                   [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
   mpscale eval runs/NAME [--devices N]
@@ -240,6 +240,9 @@ def _plan_command(sub: Any) -> None:
       "--search: the mesh axes to search, comma-separated (the others stay 1)"))
   plan_cmd.add_argument("--top", type=int, default=10, metavar="K",
                         help="--search: print the K fastest layouts (default 10)")
+  plan_cmd.add_argument("--compile-top", type=int, default=8, metavar="K", help=(
+      "--search: rank every layout from shapes, then compile the leading ones "
+      "until K fit (default 8); 0: compile every layout"))
   plan_cmd.add_argument("--cache", metavar="DIR", help=(
       "--search: cache compiled plans here (default ~/.cache/mpscale/plans); "
       "'none' for no cache"))
@@ -368,6 +371,7 @@ def _search(args: argparse.Namespace, hardware: Any) -> None:
                                  overrides=tuple(args.set),
                                  axes=tuple(a.strip() for a in args.axes.split(",")),
                                  budget=args.budget,
+                                 top=args.compile_top or None,
                                  cache_dir=cache, progress=progress)
     except (ValueError, TypeError) as e:
       raise config_lib.as_config_error(e).located(args.config) from None

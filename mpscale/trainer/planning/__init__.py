@@ -6,7 +6,10 @@
   specs in ``target_specs/``, no GPU needed) when installed, else the CPU's;
 - `step_time`: a step's time from its FLOPs, bytes and collectives on a profile;
 - `compiled`: `plan` compiles the step from shapes and reads its program;
-- `search`: ranks the layouts that fit (``mpscale plan --search``).
+- `analytic`: a layout's step priced from shapes alone (no compile), which orders
+  the search's layouts;
+- `search`: ranks the layouts that fit (``mpscale plan --search``): all from
+  shapes, the leading ones compiled.
 
 May import: `config`, `data`, `models`, `runs`.
 """

@@ -6,27 +6,40 @@ into ``data x fsdp x stage x tensor``, and with it ZeRO-1 (``shard_optimizer_sta
 the micro-batches, activation recomputation (``train.remat``), sequence parallelism,
 the pipeline schedule and virtual stages. A layout the trainer would refuse (tensor
 not dividing the heads, stages not dividing the layers, a batch not splitting over
-the replicas and micro-batches) is never built. Then, cheapest first:
+the replicas and micro-batches) is never built. Then, cheapest first::
 
-1. **The arithmetic bound.** A layout whose parameters, gradients and optimizer state
-   alone (exact per-device bytes from shapes, nothing compiled) exceed the device's
-   memory is dropped.
-2. **Compile and estimate.** Each remaining layout is planned
-   (`mpscale.trainer.planning.compiled.plan`: the real step, compiled from shapes) and priced
-   on the hardware (`mpscale.trainer.planning.step_time`); a layout whose compiled peak exceeds
-   the memory is dropped, and without a pipeline the layout is tried again with
-   twice the micro-batches (they only save memory, and cost a pass over the
-   weights each): the first count that fits is the one ranked. ZeRO-1 and
-   recomputation are layouts of their own (recomputation with fewer micro-batches
-   can beat more micro-batches without it). Plans are cached on disk by the config, the device count
+  ladders = layouts(cfg, N)                       # thousands at 512 devices
+  for each ladder: its first variant that fits by analytic.memory_bytes,
+                   priced by analytic.estimate    # shapes only: ~0.1 ms each
+  drop the ladders with no variant that fits; sort the rest by that price
+  for the leading ladders, in that order, until `top` fit (or the budget ends):
+    exact state bytes (static_bytes) over the memory: next variant
+    compile (or read the cache), price with step_time.estimate
+    compiled peak over the memory: next variant (more micro-batches)
+  rank those by the compiled estimate
+
+1. **Rank from shapes** (`preranked`, `mpscale.trainer.planning.analytic`): every
+   ladder's FLOPs, memory-bound bytes and collectives per device, priced with the
+   step-time model's own formulas; its memory (state, activations) picks the
+   ladder's first variant expected to fit and drops the ladders none of whose
+   variants fits. Nothing is built or compiled: 2,664 layouts of a 6.7B model on
+   512 devices take under a second.
+2. **Compile the leading ones.** Each is planned (`mpscale.trainer.planning.compiled.plan`:
+   the real step, compiled from shapes on the CPU) and priced on the hardware
+   (`mpscale.trainer.planning.step_time`), after the exact state check
+   (`static_bytes`); a layout whose compiled peak exceeds the memory is tried
+   again with its next variant (twice the micro-batches). Compiling stops when
+   ``top`` layouts fit (default `TOP`; ``top=None`` compiles every layout: the
+   exhaustive search). Plans are cached on disk by the config, the device count
    and the versions of mpscale and JAX, so a second search compiles nothing it has
    compiled before; the estimate is recomputed from the cached plan (any hardware).
-3. **Rank** the fitting layouts by estimated step time.
+3. **Rank** the compiled layouts that fit by their compiled estimate; each row
+   keeps its analytic rank and estimate beside it.
 
-A time budget stops the compiling; the layouts left are reported as not planned.
-Layouts are planned in an order that reaches the likely ones first: fewer pipeline
-stages, then less tensor parallelism, then no FSDP, then fewer micro-batches
-(`_order`).
+A time budget stops the compiling; the layouts not compiled are reported. The
+analytic order is for choosing what to compile, not a step time to quote: on the
+tiny LM over 8 devices (data x tensor, 20 layouts) the exhaustive search's best is
+among the pre-ranking's leading three (tests/trainer/planning/test_search.py).
 
 Kept out of the enumeration to keep it to what a user would try (each is stated in
 the result as ``rules``): ``data`` and ``fsdp`` together (hybrid sharding), ``tensor``
@@ -45,7 +58,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 
@@ -53,6 +66,7 @@ from mpscale import sharding as sharding_lib
 from mpscale import validation
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.planning import analytic
 from mpscale.trainer.planning import compiled as planning
 from mpscale.trainer.planning import step_time as step_time_lib
 from mpscale.trainer.planning.hardware import Hardware, load_hardware
@@ -71,6 +85,10 @@ RULES = (
     " counts), without a pipeline the fewest that fit",
 )
 """What `layouts` leaves out, said with every result."""
+
+TOP = 8
+"""Layouts `search` ranks by their compiled estimate, by default: the leading ones
+of the analytic order are compiled until this many fit."""
 
 
 def default_cache_dir() -> str:
@@ -239,6 +257,44 @@ def compile_plan(cfg: config_lib.RunConfig, devices: int, memory: int,
   return planned
 
 
+class Candidate(NamedTuple):
+  """A ladder ranked from shapes (`preranked`)."""
+  ladder: list[dict[str, Any]]
+  start: int
+  """Its first variant that fits by `analytic.memory_bytes` (the last, if none)."""
+  estimate: analytic.Estimate
+  """That variant's `analytic.estimate`."""
+
+
+def preranked(cfg: config_lib.RunConfig, ladders: list[list[dict[str, Any]]],
+              hardware: Hardware) -> tuple[list[Candidate], list[Candidate]]:
+  """Every ladder priced from shapes (`analytic.estimate`): no config is built and
+  nothing compiled, so thousands take a second.
+
+  Args:
+    cfg: the run, its model, batch, precision and optimizer (`analytic.Model`).
+    ladders: `layouts`' ladders.
+    hardware: the profile: its memory, peaks and links.
+
+  Returns:
+    ``(fitting, over)``: the ladders whose variant fits the memory by the analytic
+    bound, fastest first, and those none of whose variants does, smallest first.
+  """
+  model = analytic.Model.from_config(cfg)
+  memory = float(hardware.hbm_bytes)
+  fitting, over = [], []
+  for ladder in ladders:
+    layouts_ = [analytic.Layout.from_overrides(v) for v in ladder]
+    start = next((i for i, v in enumerate(layouts_)
+                  if analytic.fits(model, v, memory)), None)
+    at = len(ladder) - 1 if start is None else start
+    candidate = Candidate(ladder, at, analytic.estimate(model, layouts_[at], hardware))
+    (over if start is None else fitting).append(candidate)
+  fitting.sort(key=lambda c: (c.estimate.seconds, _order(c.ladder)))
+  over.sort(key=lambda c: c.estimate.peak_bytes)
+  return fitting, over
+
+
 @dataclasses.dataclass
 class Result:
   """What `search` found."""
@@ -246,50 +302,117 @@ class Result:
   devices: int
   hardware: str
   ranked: list[dict[str, Any]]
-  """The fitting layouts, fastest first: ``layout`` (overrides), ``set`` (the
-  ``--set`` line), ``mesh``, ``seconds``, ``tokens_per_second``, ``mfu``,
+  """The compiled layouts that fit, fastest first: ``layout`` (overrides), ``set``
+  (the ``--set`` line), ``mesh``, ``seconds``, ``tokens_per_second``, ``mfu``,
   ``dominant``, ``compute``, ``memory``, ``collectives``, ``bubble``, ``peak_bytes``,
-  ``cached``."""
+  ``cached``, ``analytic_seconds`` and ``analytic_rank`` (its place from shapes,
+  1 the fastest)."""
   candidates: int
   """Layouts enumerated (ladders: one structure and its memory-saving variants)."""
+  over_memory_analytic: int
+  """Layouts none of whose variants fits by the analytic memory (`preranked`)."""
   over_memory_bound: int
-  """Variants dropped by the arithmetic bound (state alone over the memory)."""
+  """Variants dropped by the exact state bound (state alone over the memory)."""
   over_memory_compiled: int
   """Variants compiled, their peak over the memory."""
   refused: int
   """Layouts refused by the trainer when built (e.g. an indivisible dimension)."""
   not_planned: int
-  """Layouts left when the time budget ran out."""
+  """Layouts ranked from shapes but not compiled: past ``top``, or left when the
+  time budget ran out."""
   seconds: float
   cache_hits: int
+  compiled: int = 0
+  """Plans compiled or read from the cache."""
+  top: int = 0
+  """The layouts the search was asked to rank compiled (``top``)."""
   rules: tuple[str, ...] = RULES
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   def text(self, top: int = 10) -> str:
-    lines = [f"{self.config} on {self.devices} x {self.hardware}: {len(self.ranked)} "
-             f"fitting layouts of {self.candidates} ({self.over_memory_bound} over "
-             f"the memory by their state alone, {self.over_memory_compiled} by their "
-             f"compiled peak, {self.refused} refused, {self.not_planned} not planned "
-             f"in the budget); {self.seconds:.0f} s, {self.cache_hits} from the cache",
+    lines = [f"{self.config} on {self.devices} x {self.hardware}: {self.candidates} "
+             f"layouts ranked from shapes ({self.over_memory_analytic} over the "
+             f"memory), the leading compiled: {len(self.ranked)} fit of "
+             f"{self.compiled} plans ({self.cache_hits} from the cache; "
+             f"{self.over_memory_bound} over the memory by their state alone, "
+             f"{self.over_memory_compiled} by their compiled peak, {self.refused} "
+             f"refused); {self.not_planned} not compiled; {self.seconds:.0f} s",
              f"{'#':>3} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9}  "
-             "dominant / --set line"]
+             "dominant / --set line (its rank from shapes)"]
     for i, r in enumerate(self.ranked[:top], 1):
       mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
       lines.append(f"{i:>3} {r['seconds'] * 1e3:9.1f} {r['tokens_per_second']:11,.0f} "
-                   f"{mfu:>6} {r['peak_bytes'] / 2**30:9.1f}  {r['dominant']}")
+                   f"{mfu:>6} {r['peak_bytes'] / 2**30:9.1f}  {r['dominant']} "
+                   f"(#{r['analytic_rank']})")
       lines.append(f"      {r['set']}")
     lines.append("not searched: " + "; ".join(self.rules))
     return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class _Tally:
+  """What `_plan_ladder` saw, summed over the ladders compiled."""
+  over_bound: int = 0
+  over_compiled: int = 0
+  refused: int = 0
+  hits: int = 0
+  compiled: int = 0
+  smallest: float = math.inf
+
+
+def _row(layout: dict[str, Any], planned: planning.Plan, hit: bool,
+         hardware: Hardware, candidate: Candidate, rank: int) -> dict[str, Any]:
+  """A `Result.ranked` row: the compiled estimate of ``layout``'s plan."""
+  est = step_time_lib.estimate(planned, hardware)
+  return {"layout": layout, "set": set_line(layout), "mesh": planned.mesh,
+          "seconds": est.seconds, "tokens_per_second": est.tokens_per_second,
+          "mfu": est.mfu, "dominant": est.dominant, "compute": est.compute,
+          "memory": est.memory, "collectives": est.collectives, "bubble": est.bubble,
+          "peak_bytes": planned.bytes["peak"], "cached": hit,
+          "analytic_seconds": candidate.estimate.seconds, "analytic_rank": rank}
+
+
+def _plan_ladder(config_path: str, overrides: tuple[str, ...], devices: int,
+                 memory: int, cache_dir: Optional[str], candidate: Candidate,
+                 tally: _Tally, out_of_time: Callable[[], bool]
+                 ) -> Optional[tuple[dict[str, Any], planning.Plan, bool]]:
+  """The first variant of ``candidate``'s ladder, from its analytic start, whose
+  compiled peak fits: ``(layout, plan, from the cache)``, or ``None``."""
+  for layout in candidate.ladder[candidate.start:]:
+    if out_of_time():
+      return None
+    try:
+      cfg = config_lib.load_config(config_path, list(overrides) + _overrides(layout))
+      planned = cached(cfg, devices, memory, cache_dir)
+      hit = planned is not None
+      if not hit:
+        state = static_bytes(cfg)
+        tally.smallest = min(tally.smallest, state)
+        if state > memory:
+          tally.over_bound += 1
+          continue
+        planned = compile_plan(cfg, devices, memory, cache_dir)
+    except (ValueError, TypeError):
+      tally.refused += 1
+      return None
+    tally.hits += hit
+    tally.compiled += 1
+    tally.smallest = min(tally.smallest, planned.bytes["peak"])
+    if planned.fits:
+      return layout, planned, hit
+    tally.over_compiled += 1
+  return None
+
+
 def search(config_path: str, devices: int, hardware: Any, *,
            overrides: tuple[str, ...] = (), axes: tuple[str, ...] = AXES,
-           budget: float = 600.0,
+           top: Optional[int] = TOP, budget: float = 600.0,
            cache_dir: Optional[str] = None,
            progress: Optional[Callable[[int, int, str], None]] = None) -> Result:
-  """Rank every layout of a config on ``devices`` devices of ``hardware``.
+  """Rank the layouts of a config on ``devices`` devices of ``hardware``: all of
+  them from shapes, the leading ``top`` compiled (module docstring).
 
   Args:
     config_path: the run's YAML config; its model, batch, precision and optimizer are
@@ -299,7 +422,10 @@ def search(config_path: str, devices: int, hardware: Any, *,
     hardware: a `Hardware`, a built-in profile's name or a profile file's path.
     overrides: ``--set`` overrides applied before the layout's own.
     axes: the mesh axes searched (the others stay 1); default all four.
-    budget: seconds of planning before the rest is left unplanned.
+    top: how many layouts to rank by their compiled estimate: the ladders are
+      compiled in their analytic order until ``top`` fit; ``None``: every one (an
+      exhaustive search).
+    budget: seconds of compiling before the rest is left uncompiled.
     cache_dir: where compiled plans are cached (``None``: no cache).
     progress: ``progress(done, total, what)``, called as each layout is done.
 
@@ -309,8 +435,8 @@ def search(config_path: str, devices: int, hardware: Any, *,
   Raises:
     ArgumentError: naming ``--devices`` when JAX has fewer devices or no layout can
       be built; naming ``--hardware`` for an unknown profile (`load_hardware`);
-      naming ``--search`` when no layout fits in the device's memory (with the
-      smallest state seen).
+      naming ``--compile-top`` when ``top`` is not positive; naming ``--search`` when no layout
+      fits in the device's memory (with the smallest need seen).
   """
   if not isinstance(hardware, Hardware):
     hardware = load_hardware(hardware)
@@ -320,68 +446,45 @@ def search(config_path: str, devices: int, hardware: Any, *,
                           f"{jax.device_count()} (mpscale plan --devices N simulates "
                           "N on CPU)")
   budget = validation.positive_float("--budget", budget)
+  if top is not None:
+    top = validation.positive_int("--compile-top", top)
   axes = tuple(axes)
   for axis in axes:
     validation.one_of("--axes", axis, AXES)
   base = config_lib.load_config(config_path, list(overrides))
   memory = int(hardware.hbm_bytes)
-  ladders = sorted(layouts(base, devices, hardware.devices_per_node, axes),
-                   key=_order)
+  ladders = layouts(base, devices, hardware.devices_per_node, axes)
   if not ladders:
     raise validation.fail("--devices", f": no layout of {base.name} on {devices} "
                           "devices (tensor must divide the heads, d_ff and the "
                           "vocabulary, stages the layers, replicas the batch)")
   start = time.perf_counter()
-  ranked, over_bound, over_compiled, refused, hits = [], 0, 0, 0, 0
-  smallest = math.inf
-  done = 0
+  fitting, over = preranked(base, ladders, hardware)
+  tally = _Tally(smallest=min((c.estimate.peak_bytes for c in over), default=math.inf))
+  ranked, done = [], 0
   out_of_time = lambda: time.perf_counter() - start > budget  # noqa: E731
-  for ladder in ladders:
-    if out_of_time():
+  order = fitting + (over if top is None else [])  # exhaustive: every ladder
+  for rank, candidate in enumerate(order, 1):
+    if out_of_time() or (top is not None and len(ranked) >= top):
       break
     done += 1
-    for layout in ladder:
-      if out_of_time():
-        break
-      try:
-        cfg = config_lib.load_config(config_path,
-                                     list(overrides) + _overrides(layout))
-        planned = cached(cfg, devices, memory, cache_dir)
-        hit = planned is not None
-        if not hit:
-          state = static_bytes(cfg)
-          smallest = min(smallest, state)
-          if state > memory:
-            over_bound += 1
-            continue
-          planned = compile_plan(cfg, devices, memory, cache_dir)
-      except (ValueError, TypeError):
-        refused += 1
-        break
-      hits += hit
-      smallest = min(smallest, planned.bytes["peak"])
-      if not planned.fits:
-        over_compiled += 1
-        continue
-      est = step_time_lib.estimate(planned, hardware)
-      ranked.append({"layout": layout, "set": set_line(layout),
-                     "mesh": planned.mesh, "seconds": est.seconds,
-                     "tokens_per_second": est.tokens_per_second, "mfu": est.mfu,
-                     "dominant": est.dominant, "compute": est.compute,
-                     "memory": est.memory, "collectives": est.collectives,
-                     "bubble": est.bubble, "peak_bytes": planned.bytes["peak"],
-                     "cached": hit})
-      break  # the first variant that fits: the rest of the ladder saves memory only
+    found = _plan_ladder(config_path, overrides, devices, memory, cache_dir,
+                         candidate, tally, out_of_time)
+    if found:
+      ranked.append(_row(*found, hardware=hardware, candidate=candidate, rank=rank))
     if progress:
-      progress(done, len(ladders), f"{len(ranked)} fit")
-  if not ranked and done == len(ladders):
+      progress(done, len(order) if top is None else min(top, len(order)),
+               f"{len(ranked)} fit")
+  if not ranked and done == len(order):
     raise validation.fail("--search", f": no layout of {base.name} on {devices} x "
                           f"{hardware.name} fits in {memory / 1e9:.1f} GB a device "
-                          f"(the smallest needs {smallest / 1e9:.1f} GB); use more "
-                          "devices or a device with more memory")
+                          f"(the smallest needs {tally.smallest / 1e9:.1f} GB); use "
+                          "more devices or a device with more memory")
   ranked.sort(key=lambda r: r["seconds"])
   return Result(config=base.name, devices=devices, hardware=hardware.name,
                 ranked=ranked, candidates=len(ladders),
-                over_memory_bound=over_bound, over_memory_compiled=over_compiled,
-                refused=refused, not_planned=len(ladders) - done,
-                seconds=time.perf_counter() - start, cache_hits=hits)
+                over_memory_analytic=len(over), over_memory_bound=tally.over_bound,
+                over_memory_compiled=tally.over_compiled, refused=tally.refused,
+                not_planned=len(order) - done,
+                seconds=time.perf_counter() - start, cache_hits=tally.hits,
+                compiled=tally.compiled, top=top or 0)

@@ -109,6 +109,58 @@ def test_only_layouts_that_fit_are_returned(searched):
   assert biggest not in [r["layout"] for r in third.ranked]
 
 
+SMALL_AXES = ("data", "tensor")  # 20 layouts on 8 devices, each compiled in seconds
+
+
+@pytest.fixture(scope="module")
+def exhaustive(tmp_path_factory):
+  """The tiny LM on 8 devices over data and tensor: every layout compiled
+  (``top=None``), then the pre-ranked search (its leading 3 compiled) on the same
+  cache, which compiles nothing again."""
+  cache = str(tmp_path_factory.mktemp("plans"))
+  every = search_lib.search(CONFIG, 8, A100, axes=SMALL_AXES, top=None,
+                            cache_dir=cache)
+  leading = search_lib.search(CONFIG, 8, A100, axes=SMALL_AXES, top=3,
+                              cache_dir=cache)
+  return every, leading
+
+
+@pytest.mark.slow  # 20 compiles, ~2-4 min on 2 cores
+def test_the_preranked_search_finds_the_exhaustive_searchs_best(exhaustive):
+  every, leading = exhaustive
+  assert every.not_planned == 0 and every.compiled == every.candidates == 20
+  assert len(every.ranked) == 20
+  assert leading.compiled == 3 and leading.not_planned == 17
+  assert leading.cache_hits == 3  # the exhaustive search's plans, not compiled again
+  assert leading.ranked[0]["layout"] == every.ranked[0]["layout"]
+  assert leading.ranked[0]["seconds"] == every.ranked[0]["seconds"]
+  assert "20 layouts ranked from shapes" in leading.text()
+
+
+@pytest.mark.slow  # shares the exhaustive search
+def test_the_preranking_agrees_with_compiled_plans_on_a_small_model(exhaustive):
+  rows = exhaustive[0].ranked  # every layout, by its compiled estimate
+  compiled = [r["seconds"] for r in rows]
+  analytic = [r["analytic_seconds"] for r in rows]
+  # rank correlation (Spearman's rho, no ties in practice)
+  def ranks(xs):
+    order = sorted(range(len(xs)), key=xs.__getitem__)
+    return [order.index(i) for i in range(len(xs))]
+  rc, ra = ranks(compiled), ranks(analytic)
+  n = len(rows)
+  rho = 1 - 6 * sum((a - b) ** 2 for a, b in zip(rc, ra)) / (n * (n * n - 1))
+  assert rho > 0.8
+  # every clear case ordered alike: a layout compiled at least 2x slower than
+  # another is ranked below it from shapes too
+  for slow in rows:
+    for fast in rows:
+      if slow["seconds"] > 2 * fast["seconds"]:
+        assert slow["analytic_seconds"] > fast["analytic_seconds"], (
+            slow["set"], fast["set"])
+  # the compiled best is the analytic best or close behind it
+  assert rows[0]["analytic_rank"] <= 3
+
+
 def test_impossible_requests_name_their_cause(tmp_path):
   tiny = dataclasses.replace(A100, hbm_bytes=1e3)
   with pytest.raises(ValueError, match=r"--search.*no layout.*fits"):
@@ -117,6 +169,8 @@ def test_impossible_requests_name_their_cause(tmp_path):
     search_lib.search(CONFIG, 2, "a100-80gb")
   with pytest.raises(ValueError, match=r"--devices.*JAX has"):
     search_lib.search(CONFIG, 4096, A100)
+  with pytest.raises(ValueError, match=r"--compile-top"):
+    search_lib.search(CONFIG, 2, A100, axes=("data",), top=0)
   with pytest.raises(ValueError, match=r"--axes"):
     search_lib.search(CONFIG, 2, A100, axes=("data", "expert"))
   profile = tmp_path / "gpu.yaml"

@@ -1,0 +1,445 @@
+"""A layout's step priced from shapes alone: which layouts the search compiles.
+
+`mpscale.trainer.planning.search` has thousands of layouts to rank and can compile a
+handful (seconds each on the CPU, more at hundreds of devices). `estimate` prices a
+layout of the built-in LM in microseconds, with no JAX at all, from the config's
+sizes (`Model`) and the layout (`Layout`), per device and step:
+
+- **matrix FLOPs** (`matmul_flops`): ``2 (4 d^2 + 2 d f) / t`` a token and layer plus
+  attention's ``4 T d / t``, and the head's ``2 d V / t``; the backward twice the
+  forward; recomputation runs each layer's forward again but its last product
+  (``2 d f / t``: the compiled program drops it, its output unused). A pipeline runs
+  every tick on every device, its bubble ticks too: its layers' FLOPs are divided by
+  ``1 - bubble``.
+- **memory-bound bytes** (`elementwise_bytes`): the passes over the activations that
+  are not matrix products (layer norms, GELU, softmax over the ``h T`` scores, the
+  loss over ``V / t`` logits), a constant number each per token, and the optimizer's
+  update over the device's parameters (`ELEMENTWISE_PASSES`, `UPDATE_BYTES`); under
+  recomputation a layer's passes shrink (`REMAT_BYTES`).
+- **collectives** (`collectives`), each a `Collective` (kind, mesh axes, bytes a
+  device, how many)::
+
+    data      all-reduce of the gradients, once a step (their dtype: ``reduce_bytes``)
+    ZeRO-1    the same all-reduce, then an all-gather of the updated parameters
+    fsdp      all-gather of each layer's weights in the forward and again in the
+              backward (and the recompute), per micro-batch; the gradient sum
+    tensor    Megatron's all-reduce of a layer's [rows, T, d] output after attention
+              and after the MLP, forward and backward (and the recompute), per
+              micro-batch; with sequence parallelism an all-gather and a
+              reduce-scatter each instead; one more for the vocabulary-split
+              embedding and head
+    stage     one permute of a micro-batch's [rows, T, d] activations a tick, each
+              way; the embedding's and head's gradients summed over the stages
+
+  priced with `mpscale.trainer.planning.step_time`'s own ring formulas and link
+  levels (`step_time.collective_seconds`, `step_time.link_for`).
+- **bubble** (`bubble`): ``(S - 1) / (v M + S - 1)`` for GPipe and 1F1B, ``(S - 1) /
+  (3 M + S - 1)`` for ZB-H1.
+- **memory** (`memory_bytes`): parameters, gradients and optimizer state (`state_bytes`,
+  the optimizer's bytes a parameter read once from its state's shapes), the
+  activations a device keeps for the backward (`activation_bytes`: each layer's of
+  every micro-batch in flight, `live_items`; with recomputation only its input and
+  one layer's working set) and one layer's gathered weights under FSDP.
+
+The step is ``compute + memory + collectives``, nothing hidden (as the CPU compile the
+search reads). The constants are counts, not a fit to one machine; what they are for
+is the order of layouts, not a step time to quote: the search compiles the leading
+ones and ranks those by their compiled estimate. tests/trainer/planning/test_analytic.py
+checks each formula by hand on tiny sizes and the order against compiled plans.
+
+Example:
+
+  >>> from mpscale.trainer.planning import analytic
+  >>> from mpscale.trainer.planning.hardware import load_hardware
+  >>> from mpscale.trainer.models.lm import TinyLM
+  >>> model = analytic.Model(TinyLM(vocab_size=256, d_model=64, num_heads=4,
+  ...                               num_layers=4, d_ff=256, seq_len=64), batch_size=32)
+  >>> layout = analytic.Layout(data=4, tensor=2)
+  >>> tokens = 32 * 64 / 4  # a device's share of the batch
+  >>> analytic.matmul_flops(model, layout) == tokens * 3 * (4 * (2 * (4 * 64**2
+  ...     + 2 * 64 * 256) + 4 * 64 * 64) + 2 * 64 * 256) / 2
+  True
+  >>> analytic.estimate(model, layout, load_hardware("a100-80g")).seconds > 0
+  True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import numpy as np
+
+from mpscale import policy as policy_lib
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.models import lm as lm_lib
+from mpscale.trainer.planning import step_time as step_time_lib
+from mpscale.trainer.planning.hardware import Hardware
+
+AXES = ("data", "fsdp", "stage", "tensor")
+"""The trainer's mesh axes, in its row-major order (`step_time.link_for`)."""
+
+ELEMENTWISE_PASSES = {"residual": 230, "mlp": 15, "scores": 15, "logits": 10}
+"""Bytes-passes a token makes over each activation outside the matrix products, in a
+forward and backward together: ``residual`` over its ``d`` values (two layer norms,
+two residual adds, casts, the residuals kept for the backward), ``mlp`` over ``f /
+t`` (GELU in float32, its gradient), ``scores`` over ``h T / t`` float32 scores
+(mask, softmax and its gradient) and ``logits`` over ``V / t`` float32 logits
+(log-softmax and its gradient). Read off compiled plans of GPT-2 124M's step (data
+8, data 4 x tensor 2, with and without recomputation): the CPU compile the search
+ranks by moves the residual stream many more times than a fused GPU kernel would."""
+
+REMAT_BYTES = 0.65
+"""The share of a layer's elementwise bytes left under recomputation: the compiled
+step without it writes every residual out and reads it back in the backward; with
+it they stay inside the recomputed layer's fused kernels (GPT-2 124M: 0.63-0.65)."""
+
+LAYER_LEAVES = 12
+"""Parameter leaves of a layer (four kernels, four biases, two layer norms' scale
+and bias): what FSDP gathers one by one."""
+
+LEAVES = LAYER_LEAVES + 5
+"""Parameter leaves of the LM: a layer's (stacked), the two embeddings and the
+head's layer norm and kernel."""
+
+PIECES = 3
+"""Collectives a parameter leaf's gradient sum and gather split into when the
+optimizer state is split (ZeRO-1, FSDP): the gradient and the optimizer's
+statistics."""
+
+UPDATE_BYTES = 4 * 6
+"""Bytes the optimizer's update reads and writes a parameter a step, besides its
+state: the parameter and its gradient read, the parameter written, in float32, with
+the gradient's clipping and unscaling passes."""
+
+
+class Layout(NamedTuple):
+  """One layout of the trainer: what `search.layouts` enumerates, as fields."""
+  data: int = 1
+  """Data-parallel replicas holding whole copies (``mesh.data``)."""
+  fsdp: int = 1
+  """Replicas splitting the parameters and state (``mesh.fsdp``, ZeRO-3)."""
+  stage: int = 1
+  """Pipeline stages (``mesh.stage``)."""
+  tensor: int = 1
+  """Megatron's split of heads, MLP units and vocabulary (``mesh.tensor``)."""
+  microbatches: int = 1
+  """Micro-batches per data replica (``train.num_microbatches``)."""
+  remat: bool = False
+  """Recompute each layer's forward in the backward (``train.remat``)."""
+  zero1: bool = False
+  """Optimizer state split over ``data`` (``mesh.shard_optimizer_state``)."""
+  sequence_parallel: bool = False
+  """The residual stream split over ``tensor`` along the sequence."""
+  schedule: str = "gpipe"
+  """The pipeline schedule: ``gpipe``, ``1f1b`` or ``zb_h1``."""
+  virtual_stages: int = 1
+  """Chunks a stage holds (interleaved schedules)."""
+
+  @classmethod
+  def from_overrides(cls, overrides: Mapping[str, Any]) -> "Layout":
+    """The layout of `search.layouts`' ``{"mesh.data": 4, ...}`` overrides (keys
+    left out keep their defaults)."""
+    keys = {"mesh.data": "data", "mesh.fsdp": "fsdp", "mesh.stage": "stage",
+            "mesh.tensor": "tensor", "train.num_microbatches": "microbatches",
+            "train.remat": "remat", "mesh.shard_optimizer_state": "zero1",
+            "mesh.sequence_parallel": "sequence_parallel",
+            "mesh.pipeline_schedule": "schedule", "mesh.virtual_stages":
+            "virtual_stages"}
+    return cls(**{keys[k]: v for k, v in overrides.items() if k in keys})
+
+  @property
+  def mesh(self) -> dict[str, int]:
+    """The mesh, every axis, in the trainer's order."""
+    return {axis: getattr(self, axis) for axis in AXES}
+
+  @property
+  def replicas(self) -> int:
+    """The data-parallel replicas (``data x fsdp``): the batch's split."""
+    return self.data * self.fsdp
+
+
+class Model(NamedTuple):
+  """The sizes of the built-in LM and of its step that the estimate reads."""
+  lm: lm_lib.TinyLM
+  """The model: ``vocab_size`` ``V``, ``d_model`` ``d``, ``num_heads`` ``h``,
+  ``num_layers`` ``L``, ``d_ff`` ``f`` and ``seq_len`` ``T`` are read."""
+  batch_size: int
+  """Sequences a step (all replicas)."""
+  param_bytes: int = 4
+  """Bytes of a parameter (the policy's parameter dtype)."""
+  compute_bytes: int = 2
+  """Bytes of an activation (the policy's compute dtype)."""
+  compute_dtype: str = "bfloat16"
+  reduce_bytes: int = 4
+  """Bytes of a gradient summed over the replicas (the gradients' dtype, or float32
+  with ``precision.grad_reduce_dtype``)."""
+  optimizer_bytes: float = 8.0
+  """Optimizer state a parameter, in bytes (Adam's two float32 moments: 8)."""
+
+  @classmethod
+  def from_config(cls, cfg: Any) -> "Model":
+    """The sizes of ``cfg`` (a `mpscale.trainer.RunConfig` of the built-in LM), its
+    optimizer's bytes a parameter read from its state's shapes (nothing
+    allocated; the layout does not matter)."""
+    lm = lm_lib.TinyLM.from_sizes(cfg.model)
+    policy = builders.build_policy(cfg)
+    shapes = jax.eval_shape(lm.init, jax.random.key(0))
+    count = lm_lib.num_params(shapes)
+    opt = builders.optimizer_state_bytes(builders.build_optimizer(cfg), shapes)
+    param_bytes = np.dtype(policy.param_dtype).itemsize
+    reduce_bytes = (4 if cfg.precision.grad_reduce_dtype == "float32" else param_bytes)
+    return cls(lm=lm, batch_size=cfg.data.batch_size, param_bytes=param_bytes,
+               compute_bytes=np.dtype(policy.compute_dtype).itemsize,
+               compute_dtype=np.dtype(policy.compute_dtype).name,
+               reduce_bytes=reduce_bytes, optimizer_bytes=opt / count)
+
+
+class Params(NamedTuple):
+  """Parameters of the LM by where they sit; ``*_split`` the part that tensor
+  parallelism splits (heads, MLP units, vocabulary)."""
+  layer: int
+  layer_split: int
+  embed: int
+  embed_split: int
+  head: int
+  head_split: int
+
+
+def param_counts(model: Model) -> Params:
+  """The LM's parameters (`mpscale.trainer.models.lm.TinyLM`): a layer's (its qkv,
+  out, fc and proj kernels and biases, two layer norms), the embeddings' (tokens
+  and positions) and the head's (a layer norm and the vocabulary projection).
+
+  Returns:
+    `Params`, each a count (the whole model: ``embed + head + num_layers *
+    layer``)."""
+  d, f, v, t = model.lm.d_model, model.lm.d_ff, model.lm.vocab_size, model.lm.seq_len
+  split = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv, out kernel, fc, proj
+  return Params(layer=split + 4 * d + 2 * d, layer_split=split,
+                embed=v * d + t * d, embed_split=v * d, head=2 * d + d * v,
+                head_split=d * v)
+
+
+def params_per_device(model: Model, layout: Layout) -> float:
+  """Parameters one device holds: a stage's layers and the embedding and head (on
+  every stage), their heads, MLP units and vocabulary split over ``tensor``, and
+  everything over ``fsdp``."""
+  p, t = param_counts(model), layout.tensor
+  per = lambda whole, split: whole - split + split / t  # noqa: E731
+  layers = model.lm.num_layers / layout.stage * per(p.layer, p.layer_split)
+  return (layers + per(p.embed, p.embed_split) + per(p.head, p.head_split)
+          ) / layout.fsdp
+
+
+def state_bytes(model: Model, layout: Layout) -> float:
+  """Parameters, gradients (in the parameters' dtype) and optimizer state a device
+  holds; the optimizer's split over ``data`` too with ZeRO-1."""
+  n = params_per_device(model, layout)
+  optimizer = n * model.optimizer_bytes / (layout.data if layout.zero1 else 1)
+  return 2 * n * model.param_bytes + optimizer
+
+
+def bubble(layout: Layout) -> float:
+  """The idle share of a pipeline's step: ``(S - 1) / (v M + S - 1)`` (GPipe,
+  1F1B), ``(S - 1) / (3 M + S - 1)`` (ZB-H1, one of F, B, W a tick); 0 unpipelined."""
+  s, m, v = layout.stage, layout.microbatches, layout.virtual_stages
+  if s == 1:
+    return 0.0
+  work = 3 * m if layout.schedule == "zb_h1" else v * m
+  return (s - 1) / (work + s - 1)
+
+
+def live_items(layout: Layout) -> int:
+  """The most micro-batches whose activations a device keeps at once: all ``M``
+  unpipelined (accumulated one after another: 1), GPipe ``v M``, 1F1B ``min(v M,
+  (v + 1) S - 1)``, ZB-H1 ``min(M, S)`` (`mpscale.pipeline_schedules.live_slots`)."""
+  s, m, v = layout.stage, layout.microbatches, layout.virtual_stages
+  if s == 1:
+    return 1
+  if layout.schedule == "gpipe":
+    return v * m
+  if layout.schedule == "zb_h1":
+    return min(m, s)
+  return min(v * m, (v + 1) * s - 1)
+
+
+def rows(model: Model, layout: Layout) -> float:
+  """Sequences in one micro-batch of one replica."""
+  return model.batch_size / (layout.replicas * layout.microbatches)
+
+
+def matmul_flops(model: Model, layout: Layout) -> float:
+  """Matrix-product FLOPs one device runs a step (module docstring)."""
+  d, f, t = model.lm.d_model, model.lm.d_ff, layout.tensor
+  tokens = model.batch_size * model.lm.seq_len / layout.replicas
+  layer = (2 * (4 * d * d + 2 * d * f) + 4 * model.lm.seq_len * d) / t
+  passes = 3 + (1 - 2 * d * f / t / layer if layout.remat else 0)
+  layers = model.lm.num_layers / layout.stage * layer * passes / (1 - bubble(layout))
+  head = 3 * 2 * d * model.lm.vocab_size / t
+  return tokens * (layers + head)
+
+
+def elementwise_bytes(model: Model, layout: Layout) -> float:
+  """Bytes one device's memory-bound kernels move a step (`ELEMENTWISE_PASSES`,
+  `UPDATE_BYTES`)."""
+  t, cb = layout.tensor, model.compute_bytes
+  tokens = model.batch_size * model.lm.seq_len / layout.replicas
+  residual = model.lm.d_model / (t if layout.sequence_parallel else 1)
+  layer = (ELEMENTWISE_PASSES["residual"] * residual * cb
+           + ELEMENTWISE_PASSES["mlp"] * model.lm.d_ff / t * 4
+           + ELEMENTWISE_PASSES["scores"] * model.lm.num_heads * model.lm.seq_len / t * 4)
+  if layout.remat:
+    layer *= REMAT_BYTES
+  layers = model.lm.num_layers / layout.stage * layer / (1 - bubble(layout))
+  head = ELEMENTWISE_PASSES["logits"] * model.lm.vocab_size / t * 4
+  n = params_per_device(model, layout)
+  update = n * (UPDATE_BYTES + 2 * model.optimizer_bytes / (
+      layout.data if layout.zero1 else 1))
+  return tokens * (layers + head) + update
+
+
+def activation_bytes(model: Model, layout: Layout) -> float:
+  """Activations a device keeps for the backward at its peak: each layer's of each
+  micro-batch in flight (`live_items`), heads, MLP units and scores split over
+  ``tensor``, the residual stream too with sequence parallelism; with recomputation
+  a layer's input only, and one layer's whole working set; and the micro-batch's
+  float32 logits."""
+  d, f, cb, t = model.lm.d_model, model.lm.d_ff, model.compute_bytes, layout.tensor
+  tokens = rows(model, layout) * model.lm.seq_len
+  residual = 6 * d * cb / (t if layout.sequence_parallel else 1)
+  split = (4 * d * cb + f * (2 * cb + 4)
+           + model.lm.num_heads * model.lm.seq_len * (8 + cb)) / t
+  layer = tokens * (residual + split)
+  layers = model.lm.num_layers / (layout.stage * layout.virtual_stages)
+  chunk = layers * (tokens * d * cb if layout.remat else layer)
+  kept = live_items(layout) * chunk * layout.virtual_stages
+  logits = 3 * tokens * model.lm.vocab_size / t * 4
+  return kept + (layer if layout.remat else 0) + logits
+
+
+def memory_bytes(model: Model, layout: Layout) -> float:
+  """A device's peak: `state_bytes`, `activation_bytes` and, under FSDP, one
+  layer's weights gathered (twice: the next one's gather overlaps)."""
+  p = param_counts(model)
+  gathered = (2 * (p.layer - p.layer_split + p.layer_split / layout.tensor)
+              * model.compute_bytes if layout.fsdp > 1 else 0)
+  return state_bytes(model, layout) + activation_bytes(model, layout) + gathered
+
+
+class Collective(NamedTuple):
+  """Collectives of one kind over some mesh axes, per device and step."""
+  kind: str
+  """``all-reduce``, ``all-gather``, ``reduce-scatter`` or ``collective-permute``."""
+  axes: tuple[str, ...]
+  nbytes: float
+  """Bytes a device moves in one (`step_time.collective_seconds`' ``B``)."""
+  count: float
+
+
+def collectives(model: Model, layout: Layout) -> list[Collective]:
+  """The collectives of one device's step (module docstring); those of a group of
+  one device are left out. Counts follow the compiled program: the gradient sum is
+  one all-reduce, unless the optimizer state is split (ZeRO-1, FSDP), when it runs
+  a piece a parameter leaf and statistic (`PIECES`); FSDP gathers leaf by leaf."""
+  out = []
+  p, cb = param_counts(model), model.compute_bytes
+  n = params_per_device(model, layout)
+  replicas = tuple(a for a in ("data", "fsdp") if getattr(layout, a) > 1)
+  split = layout.zero1 and layout.data > 1 or layout.fsdp > 1
+  pieces = PIECES * LEAVES if split else 1
+  if replicas:
+    out.append(Collective("all-reduce", replicas, n * model.reduce_bytes / pieces,
+                          pieces))
+  if layout.zero1 and layout.data > 1:
+    out.append(Collective("all-gather", ("data",), n * model.param_bytes / pieces,
+                          pieces))
+  m, passes = layout.microbatches, 3 if layout.remat else 2
+  layers = model.lm.num_layers / layout.stage
+  if layout.fsdp > 1:
+    weights = (params_per_device(model, layout) * layout.fsdp * model.param_bytes)
+    out.append(Collective("all-gather", ("fsdp",), weights / (
+        LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES),
+        passes * m * (LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES)))
+  activation = rows(model, layout) * model.lm.seq_len * model.lm.d_model * cb
+  if layout.tensor > 1:
+    big = m * ((passes + 2) * layers + 2)  # two a layer a pass (the recompute's
+    # second unused), the embedding's and the head's
+    small = m * 4 * layers + 1  # per-token statistics (float32)
+    kinds = (("all-gather", "reduce-scatter") if layout.sequence_parallel else
+             ("all-reduce",))
+    for kind in kinds:
+      out.append(Collective(kind, ("tensor",), activation, big / len(kinds)))
+    out.append(Collective("all-reduce", ("tensor",),
+                          rows(model, layout) * model.lm.seq_len * 4, small))
+  if layout.stage > 1:
+    s, v = layout.stage, layout.virtual_stages
+    ticks = (3 * m if layout.schedule == "zb_h1" else v * m) + s - 1
+    out.append(Collective("collective-permute", ("stage",),
+                          activation / (layout.tensor if layout.sequence_parallel
+                                        else 1), 2 * ticks))
+    ends = (p.embed + p.head - p.embed_split - p.head_split
+            + (p.embed_split + p.head_split) / layout.tensor)
+    out.append(Collective("all-reduce", ("stage",), ends * model.reduce_bytes, 1))
+  return out
+
+
+class Estimate(NamedTuple):
+  """A layout's step from shapes (`estimate`), in seconds, and its peak bytes."""
+  seconds: float
+  compute: float
+  memory: float
+  collectives: float
+  bubble: float
+  """The bubble's share of ``compute + memory`` (in them, not added)."""
+  peak_bytes: float
+  """`memory_bytes`."""
+
+
+def collective_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
+  """`collectives`, priced on the links their groups need."""
+  mesh, total = layout.mesh, 0.0
+  for c in collectives(model, layout):
+    link, n = step_time_lib.link_for(c.axes, mesh, hardware)
+    if c.kind == "collective-permute":
+      n = 2 if n > 1 else 1
+    total += c.count * step_time_lib.collective_seconds(c.kind, c.nbytes, n, link)
+  return total
+
+
+def estimate(model: Model, layout: Layout, hardware: Hardware) -> Estimate:
+  """``layout``'s step on ``hardware`` from shapes alone (module docstring).
+
+  Args:
+    model: the sizes (`Model.from_config`).
+    layout: the layout (`Layout.from_overrides`).
+    hardware: the profile: its peak for the compute dtype
+      (`step_time.peak_for`) times ``matmul_efficiency``, ``hbm_bandwidth`` times
+      ``memory_efficiency``, and its links.
+
+  Returns:
+    The `Estimate`.
+  """
+  flop_rate = (step_time_lib.peak_for(hardware, model.compute_dtype)
+               * hardware.matmul_efficiency)
+  byte_rate = hardware.hbm_bandwidth * hardware.memory_efficiency
+  compute = matmul_flops(model, layout) / flop_rate
+  memory = elementwise_bytes(model, layout) / byte_rate
+  comms = collective_seconds(model, layout, hardware)
+  return Estimate(seconds=compute + memory + comms, compute=compute, memory=memory,
+                  collectives=comms, bubble=bubble(layout) * (compute + memory),
+                  peak_bytes=memory_bytes(model, layout))
+
+
+def fits(model: Model, layout: Layout, memory: float, slack: float = 1.0) -> bool:
+  """Whether ``layout``'s `memory_bytes` are within ``slack`` times ``memory``."""
+  return memory_bytes(model, layout) <= slack * memory
+
+
+__all__ = ["AXES", "Collective", "ELEMENTWISE_PASSES", "Estimate", "LAYER_LEAVES",
+           "LEAVES", "Layout", "Model", "PIECES", "Params", "REMAT_BYTES",
+           "UPDATE_BYTES", "activation_bytes", "bubble", "collectives",
+           "collective_seconds", "elementwise_bytes", "estimate", "fits",
+           "live_items", "matmul_flops", "memory_bytes", "param_counts",
+           "params_per_device", "rows", "state_bytes"]

@@ -1,0 +1,165 @@
+"""The analytic pre-ranking (mpscale.trainer.planning.analytic): each formula by hand on
+tiny sizes, against the model's own parameters, the pipeline's schedule tables and
+the exact state bytes, and its FLOPs against a compiled plan's."""
+
+import jax
+import pytest
+
+from mpscale import pipeline_schedules
+from mpscale.trainer.config import load as config_lib
+from mpscale.trainer.models import lm as lm_lib
+from mpscale.trainer.planning import analytic
+from mpscale.trainer.planning import compiled as planning
+from mpscale.trainer.planning import search as search_lib
+from mpscale.trainer.planning import step_time
+from mpscale.trainer.planning.hardware import Hardware, Link
+
+CONFIG = "configs/tiny_lm_dp_pp.yaml"
+# d 4, f 8, vocabulary 16, 4 positions, 2 layers, 8 sequences a step
+LM = lm_lib.TinyLM(vocab_size=16, d_model=4, num_heads=2, num_layers=2, d_ff=8,
+                   seq_len=4)
+SMALL = analytic.Model(LM, batch_size=8, param_bytes=4, compute_bytes=2,
+                       compute_dtype="bfloat16", reduce_bytes=4, optimizer_bytes=8.0)
+FAST = Link("fast", bandwidth=1e11, latency=1e-6, span="node")
+SLOW = Link("slow", bandwidth=1e10, latency=1e-5, span="nodes")
+GPU = Hardware(name="gpu", description="", peak_flops={"bfloat16": 1e15},
+               hbm_bandwidth=2e12, hbm_bytes=80e9, devices_per_node=4,
+               links=(FAST, SLOW), matmul_efficiency=0.5, memory_efficiency=0.5)
+
+
+def test_parameter_counts_are_the_models():
+  p = analytic.param_counts(SMALL)
+  # a layer: qkv 4x12 + 12, out 4x4 + 4, fc 4x8 + 8, proj 8x4 + 4, two layer norms 2x8
+  assert p.layer == 60 + 20 + 40 + 36 + 16 == 172
+  assert p.layer_split == 60 + 16 + 40 + 32  # out's and proj's biases stay whole
+  assert (p.embed, p.head) == (16 * 4 + 4 * 4, 2 * 4 + 4 * 16)
+  shapes = jax.eval_shape(LM.init, jax.random.key(0))
+  assert lm_lib.num_params(shapes) == p.embed + p.head + 2 * p.layer
+
+
+def test_parameters_a_device_and_its_state():
+  p = analytic.param_counts(SMALL)
+  whole = p.embed + p.head + 2 * p.layer
+  assert analytic.params_per_device(SMALL, analytic.Layout(data=4)) == whole
+  assert analytic.params_per_device(SMALL, analytic.Layout(fsdp=4)) == whole / 4
+  # two stages: one layer each; the embedding and head on both
+  assert analytic.params_per_device(SMALL, analytic.Layout(stage=2)) == (
+      p.embed + p.head + p.layer)
+  split = analytic.params_per_device(SMALL, analytic.Layout(tensor=2))
+  assert split == whole - (p.embed_split + p.head_split + 2 * p.layer_split) / 2
+  # parameters and gradients in float32, Adam's 8 bytes; ZeRO-1 splits the 8
+  assert analytic.state_bytes(SMALL, analytic.Layout(data=4)) == whole * (4 + 4 + 8)
+  assert analytic.state_bytes(SMALL, analytic.Layout(data=4, zero1=True)) == (
+      whole * (4 + 4 + 8 / 4))
+
+
+@pytest.mark.parametrize("layout", [
+    {"mesh.data": 8}, {"mesh.fsdp": 8}, {"mesh.data": 4, "mesh.tensor": 2},
+    {"mesh.data": 4, "mesh.shard_optimizer_state": True, "mesh.tensor": 2},
+    {"mesh.data": 2, "mesh.stage": 2, "mesh.tensor": 2}])
+def test_state_bytes_are_the_exact_ones_within_a_tenth(layout):
+  overrides = {"mesh.data": 1, "mesh.fsdp": 1, "mesh.stage": 1, "mesh.tensor": 1,
+               "train.num_microbatches": 4, **layout}
+  cfg = config_lib.load_config(CONFIG, search_lib._overrides(overrides))  # noqa: SLF001
+  model = analytic.Model.from_config(cfg)
+  estimate = analytic.state_bytes(model, analytic.Layout.from_overrides(overrides))
+  assert estimate == pytest.approx(search_lib.static_bytes(cfg), rel=0.1)
+
+
+def test_matmul_flops_by_hand():
+  d, f, t, v = 4, 8, 4, 16
+  layer = 2 * (4 * d * d + 2 * d * f) + 4 * t * d  # 256 + 64 a token
+  head = 2 * d * v
+  tokens = 8 * 4 / 2  # two replicas
+  plain = analytic.Layout(data=2)
+  assert analytic.matmul_flops(SMALL, plain) == tokens * 3 * (2 * layer + head)
+  # recomputation runs each layer's forward again, less its last product (2 d f)
+  remat = analytic.Layout(data=2, remat=True)
+  assert analytic.matmul_flops(SMALL, remat) == tokens * (
+      2 * (3 * layer + layer - 2 * d * f) + 3 * head)
+  # tensor 2 halves everything; two stages each run one layer, bubble ticks too
+  assert analytic.matmul_flops(SMALL, analytic.Layout(data=2, tensor=2)) == (
+      tokens * 3 * (2 * layer + head) / 2)
+  # one layer a stage, run on each of the M + S - 1 = 3 ticks for M = 2 items
+  piped = analytic.Layout(data=2, stage=2, microbatches=2)
+  assert analytic.matmul_flops(SMALL, piped) == pytest.approx(
+      tokens * 3 * (layer * (2 + 2 - 1) / 2 + head))
+
+
+@pytest.mark.parametrize("schedule,stages,micro,virtual", [
+    ("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("zb_h1", 4, 8, 1), ("gpipe", 2, 4, 2),
+    ("1f1b", 2, 8, 2), ("1f1b", 4, 4, 1), ("zb_h1", 2, 4, 1)])
+def test_bubble_and_items_alive_are_the_schedule_tables(schedule, stages, micro,
+                                                        virtual):
+  # micro-batches at least the stages, as `search.layouts` enumerates them
+  layout = analytic.Layout(stage=stages, microbatches=micro, schedule=schedule,
+                           virtual_stages=virtual)
+  table = pipeline_schedules.schedule_table(schedule, stages, micro, virtual)
+  assert analytic.bubble(layout) == pytest.approx(
+      pipeline_schedules.bubble_fraction(table))
+  assert analytic.live_items(layout) == pipeline_schedules.live_slots(table)
+
+
+def test_collectives_by_hand():
+  n = analytic.params_per_device(SMALL, analytic.Layout(data=4))
+  assert analytic.collectives(SMALL, analytic.Layout(data=4)) == [
+      analytic.Collective("all-reduce", ("data",), n * 4, 1)]
+  zero1 = analytic.collectives(SMALL, analytic.Layout(data=4, zero1=True))
+  pieces = analytic.PIECES * analytic.LEAVES  # a piece a leaf and statistic
+  assert [c.kind for c in zero1] == ["all-reduce", "all-gather"]
+  assert [c.nbytes * c.count for c in zero1] == pytest.approx([n * 4, n * 4])
+  assert [c.count for c in zero1] == [pieces, pieces]
+  # a micro-batch of 2 sequences x 4 tokens x d 4 in bfloat16 crosses the tensor
+  # axis twice a layer a pass (forward, backward), plus the embedding and head's
+  tensor = analytic.collectives(SMALL, analytic.Layout(data=4, tensor=2))
+  big = [c for c in tensor if c.axes == ("tensor",) and c.nbytes == 2 * 4 * 4 * 2]
+  assert [(c.kind, c.count) for c in big] == [("all-reduce", 2 * 2 * 2 + 2)]
+  sp = analytic.collectives(SMALL, analytic.Layout(data=4, tensor=2,
+                                                   sequence_parallel=True))
+  assert {c.kind for c in sp if c.nbytes == 64} == {"all-gather", "reduce-scatter"}
+  # a pipeline sends a micro-batch each way each of its v M + S - 1 ticks
+  piped = analytic.collectives(SMALL, analytic.Layout(stage=2, microbatches=4))
+  permute = [c for c in piped if c.kind == "collective-permute"]
+  assert permute == [analytic.Collective("collective-permute", ("stage",),
+                                         2 * 4 * 4 * 2, 2 * (4 + 2 - 1))]
+
+
+def test_the_estimate_prices_with_the_step_time_formulas():
+  layout = analytic.Layout(data=8)  # 8 devices over 2 nodes of 4: the slow link
+  n = analytic.params_per_device(SMALL, layout)
+  est = analytic.estimate(SMALL, layout, GPU)
+  assert est.collectives == pytest.approx(2 * 7 / 8 * n * 4 / 1e10 + 2 * 7 * 1e-5)
+  assert est.collectives == step_time.collective_seconds("all-reduce", n * 4, 8, SLOW)
+  assert est.compute == pytest.approx(
+      analytic.matmul_flops(SMALL, layout) / (1e15 * 0.5))
+  assert est.memory == pytest.approx(
+      analytic.elementwise_bytes(SMALL, layout) / (2e12 * 0.5))
+  assert est.seconds == pytest.approx(est.compute + est.memory + est.collectives)
+  assert est.bubble == 0 and est.peak_bytes == analytic.memory_bytes(SMALL, layout)
+  local = analytic.estimate(SMALL, analytic.Layout(data=4, stage=2), GPU)
+  assert local.bubble > 0
+
+
+def test_more_memory_saving_costs_less_memory():
+  base = analytic.Layout(data=2, microbatches=1)
+  assert analytic.activation_bytes(SMALL, base._replace(microbatches=2)) < (
+      analytic.activation_bytes(SMALL, base))
+  assert analytic.activation_bytes(SMALL, base._replace(remat=True)) < (
+      analytic.activation_bytes(SMALL, base))
+  assert analytic.elementwise_bytes(SMALL, base._replace(remat=True)) < (
+      analytic.elementwise_bytes(SMALL, base))
+  assert analytic.memory_bytes(SMALL, base._replace(zero1=True)) < (
+      analytic.memory_bytes(SMALL, base))
+  assert analytic.fits(SMALL, base, 1e9) and not analytic.fits(SMALL, base, 1e3)
+
+
+@pytest.mark.slow  # one compile: 10-40 s on 2 busy cores
+def test_matmul_flops_are_the_compiled_plans():
+  overrides = {"mesh.data": 2, "mesh.stage": 1, "mesh.tensor": 2, "mesh.fsdp": 1,
+               "train.num_microbatches": 1, "train.remat": True}
+  cfg = config_lib.load_config(CONFIG, search_lib._overrides(overrides))  # noqa: SLF001
+  plan = planning.plan(cfg)
+  model = analytic.Model.from_config(cfg)
+  layout = analytic.Layout.from_overrides(overrides)
+  assert analytic.matmul_flops(model, layout) == pytest.approx(plan.flops_per_device)
+  assert analytic.params_per_device(model, layout) * 4 == plan.bytes["params"]
