@@ -76,11 +76,25 @@ def build_grad_reduce_dtype(cfg: schema.RunConfig) -> Any:
                     cfg.precision.grad_reduce_dtype))
 
 
-def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None
-               ) -> lm_lib.TinyLM:
+def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
+                devices: Optional[Sequence[Any]] = None) -> lm_lib.TinyLM:
   """The tiny LM with ``model`` sizes and ``train.remat``; on a mesh with ``fsdp`` or
   ``tensor`` axes its activations are laid out for them (``mesh.sequence_parallel``).
+  Its attention is ``model.attention`` for the devices it runs on: the mesh's, else
+  the first of ``devices`` (default ``jax.devices()``; none when empty, as when a
+  config is checked on shapes, or on an abstract mesh).
   """
+  policy = build_policy(cfg)
+  if isinstance(mesh, Mesh):
+    device = mesh.devices.flat[0]
+  elif mesh is None:
+    device = next(iter(jax.devices() if devices is None else devices), None)
+  else:
+    device = None
+  head_dim = cfg.model.d_model // cfg.model.num_heads if cfg.model.num_heads else 0
+  attention = errors.keyed("model", lambda: lm_lib.attention_for(
+      cfg.model.attention, device, policy.compute_dtype, head_dim),
+                           {"attention": "model.attention"})
   shard = None
   if mesh is not None and (FSDP_AXIS in mesh.axis_names
                            or TENSOR_AXIS in mesh.axis_names):
@@ -88,7 +102,7 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None
         mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
         sequence_parallel=cfg.mesh.sequence_parallel)
   return errors.keyed("model", lambda: lm_lib.TinyLM.from_sizes(
-      cfg.model, remat=cfg.train.remat, shard=shard),
+      cfg.model, remat=cfg.train.remat, shard=shard, attention=attention),
                       errors.fields("model", cfg.model, remat="train.remat"))
 
 
@@ -671,7 +685,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
           ("mesh.pipeline_split", "model.provider"), "{0} splits an encoder-decoder; "
           "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
           "model (examples/t5_split)")
-    model = build_model(cfg, mesh)
+    model = build_model(cfg, mesh, () if abstract else devices)
     loss, evaluate_fn = build_loss(cfg, model), model.loss_fn
     per_token = cfg.train.per_token_loss
     specs = build_param_specs(cfg, model, mesh)

@@ -71,6 +71,13 @@ class ModelConfig:
   """Tokens per training sequence (the context length)."""
   init_std: float = 0.02
   """Standard deviation of the normal initialization of weight matrices (GPT-2's)."""
+  attention: Literal["auto", "xla", "cudnn"] = "auto"
+  """How attention is computed (`jax.nn.dot_product_attention`): ``cudnn``, cuDNN's
+  fused (flash) attention, which needs NVIDIA GPUs, a 16-bit compute dtype and a head
+  size (``d_model / num_heads``) a multiple of 8 up to 128; ``xla``, XLA's, with the
+  scores in memory, anywhere; ``auto``, ``cudnn`` where it runs, else ``xla``
+  (`mpscale.trainer.models.lm.attention_for`). A plan compiled for a GPU chooses as a
+  run on that GPU does."""
 
 
 @dataclasses.dataclass(frozen=True)

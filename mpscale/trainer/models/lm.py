@@ -15,11 +15,18 @@ policy's compute dtype): each module computes in the dtype of its main weight ma
 float32-kept norms and biases (`mpscale.policy.default_keep_fp32`) do not promote it.
 Layer-norm statistics, the attention softmax, the GELU and the loss are computed in
 float32.
+
+Attention is XLA's (`causal_attention`: `jax.nn.dot_product_attention`'s XLA
+implementation, the scores materialized in float32) or, on NVIDIA GPUs with 16-bit
+activations, cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`,
+which keeps no ``[T, T]`` scores in memory (``attention``; `attention_for` chooses
+for a config's ``model.attention: auto``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, ClassVar, Optional
 
@@ -71,6 +78,93 @@ def _heads_major(init: Callable, num_heads: int) -> Callable:
   return heads_major
 
 
+ATTENTION = ("auto", "xla", "cudnn")
+"""``model.attention``'s choices: ``xla`` (`causal_attention`, any backend), ``cudnn`` (cuDNN's fused attention: NVIDIA GPUs, 16-bit
+activations, a head size a multiple of 8 up to 128), ``auto`` (``cudnn`` where it
+runs, else ``xla``)."""
+
+_CUDNN_DTYPES = ("float16", "bfloat16")
+
+
+def _cudnn_unsupported(device: Any, compute_dtype: Any, head_dim: int) -> Optional[str]:
+  """Why cuDNN's fused attention cannot run there, or ``None``."""
+  if device is None:
+    return "no device is known"
+  kind = getattr(device, "device_kind", "")
+  if device.platform not in ("gpu", "cuda") or not kind.startswith("NVIDIA"):
+    return f"it runs on NVIDIA GPUs, and the devices are {kind or device.platform}"
+  if jnp.dtype(compute_dtype).name not in _CUDNN_DTYPES:
+    return (f"it computes in float16 or bfloat16, and the compute dtype is "
+            f"{jnp.dtype(compute_dtype).name}")
+  if head_dim % 8 or head_dim > 128:
+    return f"it takes a head size that is a multiple of 8 up to 128, not {head_dim}"
+  return None
+
+
+def attention_for(choice: str, device: Any, compute_dtype: Any, head_dim: int
+                  ) -> str:
+  """The attention implementation (``"xla"`` or ``"cudnn"``) of a config's
+  ``model.attention`` (`ATTENTION`) for a model computing in ``compute_dtype`` with
+  heads of ``head_dim`` on devices like ``device`` (a `jax.Device`; ``None`` when
+  none is known, as on an abstract mesh).
+
+  Raises:
+    ArgumentError: naming ``attention`` for an unknown choice, or for ``cudnn``
+      where cuDNN's attention cannot run (``device`` known).
+  """
+  validation.one_of("attention", choice, ATTENTION)
+  if choice == "xla":
+    return "xla"
+  why = _cudnn_unsupported(device, compute_dtype, head_dim)
+  if why is None:
+    return "cudnn"
+  if choice == "cudnn" and device is not None:
+    raise validation.fail("attention", f": cuDNN's fused attention cannot run here: "
+                          f"{why}; use auto or xla")
+  return "xla"
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal softmax attention as `jax.nn.dot_product_attention`'s XLA implementation
+  computes it (``[batch, length, heads, head_dim]`` in and out): the scores in
+  float32, scaled by ``1/sqrt(head_dim)``, the softmax in float32, the weights cast to
+  ``v``'s dtype. Written here because that implementation asks float16 products for
+  a float32 result with a dot algorithm (``F16_F16_F32``) that XLA's CPU and TPU
+  compilers refuse; this one asks for a float32 result alone, which every backend
+  compiles."""
+  length, head_dim = q.shape[1], q.shape[-1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  scores = scores * jnp.float32(1 / math.sqrt(head_dim))
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     spec: jax.sharding.PartitionSpec) -> jax.Array:
+  """cuDNN's causal attention of ``q, k, v`` laid out as ``spec``.
+
+  Inside a ``shard_map`` that is manual over some mesh axes and automatic over others
+  (a pipeline's stages, with tensor or FSDP axes left to GSPMD), JAX's partitioning
+  rule for cuDNN attention fails to compile (jax 0.10: "'GSPMDSharding' object has no
+  attribute 'spec'"). There it runs in a nested ``shard_map`` over the automatic
+  axes instead, each device attending its own rows and heads: attention mixes
+  neither rows nor heads, so nothing moves but what ``spec`` lays out.
+  """
+  attend = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                             implementation="cudnn")
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set(getattr(mesh, "manual_axes", ()))
+  automatic = [a for a in getattr(mesh, "axis_names", ()) if a not in manual]
+  if not manual or not automatic:
+    return attend(q, k, v)
+  spec = sharding_lib.only_axes(spec, automatic)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec),
+                       out_specs=spec, axis_names=set(automatic),
+                       check_vma=False)(q, k, v)
+
+
 def _unconstrained(x: jax.Array, kind: str) -> jax.Array:
   del kind
   return x
@@ -87,6 +181,9 @@ class Block(nn.Module):
   shard: Callable[[jax.Array, str], jax.Array] = _unconstrained
   """Lays out an activation of a kind (``"residual"``, ``"heads"``, ``"mlp"``); see
   `ActivationSharding`."""
+  attention: str = "xla"
+  """``"xla"`` or ``"cudnn"`` (for 16-bit activations; float32 ones, as at
+  initialization, take XLA's)."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -103,12 +200,13 @@ class Block(nn.Module):
                    kernel_init=_heads_major(init, self.num_heads))(h)
     qkv = qkv.reshape(batch, length, self.num_heads, 3, head_dim)
     q, k, v = (self.shard(qkv[:, :, :, i], "heads") for i in range(3))
-    q = q * jnp.asarray(1 / math.sqrt(head_dim), dtype)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    attn = self.shard(jnp.einsum("bhqk,bkhd->bqhd", weights, v), "heads")
+    if self.attention == "cudnn" and jnp.dtype(dtype).name in _CUDNN_DTYPES:
+      spec = (self.shard.spec("heads") if isinstance(self.shard, ActivationSharding)
+              else jax.sharding.PartitionSpec())
+      attn = _fused_attention(q, k, v, spec)
+    else:
+      attn = causal_attention(q, k, v)
+    attn = self.shard(attn.astype(dtype), "heads")
     attn = attn.reshape(batch, length, d_model)
     x = x + nn.Dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
     x = self.shard(x, "residual")
@@ -173,6 +271,10 @@ class ActivationSharding:
   sequence_parallel: bool = False
 
   def __call__(self, x: jax.Array, kind: str) -> jax.Array:
+    return sharding_lib.constrain(x, self.spec(kind), self.mesh)
+
+  def spec(self, kind: str) -> jax.sharding.PartitionSpec:
+    """The layout of an activation of ``kind``."""
     batch = tuple(a for a in self.batch_axes if a in self.mesh.axis_names) or None
     free = batch
     tensor = self.tensor_axis if self.tensor_axis in self.mesh.axis_names else None
@@ -184,7 +286,7 @@ class ActivationSharding:
       spec = (free, None, tensor)
     else:
       raise ValueError(f"unknown activation kind {kind!r}")
-    return sharding_lib.constrain(x, jax.sharding.PartitionSpec(*spec), self.mesh)
+    return jax.sharding.PartitionSpec(*spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +301,8 @@ class TinyLM:
       takes its own ``remat``).
     shard: activation layout for tensor and sequence parallelism; ``None``: GSPMD's
       choice.
+    attention: ``"xla"`` or ``"cudnn"`` (`Block.attention`; `attention_for` chooses
+      one for a config).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -221,6 +325,7 @@ class TinyLM:
   init_std: float = 0.02
   remat: bool = False
   shard: Optional[ActivationSharding] = None
+  attention: str = "xla"
 
   SIZES: ClassVar[tuple[str, ...]] = ("vocab_size", "d_model", "num_heads",
                                       "num_layers", "d_ff", "seq_len", "init_std")
@@ -230,7 +335,7 @@ class TinyLM:
   def from_sizes(cls, sizes: Any, **kwargs: Any) -> "TinyLM":
     """A model with the `SIZES` read off ``sizes`` (any object with those
     attributes, e.g. the config's ``model`` section); ``kwargs``: ``remat``,
-    ``shard``."""
+    ``shard``, ``attention``."""
     return cls(**{name: getattr(sizes, name) for name in cls.SIZES}, **kwargs)
 
   def __post_init__(self):
@@ -242,13 +347,14 @@ class TinyLM:
           ("d_model", "num_heads"),
           f"{{0}} ({self.d_model}) must be divisible by {{1}} ({self.num_heads})")
     validation.boolean("remat", self.remat)
+    validation.one_of("attention", self.attention, ATTENTION[1:])
 
   def _embed(self) -> Embed:
     return Embed(self.vocab_size, self.d_model, self.seq_len, self.init_std)
 
   def _block(self, dtype: Any = None) -> Block:
     return Block(self.num_heads, self.d_ff, self.init_std, self.num_layers, dtype=dtype,
-                 shard=self.shard or _unconstrained)
+                 shard=self.shard or _unconstrained, attention=self.attention)
 
   def _head(self, dtype: Any = None) -> Head:
     return Head(self.vocab_size, self.init_std, dtype=dtype)

@@ -293,3 +293,20 @@ def test_data_path_is_checked_with_the_rest_of_the_config(tmp_path):
   with pytest.raises(config_lib.ConfigError, match="exclusive") as err:
     config_lib.load_config(path, data_path=str(tmp_path / "text.txt"))
   assert set(err.value.keys) == {"data.tokens", "data.path"}
+
+
+def test_attention_is_chosen_for_the_devices_the_model_runs_on():
+  """``model.attention``: ``auto`` on CPU devices is XLA's; ``cudnn`` loads (a config
+  checked on shapes may be meant for GPUs, e.g. to plan on one) and is refused, by
+  key, where the model is built on devices that cannot run it."""
+  auto = config_lib.config_from_dict({**SMALL, "precision": {"policy": "bf16"}})
+  assert builders.build_model(auto).attention == "xla"
+  fused = config_lib.config_from_dict({**SMALL, "precision": {"policy": "bf16"},
+                                       "model": {"attention": "cudnn"}})
+  assert builders.build_model(fused, devices=()).attention == "xla"  # no device known
+  with pytest.raises(ValueError, match=r"^model.attention: cuDNN's fused attention "
+                     "cannot run here: it runs on NVIDIA GPUs") as err:
+    builders.build(fused)
+  assert err.value.name == "model.attention"
+  with pytest.raises(config_lib.ConfigError, match="model.attention: expected one of"):
+    config_lib.config_from_dict({**SMALL, "model": {"attention": "flash"}})

@@ -1,5 +1,6 @@
 """The tiny LM: pipeline-form functions, the unpipelined loss, masks, causality, dtypes."""
 
+import functools
 import math
 
 import jax
@@ -151,3 +152,89 @@ def test_generate_continues_the_prompt_past_the_window():
     assert first(start) == int(np.argmax(logits[0, 0]))
   with pytest.raises(ValueError, match="num_tokens"):
     model.generate(params, prompt, 0, rng=jax.random.key(0))
+
+
+# ------------------------------------------------------------------ attention
+
+
+def _softmax_attention(q, k, v):
+  """Causal softmax attention written out: float32 scores over sqrt(head size)."""
+  length, head_dim = q.shape[1], q.shape[-1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_causal_attention_is_jax_s_own_xla_attention(dtype):
+  """`lm.causal_attention` against JAX's `jax.nn.dot_product_attention` (its XLA
+  implementation) and against softmax attention written out in float32."""
+  q, k, v = (jax.random.normal(key, (2, 16, 4, 8)).astype(dtype)
+             for key in jax.random.split(jax.random.key(0), 3))
+  got = jax.jit(lm.causal_attention)(q, k, v)
+  assert got.dtype == dtype
+  jax_s = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                    implementation="xla"))(q, k, v)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.float32(got), np.float32(jax_s), rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.float32(got), _softmax_attention(q, k, v),
+                             rtol=tol, atol=tol)
+  # float16 too (JAX's own XLA attention does not compile for it on the CPU)
+  half = jax.jit(lm.causal_attention)(*(x.astype(jnp.float16) for x in (q, k, v)))
+  np.testing.assert_allclose(np.float32(half), _softmax_attention(q, k, v),
+                             rtol=1e-2, atol=1e-2)
+
+
+class _Device:
+  def __init__(self, platform, kind):
+    self.platform, self.device_kind = platform, kind
+
+
+H100 = _Device("gpu", "NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize("choice, device, dtype, head_dim, want", [
+    ("auto", H100, jnp.bfloat16, 64, "cudnn"),
+    ("auto", H100, jnp.float16, 128, "cudnn"),
+    ("auto", H100, jnp.float32, 64, "xla"),        # cuDNN's is 16-bit only
+    ("auto", H100, jnp.bfloat16, 12, "xla"),       # not a multiple of 8
+    ("auto", H100, jnp.bfloat16, 256, "xla"),      # over 128
+    ("auto", _Device("cpu", "cpu"), jnp.bfloat16, 64, "xla"),
+    ("auto", _Device("gpu", "AMD Instinct MI300X"), jnp.bfloat16, 64, "xla"),
+    ("auto", None, jnp.bfloat16, 64, "xla"),       # an abstract mesh: no device
+    ("xla", H100, jnp.bfloat16, 64, "xla"),
+    ("cudnn", H100, jnp.bfloat16, 64, "cudnn"),
+    ("cudnn", None, jnp.bfloat16, 64, "xla"),      # checked where devices are known
+])
+def test_attention_for_chooses_cudnn_where_it_runs(choice, device, dtype, head_dim,
+                                                   want):
+  assert lm.attention_for(choice, device, dtype, head_dim) == want
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, why", [
+    (_Device("cpu", "cpu"), jnp.bfloat16, 64, "NVIDIA GPUs, and the devices are cpu"),
+    (H100, jnp.float32, 64, "compute dtype is float32"),
+    (H100, jnp.bfloat16, 20, "multiple of 8 up to 128, not 20"),
+])
+def test_cudnn_attention_where_it_cannot_run_says_why(device, dtype, head_dim, why):
+  with pytest.raises(ValueError, match=f"^attention: cuDNN.*{why}"):
+    lm.attention_for("cudnn", device, dtype, head_dim)
+
+
+def test_an_unknown_attention_is_an_error():
+  with pytest.raises(ValueError, match="^attention must be one of 'auto', 'xla'"):
+    lm.attention_for("flash", H100, jnp.bfloat16, 64)
+  with pytest.raises(ValueError, match="^attention must be one of 'xla', 'cudnn'"):
+    lm.TinyLM.from_sizes(CFG, attention="auto")
+
+
+def test_a_cudnn_model_computes_float32_activations_with_xla(params, batch):
+  """cuDNN's attention is 16-bit only: a float32 pass (initialization, a float32
+  policy) of a model built for it takes XLA's, and gives the same loss."""
+  fused = lm.TinyLM.from_sizes(CFG, attention="cudnn")
+  plain = lm.TinyLM.from_sizes(CFG)
+  text = jax.jit(fused.loss_fn).lower(params, batch).as_text()
+  assert "cudnn" not in text
+  np.testing.assert_allclose(jax.jit(fused.mean_loss_fn)(params, batch),
+                             jax.jit(plain.mean_loss_fn)(params, batch), rtol=1e-6)

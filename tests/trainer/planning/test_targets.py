@@ -141,3 +141,17 @@ def test_a_one_device_h100_plan_compiles_for_the_h100():
   on_cpu = compiled.plan(cfg, hardware="h100-80g", compiler="cpu")
   assert "1 x NVIDIA H100" in on_gpu.compiled_for
   assert on_gpu.kernels != on_cpu.kernels  # another program
+
+
+@needs_cuda
+@pytest.mark.parametrize("attention, fused", [("auto", True), ("cudnn", True),
+                                              ("xla", False)])
+def test_an_h100_program_attends_with_cudnn_as_a_run_there_would(attention, fused):
+  """``model.attention: auto`` chooses cuDNN's fused attention for a 16-bit model
+  compiled for H100s, as a run on them does (forward and backward kernels); ``xla``
+  keeps the scores in XLA's program."""
+  cfg = config_lib.load_config("configs/tiny_lm_bf16.yaml",
+                               ["mesh.fsdp=8", f"model.attention={attention}"])
+  _, text = _program(cfg, "target")
+  assert ("__cudnn$fmhaSoftmax\"" in text) == fused
+  assert ("__cudnn$fmhaSoftmaxBackward" in text) == fused
