@@ -317,8 +317,9 @@ def largest_collective(hlo: Union[str, Module], kind: str) -> int:
 
 def matmul_flops(hlo: Union[str, Module]) -> float:
   """FLOPs of the matrix products (``dot``: ``2 * prod(result) * prod(contracted
-  dims)``) and convolutions (``2 * prod(result) * prod(kernel) / kernel output
-  features``) in the compiled HLO ``hlo`` (text, or `parse`'s `Module`) per step,
+  dims)``), convolutions (``2 * prod(result) * prod(kernel) / kernel output
+  features``) and library calls of them (cuBLAS, cuDNN's fused attention:
+  `_library_flops`) in the compiled HLO ``hlo`` (text, or `parse`'s `Module`) per step,
   counted as in `collectives` (loop trip counts, which XLA's own cost analysis counts
   once; a conditional's costliest branch). Elementwise work is left out: a small
   share of a transformer's or a CNN's."""
@@ -624,12 +625,61 @@ def launches(hlo: Union[str, Module]) -> int:
 
 
 def _product_flops(module: Module, name: str, ins: Instruction) -> float:
-  """The FLOPs of one ``dot`` or ``convolution`` (0 for any other op)."""
+  """The FLOPs of one ``dot``, ``convolution`` or library call of matrix products
+  (`_library_flops`; 0 for any other op)."""
   if ins.op == "dot":
     return _dot_flops(module, name, ins)
   if ins.op == "convolution":
     return _conv_flops(module, name, ins)
+  if ins.op == "custom-call":
+    return _library_flops(module, name, ins)
   return 0.0
+
+
+_FMHA_PRODUCTS = {"forward": 2, "backward": 5}
+"""Matrix products of fused attention over the ``[T, S]`` scores, each ``2 * B * H
+* T * S * D`` FLOPs: forward ``Q K^T`` and ``P V``; backward the scores recomputed,
+``dP = dO V^T``, ``dV = P^T dO``, ``dQ = dS K``, ``dK = dS^T Q`` (FlashAttention-2's
+count, Dao 2023)."""
+
+
+def _library_flops(module: Module, name: str, ins: Instruction) -> float:
+  """The FLOPs of a library call that multiplies matrices (a GPU program's), as its
+  ``backend_config`` describes it:
+
+  - cuBLAS (``__cublas$gemm``, ``__cublas$lt$matmul``): ``2 * prod(result) *
+    prod(contracted dims)``, the result the call's first output;
+  - cuDNN fused attention (``__cudnn$fmha...``): `_FMHA_PRODUCTS` over the scores'
+    ``intermediate_tensor_shape`` ``[B, H, T, S]`` and the head size ``D`` (its
+    first output's last dimension), halved under a causal mask (the kernels skip
+    the tiles above the diagonal).
+
+  Any other call (a sort, a random-number generator, a user's kernel whose work the
+  program does not state) counts 0 here and its bytes as any kernel's."""
+  target = re.search(r'custom_call_target="([^"]+)"', ins.rest)
+  if not target:
+    return 0.0
+  target = target.group(1)
+  first = _dims(ins.result)  # the first output's
+  if target.startswith("__cublas$"):
+    operands = _operands(ins)
+    lhs = _dims(module.types[name].get(operands[0], "")) if operands else []
+    m = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', ins.rest)
+    contracted = [int(d) for d in re.findall(r"\d+", m.group(1))] if m else []
+    if not lhs or not contracted:
+      return 0.0
+    return 2.0 * math.prod(first) * math.prod(lhs[d] for d in contracted)
+  if target.startswith("__cudnn$fmha"):
+    scores = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?'
+                       r'"dimensions":\s*\[([^\]]*)\]', ins.rest)
+    if not scores or not first:
+      return 0.0
+    products = _FMHA_PRODUCTS["backward" if "Backward" in target else "forward"]
+    flops = 2.0 * products * math.prod(
+        int(d) for d in re.findall(r"\d+", scores.group(1))) * first[-1]
+    return flops / 2 if '"mask_type":"CAUSAL"' in ins.rest.replace(" ", "") else flops
+  return 0.0
+
 
 
 def _conv_flops(module: Module, name: str, ins: Instruction) -> float:
@@ -739,8 +789,9 @@ def _kernel_cost(module: Module, float32_bytes: int = 4) -> _Cost:
         ins.op.endswith("-done")):
       return {}
     moved = _accessed(module, name, ins, float32_bytes)
-    if ins.op in ("dot", "convolution"):
-      return {f"dot {_product_flops(module, name, ins)!r} {moved}": 1}
+    flops = _product_flops(module, name, ins)
+    if ins.op in ("dot", "convolution") or flops:
+      return {f"dot {flops!r} {moved}": 1}
     if ins.op == "fusion":
       flops = sum(_product_flops(module, c, x)
                   for _, c in _callees(ins) if c in module.computations

@@ -492,3 +492,37 @@ def test_overlaps_are_the_kernels_between_an_async_start_and_its_done():
   # Sync collectives are counted by collectives_over, with no window.
   assert "all-reduce over tensor" in hlo.collectives_over(_SCHEDULED,
                                                           {"data": 2, "tensor": 2})
+
+
+_LIBRARY = """HloModule m
+ENTRY %main (q: bf16[2,128,4,64], a: bf16[256,512], b: bf16[512,96]) -> bf16[2,4,128,64] {
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(0)
+  %a = bf16[256,512]{1,0} parameter(1)
+  %b = bf16[512,96]{1,0} parameter(2)
+  %f = (bf16[2,4,128,64]{3,1,2,0}, f32[2,4,128]{2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "128", "128"], "tuple_shapes": []}, "is_flash_attention": true, "mask_type": "%MASK%"}}
+  %o = bf16[2,4,128,64]{3,1,2,0} get-tuple-element(%f), index=0
+  %g = (bf16[2,4,128,64]{3,1,2,0}, bf16[2,4,128,64]{3,1,2,0}, bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %q, %q, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "128", "128"]}, "mask_type": "%MASK%"}}
+  %m = (bf16[256,96]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config": {"alpha_real": 1, "dot_dimension_numbers": {"lhs_contracting_dimensions": ["1"], "rhs_contracting_dimensions": ["0"], "lhs_batch_dimensions": [], "rhs_batch_dimensions": []}}}
+  %s = u32[8]{0} custom-call(%a), custom_call_target="cu_threefry2x32"
+  ROOT %r = bf16[2,4,128,64]{3,1,2,0} get-tuple-element(%g), index=0
+}
+"""
+
+
+@pytest.mark.parametrize("mask, share", [("CAUSAL", 0.5), ("NO_MASK", 1.0)])
+def test_library_calls_count_the_products_they_run(mask, share):
+  """A GPU program's matrix products in library calls, worked by hand: cuDNN's
+  fused attention, 2 products over the [2, 4, 128, 128] scores of 64-wide heads
+  forward and 5 backward, half of them under a causal mask; cuBLAS's 256x512 by
+  512x96 product. Another call (a random-number kernel) does no product."""
+  text = _LIBRARY.replace("%MASK%", mask)
+  scores = 2 * 2 * 4 * 128 * 128 * 64
+  gemm = 2 * 256 * 96 * 512
+  assert hlo.matmul_flops(text) == share * (2 + 5) * scores + gemm
+  k = hlo.kernels(text)
+  assert sorted(f for f, _, _ in k.dots) == sorted(
+      [share * 2 * scores, share * 5 * scores, float(gemm)])
+  # the fused kernels read q, k and v and write their outputs: no [T, S] scores
+  forward = next(b for f, b, _ in k.dots if f == share * 2 * scores)
+  qkv, out, stats = 3 * 2 * 128 * 4 * 64 * 2, 2 * 4 * 128 * 64 * 2, 2 * 4 * 128 * 4
+  assert forward == qkv + out + stats

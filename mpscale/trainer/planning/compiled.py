@@ -391,6 +391,25 @@ def activation_bytes(loss_fn: Any, params: Any, batch: Any, rows: int,
   return int(sum(x.size * x.dtype.itemsize for x in kept)), forward
 
 
+_NO_TILES = "Couldn't find output tile sizes"
+"""XLA's CUDA compiler, asked for a program it cannot autotune (no GPU), may find no
+Triton tiling for a matrix product its fusion pass gave to Triton (seen: a float16
+A100 step with XLA's attention)."""
+
+
+def _compile(lowered: Any, target: targets.Target) -> Any:
+  """``lowered.compile()``; for a GPU target whose Triton GEMM tiling fails without
+  autotuning (`_NO_TILES`), compiled again with XLA's Triton GEMMs off, their
+  products left to cuBLAS as a GPU's autotuner may leave them: the FLOPs are the
+  same, and the fusions around them change little."""
+  try:
+    return lowered.compile()
+  except Exception as e:  # JaxRuntimeError, whose module differs across versions
+    if target.compiler != "cuda" or _NO_TILES not in str(e):
+      raise
+  return lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+
+
 def _on_device(tree: Any, device: Any) -> Any:
   """``tree``'s array shapes placed on ``device`` (a compile-only one), so the step
   compiles for it rather than for JAX's default device."""
@@ -464,7 +483,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
     state, batch = _on_device((state, batch), target.devices[0])
   start = time.perf_counter()
   try:
-    compiled = setup.step.lower(state, batch).compile()
+    compiled = _compile(setup.step.lower(state, batch), target)
   except Exception as e:  # a user's loss on a user's batch may raise anything
     if not provided:
       if isinstance(e, (ValueError, TypeError)):

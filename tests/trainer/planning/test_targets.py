@@ -155,3 +155,29 @@ def test_an_h100_program_attends_with_cudnn_as_a_run_there_would(attention, fuse
   _, text = _program(cfg, "target")
   assert ("__cudnn$fmhaSoftmax\"" in text) == fused
   assert ("__cudnn$fmhaSoftmaxBackward" in text) == fused
+
+
+class _Lowered:
+  """A lowered step whose first compile fails as XLA's CUDA compiler may without a
+  GPU to autotune on."""
+
+  def __init__(self, error):
+    self.error, self.options = error, []
+
+  def compile(self, compiler_options=None):
+    self.options.append(compiler_options)
+    if len(self.options) == 1 and self.error:
+      raise RuntimeError(self.error)
+    return "compiled"
+
+
+def test_a_gpu_compile_without_triton_tiles_is_compiled_again_without_triton():
+  gpu = targets.Target(devices=None, compiler="cuda", description="gpu")
+  lowered = _Lowered("INTERNAL: Couldn't find output tile sizes that satisfy hlo: ...")
+  assert compiled._compile(lowered, gpu) == "compiled"
+  assert lowered.options == [None, {"xla_gpu_enable_triton_gemm": False}]
+  # any other failure, or on the CPU, is raised as it is
+  for target, error in ((gpu, "INTERNAL: something else"),
+                        (targets.Target(None, "cpu", "cpu"), compiled._NO_TILES)):
+    with pytest.raises(RuntimeError, match=re.escape(error)):
+      compiled._compile(_Lowered(error), target)
