@@ -315,6 +315,120 @@ def largest_collective(hlo: Union[str, Module], kind: str) -> int:
               for ins in body if _kind(ins) == kind), default=0)
 
 
+_ALIASES = ("bitcast", "get-tuple-element", "all-gather-done", "copy-start",
+            "copy-done")
+"""Ops whose result is (a view of) their operand's buffer, for liveness."""
+
+
+def gathered_alive(hlo: Union[str, Module]) -> int:
+  """The most all-gathered bytes a device holds at once in the compiled HLO
+  ``hlo``: in each computation's order (a compiled program's schedule), each
+  all-gather's result lives from the gather (an asynchronous one's start) to its
+  last use, through views of it; the largest sum of those alive together, over the
+  computations (a loop body counts one trip: under FSDP that gathers a layer at a
+  time, one layer's weights and the next one's prefetched; gathered when the step
+  starts, the whole model's).
+
+  Example:
+
+    >>> from mpscale import hlo
+    >>> text = '''HloModule m
+    ... ENTRY %main (a: f32[8,128], b: f32[8,128]) -> f32[32,128] {
+    ...   %a = f32[8,128]{1,0} parameter(0)
+    ...   %b = f32[8,128]{1,0} parameter(1)
+    ...   %ga = f32[32,128]{1,0} all-gather(%a), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+    ...   %ea = f32[32,128]{1,0} exponential(%ga)
+    ...   %gb = f32[32,128]{1,0} all-gather(%b), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+    ...   ROOT %s = f32[32,128]{1,0} add(%ea, %gb)
+    ... }'''
+    >>> hlo.gathered_alive(text)  # %ga dies at its last use, before %gb
+    16384
+  """
+  module = _as_module(hlo)
+  best = 0
+  for body in module.computations.values():
+    position = {ins.name: i for i, ins in enumerate(body)}
+    owner: dict[str, str] = {}  # a view's name -> the gather it shows
+    size: dict[str, int] = {}
+    for ins in body:
+      if _kind(ins) == "all-gather":
+        owner[ins.name] = ins.name
+        size[ins.name] = _shape_bytes(ins.result) if ins.op == "all-gather" else 0
+      elif ins.op in _ALIASES and _operands(ins) and _operands(ins)[0] in owner:
+        owner[ins.name] = owner[_operands(ins)[0]]
+        if ins.op == "all-gather-done":
+          size[owner[ins.name]] = _shape_bytes(ins.result)
+    last = {g: position[g] for g in size}
+    for ins in body:
+      for operand in _operands(ins):
+        if operand in owner:
+          last[owner[operand]] = max(last[owner[operand]], position[ins.name])
+    alive = 0
+    for _, change in sorted([(position[g], size[g]) for g in size]
+                            + [(last[g] + 0.5, -size[g]) for g in size]):
+      alive += change
+      best = max(best, alive)
+  return best
+
+
+def saved_for_backward(hlo: Union[str, Module]) -> Optional[int]:
+  """The activations a device keeps for the backward in the compiled HLO ``hlo``
+  of a layer loop (`lax.scan`): the stacked buffers a ``while`` loop writes (a
+  state element its body does not pass through unchanged, whose leading dimension
+  is the trip count: one slice a trip) that a later ``while`` loop of the same
+  computation reads: the forward's residuals handed to the backward. Their bytes,
+  the largest over the computations (one micro-batch's, where an outer loop runs
+  them); ``None`` where no loop hands a stack to another (layers unrolled)."""
+  module = _as_module(hlo)
+  best = None
+  for body in module.computations.values():
+    loops = [ins for ins in body if ins.op == "while"]
+    if len(loops) < 2:
+      continue
+    by_name = {ins.name: ins for ins in body}
+    read: set[str] = set()
+    for loop in loops:
+      state = by_name.get((_operands(loop) or [""])[0])
+      read.update(_operands(state) if state is not None and state.op == "tuple"
+                  else _operands(loop))
+    total = 0
+    for ins in body:
+      loop = by_name.get((_operands(ins) or [""])[0])
+      index = re.search(r"index=(\d+)", ins.rest)
+      if (ins.op != "get-tuple-element" or ins.name not in read or loop is None
+          or loop.op != "while" or not index):
+        continue
+      dims = _dims(ins.result)
+      if dims and dims[0] == _trips(loop) > 1 and _written(module, loop,
+                                                           int(index.group(1))):
+        total += _shape_bytes(ins.result)
+    if total:
+      best = max(best or 0, total)
+  return best
+
+
+def _written(module: Module, loop: Instruction, index: int) -> bool:
+  """Whether the body of the ``while`` ``loop`` writes element ``index`` of its
+  state (its root does not pass the element through from its parameter)."""
+  body = dict(_callees(loop)).get("body", "")
+  instructions = module.computations.get(body, [])
+  if not instructions or instructions[-1].op != "tuple":
+    return False
+  by_name = {ins.name: ins for ins in instructions}
+  operands = _operands(instructions[-1])
+  if index >= len(operands):
+    return False
+  element = by_name.get(operands[index])
+  while element is not None and element.op in ("bitcast", "copy"):
+    element = by_name.get((_operands(element) or [""])[0])
+  if element is None or element.op != "get-tuple-element":
+    return True
+  source = by_name.get((_operands(element) or [""])[0])
+  same = re.search(r"index=(\d+)", element.rest)
+  return not (source is not None and source.op == "parameter" and same is not None
+              and int(same.group(1)) == index)
+
+
 def matmul_flops(hlo: Union[str, Module]) -> float:
   """FLOPs of the matrix products (``dot``: ``2 * prod(result) * prod(contracted
   dims)``), convolutions (``2 * prod(result) * prod(kernel) / kernel output

@@ -526,3 +526,30 @@ def test_library_calls_count_the_products_they_run(mask, share):
   forward = next(b for f, b, _ in k.dots if f == share * 2 * scores)
   qkv, out, stats = 3 * 2 * 128 * 4 * 64 * 2, 2 * 4 * 128 * 64 * 2, 2 * 4 * 128 * 4
   assert forward == qkv + out + stats
+
+
+def _scan_gradient(num_layers: int, remat: bool) -> str:
+  """The compiled gradient of a scan of ``num_layers`` tanh layers over 32 rows of
+  128 features."""
+  def loss(w, x):
+    def body(c, wl):
+      return jnp.tanh(c @ wl), None
+    return jnp.sum(jax.lax.scan(jax.checkpoint(body) if remat else body, x, w)[0])
+
+  w = jax.ShapeDtypeStruct((num_layers, 128, 128), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, 128), jnp.float32)
+  return jax.jit(jax.grad(loss)).lower(w, x).compile().as_text()
+
+
+def test_saved_for_backward_reads_the_forward_loops_stacks():
+  """Recomputing each layer, the forward hands the backward each layer's input
+  alone: 12 x 32 x 128 float32; keeping its residuals, more of them a layer; the
+  stacks grow with the layers. Unrolled layers hand no stack: None."""
+  layer_input = 32 * 128 * 4
+  assert hlo.saved_for_backward(_scan_gradient(12, remat=True)) == 12 * layer_input
+  kept = hlo.saved_for_backward(_scan_gradient(12, remat=False))
+  assert kept > 12 * layer_input
+  assert hlo.saved_for_backward(_scan_gradient(4, remat=False)) * 3 == kept
+  f = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))))
+  assert hlo.saved_for_backward(
+      f.lower(jnp.ones((128, 128)), jnp.ones((32, 128))).compile().as_text()) is None

@@ -175,6 +175,16 @@ class Plan:
   """The largest single all-gather of the step, bytes a device
   (`mpscale.hlo.largest_collective`): under FSDP, the most weights gathered at once
   (one layer's where they are gathered where used)."""
+  gathered_alive: int = 0
+  """The most all-gathered bytes a device holds at once (`mpscale.hlo.gathered_alive`):
+  under FSDP that gathers where it uses, a layer's weights or two (the next one's
+  prefetched), or the largest unsplit leaf; the whole model's where it is gathered
+  when the step starts."""
+  saved_activations: Optional[int] = None
+  """The activations the compiled program hands from its forward layer loop to its
+  backward one, bytes a device (`mpscale.hlo.saved_for_backward`): read from the
+  program, so split as the compiler split them (over the batch under FSDP, over the
+  heads under tensor parallelism); ``None`` where the layers are unrolled."""
   compiled_for: str = "fake CPU devices (XLA's CPU compiler)"
   """The devices and compiler the program was compiled for
   (`mpscale.trainer.planning.targets`): the hardware's own GPU compiler, or the CPU's."""
@@ -258,12 +268,15 @@ class Plan:
     if self.activations is not None:
       lines.append(f"    activations     {_fmt_bytes(self.activations):>12}  (kept for "
                    f"the backward of one micro-batch of this device's rows){split}")
+    if self.saved_activations is not None:
+      lines.append(f"    saved           {_fmt_bytes(self.saved_activations):>12}  (the "
+                   "program's: its forward layer loop's stacks for the backward)")
     if self.largest_gather and self.mesh.get("fsdp", 1) > 1:
       total = self.collectives.get("all-gather", {}).get("bytes", 0)
       params = max(self.bytes["params"] * self.mesh.get("fsdp", 1), 1)
-      lines.append(f"    gathered        {_fmt_bytes(self.largest_gather):>12}  (the "
-                   f"largest all-gather; all of them {total / params:.1f}x the "
-                   "parameters a step)")
+      lines.append(f"    gathered        {_fmt_bytes(self.gathered_alive):>12}  (alive "
+                   f"at once; the largest all-gather {_fmt_bytes(self.largest_gather)}, "
+                   f"all of them {total / params:.1f}x the parameters a step)")
     return lines
 
   def _residual_lines(self) -> list[str]:
@@ -564,6 +577,8 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
       compute_dtype=compute_dtype, schedules=schedules, residuals=residuals,
       activations=activations, float32_share=float32_share,
       largest_gather=hlo_lib.largest_collective(hlo, "all-gather"),
+      gathered_alive=hlo_lib.gathered_alive(hlo),
+      saved_activations=hlo_lib.saved_for_backward(hlo),
       compiled_for=target.description, compile_note=target.note,
       overlaps=[{"collective": o.collective, "bytes": o.bytes, "count": o.count,
                  "window": {"dots": [list(d) for d in o.window.dots],

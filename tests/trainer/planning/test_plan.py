@@ -87,12 +87,16 @@ def test_fsdp_plan_reports_activations_a_device_and_one_weight_gathered():
                    for sets in ([], ["mesh.data=8"], ["mesh.fsdp=8"]))
   assert dp.activations == fsdp.activations
   assert one.activations == pytest.approx(8 * dp.activations, rel=0.01)
-  assert dp.largest_gather == 0
+  assert dp.largest_gather == 0 and dp.gathered_alive == 0
   assert fsdp.largest_gather == 128 * 512 * 2
+  # alive at once: more than one weight (the CPU's program, its layers unrolled,
+  # keeps each gathered weight from the forward to the backward)
+  assert fsdp.largest_gather < fsdp.gathered_alive
   # The tiny LM's matrix products follow its float16 policy: none left in float32.
   assert one.float32_share == 0.0 and "in float32" in one.text()
   text = fsdp.text()
   assert "activations" in text and "gathered" in text and "gathered" not in dp.text()
+  assert "alive at once" in text
 
 
 def test_a_pipelined_plan_shows_every_schedule_side_by_side():
