@@ -236,8 +236,9 @@ def _config(name: str) -> Any:
 
 def compile_step(cfg: Any, devices: Optional[list[Any]]) -> tuple[Any, Any]:
   """``cfg``'s train step compiled for ``devices`` (``None``: JAX's own), from
-  shapes, as `mpscale.trainer.planning.compiled.plan` compiles it; with the
-  parameters' shapes."""
+  shapes, as `mpscale.trainer.planning.compiled.plan` builds it; with the
+  parameters' shapes. Without the plan's second try (Triton GEMMs off, where XLA
+  finds no tiling without autotuning): any compile error fails the test."""
   setup = builders.build(cfg, devices)
   params = jax.eval_shape(setup.init_params)
   state = setup.init(params)
