@@ -225,7 +225,11 @@ def _moved(module: Module, name: str, ins: Instruction) -> int:
   widened sum at the program's 16-bit width (`_promoted`)."""
   operand_bytes = _shape_bytes(ins.rest.split("),", 1)[0]) or sum(
       _shape_bytes(module.types[name].get(o, "")) for o in _operands(ins))
-  moved = max(_shape_bytes(ins.result), operand_bytes)
+  result_bytes = _shape_bytes(ins.result)
+  if ins.op.endswith("-start") and ins.result.startswith("("):
+    # an asynchronous start's result holds its operands beside its results
+    result_bytes = max(result_bytes - operand_bytes, 0)
+  moved = max(result_bytes, operand_bytes)
   return moved // 2 if _promoted(ins) else moved
 
 

@@ -553,3 +553,25 @@ def test_saved_for_backward_reads_the_forward_loops_stacks():
   f = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))))
   assert hlo.saved_for_backward(
       f.lower(jnp.ones((128, 128)), jnp.ones((32, 128))).compile().as_text()) is None
+
+
+def test_an_asynchronous_start_counts_its_transfer_once():
+  """A GPU program's ``*-start`` result holds its operands beside its results: a
+  permute of 16 KiB moves 16 KiB (not 32), a gather of 6 KiB shards into 24 KiB
+  moves 24 KiB (not 30)."""
+  text = """HloModule m
+ENTRY %main (a: bf16[8192], b: bf16[3072]) -> (bf16[8192], bf16[12288]) {
+  %a = bf16[8192]{0} parameter(0)
+  %b = bf16[3072]{0} parameter(1)
+  %p = (bf16[8192]{0}, bf16[8192]{0}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%a), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %pd = bf16[8192]{0} collective-permute-done(%p)
+  %g = ((bf16[3072]{0}), (bf16[12288]{0})) all-gather-start(%b), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+  %gd = (bf16[12288]{0}) all-gather-done(%g)
+  %gg = bf16[12288]{0} get-tuple-element(%gd), index=0
+  ROOT %t = (bf16[8192]{0}, bf16[12288]{0}) tuple(%pd, %gg)
+}
+"""
+  c = hlo.collectives(text)
+  permute = c["collective-permute"]  # and its two u32 context words
+  assert permute["count"] == 1 and 16384 <= permute["bytes"] <= 16384 + 8
+  assert c["all-gather"] == {"count": 1, "bytes": 24576}
