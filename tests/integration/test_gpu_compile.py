@@ -296,6 +296,19 @@ def test_under_fsdp_and_data_no_device_holds_the_whole_batch_or_model(name):
         f"{name}: an all-gather of {gathered} bytes, over one layer's {bound}")
 
 
+
+@gpu_compile
+@needs_cuda
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_gpus_program_attends_with_cudnns_fused_attention(name):
+  """Every layout (pipelines' partly manual shard_map included) runs the LM's
+  attention as cuDNN's fused kernels, forward and backward (``model.attention:
+  auto`` on H100s)."""
+  program = _programs(name)[name]
+  assert '"__cudnn$fmhaSoftmax"' in program.text, name
+  assert '"__cudnn$fmhaSoftmaxBackward"' in program.text, name
+
+
 # ------------------------------------------------------------------ the checks fail
 def _cpu_mesh() -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("d",))
