@@ -372,7 +372,8 @@ def _search(args: argparse.Namespace, hardware: Any) -> None:
                                  axes=tuple(a.strip() for a in args.axes.split(",")),
                                  budget=args.budget,
                                  top=args.compile_top or None,
-                                 cache_dir=cache, progress=progress)
+                                 cache_dir=cache, compiler=args.compiler,
+                                 progress=progress)
     except (ValueError, TypeError) as e:
       raise config_lib.as_config_error(e).located(args.config) from None
   print(json.dumps(result.to_dict(), indent=2) if args.json

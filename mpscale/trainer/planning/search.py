@@ -69,6 +69,7 @@ from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import analytic
 from mpscale.trainer.planning import compiled as planning
 from mpscale.trainer.planning import step_time as step_time_lib
+from mpscale.trainer.planning import targets
 from mpscale.trainer.planning.hardware import Hardware, load_hardware
 
 CACHE_VERSION = 1
@@ -215,8 +216,9 @@ def _source_digest() -> str:
   return digest.hexdigest()
 
 
-def _cache_key(cfg: config_lib.RunConfig, devices: int) -> str:
+def _cache_key(cfg: config_lib.RunConfig, devices: int, target: str = "") -> str:
   blob = json.dumps({"config": dataclasses.asdict(cfg), "devices": devices,
+                     "target": target,
                      "jax": jax.__version__, "jaxlib": jax.lib.__version__
                      if hasattr(jax.lib, "__version__") else "",
                      "source": _source_digest(), "cache": CACHE_VERSION},
@@ -225,16 +227,16 @@ def _cache_key(cfg: config_lib.RunConfig, devices: int) -> str:
 
 
 def _cache_path(cfg: config_lib.RunConfig, devices: int,
-                cache_dir: Optional[str]) -> Optional[str]:
+                cache_dir: Optional[str], target: str = "") -> Optional[str]:
   return (None if not cache_dir else
-          os.path.join(cache_dir, _cache_key(cfg, devices) + ".json"))
+          os.path.join(cache_dir, _cache_key(cfg, devices, target) + ".json"))
 
 
 def cached(cfg: config_lib.RunConfig, devices: int, memory: int,
-           cache_dir: Optional[str]) -> Optional[planning.Plan]:
+           cache_dir: Optional[str], target: str = "") -> Optional[planning.Plan]:
   """``cfg``'s `Plan` from the cache (its device memory ``memory``, no estimate),
-  or ``None``."""
-  path = _cache_path(cfg, devices, cache_dir)
+  compiled for ``target`` (a `targets.Target`'s description), or ``None``."""
+  path = _cache_path(cfg, devices, cache_dir, target)
   if path is None or not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
@@ -244,10 +246,15 @@ def cached(cfg: config_lib.RunConfig, devices: int, memory: int,
 
 
 def compile_plan(cfg: config_lib.RunConfig, devices: int, memory: int,
-                 cache_dir: Optional[str]) -> planning.Plan:
-  """``cfg``'s `Plan`, compiled, and cached when ``cache_dir`` is given."""
-  planned = planning.plan(cfg, device_memory=memory)
-  path = _cache_path(cfg, devices, cache_dir)
+                 cache_dir: Optional[str], hardware: Optional[Hardware] = None,
+                 compiler: str = "cpu") -> planning.Plan:
+  """``cfg``'s `Plan`, compiled by ``compiler`` for ``hardware``
+  (`mpscale.trainer.planning.compiled.plan`), and cached when ``cache_dir`` is
+  given (under the target it compiled for)."""
+  planned = planning.plan(cfg, device_memory=memory, hardware=hardware,
+                          compiler=compiler)
+  planned.estimate = None  # priced again by the caller, on any hardware
+  path = _cache_path(cfg, devices, cache_dir, planned.compiled_for)
   if path:
     os.makedirs(cache_dir, exist_ok=True)
     tmp = path + f".{os.getpid()}.tmp"
@@ -327,6 +334,10 @@ class Result:
   top: int = 0
   """The layouts the search was asked to rank compiled (``top``)."""
   rules: tuple[str, ...] = RULES
+  compiled_for: str = ""
+  """The devices and compiler the layouts were compiled for (`targets.Target`)."""
+  compile_note: str = ""
+  """Why the CPU's compiler stood in for the hardware's, and how to install it."""
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -339,6 +350,8 @@ class Result:
              f"{self.over_memory_bound} over the memory by their state alone, "
              f"{self.over_memory_compiled} by their compiled peak, {self.refused} "
              f"refused); {self.not_planned} not compiled; {self.seconds:.0f} s",
+             *([f"compiled for {self.compiled_for}"] if self.compiled_for else []),
+             *([f"note: {self.compile_note}"] if self.compile_note else []),
              f"{'#':>3} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9}  "
              "dominant / --set line (its rank from shapes)"]
     for i, r in enumerate(self.ranked[:top], 1):
@@ -376,7 +389,8 @@ def _row(layout: dict[str, Any], planned: planning.Plan, hit: bool,
 
 def _plan_ladder(config_path: str, overrides: tuple[str, ...], devices: int,
                  memory: int, cache_dir: Optional[str], candidate: Candidate,
-                 tally: _Tally, out_of_time: Callable[[], bool]
+                 tally: _Tally, out_of_time: Callable[[], bool],
+                 hardware: Hardware, target: targets.Target, compiler: str
                  ) -> Optional[tuple[dict[str, Any], planning.Plan, bool]]:
   """The first variant of ``candidate``'s ladder, from its analytic start, whose
   compiled peak fits: ``(layout, plan, from the cache)``, or ``None``."""
@@ -385,7 +399,7 @@ def _plan_ladder(config_path: str, overrides: tuple[str, ...], devices: int,
       return None
     try:
       cfg = config_lib.load_config(config_path, list(overrides) + _overrides(layout))
-      planned = cached(cfg, devices, memory, cache_dir)
+      planned = cached(cfg, devices, memory, cache_dir, target.description)
       hit = planned is not None
       if not hit:
         state = static_bytes(cfg)
@@ -393,7 +407,7 @@ def _plan_ladder(config_path: str, overrides: tuple[str, ...], devices: int,
         if state > memory:
           tally.over_bound += 1
           continue
-        planned = compile_plan(cfg, devices, memory, cache_dir)
+        planned = compile_plan(cfg, devices, memory, cache_dir, hardware, compiler)
     except (ValueError, TypeError):
       tally.refused += 1
       return None
@@ -409,7 +423,7 @@ def _plan_ladder(config_path: str, overrides: tuple[str, ...], devices: int,
 def search(config_path: str, devices: int, hardware: Any, *,
            overrides: tuple[str, ...] = (), axes: tuple[str, ...] = AXES,
            top: Optional[int] = TOP, budget: float = 600.0,
-           cache_dir: Optional[str] = None,
+           cache_dir: Optional[str] = None, compiler: str = "auto",
            progress: Optional[Callable[[int, int, str], None]] = None) -> Result:
   """Rank the layouts of a config on ``devices`` devices of ``hardware``: all of
   them from shapes, the leading ``top`` compiled (module docstring).
@@ -427,6 +441,10 @@ def search(config_path: str, devices: int, hardware: Any, *,
       exhaustive search).
     budget: seconds of compiling before the rest is left uncompiled.
     cache_dir: where compiled plans are cached (``None``: no cache).
+    compiler: whose program the leading layouts are compiled to
+      (`mpscale.trainer.planning.compiled.plan`'s ``compiler``): ``auto``, the
+      hardware's own compiler when installed (XLA's CUDA compiler for a GPU
+      profile), else the CPU's; ``target``; ``cpu``.
     progress: ``progress(done, total, what)``, called as each layout is done.
 
   Returns:
@@ -453,6 +471,10 @@ def search(config_path: str, devices: int, hardware: Any, *,
     validation.one_of("--axes", axis, AXES)
   base = config_lib.load_config(config_path, list(overrides))
   memory = int(hardware.hbm_bytes)
+  try:
+    target = targets.choose(hardware, devices, compiler)
+  except ValueError as e:
+    raise validation.fail("--hardware", f": {e}") from None
   ladders = layouts(base, devices, hardware.devices_per_node, axes)
   if not ladders:
     raise validation.fail("--devices", f": no layout of {base.name} on {devices} "
@@ -469,7 +491,7 @@ def search(config_path: str, devices: int, hardware: Any, *,
       break
     done += 1
     found = _plan_ladder(config_path, overrides, devices, memory, cache_dir,
-                         candidate, tally, out_of_time)
+                         candidate, tally, out_of_time, hardware, target, compiler)
     if found:
       ranked.append(_row(*found, hardware=hardware, candidate=candidate, rank=rank))
     if progress:
@@ -482,6 +504,7 @@ def search(config_path: str, devices: int, hardware: Any, *,
                           "more devices or a device with more memory")
   ranked.sort(key=lambda r: r["seconds"])
   return Result(config=base.name, devices=devices, hardware=hardware.name,
+                compiled_for=target.description, compile_note=target.note,
                 ranked=ranked, candidates=len(ladders),
                 over_memory_analytic=len(over), over_memory_bound=tally.over_bound,
                 over_memory_compiled=tally.over_compiled, refused=tally.refused,

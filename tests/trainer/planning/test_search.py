@@ -12,6 +12,7 @@ import pytest
 
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import search as search_lib
+from mpscale.trainer.planning import targets
 from mpscale.trainer.planning.hardware import load_hardware
 
 CONFIG = "configs/tiny_lm_dp_pp.yaml"  # 4 layers, per-token loss: pipelines allowed
@@ -64,6 +65,32 @@ def test_every_layout_is_enumerated_within_the_stated_rules():
   assert {"gpipe", "1f1b", "zb_h1"} <= schedules
   assert any(l[0].get("mesh.sequence_parallel") for l in ladders)
   assert any(l[0].get("mesh.virtual_stages") == 2 for l in ladders)
+
+
+def test_the_search_says_which_compiler_its_plans_read(searched):
+  """Here JAX's CUDA plugin is absent (the GPU tier's folder is not on the path of
+  the main suite): the search compiles on the CPU, and says so with the install
+  line; with the plugin it compiles for the A100s."""
+  first = searched[0]
+  if targets.cuda_installed():
+    assert "NVIDIA A100" in first.compiled_for and not first.compile_note
+  else:
+    assert "CPU" in first.compiled_for and "mpscale[plan-gpu]" in first.compile_note
+    assert "note: " in first.text()
+
+
+@pytest.mark.skipif(not targets.cuda_installed(), reason="JAX's CUDA plugin is not "
+                    'installed (pip install "mpscale[plan-gpu]")')
+def test_a_search_on_the_gpus_compiler_caches_apart_from_the_cpus(tmp_path):
+  """The same layouts compiled for H100s and for the CPU are two plans in the cache:
+  the GPU's are not read back as the CPU's."""
+  h100 = load_hardware("h100-80g")
+  gpu = search_lib.search(CONFIG, 2, h100, axes=AXES, top=1, compiler="target",
+                          cache_dir=str(tmp_path))
+  cpu = search_lib.search(CONFIG, 2, h100, axes=AXES, top=1, compiler="cpu",
+                          cache_dir=str(tmp_path))
+  assert "NVIDIA H100" in gpu.compiled_for and "CPU" in cpu.compiled_for
+  assert cpu.cache_hits == 0 and gpu.ranked[0]["seconds"] != cpu.ranked[0]["seconds"]
 
 
 @pytest.mark.slow  # three searches, ~40 s together
