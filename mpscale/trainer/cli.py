@@ -240,9 +240,9 @@ def _plan_command(sub: Any) -> None:
       "--search: the mesh axes to search, comma-separated (the others stay 1)"))
   plan_cmd.add_argument("--top", type=int, default=10, metavar="K",
                         help="--search: print the K fastest layouts (default 10)")
-  plan_cmd.add_argument("--compile-top", type=int, default=8, metavar="K", help=(
+  plan_cmd.add_argument("--compile-top", type=int, default=4, metavar="K", help=(
       "--search: rank every layout from shapes, then compile the leading ones "
-      "until K fit (default 8); 0: compile every layout"))
+      "until K fit (default 4); 0: compile every layout"))
   plan_cmd.add_argument("--cache", metavar="DIR", help=(
       "--search: cache compiled plans here (default ~/.cache/mpscale/plans); "
       "'none' for no cache"))

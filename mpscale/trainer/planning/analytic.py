@@ -15,7 +15,8 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
   are not matrix products (layer norms, GELU, softmax over the ``h T`` scores, the
   loss over ``V / t`` logits), a constant number each per token, and the optimizer's
   update over the device's parameters (`ELEMENTWISE_PASSES`, `UPDATE_BYTES`); under
-  recomputation a layer's passes shrink (`REMAT_BYTES`).
+  recomputation a layer's passes shrink (`REMAT_BYTES`); ZB-H1's split backward
+  moves more, and runs more tensor-parallel collectives (`ZB_H1_COST`, measured).
 - **collectives** (`collectives`), each a `Collective` (kind, mesh axes, bytes a
   device, how many)::
 
@@ -94,6 +95,16 @@ REMAT_BYTES = 0.65
 """The share of a layer's elementwise bytes left under recomputation: the compiled
 step without it writes every residual out and reads it back in the backward; with
 it they stay inside the recomputed layer's fused kernels (GPT-2 124M: 0.63-0.65)."""
+
+ZB_H1_COST = {"bytes": 2.2, "tensor": 1.5}
+"""What mpscale's ZB-H1 step moves beyond 1F1B's, measured on the GPU's compile: its
+split backward (an input-gradient pass, then a weight-gradient pass) reads and
+writes 2.2x 1F1B's memory-bound layer bytes and runs 1.4-1.6x its tensor-parallel
+gathers and reduce-scatters (GPT-3 6.7B on 512 H100s, data 16 x stage 4 x tensor 8
+with sequence parallelism, 8 micro-batches, recomputation: 454 GiB against 210 GiB of
+elementwise bytes, 27.9 and 20.3 GiB of gathers and reduce-scatters over ``tensor``
+against 17.2 and 14.4). Without it the search ranked ZB-H1 first for its smaller
+bubble and its compiled plans came out 1.5x slower than 1F1B's."""
 
 LAYER_LEAVES = 12
 """Parameter leaves of a layer (four kernels, four biases, two layer norms' scale
@@ -241,6 +252,10 @@ def state_bytes(model: Model, layout: Layout) -> float:
   return 2 * n * model.param_bytes + optimizer
 
 
+def _zb_h1(layout: Layout) -> bool:
+  return layout.stage > 1 and layout.schedule == "zb_h1"
+
+
 def bubble(layout: Layout) -> float:
   """The idle share of a pipeline's step: ``(S - 1) / (v M + S - 1)`` (GPipe,
   1F1B), ``(S - 1) / (3 M + S - 1)`` (ZB-H1, one of F, B, W a tick); 0 unpipelined."""
@@ -292,6 +307,8 @@ def elementwise_bytes(model: Model, layout: Layout) -> float:
            + ELEMENTWISE_PASSES["scores"] * model.lm.num_heads * model.lm.seq_len / t * 4)
   if layout.remat:
     layer *= REMAT_BYTES
+  if _zb_h1(layout):
+    layer *= ZB_H1_COST["bytes"]
   layers = model.lm.num_layers / layout.stage * layer / (1 - bubble(layout))
   head = ELEMENTWISE_PASSES["logits"] * model.lm.vocab_size / t * 4
   n = params_per_device(model, layout)
@@ -366,6 +383,8 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
   if layout.tensor > 1:
     big = m * ((passes + 2) * layers + 2)  # two a layer a pass (the recompute's
     # second unused), the embedding's and the head's
+    if _zb_h1(layout):
+      big *= ZB_H1_COST["tensor"]
     small = m * 4 * layers + 1  # per-token statistics (float32)
     kinds = (("all-gather", "reduce-scatter") if layout.sequence_parallel else
              ("all-reduce",))

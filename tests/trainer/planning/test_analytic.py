@@ -124,6 +124,37 @@ def test_collectives_by_hand():
                                          2 * 4 * 4 * 2, 2 * (4 + 2 - 1))]
 
 
+def test_zb_h1_costs_what_its_compiled_step_moves_beyond_1f1b():
+  """ZB-H1's layer bytes and tensor-parallel activation collectives are 1F1B's
+  times `ZB_H1_COST` (what its split backward was measured to move), its bubble
+  aside; the optimizer's update and the head are the same; 1F1B's are GPipe's."""
+  def layout(schedule):
+    return analytic.Layout(data=2, stage=2, tensor=2, microbatches=4, remat=True,
+                           schedule=schedule)
+
+  zb, f1, gp = (layout(s) for s in ("zb_h1", "1f1b", "gpipe"))
+  fixed = analytic.params_per_device(SMALL, zb) * (
+      analytic.UPDATE_BYTES + 2 * SMALL.optimizer_bytes)
+  head = SMALL.batch_size * SMALL.lm.seq_len / 2 * (
+      analytic.ELEMENTWISE_PASSES["logits"] * SMALL.lm.vocab_size / 2 * 4)
+
+  def layer_bytes(l):  # the layers' bytes, the bubble's ticks taken out
+    return ((analytic.elementwise_bytes(SMALL, l) - fixed - head)
+            * (1 - analytic.bubble(l)))
+
+  def activation_collectives(l):
+    activation = analytic.rows(SMALL, l) * SMALL.lm.seq_len * SMALL.lm.d_model * 2
+    return sum(c.count for c in analytic.collectives(SMALL, l)
+               if c.axes == ("tensor",) and c.nbytes == activation)
+
+  assert layer_bytes(zb) == pytest.approx(analytic.ZB_H1_COST["bytes"]
+                                          * layer_bytes(f1))
+  assert layer_bytes(f1) == pytest.approx(layer_bytes(gp))
+  assert activation_collectives(f1) > 0
+  assert activation_collectives(zb) == pytest.approx(
+      analytic.ZB_H1_COST["tensor"] * activation_collectives(f1))
+
+
 def test_the_estimate_prices_with_the_step_time_formulas():
   layout = analytic.Layout(data=8)  # 8 devices over 2 nodes of 4: the slow link
   n = analytic.params_per_device(SMALL, layout)
