@@ -240,9 +240,23 @@ def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, mon
   assert float(resumed[0]["loss"]) == float(rows(straight)[0]["loss"])
 
 
+@pytest.fixture
+def python_sigint():
+  """SIGINT as a terminal's Python process handles it (`signal.default_int_handler`:
+  a KeyboardInterrupt) for the test, restored after. The run defers a held Ctrl-C to
+  the handler it found; a handler that does not raise, left by an earlier test in
+  the same worker, made it train on and return 0 (CI, twice; reproduced by
+  installing a no-op handler first)."""
+  import signal
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.slow  # three short runs
 def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch,
+                                                                   python_sigint):
   """Ctrl-C (a real SIGINT) arriving while a step is dispatched, after it donated the
   old state and before the new one is bound (issue #42: one interrupt in four
   crashed with 'Array has been deleted' and saved nothing): the run exits as
