@@ -422,9 +422,7 @@ def _written(module: Module, loop: Instruction, index: int) -> bool:
   operands = _operands(instructions[-1])
   if index >= len(operands):
     return False
-  element = by_name.get(operands[index])
-  while element is not None and element.op in ("bitcast", "copy"):
-    element = by_name.get((_operands(element) or [""])[0])
+  element = _through(by_name, by_name.get(operands[index]))
   if element is None or element.op != "get-tuple-element":
     return True
   source = by_name.get((_operands(element) or [""])[0])
@@ -797,7 +795,6 @@ def _library_flops(module: Module, name: str, ins: Instruction) -> float:
         int(d) for d in re.findall(r"\d+", scores.group(1))) * first[-1]
     return flops / 2 if '"mask_type":"CAUSAL"' in ins.rest.replace(" ", "") else flops
   return 0.0
-
 
 
 def _conv_flops(module: Module, name: str, ins: Instruction) -> float:

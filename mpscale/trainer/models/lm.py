@@ -79,9 +79,9 @@ def _heads_major(init: Callable, num_heads: int) -> Callable:
 
 
 ATTENTION = ("auto", "xla", "cudnn")
-"""``model.attention``'s choices: ``xla`` (`causal_attention`, any backend), ``cudnn`` (cuDNN's fused attention: NVIDIA GPUs, 16-bit
-activations, a head size a multiple of 8 up to 128), ``auto`` (``cudnn`` where it
-runs, else ``xla``)."""
+"""``model.attention``'s choices: ``xla`` (`causal_attention`, any backend),
+``cudnn`` (cuDNN's fused attention: NVIDIA GPUs, 16-bit activations, a head size a
+multiple of 8 up to 128), ``auto`` (``cudnn`` where it runs, else ``xla``)."""
 
 _CUDNN_DTYPES = ("float16", "bfloat16")
 

@@ -25,7 +25,8 @@ the replicas and micro-batches) is never built. Then, cheapest first::
    variants fits. Nothing is built or compiled: 2,664 layouts of a 6.7B model on
    512 devices take under a second.
 2. **Compile the leading ones.** Each is planned (`mpscale.trainer.planning.compiled.plan`:
-   the real step, compiled from shapes on the CPU) and priced on the hardware
+   the real step, compiled from shapes by the hardware's own compiler when it is
+   installed, else the CPU's: ``compiler``) and priced on the hardware
    (`mpscale.trainer.planning.step_time`), after the exact state check
    (`static_bytes`); a layout whose compiled peak exceeds the memory is tried
    again with its next variant (twice the micro-batches). Compiling stops when
