@@ -40,6 +40,8 @@ from mpscale.pipeline import (Pipeline, SplitPipeline, bubble_fraction, schedule
 from mpscale.schedules import count_samples, lr_schedule, weight_decay_schedule
 from mpscale.sharding import flax_specs, fsdp_specs, logical_specs
 from mpscale.policy import Policy, default_keep_fp32, get_policy, keep_fp32_by_name
+from mpscale.rounding import (KahanSummationState, StochasticRoundingState,
+                              kahan_summation, stochastic_round, stochastic_rounding)
 from mpscale.train_step import TrainState, accumulate_gradients, make_train_step
 from mpscale.validation import ArgumentError, ArgumentTypeError
 
@@ -51,6 +53,7 @@ __all__ = [
     "CameLearningRateState",
     "ClipByGlobalNormState",
     "Gradients",
+    "KahanSummationState",
     "LeafSquares",
     "LossScaleState",
     "ParamGroup",
@@ -61,6 +64,7 @@ __all__ = [
     "SkipNonfiniteState",
     "SkipSpikesState",
     "SplitPipeline",
+    "StochasticRoundingState",
     "TrainState",
     "accumulate_gradients",
     "bubble_fraction",
@@ -74,6 +78,7 @@ __all__ = [
     "get_policy",
     "global_norm",
     "group_norms",
+    "kahan_summation",
     "keep_fp32_by_name",
     "logical_specs",
     "loss_scale_for",
@@ -90,6 +95,8 @@ __all__ = [
     "schedule_chunks",
     "schedule_table",
     "stage_groups",
+    "stochastic_round",
+    "stochastic_rounding",
     "step_metrics",
     "weight_decay_schedule",
     "with_loss_scale",

@@ -15,12 +15,13 @@ Presets, after MindSpore's ``amp_level`` (`get_policy`); the last column is
 ``needs_loss_scaling``; ``mpscale.loss_scale_for(policy, optax.adamw(1e-3))`` wraps an
 optimizer in `mpscale.dynamic_loss_scale` when it is true, else in `no_loss_scale`::
 
-          params   compute   output   keep_fp32           needs_loss_scaling
-  "O0"    float32  float32   float32  -                   False
-  "O1"    float32  float16   float32  default_keep_fp32   True
-  "O2"    float32  float16   float32  default_keep_fp32   True
-  "O3"    float16  float16   float16  -                   True
-  "bf16"  float32  bfloat16  float32  -                   False
+               params    compute   output   keep_fp32           needs_loss_scaling
+  "O0"         float32   float32   float32  -                   False
+  "O1"         float32   float16   float32  default_keep_fp32   True
+  "O2"         float32   float16   float32  default_keep_fp32   True
+  "O3"         float16   float16   float16  -                   True
+  "bf16"       float32   bfloat16  float32  -                   False
+  "bf16-pure"  bfloat16  bfloat16  float32  -                   False
 
 MindSpore's O1 and O2 differ in which *ops* run in float16 (a white list of MatMul/Conv
 versus the whole network but BatchNorm); a JAX policy casts parameters, not ops, so both
@@ -29,6 +30,13 @@ parameters together, so one float32 leaf promotes its module to float32: give mo
 ``dtype=policy.compute_dtype`` (they then cast their own float32-kept leaves) or use
 ``keep_fp32=None``. MindSpore's O3 runs without loss scaling; float16 gradients need it,
 so ``needs_loss_scaling`` is true for O3 and the train step warns without it.
+
+``"bf16-pure"`` keeps the parameters themselves in bfloat16, with no float32 master
+copy (an optimizer's state is made in its parameters' dtype; optax's ``adamw`` keeps
+its first moment there with ``mu_dtype=jnp.bfloat16``), so round-to-nearest loses every
+update smaller than half a parameter's spacing: end the optimizer chain with
+`mpscale.stochastic_rounding` or `mpscale.kahan_summation` (`mpscale.rounding`). The
+loss is still taken in float32.
 
 References:
   jmp (google-deepmind/jmp), ``jmp.Policy`` and ``jmp.get_policy``.
@@ -222,6 +230,7 @@ def _presets() -> dict[str, Policy]:
       "o2": mixed_fp16,
       "o3": Policy(f16, f16, f16),
       "bf16": Policy(f32, bf16, f32),
+      "bf16-pure": Policy(bf16, bf16, f32),
   }
 
 
@@ -230,11 +239,12 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
 
   Args:
     spec: a `Policy` (returned as is); a preset, case-insensitive: ``"O0"``, ``"O1"``,
-      ``"O2"``, ``"O3"``, ``"bf16"`` (see the module docstring); one dtype name for all
-      three roles (``"float32"``, ``"bfloat16"``); or comma-separated ``role=dtype``
-      pairs with roles ``params``/``p``, ``compute``/``c``, ``output``/``o`` and dtypes
-      ``float32``/``f32``/``fp32``, ``float16``/``f16``/``fp16``/``half``,
-      ``bfloat16``/``bf16``. A role left out is float32.
+      ``"O2"``, ``"O3"``, ``"bf16"``, ``"bf16-pure"`` (see the module docstring); one
+      dtype name for all three roles (``"float32"``, ``"bfloat16"``); or
+      comma-separated ``role=dtype`` pairs with roles ``params``/``p``,
+      ``compute``/``c``, ``output``/``o`` and dtypes ``float32``/``f32``/``fp32``,
+      ``float16``/``f16``/``fp16``/``half``, ``bfloat16``/``bf16``. A role left out
+      is float32.
 
   Returns:
     The `Policy`.

@@ -23,8 +23,9 @@ MODULES = sorted(info.name for info in pkgutil.walk_packages(mpscale.__path__, "
 runs the command line only as ``__main__``), so none is skipped."""
 
 WITH_EXAMPLES = ("mpscale.came", "mpscale.hlo", "mpscale.loss_scale", "mpscale.norms",
-                 "mpscale.policy", "mpscale.schedules", "mpscale.spikes",
-                 "mpscale.train_step", "mpscale.trainer.config.load", "mpscale.trainer.models.lm")
+                 "mpscale.policy", "mpscale.rounding", "mpscale.schedules",
+                 "mpscale.spikes", "mpscale.train_step", "mpscale.trainer.config.load",
+                 "mpscale.trainer.models.lm")
 """Modules whose docstrings have examples today: deleting them all fails a test."""
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE

@@ -59,6 +59,8 @@ def _check_guide(namespace, code):
   assert str(bool(metrics["overflow"])) == stated[1]
   assert int(metrics["spikes"]) == int(stated[2])
   assert "no_decay" in metrics["group_learning_rates"]
+  stated = re.search(r"print\(landed\)\n# (\{.*\})", code).group(1)
+  assert namespace["landed"] == ast.literal_eval(stated)  # 16-bit parameters
 
 
 def _check_trainer(namespace, code):

@@ -49,6 +49,9 @@ CATALOGUE = [
     (mpscale.make_train_step, dict(loss_fn=lambda p, b: 0.0, optimizer="sgd"), TypeError, "optimizer"),
     (mpscale.make_train_step, dict(loss_fn=lambda p, b: 0.0, optimizer=sgd, num_microbatches=0), ValueError, "num_microbatches"),
     (mpscale.make_train_step, dict(loss_fn=lambda p, b: 0.0, optimizer=sgd, shard_optimizer_state=True), ValueError, "shard_optimizer_state"),
+    (mpscale.stochastic_rounding, dict(seed="0"), TypeError, "seed"),
+    (mpscale.stochastic_rounding, dict(seed=-1), ValueError, "seed"),
+    (mpscale.stochastic_round, dict(x=1.0, dtype="float32", key=None), ValueError, "dtype"),
     (mpscale.Pipeline, dict(embed_fn=embed, stage_fn=stage, head_fn=head, num_microbatches=0), ValueError, "num_microbatches"),
     (mpscale.Pipeline, dict(embed_fn=embed, stage_fn=stage, head_fn=head, num_microbatches=2, schedule="interleaved"), ValueError, "schedule"),
     (mpscale.Pipeline, dict(embed_fn=embed, stage_fn=stage, head_fn=head, num_microbatches=2, remat="yes"), TypeError, "remat"),
@@ -106,6 +109,7 @@ def test_every_config_section_rejects_an_unknown_key(section):
     ("train.steps=-5", "train.steps"), ("model.num_layers=3", "mesh"),
     ("loss_scale.backoff_factor=2.0", "loss_scale.backoff_factor"),
     ("optimizer.name=sgd", "optimizer.name"), ("precision.policy=O7", "precision.policy"),
+    ("precision.update_rounding=floor", "precision.update_rounding"),
 ])
 def test_impossible_config_values_name_their_key(override, key):
   overrides = [override]

@@ -38,6 +38,7 @@ def test_get_policy_parses_role_dtype_strings(spec, expected):
     ("o2", (F32, F16, F32), True, True),
     ("O3", (F16, F16, F16), True, False),
     ("bf16", (F32, BF16, F32), False, False),
+    ("bf16-pure", (BF16, BF16, F32), False, False),
 ])
 def test_presets(name, expected, needs_scaling, keeps):
   p = mpscale.get_policy(name)

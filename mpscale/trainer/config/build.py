@@ -7,7 +7,9 @@ loads a config::
 
   policy    = get_policy(precision.policy)
   optimizer = <loss_scale.kind>_loss_scale(chain(clip_by_global_norm(clip.max_norm),
-                                                 <optimizer.name>(lr_schedule, wd)))
+                                                 <optimizer.name>(lr_schedule, wd),
+                                                 <precision.update_rounding>))
+              # the rounding only for stochastic (stochastic_rounding) or kahan
               # skip.spikes: skip_spikes(chain(...)) inside the loss scaling
   mesh      = Mesh(devices, ("data", "fsdp", "stage", "tensor"))   # axes > 1, and data
   model     = TinyLM.from_sizes(model, remat=train.remat)
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -48,6 +51,7 @@ from mpscale import norms as norms_lib
 from mpscale import parameter_groups as param_groups_lib
 from mpscale import pipeline as pipeline_lib
 from mpscale import policy as policy_lib
+from mpscale import rounding as rounding_lib
 from mpscale import schedules as schedules_lib
 from mpscale import sharding as sharding_lib
 from mpscale import spikes as spikes_lib
@@ -74,6 +78,26 @@ def build_grad_reduce_dtype(cfg: schema.RunConfig) -> Any:
   return errors.keyed("precision.grad_reduce_dtype",
                       lambda: gradients_lib.check_grad_reduce_dtype(
                     cfg.precision.grad_reduce_dtype))
+
+
+def build_update_rounding(cfg: schema.RunConfig
+                          ) -> Optional[optax.GradientTransformation]:
+  """The transform ``precision.update_rounding`` names, for the end of the optimizer
+  chain: `mpscale.stochastic_rounding` keyed by `rounding_key` (``stochastic``),
+  `mpscale.kahan_summation` (``kahan``), or ``None`` (``nearest``: plain
+  ``optax.apply_updates``).
+
+  Raises:
+    ArgumentError: naming ``precision.update_rounding`` for another value.
+  """
+  kind = validation.one_of("precision.update_rounding",
+                           cfg.precision.update_rounding,
+                           typing.get_args(schema.UpdateRounding))
+  if kind == "stochastic":
+    return rounding_lib.stochastic_rounding(rounding_key(cfg))
+  if kind == "kahan":
+    return rounding_lib.kahan_summation()
+  return None
 
 
 def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
@@ -297,7 +321,10 @@ def optimizer_factory(cfg: schema.RunConfig) -> Callable[..., Any]:
   it gets ``lr * wd``. AdamW and Adafactor are wrapped in ``optax.inject_hyperparams``
   so the metrics report their learning rate (CAME records its own), with float32
   hyperparameters whatever the parameters' dtype (inferred from float16 parameters,
-  AdamW's ``eps`` of 1e-8 would round to 0 and divide 0 by 0).
+  AdamW's ``eps`` of 1e-8 would round to 0 and divide 0 by 0). AdamW's first moment
+  is kept in the parameters' dtype (``precision.policy``'s), as its second is: left
+  to optax it would turn float32 at the first float32 gradient, so 16-bit
+  parameters' state changed dtype after one step and the step compiled twice.
   """
   opt = cfg.optimizer
   if opt.name == "came":
@@ -313,12 +340,13 @@ def optimizer_factory(cfg: schema.RunConfig) -> Callable[..., Any]:
     return make
   if opt.name == "adamw":
     adamw = opt.adamw
+    mu_dtype = build_policy(cfg).param_dtype
 
     def make(learning_rate, weight_decay, mask):
       return optax.inject_hyperparams(
-          optax.adamw, static_args=("mask",), hyperparam_dtype=jnp.float32)(
+          optax.adamw, static_args=("mask", "mu_dtype"), hyperparam_dtype=jnp.float32)(
               learning_rate=learning_rate, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
-              weight_decay=weight_decay, mask=mask)
+              weight_decay=weight_decay, mask=mask, mu_dtype=mu_dtype)
     return make
   if opt.name == "adafactor":
     adafactor = opt.adafactor
@@ -447,11 +475,15 @@ def with_initial_scale(cfg: schema.RunConfig, per_token: bool,
 
 
 def build_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation:
-  """Loss scaling around ``chain(clip_by_global_norm, optimizer)``, with
-  ``skip_spikes`` between the two when ``skip.spikes`` is set (it judges the
-  unscaled, unclipped gradients and the loss)."""
+  """Loss scaling around ``chain(clip_by_global_norm, optimizer, update rounding)``
+  (the rounding `build_update_rounding`, where there is one), with ``skip_spikes``
+  between the two when ``skip.spikes`` is set (it judges the unscaled, unclipped
+  gradients and the loss). A skipped step keeps the rounding's state too."""
   groups = build_groups(cfg)
   inner = build_inner_optimizer(cfg)
+  rounding = build_update_rounding(cfg)
+  if rounding is not None:
+    inner = optax.chain(inner, rounding)
   if cfg.clip.max_norm:  # null or 0: no clipping
     inner = optax.chain(errors.keyed("clip", lambda: norms_lib.clip_by_global_norm(
         cfg.clip.max_norm, groups=groups), errors.fields("clip", cfg.clip)), inner)
@@ -771,6 +803,12 @@ def run_key(cfg: schema.RunConfig) -> jax.Array:
   """The run's key for random draws in training (dropout): ``fold_in(key(seed), 1)``,
   apart from the parameters' ``key(seed)``."""
   return jax.random.fold_in(jax.random.key(cfg.seed), 1)
+
+
+def rounding_key(cfg: schema.RunConfig) -> jax.Array:
+  """The key of ``precision.update_rounding: stochastic``'s draws:
+  ``fold_in(key(seed), 2)``, apart from the parameters' and the run's (`run_key`)."""
+  return jax.random.fold_in(jax.random.key(cfg.seed), 2)
 
 
 def init_params(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:

@@ -167,15 +167,26 @@ class DataConfig:
   on the tokens, e.g. ``{vocab_size: 1024}``; ``null``: bytes."""
 
 
+UpdateRounding = Literal["nearest", "stochastic", "kahan"]
+"""The values of ``precision.update_rounding``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
   """The precision policy (`mpscale.get_policy`)."""
   policy: str = "O0"
-  """A preset (``O0``..``O3``, ``bf16``), a dtype, or ``params=..,compute=..,output=..``."""
+  """A preset (``O0``..``O3``, ``bf16``, ``bf16-pure``), a dtype, or
+  ``params=..,compute=..,output=..``."""
   grad_reduce_dtype: Optional[str] = None
   """``float32``: under a 16-bit compute dtype, sum the gradients across data replicas
   and micro-batches in float32 (Megatron-LM's default; twice the bytes of a 16-bit
   all-reduce); ``null``: where XLA places the sums (`mpscale.make_train_step`)."""
+  update_rounding: UpdateRounding = "nearest"
+  """How updates land on 16-bit parameters (``bf16-pure``, ``O3``): ``nearest``
+  (``optax.apply_updates``' own rounding), ``stochastic``
+  (`mpscale.stochastic_rounding`, keyed by ``seed``) or ``kahan``
+  (`mpscale.kahan_summation`: 2 more bytes a 16-bit parameter), last in the optimizer
+  chain. float32 parameters are not affected."""
 
 
 @dataclasses.dataclass(frozen=True)

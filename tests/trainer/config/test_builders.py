@@ -1,10 +1,12 @@
 """The trainer's builders (mpscale.trainer.config.build): config to optimizer and step."""
 
+import dataclasses
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import mpscale
@@ -80,6 +82,62 @@ def test_keyed_renames_names_and_leaves_the_text_alone():
   with pytest.raises(mpscale.ArgumentTypeError) as err:
     errors.keyed("section", lambda: (_ for _ in ()).throw(TypeError("oops")), {})
   assert err.value.names == ("section",) and str(err.value) == "section: oops"
+
+
+@pytest.mark.parametrize("rounding, kind", [
+    ("nearest", None), ("stochastic", mpscale.StochasticRoundingState),
+    ("kahan", mpscale.KahanSummationState)])
+def test_update_rounding_ends_the_optimizer_chain_inside_the_skip(rounding, kind):
+  cfg = config_lib.config_from_dict({**SMALL, "precision": {
+      "policy": "bf16-pure", "update_rounding": rounding}})
+  state = builders.build_optimizer(cfg).init({"w": jnp.ones((4, 4), jnp.bfloat16)})
+  chain = state.skip_state.inner_state  # no_loss_scale(chain(clip, chain(opt, ..)))
+  found = [s for s in (mpscale.StochasticRoundingState, mpscale.KahanSummationState)
+           if mpscale.opt_state.find(state, s)]
+  assert found == ([] if kind is None else [kind])
+  if kind is not None:
+    assert isinstance(chain[-1][-1], kind)
+
+
+def test_a_bad_update_rounding_is_refused_by_key():
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.config_from_dict({**SMALL, "precision": {"update_rounding": "floor"}})
+  assert err.value.keys[0] == "precision.update_rounding"
+  assert "'stochastic'" in str(err.value)
+  cfg = config_lib.config_from_dict(SMALL)  # built in Python, past the loader
+  cfg = dataclasses.replace(cfg, precision=dataclasses.replace(
+      cfg.precision, update_rounding="floor"))
+  with pytest.raises(mpscale.ArgumentError) as err:
+    builders.check(cfg)
+  assert err.value.names == ("precision.update_rounding",)
+  assert str(err.value).startswith("precision.update_rounding must be one of")
+
+
+def test_bf16_pure_with_stochastic_rounding_trains_with_its_state_in_bfloat16():
+  """``bf16-pure``: bfloat16 parameters and AdamW state (its first moment too: left to
+  optax it turned float32 at the first step), updates landing by stochastic rounding."""
+  cfg = config_lib.config_from_dict({
+      **SMALL, "precision": {"policy": "bf16-pure", "update_rounding": "stochastic"},
+      "optimizer": {"name": "adamw", "learning_rate": 1e-2}})
+  setup = builders.build(cfg)
+  state = setup.init(setup.init_params())
+  dtypes = lambda s: [x.dtype for x in jax.tree_util.tree_leaves(s)]
+  before = dtypes(state)
+  adam = mpscale.opt_state.find(state.opt_state, optax.ScaleByAdamState)[0]
+  assert {x.dtype for x in jax.tree_util.tree_leaves((adam.mu, adam.nu))} == {
+      jnp.dtype(jnp.bfloat16)}
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 8, (4, 17)).astype(np.int32))
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "mask": jnp.ones((4, 16), jnp.float32)}
+  losses = []
+  for _ in range(4):
+    state, metrics = setup.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  assert dtypes(state) == before
+  rounding = mpscale.opt_state.find(state.opt_state, mpscale.StochasticRoundingState)
+  assert int(rounding[0].count) == 4
 
 
 @pytest.mark.parametrize("max_norm, clipped", [(0.0, False), (None, False),
