@@ -9,6 +9,9 @@ its GPU's own compiler (XLA's CUDA compiler, no GPU needed: ``pip install
   python docs/published_table.py --rows 0 1      # the first two
   python docs/published_table.py --cpu-only      # without the CUDA plugin
 
+A run marked ``cpu: false`` is planned on the GPU's compiler alone: JAX's CPU backend
+does not compile for that many simulated devices.
+
 Each row is planned in its own process (``mpscale plan --devices N --hardware H
 --json``: the number of simulated devices is fixed when JAX starts). A publication's
 TFLOP/s per GPU are its FLOPs a step over its step time; the estimate divides the same
@@ -42,9 +45,14 @@ def megatron_flops(cfg: dict) -> float:
   return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
 
-def runs() -> list[dict]:
+def yaml_file() -> dict:
+  """configs/published/runs.yaml: its ``sources`` and ``runs``."""
   with open(RUNS) as f:
-    return yaml.safe_load(f)["runs"]
+    return yaml.safe_load(f)
+
+
+def runs() -> list[dict]:
+  return yaml_file()["runs"]
 
 
 def plan_row(run: dict, compiler: str = "auto") -> dict:
@@ -61,12 +69,20 @@ def plan_row(run: dict, compiler: str = "auto") -> dict:
   planned = json.loads(out.stdout)
   with open(path) as f:
     cfg = yaml.safe_load(f)
+  for item in run.get("set", []):  # the overrides the plan ran with
+    key, _, value = item.partition("=")
+    *parents, leaf = key.split(".")
+    node = cfg
+    for name in parents:
+      node = node.setdefault(name, {})
+    node[leaf] = yaml.safe_load(value)
   if run["flops"] != "megatron":
     raise ValueError(f"{run['config']}: unknown flops {run['flops']!r}")
   flops = megatron_flops(cfg)
   est = planned["estimate"]
   tflops = flops / est["seconds"] / run["devices"] / 1e12
   return {"config": run["config"], "set": run.get("set", []),
+          "source": run["source"],
           "devices": run["devices"], "in_band": run.get("in_band", True),
           "why": run.get("why", ""),
           "mesh": planned["mesh"], "fits": planned["fits"],
@@ -91,8 +107,9 @@ def row_name(r: dict) -> str:
 def table(rows: list[dict]) -> str:
   lines = ["| run | GPUs | mesh | published TFLOP/s/GPU | estimate | ratio | step (s): "
            "compute + memory + collectives - hidden | dominant | peak GiB | ratio on "
-           "the CPU's compile |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "the CPU's compile | source |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  sources = yaml_file()["sources"]
   for r in rows:
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     lines.append(
@@ -100,7 +117,8 @@ def table(rows: list[dict]) -> str:
         f"{r['estimate']:.1f} | {r['ratio']:.2f} | {r['step_seconds']:.2f}: "
         f"{r['compute']:.2f} + {r['memory']:.2f} + {r['collectives']:.2f} - "
         f"{r.get('hidden', 0.0):.2f} | "
-        f"{r['dominant']} | {r['peak_gib']:.0f} | {r.get('cpu_ratio', '-')} |")
+        f"{r['dominant']} | {r['peak_gib']:.0f} | {r.get('cpu_ratio', '-')} | "
+        f"{sources[r['source']]['short']} |")
   return "\n".join(lines)
 
 
@@ -117,10 +135,16 @@ def main() -> None:
   if args.rows:
     chosen = [chosen[i] for i in args.rows]
   rows = []
+  if args.cpu_only:
+    chosen = [run for run in chosen if run.get("cpu", True)]
   for run in chosen:
-    cpu = plan_row(run, "cpu")
-    rows.append(cpu if args.cpu_only else
-                {**plan_row(run, "target"), "cpu_ratio": cpu["ratio"]})
+    if args.cpu_only:
+      rows.append(plan_row(run, "cpu"))
+    else:
+      row = plan_row(run, "target")
+      if run.get("cpu", True):
+        row["cpu_ratio"] = plan_row(run, "cpu")["ratio"]
+      rows.append(row)
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   print(table(rows))
   if args.json:

@@ -423,7 +423,8 @@ def collective_seconds(model: Model, layout: Layout, hardware: Hardware) -> floa
     link, n = step_time_lib.link_for(c.axes, mesh, hardware)
     if c.kind == "collective-permute":
       n = 2 if n > 1 else 1
-    total += c.count * step_time_lib.collective_seconds(c.kind, c.nbytes, n, link)
+    total += c.count * step_time_lib.collective_seconds(
+        c.kind, c.nbytes, n, link, *step_time_lib.ring_hops(c.axes, mesh, hardware))
   return total
 
 

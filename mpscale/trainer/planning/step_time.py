@@ -24,6 +24,12 @@
     all-to-all          (n - 1) / n * B / b + (n - 1) a
     collective-permute  B / b + a                            one hop
 
+  A ring over ``k`` nodes crosses the network on ``k - 1`` of its ``n - 1`` steps a
+  pass; the other ``n - k`` stay inside a node. As NCCL's own cost model prices a
+  ring (``ncclTopoTuneModel``: ``(nsteps - nInterSteps) * intraLat + nInterSteps *
+  interLat``), ``(n - 1) a`` is then ``(k - 1) a + (n - k) a_node``, ``a_node`` the
+  latency of the fastest link inside a node.
+
 - **bubble**: the pipeline's idle share. The compiled program of a pipeline runs
   every tick of its schedule on every device (SPMD), bubble ticks included, so the
   compute and memory terms already hold it; the estimate reports the bubble's part
@@ -53,6 +59,8 @@ them on streams of their own). The dominant term is the largest of compute, memo
 and the collectives of each link level.
 
 References:
+  NCCL, ``src/graph/tuning.cc`` (``ncclTopoTuneModel``: a ring's latency, its steps
+  inside and between nodes), https://github.com/NVIDIA/nccl.
   Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
   Operations in MPICH", Int. J. High Perform. Comput. Appl. 19(1), 2005.
   Williams, Waterman and Patterson, "Roofline: an insightful visual performance model
@@ -146,12 +154,8 @@ def link_for(axes: tuple[str, ...], mesh: dict[str, int], hardware: Hardware
     ``(link, n)``: the `Link` and the devices in one group (the product of the
     axes' sizes; 1 for no axes).
   """
-  names = list(mesh)
-  strides = {name: math.prod(list(mesh.values())[k + 1:])
-             for k, name in enumerate(names)}
   n = math.prod(mesh[a] for a in axes)
-  last = sum((mesh[a] - 1) * strides[a] for a in axes)  # the group's largest id
-  local = last < hardware.devices_per_node
+  local = max(_group(axes, mesh)) < hardware.devices_per_node
   for link in hardware.links:
     if link.span == "node" and local:
       return link, n
@@ -160,15 +164,49 @@ def link_for(axes: tuple[str, ...], mesh: dict[str, int], hardware: Hardware
   return hardware.links[-1], n  # only node links: the slowest of them
 
 
-def collective_seconds(kind: str, nbytes: float, n: int, link: Link) -> float:
+def _group(axes: tuple[str, ...], mesh: dict[str, int]) -> list[int]:
+  """The row-major device ids of device 0's group along ``axes``."""
+  names = list(mesh)
+  strides = {name: math.prod(list(mesh.values())[k + 1:])
+             for k, name in enumerate(names)}
+  ids = [0]
+  for a in axes:
+    ids = [i + j * strides[a] for i in ids for j in range(mesh[a])]
+  return ids
+
+
+def ring_hops(axes: tuple[str, ...], mesh: dict[str, int], hardware: Hardware
+              ) -> tuple[int, Optional[Link]]:
+  """How many nodes a group along ``axes`` spans, and the link inside a node.
+
+  Returns:
+    ``(k, node_link)``: the nodes holding device 0's group, and the fastest ``node``
+    link of ``hardware`` (None where it has none, as a TPU slice). A ring over the
+    group crosses the network on ``k - 1`` steps a pass (module docstring).
+  """
+  nodes = len({i // hardware.devices_per_node for i in _group(axes, mesh)})
+  node = next((link for link in hardware.links if link.span == "node"), None)
+  return nodes, node
+
+
+def collective_seconds(kind: str, nbytes: float, n: int, link: Link,
+                       nodes: int = 0, node_link: Optional[Link] = None) -> float:
   """Seconds one collective of ``kind`` takes with ``nbytes`` per device over a
-  group of ``n`` devices on ``link`` (ring formulas, module docstring)."""
+  group of ``n`` devices on ``link`` (ring formulas, module docstring).
+
+  With ``nodes`` (the nodes the group spans, `ring_hops`) and ``node_link``, a ring
+  over several nodes pays ``link``'s latency on its ``nodes - 1`` steps between
+  nodes and ``node_link``'s on the rest (NCCL's ring model); otherwise every step
+  pays ``link``'s."""
   if n <= 1 or nbytes <= 0:
     return 0.0
   if kind == "collective-permute":
     return nbytes / link.bandwidth + link.latency
   passes = _RING_STEPS.get(kind, 1)
-  return passes * ((n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency)
+  latency = (n - 1) * link.latency
+  if node_link is not None and 1 < nodes < n:
+    latency = (nodes - 1) * link.latency + (n - nodes) * node_link.latency
+  return passes * ((n - 1) / n * nbytes / link.bandwidth + latency)
 
 
 def peak_for(hardware: Hardware, dtype: str) -> float:
@@ -205,7 +243,8 @@ def _priced(key: str, nbytes: float, mesh: dict[str, int], hardware: Hardware
   link, n = link_for(axes, mesh, hardware)
   if kind == "collective-permute":
     n = 2 if n > 1 else 1
-  return link, n, collective_seconds(kind, nbytes, n, link)
+  return link, n, collective_seconds(kind, nbytes, n, link,
+                                     *ring_hops(axes, mesh, hardware))
 
 
 def estimate(plan: Any, hardware: Hardware) -> Estimate:

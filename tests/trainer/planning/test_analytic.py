@@ -159,8 +159,11 @@ def test_the_estimate_prices_with_the_step_time_formulas():
   layout = analytic.Layout(data=8)  # 8 devices over 2 nodes of 4: the slow link
   n = analytic.params_per_device(SMALL, layout)
   est = analytic.estimate(SMALL, layout, GPU)
-  assert est.collectives == pytest.approx(2 * 7 / 8 * n * 4 / 1e10 + 2 * 7 * 1e-5)
-  assert est.collectives == step_time.collective_seconds("all-reduce", n * 4, 8, SLOW)
+  # a ring over 2 nodes: 1 of its 7 steps a pass between them (NCCL's ring model)
+  assert est.collectives == pytest.approx(
+      2 * 7 / 8 * n * 4 / 1e10 + 2 * (1e-5 + 6 * FAST.latency))
+  assert est.collectives == step_time.collective_seconds("all-reduce", n * 4, 8, SLOW,
+                                                         2, FAST)
   assert est.compute == pytest.approx(
       analytic.matmul_flops(SMALL, layout) / (1e15 * 0.5))
   assert est.memory == pytest.approx(

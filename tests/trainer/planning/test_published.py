@@ -14,20 +14,21 @@ TABLE = load_script("docs", "published_table.py")
 
 
 def _table_rows():
-  """docs/planning.md's published-run table: name -> its cells."""
+  """docs/planning.md's published-run table: (name, GPUs) -> its cells."""
   with open(os.path.join(ROOT, "docs", "planning.md")) as f:
     lines = [line for line in f if line.startswith("| megatron_")]
   rows = {}
   for line in lines:
     cells = [c.strip() for c in line.split("|")[1:-1]]
-    rows[cells[0]] = cells
+    assert (cells[0], int(cells[1])) not in rows, cells[:2]
+    rows[cells[0], int(cells[1])] = cells
   return rows
 
 
 def test_every_published_run_is_in_the_table_within_the_band_or_explained():
   rows = _table_rows()
   runs = TABLE.runs()
-  assert len(runs) >= 4
+  assert len(runs) >= 4 and len(rows) == len(runs)
   for run in runs:
     with open(os.path.join(ROOT, "configs", "published", run["config"])) as f:
       cfg = yaml.safe_load(f)
@@ -37,9 +38,14 @@ def test_every_published_run_is_in_the_table_within_the_band_or_explained():
                        if s.startswith("mesh.pipeline_schedule=")),
                       cfg["mesh"].get("pipeline_schedule", "gpipe"))
     name = run["config"][:-5] + (f" {schedule}" if schedule else "")
-    assert name in rows, name
-    cells = rows[name]
-    assert int(cells[1]) == run["devices"] and int(cells[3]) == run["tflops_per_gpu"]
+    assert (name, run["devices"]) in rows, (name, run["devices"])
+    cells = rows[name, run["devices"]]
+    assert int(cells[3]) == run["tflops_per_gpu"]
+    assert cells[10] == TABLE.yaml_file()["sources"][run["source"]]["short"]
+    if run.get("cpu", True):
+      float(cells[9])  # planned on the CPU's compiler too
+    else:
+      assert cells[9] == "-"
     ratio = float(cells[5])
     assert ratio == pytest.approx(float(cells[4]) / run["tflops_per_gpu"], abs=0.006)
     if run.get("in_band", True):
@@ -67,7 +73,7 @@ def test_one_run_planned_afresh_on_the_cpu_gives_the_tables_cpu_ratio():
   run = TABLE.runs()[0]
   assert run["config"] == "megatron_1.7b.yaml"
   row = TABLE.plan_row(run, "cpu")
-  cells = _table_rows()["megatron_1.7b"]
+  cells = _table_rows()["megatron_1.7b", 32]
   assert row["ratio"] == pytest.approx(float(cells[9]), abs=0.02)
   assert row["fits"] and row["mesh"] == {"data": 32}
 
@@ -79,7 +85,7 @@ def test_one_run_planned_afresh_on_the_gpus_compiler_gives_the_table_numbers():
   2%, its ratio within the band."""
   run = TABLE.runs()[0]
   row = TABLE.plan_row(run, "target")
-  cells = _table_rows()["megatron_1.7b"]
+  cells = _table_rows()["megatron_1.7b", 32]
   assert "A100" in row["compiled_for"]
   assert row["estimate"] == pytest.approx(float(cells[4]), rel=0.02)
   assert row["ratio"] == pytest.approx(float(cells[5]), abs=0.02)

@@ -79,6 +79,27 @@ def test_gathers_scatters_and_permutes_by_their_formulas():
   assert step_time.collective_seconds("all-reduce", 8e8, 1, link) == 0
 
 
+def test_a_ring_across_nodes_pays_the_network_latency_only_between_nodes():
+  # NCCL's ring model: 8 devices on 2 nodes of 4 cross the network on 1 of their 7
+  # steps a pass; one device a node crosses it on every step
+  mesh = {"fsdp": 8}
+  nodes, node = step_time.ring_hops(("fsdp",), mesh, GPU)
+  assert (nodes, node.name) == (2, "fast")
+  got = step_time.collective_seconds("all-gather", 8e8, 8, SLOW, nodes, node)
+  assert got == pytest.approx(7 / 8 * 8e8 / SLOW.bandwidth + SLOW.latency
+                              + 6 * FAST.latency)
+  assert step_time.collective_seconds("all-reduce", 8e8, 8, SLOW, nodes, node) == (
+      pytest.approx(2 * got))
+  spread = {"data": 2, "tensor": 4}  # data's group: one device on each node
+  assert step_time.ring_hops(("data",), spread, GPU)[0] == 2
+  assert step_time.collective_seconds("all-gather", 8e8, 2, SLOW, 2, node) == (
+      step_time.collective_seconds("all-gather", 8e8, 2, SLOW))
+  # the estimate prices an FSDP gather so
+  plan = _plan(mesh=mesh, devices=8, collectives_over={
+      "all-gather over fsdp": {"bytes": 8e8, "count": 1}})
+  assert step_time.estimate(plan, GPU).collectives == pytest.approx(got)
+
+
 def test_the_bubble_is_a_part_of_compute_and_memory_not_added():
   # GPipe, 2 stages, 4 micro-batches: bubble (S - 1) / (M + S - 1) = 1 / 5 of the
   # ticks, which the compiled program runs (its FLOPs include them)

@@ -181,3 +181,24 @@ def test_a_gpu_compile_without_triton_tiles_is_compiled_again_without_triton():
                         (targets.Target(None, "cpu", "cpu"), compiled._NO_TILES)):
     with pytest.raises(RuntimeError, match=re.escape(error)):
       compiled._compile(_Lowered(error), target)
+
+
+def test_too_many_devices_for_the_cpus_compiler_is_an_error_naming_devices():
+  # JAX's CPU backend refuses past some 2,000 simulated devices with a runtime error
+  # deep in XLA; the plan says which argument and how to plan instead
+  class Lowered:
+    def compile(self, **kw):
+      raise RuntimeError("INVALID_ARGUMENT: " + compiled._CPU_MULTIPROCESS + ".")
+
+  cpu = targets.Target(devices=None, compiler="cpu", description="cpu")
+  with pytest.raises(ValueError, match=r"--devices.*--compiler target"):
+    compiled._compile(Lowered(), cpu)
+  other = RuntimeError("something else")
+
+  class Failing:
+    def compile(self, **kw):
+      raise other
+
+  with pytest.raises(RuntimeError) as info:
+    compiled._compile(Failing(), cpu)
+  assert info.value is other
