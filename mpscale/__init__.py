@@ -15,7 +15,18 @@ from mpscale.came import CameLearningRateState, ScaleByCameState, came, scale_by
 from mpscale.skip import SkipNonfiniteState, skip_nonfinite
 from mpscale.spikes import SkipSpikesState, skip_spikes
 from mpscale.gradients import Gradients
-from mpscale import keys
+from mpscale import fp8, keys
+from mpscale.fp8 import (
+    OVERWRITE_WITH_GRADIENT,
+    Fp8Meta,
+    Fp8Recipe,
+    Fp8State,
+    fp8_dot_general,
+    fp8_recipe,
+    fp8_state,
+    join_overwrite,
+    split_overwrite,
+)
 from mpscale.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -52,10 +63,14 @@ __all__ = [
     "ArgumentTypeError",
     "CameLearningRateState",
     "ClipByGlobalNormState",
+    "Fp8Meta",
+    "Fp8Recipe",
+    "Fp8State",
     "Gradients",
     "KahanSummationState",
     "LeafSquares",
     "LossScaleState",
+    "OVERWRITE_WITH_GRADIENT",
     "ParamGroup",
     "ParamGroupsState",
     "Pipeline",
@@ -74,10 +89,14 @@ __all__ = [
     "dynamic_loss_scale",
     "fixed_loss_scale",
     "flax_specs",
+    "fp8_dot_general",
+    "fp8_recipe",
+    "fp8_state",
     "fsdp_specs",
     "get_policy",
     "global_norm",
     "group_norms",
+    "join_overwrite",
     "kahan_summation",
     "keep_fp32_by_name",
     "logical_specs",
@@ -92,6 +111,7 @@ __all__ = [
     "scale_loss",
     "skip_nonfinite",
     "skip_spikes",
+    "split_overwrite",
     "schedule_chunks",
     "schedule_table",
     "stage_groups",
