@@ -72,7 +72,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +82,7 @@ import numpy as np
 import optax
 
 from mpscale import batch_split as batch_split_lib
+from mpscale import fp8 as fp8_lib
 from mpscale import jaxprs
 from mpscale import keys as keys_lib
 from mpscale import loss_scale as loss_scale_lib
@@ -112,9 +113,10 @@ class TrainState(NamedTuple):
   """int32 number of steps taken, skipped ones included."""
   model_state: Any = None
   """The model's non-parameter state (BatchNorm statistics, any collection or NNX
-  variable its forward pass updates), float32 unless ``model_state_dtype`` says
-  otherwise; ``None`` for a model without one. Updated by an applied step, untouched
-  by a skipped one."""
+  variable its forward pass updates; FP8 scaling state in an
+  ``_overwrite_with_gradient`` collection, replaced by its gradient), float32 unless
+  ``model_state_dtype`` says otherwise; ``None`` for a model without one. Updated by
+  an applied step, untouched by a skipped one (an overflow's amax is never kept)."""
   rng: Optional[jax.Array] = None
   """Raw ``uint32`` key data every random draw of the run derives from
   (`mpscale.keys`); ``None`` for a deterministic model. It never changes: step ``n``
@@ -236,6 +238,14 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   are those of the global micro-batch, the same on every device, as synchronized
   BatchNorm computes them.
 
+  FP8 scaling state (`mpscale.fp8`): a model state holding an
+  ``_overwrite_with_gradient`` collection is differentiated with the parameters, and
+  the collection is replaced by its gradient, the products' updated states. The
+  state runs through the micro-batches in order, so each micro-batch's amax enters
+  the histories: the history advances once per micro-batch, not once per step. Under
+  ``jit`` on a mesh the state is replicated and GSPMD reduces each amax over the
+  global tensor, so every replica records the same.
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (a mean), or with ``per_token_loss``
       ``-> (loss_sum, num_tokens)``; with ``rng``/``model_state`` it takes them as
@@ -349,6 +359,57 @@ def _scaled_loss(model: Callable, policy: policy_lib.Policy, scale: jax.Array,
   return scaled_loss
 
 
+def _state_grad(scaled_loss: Callable) -> Callable:
+  """``jax.grad(scaled_loss, has_aux=True)``, overwriting FP8 state by its gradient.
+
+  A model state holding an ``_overwrite_with_gradient`` collection (`mpscale.fp8`:
+  FP8 products' scaling state) is differentiated with the parameters: the products'
+  custom VJPs give each `mpscale.fp8.Fp8State` its updated value as its cotangent,
+  and that replaces the collection in the new model state (the other collections as
+  the loss returned them). A state the differentiation did not reach (a zero
+  cotangent: no scale is ever 0) keeps its old value. Any other model state: exactly
+  ``jax.grad``.
+
+  Returns:
+    ``grad_fn(params, micro_batch, key, state) -> (grads, (loss, tokens,
+    new_state))``, ``grads`` of the parameters only.
+  """
+  plain = jax.grad(scaled_loss, has_aux=True)
+
+  def grad_fn(params, micro_batch, key, state):
+    if not (isinstance(state, Mapping) and fp8_lib.OVERWRITE_WITH_GRADIENT in state):
+      return plain(params, micro_batch, key, state)
+    rest, overwrite = fp8_lib.split_overwrite(state)
+
+    def loss(p, o):
+      return scaled_loss(p, micro_batch, key, fp8_lib.join_overwrite(rest, o))
+
+    (grads, written), (loss_value, tokens, new_state) = jax.grad(
+        loss, argnums=(0, 1), has_aux=True)(params, overwrite)
+    new_rest, _ = fp8_lib.split_overwrite(new_state)
+    written = jax.tree_util.tree_map(_reached, written, overwrite,
+                                     is_leaf=_is_fp8_state)
+    return grads, (loss_value, tokens, fp8_lib.join_overwrite(new_rest, written))
+  return grad_fn
+
+
+def _is_fp8_state(x: Any) -> bool:
+  return isinstance(x, fp8_lib.Fp8State)
+
+
+def _reached(new: Any, old: Any) -> Any:
+  """An FP8 state's cotangent, or its old value where no product gave one (its
+  scales all 0: a product outside the loss's graph)."""
+  if not _is_fp8_state(new):
+    return new
+  reached = (new.lhs.scale != 0) | (new.rhs.scale != 0) | (new.grad.scale != 0)
+
+  def pick(n, o):  # per state of a stack (the scales' shape), over its history too
+    return jnp.where(reached.reshape(reached.shape + (1,) * (n.ndim - reached.ndim)),
+                     n, o)
+  return jax.tree_util.tree_map(pick, new, old)
+
+
 def _like_params(grads: Any, specs: Any, mesh: Optional[Mesh],
                  leading: tuple[Any, ...] = ()) -> Any:
   """Constrains gradient-shaped trees to the params' layout ``specs`` (after
@@ -380,7 +441,7 @@ def _single_gradient(scaled_loss: Callable, params: Any, batch: Any,
   """`accumulate_gradients` with one micro-batch: one gradient of the whole batch,
   widened to float32. Under a mesh GSPMD all-reduces (or reduce-scatters) it once."""
   key = None if rng is None else keys_lib.microbatch_key(rng, 0)
-  grads, (loss, tokens, model_state) = jax.grad(scaled_loss, has_aux=True)(
+  grads, (loss, tokens, model_state) = _state_grad(scaled_loss)(
       params, batch, key, model_state)
   grads = _like_params(
       jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), specs, mesh)
@@ -419,7 +480,7 @@ def _microbatch_scan(scaled_loss: Callable, params: Any, batch: Any,
   per_replica = specs is None and model_state is None
   vmap_axes = data_axes if per_replica else ()
   inner_axes = () if per_replica else data_axes
-  grad_fn = jax.grad(scaled_loss, has_aux=True)
+  grad_fn = _state_grad(scaled_loss)
   replicas = sharding_lib.axis_size(mesh, vmap_axes)
   inner = sharding_lib.axis_size(mesh, inner_axes)
   micro_batches = _split_microbatches(batch, num_microbatches, replicas, inner)

@@ -320,3 +320,98 @@ def test_pipeline_step_with_dropout_trains():
     losses.append(float(metrics["loss"]))
   assert np.mean(losses[-5:]) < np.mean(losses[:5])
   assert state.rng is not None and int(state.step) == 20
+
+
+# ---- FP8 scaling state (an _overwrite_with_gradient collection)
+
+FP8_RECIPE = mpscale.fp8_recipe("delayed", history_len=16)
+
+
+def _fp8_loss(params, batch, *, model_state):
+  """One FP8 product; the state passes through (its gradient is its update)."""
+  state = model_state["_overwrite_with_gradient"]["dense"]
+  h = mpscale.fp8_dot_general(batch["x"], params["w"], (((1,), (0,)), ((), ())),
+                              state, FP8_RECIPE)
+  return jnp.mean((h[:, 0] + params["b"] - batch["y"]) ** 2), model_state
+
+
+def _fp8_params():
+  return {"w": jnp.full((6, 2), 0.3), "b": jnp.zeros(())}
+
+
+def _fp8_run(mesh, microbatches, batches, tx=None):
+  init, step = mpscale.make_train_step(
+      _fp8_loss, tx or optax.adam(1e-2), mesh=mesh, num_microbatches=microbatches)
+  state = init(_fp8_params(), model_state={
+      "_overwrite_with_gradient": {"dense": mpscale.fp8_state(FP8_RECIPE)}})
+  for batch in batches:
+    state, _ = step(state, batch)
+  return jax.device_get(state)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fp8_state_on_8_devices_equals_one_device(microbatches):
+  """Replicas record the global tensors' amaxes (GSPMD reduces them), so 8 devices
+  keep the state one device keeps; each micro-batch's amaxes enter the history."""
+  batches = [_batch(32, seed) for seed in range(3)]
+  order = _microbatch_order(32, 8, microbatches)
+  one = _fp8_run(None, microbatches,
+                 [{k: v[order] for k, v in b.items()} for b in batches])
+  eight = _fp8_run(_mesh((8,), ("data",)), microbatches, batches)
+  for a, b in zip(jax.tree_util.tree_leaves(eight.model_state),
+                  jax.tree_util.tree_leaves(one.model_state)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  state = eight.model_state["_overwrite_with_gradient"]["dense"]
+  for meta in state:  # history_len 16 > 3 steps x 2: every entry written is kept
+    assert np.count_nonzero(meta.amax_history) == 3 * microbatches
+  # The newest entries are the last step's: its micro-batches' input amaxes, the
+  # last micro-batch's at [0], the one before at [-1] (TE's roll moves [0] to the
+  # end); the scale comes from the history (delayed).
+  x = batches[-1]["x"][order].reshape(microbatches, -1, 6)
+  expected = np.abs(x).max(axis=(1, 2))[::-1]
+  newest = state.lhs.amax_history[np.arange(0, -microbatches, -1)]
+  np.testing.assert_array_equal(newest, expected)
+  np.testing.assert_allclose(state.lhs.scale, 448.0 / state.lhs.amax_history.max(),
+                             rtol=1e-6)
+  assert float(state.rhs.amax_history[0]) != 0.3  # the kernel trained
+
+
+def test_an_overflow_leaves_the_fp8_state_bit_identical():
+  """The overflowed step's amax (inf) is never committed: a skipped step keeps the
+  state as it was, bit for bit, and the next clean step records again. (An inf in
+  an FP8 product's input saturates, to 448: the overflow comes from the target,
+  through the bias's gradient, and the output gradient's amax is inf.)"""
+  init, step = mpscale.make_train_step(
+      _fp8_loss, mpscale.dynamic_loss_scale(optax.adam(1e-2)), policy="bf16",
+      mesh=_mesh((8,), ("data",)), num_microbatches=2)
+  state = init(_fp8_params(), model_state={
+      "_overwrite_with_gradient": {"dense": mpscale.fp8_state(FP8_RECIPE)}})
+  state, metrics = step(state, _batch())
+  assert int(metrics["skipped"]) == 0
+  before = jax.device_get(state.model_state)
+  bad = _batch(seed=1)
+  bad["y"][3] = np.inf
+  state, metrics = step(state, bad)
+  assert bool(metrics["overflow"]) and int(metrics["skipped"]) == 1
+  after = jax.device_get(state.model_state)
+  for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+    np.testing.assert_array_equal(a, b)
+  state, metrics = step(state, _batch(seed=2))
+  assert not bool(metrics["overflow"])
+  history = jax.device_get(
+      state.model_state["_overwrite_with_gradient"]["dense"].lhs.amax_history)
+  assert np.count_nonzero(history) == 4 and np.all(np.isfinite(history))
+
+
+def test_an_fp8_state_no_product_reaches_keeps_its_value():
+  """A state outside the loss's graph gets a zero gradient: it is kept, not zeroed."""
+  def loss(params, batch, *, model_state):
+    return jnp.mean((batch["x"] @ params["w"])[:, 0] ** 2), model_state
+
+  state0 = {"_overwrite_with_gradient": {"dense": mpscale.fp8_state(FP8_RECIPE)},
+            "other": jnp.ones(2)}
+  init, step = mpscale.make_train_step(loss, optax.sgd(0.1))
+  state, _ = step(init({"w": jnp.ones((6, 2))}, model_state=state0), _batch())
+  for a, b in zip(jax.tree_util.tree_leaves(state.model_state),
+                  jax.tree_util.tree_leaves(state0)):
+    np.testing.assert_array_equal(a, b)
