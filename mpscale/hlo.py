@@ -172,7 +172,7 @@ class _Totals:
       add(max(branches, key=lambda d: sum(d.values())))
     for role, callee in callees:
       if role == "body":
-        add(self.computation(callee), _trips(ins))
+        add(self.computation(callee), _trips(ins, self.module))
       elif role == "call":
         add(self.computation(callee))
     return acc
@@ -403,7 +403,7 @@ def saved_for_backward(hlo: Union[str, Module]) -> Optional[int]:
           or loop.op != "while" or not index):
         continue
       dims = _dims(ins.result)
-      if dims and dims[0] == _trips(loop) > 1 and _written(module, loop,
+      if dims and dims[0] == _trips(loop, module) > 1 and _written(module, loop,
                                                            int(index.group(1))):
         total += _shape_bytes(ins.result)
     if total:
@@ -644,13 +644,7 @@ def _accessed(module: Module, name: str, ins: Instruction,
   # A fusion: its parameters as its body reads them, its root as it writes it.
   inner = module.computations[body]
   inner_types = module.types[body]
-  users = _users(inner)
-  params = {}
-  for x in inner:
-    if x.op == "parameter":
-      m = re.match(r"\s*(\d+)", x.rest)
-      if m:
-        params[int(m.group(1))] = x
+  params = _parameters(inner)
   by_name = {x.name: x for x in inner}
   root = inner[-1] if inner else None
   roots = ([by_name.get(o) for o in _operands(root)]
@@ -674,13 +668,10 @@ def _accessed(module: Module, name: str, ins: Instruction,
     if p is None:
       total += full
       continue
-    uses = users.get(p.name, [])
     if p.name in in_place:
       continue  # updated in place: the update is counted as the result
-    if uses and all(u.op == "dynamic-slice" and pos == 0 for u, pos in uses):
-      total += sum(_shape_bytes(u.result, float32_bytes) for u, _ in uses)
-    else:
-      total += full
+    sliced = _sliced(module, body, p, float32_bytes)
+    total += full if sliced is None else sliced
   for r in roots:
     if r is None:
       continue
@@ -692,6 +683,42 @@ def _accessed(module: Module, name: str, ins: Instruction,
       total += _shape_bytes(r.result, float32_bytes) * update // whole
     else:
       total += _shape_bytes(r.result, float32_bytes)
+  return total
+
+
+def _parameters(computation: list[Instruction]) -> dict[int, Instruction]:
+  """A computation's parameters by number."""
+  params = {}
+  for x in computation:
+    if x.op == "parameter":
+      m = re.match(r"\s*(\d+)", x.rest)
+      if m:
+        params[int(m.group(1))] = x
+  return params
+
+
+def _sliced(module: Module, body: str, param: Instruction,
+            float32_bytes: int) -> Optional[int]:
+  """The bytes fusion computation ``body`` reads of its parameter ``param`` when it
+  reads only dynamic slices or gathers of it (a loss picking each target's logit),
+  directly or through the fusions it nests (libtpu slices one layer's weights from
+  the stack in a fusion of its own inside the product's); ``None`` when it reads the
+  whole."""
+  uses = _users(module.computations[body]).get(param.name, [])
+  if not uses:
+    return None
+  total = 0
+  for user, pos in uses:
+    if user.op in ("dynamic-slice", "gather") and pos == 0:
+      total += _shape_bytes(user.result, float32_bytes)
+      continue
+    called = [c for r, c in _callees(user) if c in module.computations]
+    inner = _parameters(module.computations[called[0]]).get(pos) if (
+        user.op == "fusion" and called) else None
+    got = None if inner is None else _sliced(module, called[0], inner, float32_bytes)
+    if got is None:
+      return None
+    total += got
   return total
 
 
@@ -894,6 +921,18 @@ def kernels(hlo: Union[str, Module], float32_bytes: int = 4) -> Kernels:
   return _as_kernels(_per_step(module, _kernel_cost(module, float32_bytes)))
 
 
+def _fused_flops(module: Module, ins: Instruction) -> float:
+  """The product FLOPs inside fusion ``ins``, through the fusions it nests (a TPU
+  program fuses a product into the one that consumes it: ``kOutput`` in
+  ``kOutput``)."""
+  total = 0.0
+  for _, c in _callees(ins):
+    for x in module.computations.get(c, ()):
+      total += (_fused_flops(module, x) if x.op == "fusion"
+                else _product_flops(module, c, x))
+  return total
+
+
 def _kernel_cost(module: Module, float32_bytes: int = 4) -> _Cost:
   """The `_Cost` of a kernel for `kernels`: ``{"dot <flops> <bytes>": 1}`` for a
   matrix product (or a fusion holding one), ``{"bytes": <bytes>}`` for any other."""
@@ -908,9 +947,7 @@ def _kernel_cost(module: Module, float32_bytes: int = 4) -> _Cost:
     if ins.op in ("dot", "convolution") or flops:
       return {f"dot {flops!r} {moved}": 1}
     if ins.op == "fusion":
-      flops = sum(_product_flops(module, c, x)
-                  for _, c in _callees(ins) if c in module.computations
-                  for x in module.computations[c])
+      flops = _fused_flops(module, ins)
       if flops:
         return {f"dot {flops!r} {moved}": 1}
     return {"bytes": moved}
@@ -927,10 +964,24 @@ def _as_kernels(totals: dict[str, float]) -> Kernels:
   return Kernels(dots, totals.get("bytes", 0.0))
 
 
-def _trips(ins: Instruction) -> int:
-  """A while loop's trip count (XLA's ``known_trip_count``), else 1."""
+def _trips(ins: Instruction, module: Optional[Module] = None) -> int:
+  """A while loop's trip count: XLA's ``known_trip_count``; else, with ``module``,
+  the bound of a condition ``counter < constant(N)`` (libtpu's programs carry no
+  ``known_trip_count``; a JAX loop's counter starts at 0); else 1."""
   m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
-  return int(m.group(1)) if m else 1
+  if m:
+    return int(m.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", ins.rest)
+  if module is None or not cond or cond.group(1) not in module.computations:
+    return 1
+  body = module.computations[cond.group(1)]
+  constants = {x.name: x.rest for x in body if x.op == "constant"}
+  root = body[-1]
+  if root.op != "compare" or "direction=LT" not in root.rest:
+    return 1
+  operands = _operands(root)
+  bound = re.match(r"(\d+)\)", constants.get(operands[-1], "")) if operands else None
+  return int(bound.group(1)) if bound else 1
 
 
 class Overlap(NamedTuple):

@@ -248,8 +248,10 @@ def _plan_command(sub: Any) -> None:
       "'none' for no cache"))
   plan_cmd.add_argument("--compiler", choices=targets.MODES, default="auto", help=(
       "whose program to read: the hardware's own compiler (XLA's CUDA compiler for a "
-      "GPU profile, no GPU needed; pip install \"mpscale[plan-gpu]\") when installed, "
-      "else the CPU's (auto, the default); target: the hardware's or an error; cpu"))
+      "GPU profile, no GPU needed, pip install \"mpscale[plan-gpu]\"; libtpu's for a "
+      "TPU profile, no TPU needed, pip install \"mpscale[plan-tpu]\") when "
+      "installed, else the CPU's (auto, the default); target: the hardware's or an "
+      "error; cpu"))
   plan_cmd.add_argument("--json", action="store_true", help="print JSON")
 
 

@@ -575,3 +575,94 @@ ENTRY %main (a: bf16[8192], b: bf16[3072]) -> (bf16[8192], bf16[12288]) {
   permute = c["collective-permute"]  # and its two u32 context words
   assert permute["count"] == 1 and 16384 <= permute["bytes"] <= 16384 + 8
   assert c["all-gather"] == {"count": 1, "bytes": 24576}
+
+
+_TPU_NESTED = """HloModule jit_f, entry_computation_layout={()->bf16[1024,4096]{1,0}}
+
+%fused_computation.9.clone (param_0.73: bf16[256,1024], param_1.73: bf16[1024,4096]) -> bf16[256,4096] {
+  %param_0.73 = bf16[256,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.73 = bf16[1024,4096]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.clone.4 = bf16[256,4096]{1,0:T(8,128)(2,1)} convolution(%param_0.73, %param_1.73), dim_labels=bf_io->bf
+}
+
+%fused_computation.10 (param_0.24: bf16[256,1024], param_1.71: bf16[1024,4096]) -> bf16[1024,4096] {
+  %param_0.24 = bf16[256,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1.71 = bf16[1024,4096]{1,0:T(8,128)(2,1)} parameter(1)
+  %fusion.7 = bf16[256,4096]{1,0:T(8,128)(2,1)} fusion(%param_0.24, %param_1.71), kind=kOutput, calls=%fused_computation.9.clone
+  ROOT %convolution.2 = bf16[1024,4096]{1,0:T(8,128)(2,1)} convolution(%param_0.24, %fusion.7), dim_labels=fb_io->bf
+}
+
+ENTRY %main.0_spmd (param: bf16[256,1024], param.1: bf16[1024,4096]) -> bf16[1024,4096] {
+  %param = bf16[256,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %param.1 = bf16[1024,4096]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %fusion.6 = bf16[1024,4096]{1,0:T(8,128)(2,1)} fusion(%param, %param.1), kind=kOutput, calls=%fused_computation.10
+}
+"""
+"""The shape of libtpu's program for ``grad(sum(f(x @ w)))`` (abridged): the forward
+product fused into the backward one that consumes it, a ``kOutput`` fusion inside a
+``kOutput`` fusion, each product a ``convolution`` with ``dim_labels=bf_io->bf``."""
+
+
+def test_a_product_fused_inside_another_fusion_counts_in_its_kernel():
+  product = 2 * 256 * 1024 * 4096
+  assert hlo.matmul_flops(_TPU_NESTED) == 2 * product
+  dots, _ = hlo.kernels(_TPU_NESTED)
+  assert [(flops, count) for flops, _, count in dots] == [(2 * product, 1)]
+
+
+_TPU_LOOP = """HloModule jit_f, entry_computation_layout={()->f32[8,8]{1,0}}
+
+%body (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %p = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %x = f32[8,8]{1,0:T(8,128)} get-tuple-element(%p), index=1
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  %y = f32[8,8]{1,0:T(8,128)} convolution(%x, %x), dim_labels=bf_io->bf
+  ROOT %t = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) tuple(%next, %y)
+}
+
+%cond (q: (s32[], f32[8,8])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(12)
+  %q = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) parameter(0)
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%j, %bound), direction=LT
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8]{1,0:T(8,128)} parameter(0)
+  %zero = s32[]{:T(128)} constant(0)
+  %init = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) tuple(%zero, %a)
+  %loop = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,8]{1,0:T(8,128)} get-tuple-element(%loop), index=1
+}
+"""
+"""A loop as libtpu compiles it: no ``known_trip_count``, its bound in the condition."""
+
+
+def test_a_loop_without_a_known_trip_count_runs_its_conditions_bound():
+  assert hlo.matmul_flops(_TPU_LOOP) == 12 * 2 * 8 * 8 * 8
+  dots, _ = hlo.kernels(_TPU_LOOP)
+  assert [count for _, _, count in dots] == [12]
+
+
+_GATHER = """HloModule jit_f, entry_computation_layout={()->f32[16,512]{1,0}}
+
+%fused_gather (p0: f32[1024,512], p1: s32[16,1]) -> f32[16,512] {
+  %p0 = f32[1024,512]{1,0} parameter(0)
+  %p1 = s32[16,1]{1,0} parameter(1)
+  ROOT %g = f32[16,512]{1,0} gather(%p0, %p1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,512}
+}
+
+ENTRY %main (a: f32[1024,512], i: s32[16,1]) -> f32[16,512] {
+  %a = f32[1024,512]{1,0} parameter(0)
+  %i = s32[16,1]{1,0} parameter(1)
+  ROOT %f = f32[16,512]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_gather
+}
+"""
+
+
+def test_a_fusion_gathering_rows_reads_only_those_rows():
+  # 16 rows of 512 floats read, the 16 indices read, 16 rows written
+  _, moved = hlo.kernels(_GATHER)
+  assert moved == 16 * 512 * 4 + 16 * 4 + 16 * 512 * 4

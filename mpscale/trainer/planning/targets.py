@@ -15,8 +15,13 @@ For the plugin to register, JAX must start on the CPU platform
 sets that before JAX starts; a program that already started JAX on another platform
 gets the CPU compile and a note saying why.
 
-TPUs: libtpu compiles for TPU topologies without a TPU on Cloud TPU images; it is not
-tried here, so a TPU profile plans on the CPU compile.
+TPUs: libtpu compiles for TPU topologies without a TPU (``pip install
+"mpscale[plan-tpu]"``, which is ``jax[tpu]``; MaxText's ``train_compile`` does the
+same). A TPU profile (``compile_target: tpu/v4``) then plans on
+``get_topology_desc(platform="tpu", topology_name="v4:4x4x4",
+chip_config_name="megacore")``: its chips in the slice shape `tpu_topology` gives,
+one JAX device a chip, as on a v4 or v5p slice. One slice: a job larger than a
+slice is not modelled.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ from typing import Any, Optional, Sequence
 
 INSTALL = 'pip install "mpscale[plan-gpu]"'
 """What installs the CUDA compiler (JAX's CUDA plugin) for plans on NVIDIA GPUs."""
+
+INSTALL_TPU = 'pip install "mpscale[plan-tpu]"'
+"""What installs the TPU compiler (libtpu) for plans on TPUs."""
+
+TPU_CHIPS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
+"""The TPU chips a ``tpu/<chip>`` compile target may name, and their slices' number
+of torus dimensions."""
 
 MODES = ("auto", "target", "cpu")
 """``auto``: the target's compiler when installed, else the CPU's (with a note);
@@ -44,7 +56,7 @@ class Target:
   devices: Optional[Sequence[Any]]
   """The devices to build the mesh of, or ``None`` for JAX's own (the CPU's)."""
   compiler: str
-  """``"cuda"`` or ``"cpu"``."""
+  """``"cuda"``, ``"tpu"`` or ``"cpu"``."""
   description: str
   """The devices and compiler in words, e.g. ``8 x NVIDIA H100 80GB HBM3 (XLA's CUDA
   compiler, no GPU needed)``."""
@@ -84,6 +96,9 @@ def parse(compile_target: str) -> tuple[str, str]:
                      f"{compile_target!r}")
   if platform == "cuda":
     spec_text(name)
+  elif name not in TPU_CHIPS:
+    raise ValueError(f"compile_target: no TPU chip {name!r}; known: "
+                     f"{', '.join('tpu/' + n for n in TPU_CHIPS)}")
   return platform, name
 
 
@@ -103,6 +118,33 @@ def topology(num_devices: int, devices_per_node: int) -> str:
         f"nodes of {devices_per_node} but do not fill them; a compile topology is "
         "whole nodes")
   return f"{num_devices // devices_per_node}x1x{devices_per_node}"
+
+
+def tpu_topology(num_devices: int, chip: str) -> str:
+  """The slice shape of ``num_devices`` chips of ``chip``: ``"v4:4x4x4"``.
+
+  A 3D chip (v4, v5p) starts from one host's ``2x2x1`` and doubles its smallest
+  dimension until the slice holds the chips (``2x2x2``, ``2x2x4``, ``2x4x4``,
+  ``4x4x4``, ...); a 2D one (v5e, v6e) from ``2x2`` likewise (``2x4``, ``4x4``, ...).
+
+  Raises:
+    ValueError: naming ``mesh`` when ``num_devices`` is no such slice's chips (4
+      times a power of two).
+  """
+  dims = [2, 2, 1] if TPU_CHIPS[chip] == 3 else [2, 2]
+  while math.prod(dims) < num_devices:
+    small = min(range(len(dims)), key=lambda i: (dims[i], -i))
+    dims[small] *= 2
+  if math.prod(dims) != num_devices:
+    raise ValueError(f"mesh: {num_devices} devices are no {chip} slice; a slice "
+                     "holds 4 times a power of two chips (4, 8, 16, ...)")
+  return f"{chip}:" + "x".join(str(d) for d in sorted(dims, reverse=len(dims) == 3
+                                                      and dims[2] == 1))
+
+
+def tpu_installed() -> bool:
+  """Whether libtpu (the compiler for TPUs) is installed."""
+  return importlib.util.find_spec("libtpu") is not None
 
 
 def cuda_installed() -> bool:
@@ -148,9 +190,8 @@ def choose(hardware: Any, num_devices: int, mode: str = "auto") -> Target:
       raise ValueError("compiler: target needs --hardware with a compile_target")
     return _cpu("")
   platform, name = parse(target)
-  if platform != "cuda":
-    return _instead(mode, f"{hardware.name}'s compiler ({target}) is not tried here",
-                    "plan with --compiler cpu")
+  if platform == "tpu":
+    return _tpu(hardware, name, num_devices, mode)
   if not cuda_installed():
     return _instead(mode, f"{hardware.name}'s compiler (XLA's CUDA compiler) is not "
                     "installed", f"install it with: {INSTALL}")
@@ -166,3 +207,22 @@ def choose(hardware: Any, num_devices: int, mode: str = "auto") -> Target:
   devices = list(devices)[:num_devices]
   return Target(devices, "cuda", f"{num_devices} x {devices[0].device_kind} "
                 "(XLA's CUDA compiler, no GPU needed)")
+
+
+def _tpu(hardware: Any, chip: str, num_devices: int, mode: str) -> Target:
+  """`choose` for a TPU profile: libtpu's compile of a ``chip`` slice."""
+  if not tpu_installed():
+    return _instead(mode, f"{hardware.name}'s compiler (libtpu) is not installed",
+                    f"install it with: {INSTALL_TPU}")
+  shape = tpu_topology(num_devices, chip)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    devices = topologies.get_topology_desc(
+        platform="tpu", topology_name=shape, chip_config_name="megacore").devices
+  except Exception as e:  # pylint: disable=broad-except  (libtpu's own errors)
+    return _instead(mode, f"libtpu's compiler did not register ({type(e).__name__}: "
+                    f"{str(e)[:200]})", "JAX must start with JAX_PLATFORMS=cpu "
+                    "(mpscale plan sets it)")
+  devices = list(devices)
+  return Target(devices, "tpu", f"{num_devices} x {devices[0].device_kind} ({shape}, "
+                "libtpu's compiler, no TPU needed)")

@@ -6,6 +6,8 @@ import collections
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mpscale import hlo as hlo_lib
@@ -67,8 +69,61 @@ def test_without_the_cuda_compiler_auto_falls_back_and_target_gives_the_install_
     targets.choose(None, 8, "target")
   with pytest.raises(ValueError, match="compiler must be one of auto, target, cpu"):
     targets.choose(h100, 8, "gpu")
-  tpu = targets.choose(hardware.load_hardware("tpu-v4"), 8)
-  assert tpu.compiler == "cpu" and "tpu/v4" in tpu.note
+
+
+def test_without_libtpu_a_tpu_profile_falls_back_and_target_gives_the_install_line(
+    monkeypatch):
+  monkeypatch.setattr(targets, "tpu_installed", lambda: False)
+  v4 = hardware.load_hardware("tpu-v4")
+  chosen = targets.choose(v4, 8)
+  assert chosen.compiler == "cpu" and targets.INSTALL_TPU in chosen.note
+  with pytest.raises(ValueError, match=r"^compiler: tpu-v4's compiler \(libtpu\) is "
+                     r"not installed; install it with: pip install \"mpscale\[plan-tpu\]"):
+    targets.choose(v4, 8, "target")
+
+
+@pytest.mark.parametrize("chips, chip, shape", [
+    (4, "v4", "v4:2x2x1"), (8, "v4", "v4:2x2x2"), (32, "v4", "v4:2x4x4"),
+    (64, "v4", "v4:4x4x4"), (1024, "v5p", "v5p:8x8x16"), (4, "v5e", "v5e:2x2"),
+    (32, "v5e", "v5e:4x8"), (256, "v6e", "v6e:16x16")])
+def test_a_tpu_slice_doubles_its_smallest_dimension(chips, chip, shape):
+  assert targets.tpu_topology(chips, chip) == shape
+
+
+def test_chips_no_slice_holds_and_unknown_chips_are_errors_naming_the_key():
+  for chips in (2, 12, 24):
+    with pytest.raises(ValueError, match=rf"^mesh: {chips} devices are no v4 slice"):
+      targets.tpu_topology(chips, "v4")
+  with pytest.raises(ValueError, match=r"compile_target: no TPU chip 'v9'; known: "
+                     "tpu/v4, tpu/v5p, tpu/v5e, tpu/v6e"):
+    targets.parse("tpu/v9")
+
+
+@pytest.mark.skipif(not targets.tpu_installed(), reason="libtpu is not installed "
+                    f"({targets.INSTALL_TPU})")
+def test_libtpu_compiles_a_step_for_a_tpu_slice_without_a_tpu():
+  """libtpu's program for 8 v4 chips: bf16 gradients all-reduced in bf16, products
+  as convolutions counted at their FLOPs, a scan's loop by its condition's bound."""
+  chosen = targets.choose(hardware.load_hardware("tpu-v4"), 8, "target")
+  assert chosen.compiler == "tpu" and len(chosen.devices) == 8
+  assert chosen.devices[0].device_kind == "TPU v4" and "v4:2x2x2" in chosen.description
+  mesh = jax.sharding.Mesh(np.array(chosen.devices), ("data",))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  x = jax.ShapeDtypeStruct((8 * 64, 256), jnp.bfloat16, sharding=rows)
+  w = jax.ShapeDtypeStruct((6, 256, 256), jnp.bfloat16, sharding=whole)
+
+  def grad(x, w):
+    def loss(w):
+      h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+      return jnp.sum(h.astype(jnp.float32) ** 2)
+    return jax.grad(loss)(w)
+
+  text = jax.jit(grad).lower(x, w).compile().as_text()
+  assert hlo_lib.matmul_flops(text) == 3 * 6 * 2 * 64 * 256 * 256
+  reduces = [line for line in text.splitlines()
+             if re.search(r"= \S+ all-reduce(-start)?\(", line)]
+  assert reduces and all("= bf16[" in line for line in reduces), reduces
 
 
 def test_a_plan_says_which_compiler_it_read(monkeypatch):
