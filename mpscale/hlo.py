@@ -448,6 +448,26 @@ def matmul_flops(hlo: Union[str, Module]) -> float:
   return _per_step(module, cost).get("flops", 0.0)
 
 
+def fp8_flops(hlo: Union[str, Module]) -> float:
+  """The part of `matmul_flops` whose products take 8-bit float operands: FP8 GEMMs
+  (a ``dot`` or ``convolution`` of ``f8e4m3fn``/``f8e5m2`` operands, as in a Triton
+  GEMM fusion, or cuBLAS's ``__cublas$lt$matmul$f8``), counted per step as
+  `matmul_flops` counts. A CPU compile widens 8-bit operands before its products,
+  so it finds none there."""
+  module = _as_module(hlo)
+
+  def cost(name: str, ins: Instruction) -> dict[str, float]:
+    flops = _product_flops(module, name, ins)
+    types = module.types[name]
+    operands = _operands(ins)[:2]
+    if flops and len(operands) == 2 and all(
+        types.get(o, "").startswith("f8") for o in operands):
+      return {"flops": flops}
+    return {}
+
+  return _per_step(module, cost).get("flops", 0.0)
+
+
 _GROUPS = re.compile(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[0-9,]+\]<=\[[0-9,]+\]"
                      r"(?:T\([0-9,]+\))?)")
 _MESH_GROUPS = re.compile(

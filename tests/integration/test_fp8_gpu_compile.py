@@ -149,3 +149,15 @@ def test_an_fp8_round_trip_before_a_bf16_gemm_is_elided_by_the_gpu_compiler():
   text = jax.jit(lambda x, w: round_trip(x) @ round_trip(w)).lower(x, w).compile(
       ).as_text()
   assert "f8e4m3fn" not in text  # the rounding is gone
+
+
+@gpu_compile
+@needs_cuda
+@pytest.mark.parametrize("options", [{}, TRITON_OFF], ids=["triton", "cublas"])
+def test_the_plan_reads_every_product_of_an_fp8_dense_as_an_fp8_gemm(options):
+  """`mpscale.hlo.fp8_flops`, which the plan prices at the profile's float8 peak:
+  all of a per-tensor FP8 Dense's product FLOPs, through cuBLAS's FP8 calls and
+  Triton's GEMM fusions alike; none of blockwise's bf16 products."""
+  text = compile_dense_step("delayed", options)
+  assert hlo_lib.fp8_flops(text) == hlo_lib.matmul_flops(text) == 3 * 2 * ROWS * IN * OUT
+  assert hlo_lib.fp8_flops(compile_dense_step("blockwise", options)) == 0

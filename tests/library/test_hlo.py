@@ -666,3 +666,23 @@ def test_a_fusion_gathering_rows_reads_only_those_rows():
   # 16 rows of 512 floats read, the 16 indices read, 16 rows written
   _, moved = hlo.kernels(_GATHER)
   assert moved == 16 * 512 * 4 + 16 * 4 + 16 * 512 * 4
+
+
+_FP8 = """HloModule jit_f, entry_computation_layout={()->bf16[128,512]{1,0}}
+
+ENTRY %main (a: f8e4m3fn[128,256], b: f8e4m3fn[256,512], c: bf16[128,256], d: bf16[256,512]) -> bf16[128,512] {
+  %a = f8e4m3fn[128,256]{1,0} parameter(0)
+  %b = f8e4m3fn[256,512]{1,0} parameter(1)
+  %c = bf16[128,256]{1,0} parameter(2)
+  %d = bf16[256,512]{1,0} parameter(3)
+  %fp8 = bf16[128,512]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %wide = bf16[128,512]{1,0} dot(%c, %d), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %sum = bf16[128,512]{1,0} add(%fp8, %wide)
+}
+"""
+
+
+def test_fp8_flops_are_the_products_of_8_bit_operands():
+  product = 2 * 128 * 256 * 512
+  assert hlo.matmul_flops(_FP8) == 2 * product
+  assert hlo.fp8_flops(_FP8) == product

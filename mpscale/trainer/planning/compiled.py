@@ -185,6 +185,9 @@ class Plan:
   backward one, bytes a device (`mpscale.hlo.saved_for_backward`): read from the
   program, so split as the compiler split them (over the batch under FSDP, over the
   heads under tensor parallelism); ``None`` where the layers are unrolled."""
+  fp8_flops: float = 0.0
+  """The part of ``flops_per_device`` in FP8 GEMMs (`mpscale.hlo.fp8_flops`): the
+  estimate prices it at the profile's ``float8`` peak."""
   compiled_for: str = "fake CPU devices (XLA's CPU compiler)"
   """The devices and compiler the program was compiled for
   (`mpscale.trainer.planning.targets`): the hardware's own GPU compiler, or the CPU's."""
@@ -576,7 +579,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
              "batch": sharding_lib.tree_bytes(batch),
              "arguments": arguments, "outputs": outputs, "aliased": aliased,
              "temporaries": temporaries, "peak": int(peak)},
-      flops_per_device=hlo_lib.matmul_flops(hlo),
+      flops_per_device=hlo_lib.matmul_flops(hlo), fp8_flops=hlo_lib.fp8_flops(hlo),
       xla_flops_per_device=float(cost.get("flops", math.nan)),
       model_flops=None if provided else _model_flops(cfg, params, tokens),
       collectives=hlo_lib.collectives(hlo), bubble=bubble,

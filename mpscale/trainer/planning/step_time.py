@@ -4,7 +4,8 @@
 (per device, per step) on a `mpscale.trainer.planning.hardware.Hardware` profile:
 
 - **compute**: each matrix-product kernel (`mpscale.hlo.kernels`) at the peak of the
-  compute dtype times the profile's ``matmul_efficiency`` (the measured share of the
+  compute dtype (FP8 GEMMs, `mpscale.hlo.fp8_flops`, at the ``float8`` peak) times
+  the profile's ``matmul_efficiency`` (the measured share of the
   peak a large product reaches; the built-in GPU profiles cite theirs). A product
   whose bytes take longer at the memory rate than its FLOPs at this rate (a roofline,
   kernel by kernel) counts that excess as memory time.
@@ -269,6 +270,15 @@ def estimate(plan: Any, hardware: Hardware) -> Estimate:
   flop_rate = peak * hardware.matmul_efficiency
   byte_rate = hardware.hbm_bandwidth * hardware.memory_efficiency
   compute, memory = _kernel_seconds(plan.kernels, flop_rate, byte_rate)
+  fp8 = getattr(plan, "fp8_flops", 0.0) or 0.0
+  if fp8:  # FP8 GEMMs at the float8 peak, not the compute dtype's
+    if "float8" not in hardware.peak_flops:
+      raise validation.fail(
+          "precision.fp8", f": the plan's products run in FP8, and {hardware.name} "
+          "lists no float8 peak (no FP8 tensor cores); plan on a profile with one "
+          "(h100-80g) or without precision.fp8")
+    compute += fp8 / (hardware.peak("float8") * hardware.matmul_efficiency) - (
+        fp8 / flop_rate)
   rows, by_link = [], {}
   for key, c in sorted(plan.collectives_over.items()):
     link, n, once = _priced(key, c["bytes"] / max(c["count"], 1), plan.mesh, hardware)

@@ -183,3 +183,15 @@ def test_an_asynchronous_collective_hides_behind_the_kernels_scheduled_while_it_
   assert step_time.estimate(plan, GPU).hidden == pytest.approx(2 * once)
   plan.overlaps = []
   assert step_time.estimate(plan, GPU).hidden == 0.0
+
+
+def test_fp8_gemms_run_at_the_float8_peak_where_the_profile_has_one():
+  # 3e12 FLOPs of products, 1e12 of them FP8: 2e12 at 0.5 * 1e15, 1e12 at 0.5 * 4e15
+  fp8_gpu = dataclasses.replace(GPU, peak_flops={"bfloat16": 1e15, "float8": 4e15})
+  plan = _plan(kernels={"dots": [[1e12, 1e6, 3]], "bytes": 0.0}, fp8_flops=1e12)
+  est = step_time.estimate(plan, fp8_gpu)
+  assert est.compute == pytest.approx(2e12 / 5e14 + 1e12 / 2e15)
+  with pytest.raises(ValueError, match=r"precision.fp8: .*gpu lists no float8 peak"):
+    step_time.estimate(plan, GPU)
+  assert step_time.estimate(_plan(kernels={"dots": [[1e12, 1e6, 3]], "bytes": 0.0}),
+                            GPU).compute == pytest.approx(3e12 / 5e14)
