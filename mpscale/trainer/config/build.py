@@ -12,7 +12,8 @@ loads a config::
               # the rounding only for stochastic (stochastic_rounding) or kahan
               # skip.spikes: skip_spikes(chain(...)) inside the loss scaling
   mesh      = Mesh(devices, ("data", "fsdp", "stage", "tensor"))   # axes > 1, and data
-  model     = TinyLM.from_sizes(model, remat=train.remat)
+  model     = TinyLM.from_sizes(model, remat=train.remat, fp8=<precision.fp8>)
+              # FP8 blocks: their scaling state is the TrainState's model_state
   specs     = model.param_specs(mesh)            # tensor and FSDP splits, if any
   loss      = TinyLM.loss_fn  or  Pipeline(embed_fn, stage_fn, head_fn) if stage > 1
   init, step = make_train_step(loss, optimizer, policy=policy, mesh=mesh,
@@ -45,6 +46,7 @@ from mpscale.trainer.config import schema
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.models import user as models_lib
 from mpscale.trainer.data import batch_sizes as batch_sizes_lib
+from mpscale import fp8 as fp8_lib
 from mpscale import gradients as gradients_lib
 from mpscale import loss_scale as loss_scale_lib
 from mpscale import norms as norms_lib
@@ -100,9 +102,41 @@ def build_update_rounding(cfg: schema.RunConfig
   return None
 
 
+def build_fp8(cfg: schema.RunConfig) -> Optional[fp8_lib.Fp8Recipe]:
+  """The `mpscale.Fp8Recipe` of ``precision.fp8`` (``None`` where its ``recipe`` is
+  null).
+
+  Raises:
+    ArgumentError: naming the ``precision.fp8`` key at fault: an unknown recipe or
+      ``amax_compute``, a ``history_len`` < 1, a negative ``margin``; FP8 with
+      ``mesh.stage > 1`` (pipelines carry no model state yet) or with a user's model
+      (``model.provider``: only the built-in tiny LM has FP8 blocks).
+  """
+  fp8 = cfg.precision.fp8
+  if fp8.recipe is None:
+    return None
+  recipe = errors.keyed("precision.fp8", lambda: fp8_lib.fp8_recipe(
+      fp8.recipe, history_len=fp8.history_len, margin=fp8.margin,
+      amax_compute=fp8.amax_compute), errors.fields("precision.fp8", fp8))
+  if cfg.mesh.stage > 1:
+    raise validation.ArgumentError(
+        ("precision.fp8.recipe", "mesh.stage"),
+        f"{{0}} ({fp8.recipe}) needs {{1}} = 1 (got {cfg.mesh.stage}): a pipeline "
+        "carries no model state, and the FP8 scaling state is one (pipelined FP8 is "
+        "left for later); set {0}: null or {1}: 1")
+  if cfg.model.provider is not None:
+    raise validation.ArgumentError(
+        ("precision.fp8.recipe", "model.provider"),
+        f"{{0}} ({fp8.recipe}) puts the built-in tiny LM's block products in FP8, but "
+        "{1} names a user's model: give its layers mpscale.fp8_flax's FP8 products "
+        "(their state in the _overwrite_with_gradient collection) and set {0}: null")
+  return recipe
+
+
 def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
                 devices: Optional[Sequence[Any]] = None) -> lm_lib.TinyLM:
-  """The tiny LM with ``model`` sizes and ``train.remat``; on a mesh with ``fsdp`` or
+  """The tiny LM with ``model`` sizes, ``train.remat`` and ``precision.fp8``
+  (`build_fp8`); on a mesh with ``fsdp`` or
   ``tensor`` axes its activations are laid out for them (``mesh.sequence_parallel``).
   Its attention is ``model.attention`` for the devices it runs on: the mesh's, else
   the first of ``devices`` (default ``jax.devices()``; none when empty, as when a
@@ -125,9 +159,14 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
     shard = lm_lib.ActivationSharding(
         mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
         sequence_parallel=cfg.mesh.sequence_parallel)
+  fp8 = build_fp8(cfg)
   return errors.keyed("model", lambda: lm_lib.TinyLM.from_sizes(
-      cfg.model, remat=cfg.train.remat, shard=shard, attention=attention),
-                      errors.fields("model", cfg.model, remat="train.remat"))
+      cfg.model, remat=cfg.train.remat, shard=shard, attention=attention, fp8=fp8,
+      fp8_products=cfg.precision.fp8.products,
+      bf16_layers=cfg.precision.fp8.bf16_layers),
+                      errors.fields("model", cfg.model, remat="train.remat",
+                                    fp8_products="precision.fp8.products",
+                                    bf16_layers="precision.fp8.bf16_layers"))
 
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
@@ -700,6 +739,11 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
   build_batch_sizes(cfg)
   check_train_steps(cfg)
   optimizer = build_optimizer(cfg)
+  if build_fp8(cfg) is not None and model is not None:
+    raise validation.ArgumentError(
+        "precision.fp8.recipe", f"{{0}} ({cfg.precision.fp8.recipe}) puts the built-in "
+        "tiny LM's block products in FP8, but the run was given a user's model: give "
+        "its layers mpscale.fp8_flax's FP8 products and set {0}: null")
   if cfg.data.provider is not None:
     models_lib.load_object(cfg.data.provider, "data.provider")
   if model is None and cfg.model.provider is not None:
@@ -718,7 +762,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
           "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
           "model (examples/t5_split)")
     model = build_model(cfg, mesh, () if abstract else devices)
-    loss, evaluate_fn = build_loss(cfg, model), model.loss_fn
+    loss, evaluate_fn = build_loss(cfg, model), model.evaluate
     per_token = cfg.train.per_token_loss
     specs = build_param_specs(cfg, model, mesh)
     init_params_fn = functools.partial(init_params, cfg, model)
@@ -730,9 +774,17 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
     check_param_groups(cfg, jax.eval_shape(init_params_fn))
   pipelined = cfg.mesh.stage > 1
   init_state = getattr(model, "init_state", None)
+  if isinstance(model, lm_lib.TinyLM) and model.fp8 is not None:
+    init_state = lambda key: model.init_model_state()  # noqa: E731
   if (reduce_dtype is not None and init_state is not None
       and jnp.finfo(policy.compute_dtype).bits < 32):
     # make_train_step's init would refuse the model state: say so by key, now.
+    if isinstance(model, lm_lib.TinyLM):  # its only state is FP8's
+      raise validation.ArgumentError(
+          ("precision.grad_reduce_dtype", "precision.fp8.recipe"),
+          "{0}: float32 sums each data replica's own gradient, but FP8 ({1}) keeps "
+          "its scaling state as a model state, which the float32 sums do not carry "
+          "yet; set {0}: null or {1}: null")
     raise validation.ArgumentError(
         ("precision.grad_reduce_dtype", "model.provider"),
         "{0}: float32 sums each data replica's own gradient, but the model of {1} "

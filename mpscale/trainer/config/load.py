@@ -30,7 +30,7 @@ from mpscale.trainer.config.errors import as_config_error  # noqa: F401 (re-expo
 from mpscale.trainer.data import corpora
 from mpscale.trainer.config.schema import (  # noqa: F401 (re-exported)
     AdafactorConfig, AdamWConfig, BlendConfig, CameConfig, ClipConfig, ConfigError,
-    ConfigTypeError, DataConfig, LossScaleConfig, MeshConfig, ModelConfig,
+    ConfigTypeError, DataConfig, Fp8Config, LossScaleConfig, MeshConfig, ModelConfig,
     OptimizerConfig, ParamGroupConfig, PrecisionConfig, RunConfig, ScheduleConfig,
     TokenizeConfig, TrainConfig,
     apply_overrides, dump_config, parse_override, parse_yaml, read_config, to_dict)

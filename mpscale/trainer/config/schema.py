@@ -172,6 +172,29 @@ UpdateRounding = Literal["nearest", "stochastic", "kahan"]
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """FP8 matrix products in the tiny LM's blocks (`mpscale.fp8_dot_general`; the
+  scaling state is the model state, `mpscale.trainer.models.lm.TinyLM`)."""
+  recipe: Optional[str] = None
+  """``delayed`` (scales from the amax history, Transformer Engine's
+  ``DelayedScaling``), ``current`` (each tensor's own amax), ``blockwise``
+  (DeepSeek-V3's 1 x 128 tiles and 128 x 128 blocks); ``null``: off."""
+  history_len: int = 1024
+  """Amaxes each scale's history keeps (one entry a micro-batch)."""
+  margin: int = 0
+  """``scale = fp8_max / amax / 2**margin``."""
+  amax_compute: str = "max"
+  """How delayed scaling reduces the history: ``max`` or ``most_recent``."""
+  products: tuple[str, ...] = ("qkv", "out", "fc", "proj")
+  """The block's products in FP8: ``qkv``, ``out`` (attention's output projection),
+  ``fc`` and ``proj`` (the MLP's)."""
+  bf16_layers: int = 1
+  """Blocks at each end kept in the compute dtype (Megatron's
+  ``--first-last-layers-bf16``); ``2 * bf16_layers < model.num_layers``. The head
+  is never FP8."""
+
+
+@dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
   """The precision policy (`mpscale.get_policy`)."""
   policy: str = "O0"
@@ -187,6 +210,9 @@ class PrecisionConfig:
   (`mpscale.stochastic_rounding`, keyed by ``seed``) or ``kahan``
   (`mpscale.kahan_summation`: 2 more bytes a 16-bit parameter), last in the optimizer
   chain. float32 parameters are not affected."""
+  fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
+  """FP8 products in the tiny LM's blocks (``recipe: null``: off); not with a
+  pipeline (``mesh.stage > 1``) or a user's model yet."""
 
 
 @dataclasses.dataclass(frozen=True)

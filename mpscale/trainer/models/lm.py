@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from mpscale import fp8 as fp8_lib
 from mpscale import norms as norms_lib
 from mpscale import sharding as sharding_lib
 from mpscale import validation
@@ -184,9 +185,16 @@ class Block(nn.Module):
   attention: str = "xla"
   """``"xla"`` or ``"cudnn"`` (for 16-bit activations; float32 ones, as at
   initialization, take XLA's)."""
+  fp8: Optional[fp8_lib.Fp8Recipe] = None
+  """The FP8 products' recipe, for the products ``fp8_states`` names."""
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array,
+               fp8_states: Optional[dict[str, fp8_lib.Fp8State]] = None) -> jax.Array:
+    """``x`` through the block; the products (``qkv``, ``out``, ``fc``, ``proj``)
+    that ``fp8_states`` holds a state for multiply in FP8 (`mpscale.fp8_dot_general`
+    with ``fp8``), the others in the activation dtype."""
+    dense = functools.partial(_dense, self.fp8, fp8_states or {})
     dtype = self.dtype or x.dtype
     x = self.shard(x.astype(dtype), "residual")
     batch, length, d_model = x.shape
@@ -196,7 +204,7 @@ class Block(nn.Module):
     out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.num_layers))
 
     h = nn.LayerNorm(dtype=dtype, name="ln_attn")(x)
-    qkv = nn.Dense(3 * d_model, dtype=dtype, name="qkv",
+    qkv = dense(3 * d_model, dtype=dtype, name="qkv",
                    kernel_init=_heads_major(init, self.num_heads))(h)
     qkv = qkv.reshape(batch, length, self.num_heads, 3, head_dim)
     q, k, v = (self.shard(qkv[:, :, :, i], "heads") for i in range(3))
@@ -208,17 +216,36 @@ class Block(nn.Module):
       attn = causal_attention(q, k, v)
     attn = self.shard(attn.astype(dtype), "heads")
     attn = attn.reshape(batch, length, d_model)
-    x = x + nn.Dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
+    x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
     x = self.shard(x, "residual")
 
     h = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x)
-    h = self.shard(nn.Dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h),
+    h = self.shard(dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h),
                    "mlp")
     # float32: tanh-GELU's x**3 overflows float16 for |x| > 40, and its gradient is
     # then inf * 0 = NaN.
     h = nn.gelu(h.astype(jnp.float32)).astype(dtype)
-    x = x + nn.Dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h)
+    x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h)
     return self.shard(x, "residual")
+
+
+FP8_PRODUCTS = ("qkv", "out", "fc", "proj")
+"""The block's four matrix products, in `Block`'s names (``precision.fp8.products``)."""
+
+
+def _dense(recipe: Optional[fp8_lib.Fp8Recipe], states: dict[str, fp8_lib.Fp8State],
+           *args: Any, name: str, **kwargs: Any) -> nn.Dense:
+  """``nn.Dense(*args, name=name, **kwargs)``, its product in FP8 where ``states``
+  holds one for ``name``."""
+  state = states.get(name)
+  if state is None:
+    return nn.Dense(*args, name=name, **kwargs)
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None,
+                  preferred_element_type=None):
+    return fp8_lib.fp8_dot_general(lhs, rhs, dimension_numbers, state, recipe,
+                                   precision, preferred_element_type)
+  return nn.Dense(*args, name=name, dot_general=dot_general, **kwargs)
 
 
 class Head(nn.Module):
@@ -303,6 +330,19 @@ class TinyLM:
       choice.
     attention: ``"xla"`` or ``"cudnn"`` (`Block.attention`; `attention_for` chooses
       one for a config).
+    fp8: an `mpscale.Fp8Recipe` to multiply the blocks' ``fp8_products`` in FP8
+      (`mpscale.fp8_dot_general`); ``None``: off. The first and last ``bf16_layers``
+      blocks and the head stay in the compute dtype (Megatron's
+      ``--first-last-layers-bf16``). The FP8 scaling state is a model state,
+      `init_model_state`: ``{"_overwrite_with_gradient": {"stages": {product:
+      Fp8State stacked over the FP8 blocks}}}``; ``loss_fn(params, batch,
+      model_state=state)`` multiplies in FP8 with it and returns ``(out, state)``
+      (the state as given: its gradient is its update, which `mpscale.make_train_step`
+      puts in the new state). Without a state the model runs in the compute dtype
+      (sampling), and a pipeline's ``stage_fn`` never uses FP8.
+    fp8_products: which of `FP8_PRODUCTS` multiply in FP8.
+    bf16_layers: blocks at each end kept out of FP8; ``2 * bf16_layers <
+      num_layers``.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -326,6 +366,9 @@ class TinyLM:
   remat: bool = False
   shard: Optional[ActivationSharding] = None
   attention: str = "xla"
+  fp8: Optional[fp8_lib.Fp8Recipe] = None
+  fp8_products: tuple[str, ...] = FP8_PRODUCTS
+  bf16_layers: int = 1
 
   SIZES: ClassVar[tuple[str, ...]] = ("vocab_size", "d_model", "num_heads",
                                       "num_layers", "d_ff", "seq_len", "init_std")
@@ -348,13 +391,40 @@ class TinyLM:
           f"{{0}} ({self.d_model}) must be divisible by {{1}} ({self.num_heads})")
     validation.boolean("remat", self.remat)
     validation.one_of("attention", self.attention, ATTENTION[1:])
+    if self.fp8 is not None:
+      self._check_fp8()
+
+  def _check_fp8(self) -> None:
+    if not isinstance(self.fp8, fp8_lib.Fp8Recipe):
+      raise validation.fail("fp8", " must be an mpscale.Fp8Recipe (mpscale.fp8_recipe) "
+                            f"or None; got {type(self.fp8).__name__}",
+                            validation.ArgumentTypeError)
+    products = self.fp8_products
+    if isinstance(products, str) or not isinstance(products, (tuple, list)):
+      raise validation.fail("fp8_products", f" must be a list of {FP8_PRODUCTS}; got "
+                            f"{products!r}", validation.ArgumentTypeError)
+    for product in products:
+      if product not in FP8_PRODUCTS:
+        raise validation.fail("fp8_products", f": {product!r} names no product of the "
+                              f"block; choose from {', '.join(FP8_PRODUCTS)}")
+    if not products:
+      raise validation.fail("fp8_products", " is empty: name a product, or turn FP8 "
+                            "off")
+    validation.integer("bf16_layers", self.bf16_layers, 0)
+    if 2 * self.bf16_layers >= self.num_layers:
+      raise validation.ArgumentError(
+          ("bf16_layers", "num_layers"),
+          f"{{0}} ({self.bf16_layers}) keeps the first and last {self.bf16_layers} "
+          f"of the {{1}} ({self.num_layers}) blocks out of FP8, leaving none in it: "
+          f"lower {{0}} below {self.num_layers / 2:g}")
 
   def _embed(self) -> Embed:
     return Embed(self.vocab_size, self.d_model, self.seq_len, self.init_std)
 
   def _block(self, dtype: Any = None) -> Block:
     return Block(self.num_heads, self.d_ff, self.init_std, self.num_layers, dtype=dtype,
-                 shard=self.shard or _unconstrained, attention=self.attention)
+                 shard=self.shard or _unconstrained, attention=self.attention,
+                 fp8=self.fp8)
 
   def _head(self, dtype: Any = None) -> Head:
     return Head(self.vocab_size, self.init_std, dtype=dtype)
@@ -451,22 +521,78 @@ class TinyLM:
       mask = jnp.ones(batch["targets"].shape, jnp.float32)
     return cross_entropy_sum(logits, batch["targets"], mask)
 
-  def hidden_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
-    """The last hidden states: ``embed_fn`` then every block (a ``lax.scan``)."""
-    stage = jax.checkpoint(self.stage_fn) if self.remat else self.stage_fn
+  def init_model_state(self) -> Optional[dict[str, Any]]:
+    """The FP8 products' first scaling state (`mpscale.fp8_state` of the recipe, one
+    per FP8 block, stacked on axis 0 as ``params["stages"]`` is), in the
+    ``_overwrite_with_gradient`` collection; ``None`` without ``fp8``."""
+    if self.fp8 is None:
+      return None
+    count = self.num_layers - 2 * self.bf16_layers
+    one = fp8_lib.fp8_state(self.fp8)
+    stacked = {product: jax.tree_util.tree_map(
+        lambda x: jnp.tile(x[None], (count,) + (1,) * x.ndim), one)
+               for product in self.fp8_products}
+    return {fp8_lib.OVERWRITE_WITH_GRADIENT: {"stages": stacked}}
 
-    def body(x, layer_params):
-      return stage(layer_params, x), None
+  def _fp8_states(self, model_state: Any) -> Optional[dict[str, Any]]:
+    """The stacked per-product states of ``model_state`` (``None``: no FP8)."""
+    if model_state is None:
+      return None
+    if self.fp8 is None:
+      raise validation.fail("model_state", ": the model has no FP8 products (fp8 is "
+                            "None), so it keeps no state; pass none")
+    return model_state[fp8_lib.OVERWRITE_WITH_GRADIENT]["stages"]
 
+  def _layers(self, params: Params, x: jax.Array, fp8_states: Any = None
+             ) -> jax.Array:
+    """``x`` through the blocks of ``params["stages"]`` (a ``lax.scan``), the
+    products of ``fp8_states`` (stacked alike) in FP8."""
+    def block(layer_params, x, states):
+      dtype = layer_params["qkv"]["kernel"].dtype
+      return self._block(dtype).apply({"params": layer_params}, x, states)
+    stage = jax.checkpoint(block) if self.remat else block
+
+    def body(x, xs):
+      layer_params, states = xs
+      return stage(layer_params, x, states), None
+
+    layers = jax.tree_util.tree_leaves(params)[0].shape[0]
     # Unrolled for up to 8 layers: XLA compiles it about twice as fast as a loop.
-    x, _ = lax.scan(body, self.embed_fn(params, batch), params["stages"],
-                    unroll=self.num_layers <= 8)
+    x, _ = lax.scan(body, x, (params, fp8_states), unroll=layers <= 8)
     return x
 
-  def loss_fn(self, params: Params, batch: dict[str, jax.Array]
-             ) -> tuple[jax.Array, jax.Array]:
-    """The unpipelined model: ``(loss_sum, num_tokens)`` for a per-token loss."""
-    return self.head_fn(params, self.hidden_fn(params, batch), batch)
+  def hidden_fn(self, params: Params, batch: dict[str, jax.Array],
+                model_state: Any = None) -> jax.Array:
+    """The last hidden states: ``embed_fn`` then every block (a ``lax.scan``); with
+    an FP8 ``model_state`` (`init_model_state`), three scans: the first
+    ``bf16_layers`` blocks, the FP8 ones, the last ``bf16_layers``."""
+    x = self.embed_fn(params, batch)
+    states = self._fp8_states(model_state)
+    if states is None:
+      return self._layers(params["stages"], x)
+    ends, n = self.bf16_layers, self.num_layers
+    part = lambda a, b: jax.tree_util.tree_map(lambda p: p[a:b], params["stages"])
+    if ends:
+      x = self._layers(part(0, ends), x)
+    x = self._layers(part(ends, n - ends), x, states)
+    if ends:
+      x = self._layers(part(n - ends, n), x)
+    return x
+
+  def loss_fn(self, params: Params, batch: dict[str, jax.Array],
+              model_state: Any = None) -> Any:
+    """The unpipelined model: ``(loss_sum, num_tokens)`` for a per-token loss; with
+    an FP8 ``model_state``, ``((loss_sum, num_tokens), model_state)`` (the state as
+    given: its gradient is its update)."""
+    out = self.head_fn(params, self.hidden_fn(params, batch, model_state), batch)
+    return out if model_state is None else (out, model_state)
+
+  def evaluate(self, params: Params, batch: dict[str, jax.Array],
+               model_state: Any = None) -> tuple[jax.Array, jax.Array]:
+    """``(loss_sum, num_tokens)`` as ``loss_fn`` computes it (in FP8 with a state),
+    without the state."""
+    out = self.loss_fn(params, batch, model_state)
+    return out if model_state is None else out[0]
 
   def generate(self, params: Params, prompt: np.ndarray, num_tokens: int, *,
                rng: jax.Array, temperature: float = 1.0,
@@ -512,10 +638,13 @@ class TinyLM:
       text.append(int(next_token(params, jnp.asarray(tokens), len(context), key)))
     return np.asarray(text[-(begin + num_tokens):] if begin else text[1:], np.int32)
 
-  def mean_loss_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
-    """The mean cross-entropy per token of ``batch`` (for ``per_token_loss=False``)."""
-    loss_sum, num_tokens = self.loss_fn(params, batch)
-    return loss_sum / jnp.maximum(num_tokens, 1.0)
+  def mean_loss_fn(self, params: Params, batch: dict[str, jax.Array],
+                   model_state: Any = None) -> Any:
+    """The mean cross-entropy per token of ``batch`` (for ``per_token_loss=False``);
+    with an FP8 ``model_state``, ``(mean, model_state)``."""
+    loss_sum, num_tokens = self.evaluate(params, batch, model_state)
+    mean = loss_sum / jnp.maximum(num_tokens, 1.0)
+    return mean if model_state is None else (mean, model_state)
 
 
 def num_params(params: Any) -> int:

@@ -807,7 +807,8 @@ def load(out_dir: str, devices: Optional[int] = None,
     for ``module.apply(variables, x, ...)``;
   - an `mpscale.trainer.Model`: ``params``, or ``(params, model_state)`` when it has a
     state (or what its ``export`` gives);
-  - the built-in tiny LM: its ``params`` (``TinyLM.generate`` takes them).
+  - the built-in tiny LM: its ``params`` (``TinyLM.generate`` takes them); with FP8
+    blocks (``precision.fp8``), ``(params, model_state)``, the state their scales.
 
   Parameters come back in float32 (the masters). A run trained with a model passed
   from Python (not ``model.provider``) cannot be rebuilt from its folder; an NNX

@@ -238,3 +238,73 @@ def test_a_cudnn_model_computes_float32_activations_with_xla(params, batch):
   assert "cudnn" not in text
   np.testing.assert_allclose(jax.jit(fused.mean_loss_fn)(params, batch),
                              jax.jit(plain.mean_loss_fn)(params, batch), rtol=1e-6)
+
+
+# ------------------------------------------------------------------ FP8 blocks
+FP8_CFG = config.ModelConfig(d_model=32, num_heads=4, num_layers=4, d_ff=64,
+                             seq_len=16)
+
+
+def _fp8_model(recipe="delayed", **kwargs):
+  return lm.TinyLM.from_sizes(
+      FP8_CFG, fp8=mpscale.fp8_recipe(recipe, history_len=8), **kwargs)
+
+
+def test_fp8_state_is_stacked_over_the_middle_blocks_and_passes_through(batch):
+  model = _fp8_model(fp8_products=("qkv", "fc"))
+  params = model.init(jax.random.key(0))
+  state = model.init_model_state()
+  stages = state["_overwrite_with_gradient"]["stages"]
+  assert set(stages) == {"qkv", "fc"}
+  for leaf in jax.tree_util.tree_leaves(stages):
+    assert leaf.shape[0] == FP8_CFG.num_layers - 2 and leaf.dtype == jnp.float32
+  (loss_sum, tokens), new = jax.jit(model.loss_fn)(params, batch, state)
+  assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
+  plain = jax.jit(model.loss_fn)(params, batch)  # no state: no FP8
+  assert tokens == plain[1] and loss_sum != plain[0]
+  np.testing.assert_allclose(loss_sum, plain[0], rtol=2e-2)
+  assert lm.TinyLM.from_sizes(FP8_CFG).init_model_state() is None
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_fp8_state_gradient_updates_every_fp8_block(batch, remat):
+  """Each FP8 block's products record their amaxes through the state's gradient
+  (the first and last blocks, kept in bf16, have no state); remat changes nothing."""
+  model = _fp8_model(remat=remat)
+  params = model.init(jax.random.key(0))
+  state = model.init_model_state()
+
+  def loss(p, s):
+    (loss_sum, tokens), _ = model.loss_fn(p, batch, s)
+    return loss_sum / tokens
+
+  grads, new = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
+  for meta in jax.tree_util.tree_leaves(
+      new, is_leaf=lambda x: isinstance(x, mpscale.Fp8Meta)):
+    assert np.all(meta.amax_history[:, 0] > 0)  # every block, every tensor
+    assert np.all(meta.scale != 1.0)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
+  if remat:
+    reference = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        params, _fp8_model(remat=False).init_model_state())
+    for a, b in zip(jax.tree_util.tree_leaves((grads, new)),
+                    jax.tree_util.tree_leaves(reference)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ({"fp8_products": ("qkv", "mlp")}, ("fp8_products",)),
+    ({"fp8_products": ()}, ("fp8_products",)),
+    ({"bf16_layers": 2}, ("bf16_layers", "num_layers")),
+    ({"bf16_layers": -1}, ("bf16_layers",)),
+])
+def test_bad_fp8_settings_are_refused_by_name(kwargs, names):
+  with pytest.raises(mpscale.ArgumentError) as err:
+    _fp8_model(**kwargs)
+  assert err.value.names == names
+
+
+def test_a_state_without_fp8_is_refused(params, batch):
+  with pytest.raises(mpscale.ArgumentError) as err:
+    lm.TinyLM.from_sizes(CFG).loss_fn(params, batch, {"x": jnp.zeros(())})
+  assert err.value.names == ("model_state",)

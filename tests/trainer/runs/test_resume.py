@@ -160,3 +160,37 @@ def test_corrupt_checkpoint_is_refused_by_name(tmp_path):
   assert result.returncode == 2, result.stderr[-3000:]
   assert str(step_dir) in result.stderr and "cannot restore" in result.stderr
   assert (run / "metrics.csv").read_bytes() == before  # nothing overwritten
+
+
+def test_an_fp8_run_resumes_to_the_same_losses_and_fp8_state(tmp_path):
+  """The FP8 scaling state is the TrainState's model state: checkpointed, restored,
+  and carried on as the uninterrupted run carries it (in process, from step 2 of 4;
+  2 micro-batches, so two history entries a step)."""
+  import shutil
+  import jax
+  import mpscale.trainer
+  cfg = {"model": {"d_model": 32, "num_heads": 2, "num_layers": 3, "d_ff": 64,
+                   "seq_len": 32},
+         "data": {"batch_size": 8, "eval_batches": 1},
+         "train": {"steps": 4, "log_every": 1, "eval_every": 4, "checkpoint_every": 2,
+                   "keep_checkpoints": 10, "num_microbatches": 2},
+         "schedule": {"warmup_steps": 1},
+         "precision": {"policy": "bf16", "fp8": {"recipe": "delayed",
+                                                 "history_len": 32}}}
+  whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+  mpscale.trainer.run(cfg, out_dir=whole, verbose=False, progress=False)
+  shutil.copytree(whole, part)
+  shutil.rmtree(os.path.join(part, "checkpoints", "4"))
+  mpscale.trainer.run(cfg, out_dir=part, resume=True, verbose=False, progress=False)
+
+  def losses(out):
+    with open(os.path.join(out, "metrics.csv"), newline="") as f:
+      return [(r["step"], r["loss"]) for r in csv.DictReader(f)]
+  assert losses(part) == losses(whole) and len(losses(whole)) == 4
+  (_, resumed), (_, uninterrupted) = (mpscale.trainer.load(part),
+                                      mpscale.trainer.load(whole))
+  for a, b in zip(jax.tree_util.tree_leaves(resumed),
+                  jax.tree_util.tree_leaves(uninterrupted)):
+    np.testing.assert_array_equal(a, b)
+  history = resumed["_overwrite_with_gradient"]["stages"]["fc"].lhs.amax_history
+  assert np.count_nonzero(history) == 8  # 4 steps x 2 micro-batches, 1 FP8 block
