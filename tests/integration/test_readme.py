@@ -61,6 +61,11 @@ def _check_guide(namespace, code):
   assert "no_decay" in metrics["group_learning_rates"]
   stated = re.search(r"print\(landed\)\n# (\{.*\})", code).group(1)
   assert namespace["landed"] == ast.literal_eval(stated)  # 16-bit parameters
+  stated = re.search(r"float\(meta\.scale\)\)\n# (\[.*\]) (\S+)", code).groups()
+  meta = namespace["meta"]  # FP8 products: the history advances per micro-batch
+  assert [round(float(meta.amax_history[i]), 3) for i in (0, -1, 1)] == (
+      ast.literal_eval(stated[0]))
+  assert float(meta.scale) == float(stated[1])
 
 
 def _check_trainer(namespace, code):
