@@ -433,6 +433,7 @@ def test_the_tiny_lm_trains_with_fp8_blocks_near_bf16(recipe, bf16_losses, tmp_p
      ("precision.fp8.recipe", "model.provider")),
     ({}, {"precision": {"grad_reduce_dtype": "float32"}},
      ("precision.grad_reduce_dtype", "precision.fp8.recipe")),
+    ({}, {"precision": {"policy": "O2"}}, ("precision.fp8.recipe", "precision.policy")),
 ])
 def test_bad_fp8_settings_are_refused_by_key(fp8, extra, names):
   raw = _fp8_config(**{"recipe": "delayed", **fp8})
