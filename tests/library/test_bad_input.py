@@ -110,6 +110,7 @@ def test_every_config_section_rejects_an_unknown_key(section):
     ("loss_scale.backoff_factor=2.0", "loss_scale.backoff_factor"),
     ("optimizer.name=sgd", "optimizer.name"), ("precision.policy=O7", "precision.policy"),
     ("precision.update_rounding=floor", "precision.update_rounding"),
+    ("precision.fp8.recipe=fast", "precision.fp8.recipe"),
 ])
 def test_impossible_config_values_name_their_key(override, key):
   overrides = [override]
