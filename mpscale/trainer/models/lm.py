@@ -378,7 +378,7 @@ class TinyLM:
   def from_sizes(cls, sizes: Any, **kwargs: Any) -> "TinyLM":
     """A model with the `SIZES` read off ``sizes`` (any object with those
     attributes, e.g. the config's ``model`` section); ``kwargs``: ``remat``,
-    ``shard``, ``attention``."""
+    ``shard``, ``attention``, ``fp8``, ``fp8_products``, ``bf16_layers``."""
     return cls(**{name: getattr(sizes, name) for name in cls.SIZES}, **kwargs)
 
   def __post_init__(self):
