@@ -308,3 +308,14 @@ def test_a_state_without_fp8_is_refused(params, batch):
   with pytest.raises(mpscale.ArgumentError) as err:
     lm.TinyLM.from_sizes(CFG).loss_fn(params, batch, {"x": jnp.zeros(())})
   assert err.value.names == ("model_state",)
+
+
+def test_fp8_with_no_bf16_layers_puts_every_block_in_fp8(batch):
+  model = _fp8_model(bf16_layers=0)
+  params = model.init(jax.random.key(0))
+  state = model.init_model_state()
+  for leaf in jax.tree_util.tree_leaves(state):
+    assert leaf.shape[0] == FP8_CFG.num_layers
+  grad = jax.jit(jax.grad(lambda s: model.loss_fn(params, batch, s)[0][0]))(state)
+  assert np.all(grad["_overwrite_with_gradient"]["stages"]["qkv"].lhs.amax_history[:, 0]
+                > 0)
