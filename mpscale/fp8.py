@@ -469,11 +469,17 @@ def _scaled_dot(a: jax.Array, b: jax.Array, numbers: Any,
                 inv_scale: Optional[jax.Array], out_dtype: Any, precision: Any,
                 out_sharding: Any = None) -> jax.Array:
   """``dot_general(a, b) * inv_scale`` in ``out_dtype``: on f8 operands, the pattern
-  XLA's GPU compiler makes one FP8 GEMM of (the scale into its alpha)."""
+  XLA's GPU compiler makes one FP8 GEMM of (the scale into its alpha). The f8
+  product accumulates and is scaled in float32 before the cast to ``out_dtype``, as
+  the FP8 GEMM does: a float16 result of the unscaled product overflows (up to 448^2
+  a term, summed over the contraction, past float16's 65504)."""
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  if inv_scale is None:
+    return lax.dot_general(a, b, numbers, precision=precision,
+                           preferred_element_type=out_dtype, **kwargs)
   out = lax.dot_general(a, b, numbers, precision=precision,
-                        preferred_element_type=out_dtype, **kwargs)
-  return out if inv_scale is None else out * inv_scale.astype(out_dtype)
+                        preferred_element_type=jnp.float32, **kwargs)
+  return (out * inv_scale.astype(jnp.float32)).astype(out_dtype)
 
 
 def _forward(lhs, rhs, state, static):

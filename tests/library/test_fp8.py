@@ -326,6 +326,32 @@ def test_fp8_dense_gradients_are_close_to_the_dense_layers(recipe_name, dtype):
   assert set(grads) == {"params", fp8.OVERWRITE_WITH_GRADIENT}
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_float16_products_accumulate_and_scale_in_float32(recipe_name):
+  # e4m3 values scaled up to 448: 256 terms of 448 x 448 is 5e7, far past float16's
+  # 65504 unscaled; the product and its gradients are the float32 ones within FP8's
+  # error, and finite
+  recipe = fp8.fp8_recipe(recipe_name)
+  state = fp8.fp8_state(recipe)
+  if recipe_name == "delayed":  # a history whose scale fits these operands
+    state = jax.grad(lambda s: jnp.sum(fp8.fp8_dot_general(
+        jnp.ones((4, 256), jnp.float16), jnp.ones((256, 8), jnp.float16),
+        (((1,), (0,)), ((), ())), s, recipe)), allow_int=True)(state)
+  x = jnp.ones((4, 256), jnp.float16)
+  w = jnp.ones((256, 8), jnp.float16) * 0.5
+
+  def loss(x, w):
+    out = fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state, recipe)
+    return jnp.sum(out.astype(jnp.float32)), out
+
+  (total, out), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+  assert out.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(out)))
+  np.testing.assert_allclose(np.asarray(out, np.float32), 128.0, rtol=2**-3)
+  np.testing.assert_allclose(np.asarray(dx, np.float32), 4.0, rtol=2**-2)
+  np.testing.assert_allclose(np.asarray(dw, np.float32), 4.0, rtol=2**-2)
+  assert np.isfinite(float(total))
+
+
 def test_jit_and_eager_agree():
   recipe = fp8.fp8_recipe("delayed", history_len=4)
   x = jax.random.normal(jax.random.key(0), (4, 32))

@@ -110,9 +110,7 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[fp8_lib.Fp8Recipe]:
     ArgumentError: naming the ``precision.fp8`` key at fault: an unknown recipe or
       ``amax_compute``, a ``history_len`` < 1, a negative ``margin``; FP8 with
       ``mesh.stage > 1`` (pipelines carry no model state yet) or with a user's model
-      (``model.provider``: only the built-in tiny LM has FP8 blocks), or delayed and
-      current scaling under a float16 compute dtype (``precision.policy``: the
-      products' float16 results overflow before their scales divide them).
+      (``model.provider``: only the built-in tiny LM has FP8 blocks).
   """
   fp8 = cfg.precision.fp8
   if fp8.recipe is None:
@@ -120,16 +118,6 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[fp8_lib.Fp8Recipe]:
   recipe = errors.keyed("precision.fp8", lambda: fp8_lib.fp8_recipe(
       fp8.recipe, history_len=fp8.history_len, margin=fp8.margin,
       amax_compute=fp8.amax_compute), errors.fields("precision.fp8", fp8))
-  compute = jnp.dtype(build_policy(cfg).compute_dtype)
-  if compute == jnp.float16 and fp8.recipe != "blockwise":
-    # XLA's FP8 GEMM applies the scales in float32; the products as written return
-    # the unscaled sum (448 x 448 a term) in the output dtype first.
-    raise validation.ArgumentError(
-        ("precision.fp8.recipe", "precision.policy"),
-        f"{{0}} ({fp8.recipe}) multiplies FP8 values scaled up to 448 and divides the "
-        f"scales out after the product, whose float16 result overflows (float16's "
-        f"largest is 65504); {{1}} ({cfg.precision.policy}) computes in float16: use "
-        "a bfloat16 policy (bf16) or the blockwise recipe")
   if cfg.mesh.stage > 1:
     raise validation.ArgumentError(
         ("precision.fp8.recipe", "mesh.stage"),

@@ -178,8 +178,7 @@ class Fp8Config:
   recipe: Optional[str] = None
   """``delayed`` (scales from the amax history, Transformer Engine's
   ``DelayedScaling``), ``current`` (each tensor's own amax), ``blockwise``
-  (DeepSeek-V3's 1 x 128 tiles and 128 x 128 blocks); ``null``: off. Delayed and
-  current scaling need a bfloat16 or float32 compute dtype (``precision.policy``)."""
+  (DeepSeek-V3's 1 x 128 tiles and 128 x 128 blocks); ``null``: off."""
   history_len: int = 1024
   """Amaxes each scale's history keeps (one entry a micro-batch)."""
   margin: int = 0
