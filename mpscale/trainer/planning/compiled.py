@@ -482,6 +482,11 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
   if device_memory is None and hardware is not None:
     device_memory = int(hardware.hbm_bytes)
   memory = None if device_memory is None else parse_bytes(device_memory)
+  fp8 = getattr(getattr(cfg.precision, "fp8", None), "recipe", None)
+  if fp8 and hardware is not None and "float8" not in hardware.peak_flops:
+    raise validation.fail("precision.fp8.recipe", f" ({fp8}): {hardware.name} lists no "
+                          "float8 peak (no FP8 tensor cores); plan on a profile with "
+                          "one (h100-80g) or without FP8")
   try:
     target = targets.choose(hardware, cfg.mesh.num_devices, compiler)
   except ValueError as e:

@@ -257,3 +257,15 @@ def test_too_many_devices_for_the_cpus_compiler_is_an_error_naming_devices():
   with pytest.raises(RuntimeError) as info:
     compiled._compile(Failing(), cpu)
   assert info.value is other
+
+
+def test_fp8_on_a_profile_without_fp8_is_refused_naming_the_key():
+  cfg = config_lib.config_from_dict({
+      "model": {"d_model": 32, "num_heads": 2, "num_layers": 4, "d_ff": 64,
+                "seq_len": 16}, "data": {"batch_size": 4}, "train": {"steps": 10},
+      "schedule": {"warmup_steps": 1},
+      "precision": {"policy": "bf16", "fp8": {"recipe": "delayed"}}})
+  for name in ("a100-80g", "tpu-v4"):
+    with pytest.raises(ValueError, match=rf"precision.fp8.recipe \(delayed\): {name} "
+                       "lists no float8 peak"):
+      compiled.plan(cfg, hardware=name)
