@@ -101,14 +101,17 @@ def table(records: dict[str, list[dict]]) -> list[dict]:
   return rows
 
 
-def write_curves(records: dict[str, list[dict]], path: str) -> None:
+def write_curves(records: dict[str, list[dict]], path: str, groups=None) -> None:
+  """The train-loss curves as CSV rows: run, its group (in ``groups``, this study's
+  by default), seed, step, loss."""
+  groups = GROUPS if groups is None else groups
   with open(path, "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["run", "group", "seed", "step", "loss"])
     for run, seeds in records.items():
       for s in seeds:
         for step, loss in s["curve"]:
-          writer.writerow([run, GROUPS.get(run, ""), s["seed"], step, f"{loss:.5f}"])
+          writer.writerow([run, groups.get(run, ""), s["seed"], step, f"{loss:.5f}"])
 
 
 def plot(records: dict[str, list[dict]], path: str) -> None:
