@@ -218,7 +218,25 @@ def quantize(x: jax.Array, scale: Any, dtype: Any) -> jax.Array:
   """
   bound = _fp8_max("dtype", dtype)
   scaled = jnp.asarray(x).astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
-  return jnp.clip(scaled, -bound, bound).astype(dtype)
+  clipped = jnp.clip(scaled, -bound, bound)
+  if jnp.dtype(dtype) == jnp.dtype(E5M2):
+    clipped = _e5m2_values(clipped)
+  return clipped.astype(dtype)
+
+
+def _e5m2_values(y: jax.Array) -> jax.Array:
+  """``y`` (float32, within e5m2's range) rounded to nearest even e5m2 values, still
+  float32, so that the cast to e5m2 is exact: older XLA CPU backends (jax 0.7) cast
+  float32 to e5m2 through float16, rounding twice (1.12501 became 1.0, not 1.25).
+  Normal values keep 2 of float32's 23 mantissa bits; subnormal ones (below
+  2^-14) are multiples of 2^-16."""
+  bits = lax.bitcast_convert_type(y, jnp.uint32)
+  odd = (bits >> 21) & jnp.uint32(1)
+  normal = lax.bitcast_convert_type(
+      (bits + jnp.uint32(0xFFFFF) + odd) & jnp.uint32(0xFFE00000), jnp.float32)
+  subnormal = jnp.round(y * 2.0**16) * 2.0**-16
+  return jnp.where(jnp.abs(y) < 2.0**-14, subnormal,
+                   jnp.where(jnp.isnan(y), y, normal))
 
 
 def dequantize(q: jax.Array, scale: Any, dtype: Any = jnp.float32) -> jax.Array:

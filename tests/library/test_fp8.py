@@ -556,7 +556,9 @@ def test_nnx_linear_and_einsum_take_the_product_and_update_their_state():
     state = fp8_state()
     assert isinstance(state, fp8.Fp8State), type(state)
     assert float(state.lhs.amax_history[0]) == float(jnp.abs(x).max())
-    assert float(state.lhs.scale) == np.float32(448.0) / float(jnp.abs(x).max())
+    # in float32 (NumPy 1.x would divide a float32 by a Python float in float64)
+    assert float(state.lhs.scale) == float(np.float32(448.0)
+                                           / np.float32(jnp.abs(x).max()))
     assert float(state.rhs.amax_history[0]) == float(jnp.abs(kernel).max())
 
 
