@@ -30,6 +30,8 @@ import time
 
 import yaml
 
+from mpscale.trainer.config import schema
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "configs", "published", "runs.yaml")
 BAND = (0.75, 1.33)
@@ -69,13 +71,7 @@ def plan_row(run: dict, compiler: str = "auto") -> dict:
   planned = json.loads(out.stdout)
   with open(path) as f:
     cfg = yaml.safe_load(f)
-  for item in run.get("set", []):  # the overrides the plan ran with
-    key, _, value = item.partition("=")
-    *parents, leaf = key.split(".")
-    node = cfg
-    for name in parents:
-      node = node.setdefault(name, {})
-    node[leaf] = yaml.safe_load(value)
+  cfg, _ = schema.apply_overrides(cfg, run.get("set", []))  # as the plan ran it
   if run["flops"] != "megatron":
     raise ValueError(f"{run['config']}: unknown flops {run['flops']!r}")
   flops = megatron_flops(cfg)
