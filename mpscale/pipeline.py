@@ -214,6 +214,12 @@ class Pipeline:
       ``jax.checkpoint_policies`` policy. Every schedule runs each layer under it;
       1F1B and ZB-H1 keep the residuals of each micro-batch's forward until its
       backward (`pipeline_schedules` bounds how many).
+    merge_state: how the updates of a layer state (`value_and_grad`'s
+      ``model_state``) from several micro-batches and data replicas combine into
+      one: ``merge_state(updates) -> state``, ``updates`` the state's tree with a
+      leading axis of updates (FP8 scaling state:
+      ``functools.partial(mpscale.fp8.merge_stacked, recipe=recipe)``); ``None``:
+      the pipeline takes no model state.
   """
   embed_fn: Callable
   stage_fn: Callable
@@ -227,6 +233,7 @@ class Pipeline:
   layer_order: str = "model"
   num_stages: Optional[int] = None
   recompute: Any = "none"
+  merge_state: Optional[Callable] = None
 
   def __post_init__(self):
     for name in ("embed_fn", "stage_fn", "head_fn"):
@@ -236,6 +243,8 @@ class Pipeline:
     validation.one_of("schedule", self.schedule, SCHEDULES)
     validation.boolean("remat", self.remat)
     validation.one_of("layer_order", self.layer_order, LAYER_ORDERS)
+    if self.merge_state is not None:
+      validation.function("merge_state", self.merge_state)
     recompute_policy(self.recompute)  # a RECOMPUTE name, or a policy
     if self.remat and self.recompute not in ("none", "full"):
       raise validation.ArgumentError(
@@ -297,51 +306,78 @@ class Pipeline:
     ``"full"`` with ``remat``); ``None``: no recomputation."""
     return recompute_policy("full" if self.remat else self.recompute)
 
-  def layer(self, key: Optional[jax.Array] = None) -> Callable:
+  def layer(self, key: Optional[jax.Array] = None, stateful: bool = False
+           ) -> Callable:
     """One layer, ``(layer_params, x) -> x``, under `policy`; with ``key`` (raw key
-    data) it draws from that key."""
-    return _under(self.policy(), self.plain_layer(key))
+    data) it draws from that key; ``stateful``: ``((layer_params, layer_state), x)
+    -> x``, the state passed to ``stage_fn`` as ``state=``."""
+    return _under(self.policy(), self.plain_layer(key, stateful))
 
-  def plain_layer(self, key: Optional[jax.Array] = None) -> Callable:
+  def plain_layer(self, key: Optional[jax.Array] = None, stateful: bool = False
+                 ) -> Callable:
     """`layer` without the recompute policy."""
-    if key is None:
-      return self.stage_fn
-    return lambda p, h: self.stage_fn(p, h, rng=jax.random.wrap_key_data(key))
+    if not stateful:
+      return lambda p, h: self._stage(p, h, key)
+    return lambda ps, h: self._stage(ps[0], h, key, ps[1])
+
+  def _stage(self, p: Any, h: jax.Array, key: Optional[jax.Array] = None,
+             state: Any = None) -> jax.Array:
+    """``stage_fn(p, h)``, with ``rng=`` (from raw key data) and ``state=`` where
+    given."""
+    extras = {}
+    if key is not None:
+      extras["rng"] = jax.random.wrap_key_data(key)
+    if state is not None:
+      extras["state"] = state
+    return self.stage_fn(p, h, **extras)
 
   def _layers(self, layer_params: Any, x: jax.Array,
               keys: Optional[jax.Array] = None,
-              gather: Optional[Callable] = None) -> jax.Array:
+              gather: Optional[Callable] = None, states: Any = None) -> jax.Array:
     """The stacked layers in order; ``keys``: one raw key per layer, or ``None``;
     ``gather``: each layer's parameters gathered where it runs (`_FSDP.layer`),
-    recomputed in the backward rather than kept, or ``None``."""
-    def body(h, pk):
-      p, key = pk
+    recomputed in the backward rather than kept, or ``None``; ``states``: each
+    layer's state (stacked alike), or ``None``."""
+    stateful = states is not None
+
+    def body(h, xs):
+      p, key, s = xs
+      p = (p, s) if stateful else p
       if gather is None:
-        return self.layer(key)(p, h), None
-      fn = lambda p, h: self.layer(key)(gather(p), h)  # noqa: E731
+        return self.layer(key, stateful)(p, h), None
+      at = (lambda ps: (gather(ps[0]), ps[1])) if stateful else gather
+      fn = lambda p, h: self.layer(key, stateful)(at(p), h)  # noqa: E731
       return jax.checkpoint(fn, policy=_gathers_recomputed(self.policy()))(p, h), None
-    x, _ = lax.scan(body, x, (layer_params, keys))
+    x, _ = lax.scan(body, x, (layer_params, keys, states))
     return x
 
-  def apply(self, params: Any, batch: Any, rng: Optional[jax.Array] = None) -> Any:
+  def apply(self, params: Any, batch: Any, rng: Optional[jax.Array] = None,
+            model_state: Any = None) -> Any:
     """The whole model on one device: ``head_fn(embed_fn -> all layers)``.
 
     With ``rng`` (a key) each function is called with ``rng=`` as well: ``embed_fn``
     with ``fold_in(rng, 0)``, layer ``l`` with ``fold_in(rng, 1 + l)`` and ``head_fn``
     with ``fold_in(rng, 1 + num_layers)`` (`Pipeline.keys`), so a layer draws the same
-    masks on whichever stage it runs. ``params`` are stored in ``layer_order``.
+    masks on whichever stage it runs. With ``model_state`` (the layers' states,
+    stacked as ``params[stages_key]``; see `value_and_grad`) layer ``l`` is called
+    with ``state=`` its state; the state's gradient is then its update from the
+    whole batch. ``params`` and ``model_state`` are stored in ``layer_order``.
     """
     if self.layer_order == "device":
       params = self.to_model_order(params)
+      if model_state is not None:
+        model_state = self.to_model_order({self.stages_key: model_state}
+                                         )[self.stages_key]
+    layers = params[self.stages_key]
     if rng is None:
       x = self.embed_fn(params, batch)
-      x = self._layers(params[self.stages_key], x)
+      x = self._layers(layers, x, states=model_state)
       return self.head_fn(params, x, batch)
-    num_layers = jax.tree_util.tree_leaves(params[self.stages_key])[0].shape[0]
+    num_layers = jax.tree_util.tree_leaves(layers)[0].shape[0]
     embed_key, layer_keys, head_key = self.keys(rng, jnp.arange(num_layers),
                                                 num_layers)
     x = self.embed_fn(params, batch, rng=embed_key)
-    x = self._layers(params[self.stages_key], x, jax.random.key_data(layer_keys))
+    x = self._layers(layers, x, jax.random.key_data(layer_keys), states=model_state)
     return self.head_fn(params, x, batch, rng=head_key)
 
   @staticmethod
@@ -429,7 +465,7 @@ class Pipeline:
     """The keys of ``params`` holding stacked layers."""
     return (self.stages_key,)
 
-  def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any]]:
+  def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any, Any]]:
     return _gpipe if self.schedule == "gpipe" else _ticked  # 1f1b or zb_h1
 
   def value_and_grad(self, params: Any, batch: Any, *, mesh: Mesh,
@@ -438,7 +474,7 @@ class Pipeline:
                      cast: Callable[[Any], Any] = lambda p: p,
                      param_specs: Any = None,
                      rng: Optional[jax.Array] = None,
-                     grad_reduce_dtype: Any = None) -> Gradients:
+                     grad_reduce_dtype: Any = None, model_state: Any = None) -> Any:
     """Loss and gradients of ``loss_scale * loss``, pipelined over ``mesh``.
 
     ``shard_map`` is manual over the stage axis and the data axes; every other axis
@@ -475,16 +511,29 @@ class Pipeline:
         float32, every tick casts the masters itself, so each micro-batch's gradient
         is widened before it is added (Megatron-LM's
         ``accumulate_allreduce_grads_in_fp32``).
+      model_state: the layers' state, ``None`` or a pytree of float arrays stacked
+        as ``params[stages_key]`` (leading axis the layers, in ``layer_order``) whose
+        cotangent is its update: FP8 products' scaling state (`mpscale.fp8`, an
+        ``_overwrite_with_gradient`` collection), whose products' custom VJPs give
+        the updated state as the state's gradient. Layer ``l`` is called with
+        ``state=`` its state. Every micro-batch of every data replica starts from
+        it (FP8's delayed scales are the step's), each one's update is kept apart
+        (a copy of the state per micro-batch and replica, laid out over the stage
+        and data axes) and ``merge_state`` combines them once, after the
+        schedule: for FP8 the state a single call on the whole batch records, the
+        same on every replica. Needs ``merge_state``.
 
     Returns:
       `mpscale.gradients.Gradients` ``(grads, loss, num_tokens)``: the gradients of
       ``loss_scale * loss`` laid out like ``params``, the unscaled mean loss, and the
       token count (with ``per_token_loss``; else micro-batches x data replicas).
+      With a ``model_state``, the pair ``(Gradients, new_model_state)``; a layer
+      that did not use its state gets zeros (its cotangent).
     """
     return self._run(self._executor(), params, batch, mesh=mesh, data_axis=data_axis,
                      loss_scale=loss_scale, per_token_loss=per_token_loss, cast=cast,
                      param_specs=param_specs, rng=rng,
-                     grad_reduce_dtype=grad_reduce_dtype)
+                     grad_reduce_dtype=grad_reduce_dtype, model_state=model_state)
 
   def residual_bytes(self, params: Any, batch: Any, *, mesh: Mesh, **kwargs: Any
                      ) -> dict[str, int]:
@@ -513,7 +562,7 @@ class Pipeline:
       report.update(layer=int(layer), items=int(items), layers=ops.n,
                     total=int(layer) * int(items) * ops.n)
       # Shapes alone: the step itself is not traced again.
-      return run.zero(), run.zero(), run.vary(_float32_zeros(params))
+      return run.zero(), run.zero(), run.vary(_float32_zeros(params)), None
 
     jax.eval_shape(lambda p, b: self._run(executor, p, b, mesh=mesh, **kwargs),
                    params, batch)
@@ -523,9 +572,13 @@ class Pipeline:
            data_axis: Any = "data", loss_scale: Any = 1.0,
            per_token_loss: bool = False, cast: Callable[[Any], Any] = lambda p: p,
            param_specs: Any = None, rng: Optional[jax.Array] = None,
-           grad_reduce_dtype: Any = None) -> Gradients:
-    """`value_and_grad` with ``executor(run, params) -> (loss, count, grads)``."""
+           grad_reduce_dtype: Any = None, model_state: Any = None) -> Any:
+    """`value_and_grad` with ``executor(run, params) -> (loss, count, grads,
+    state updates)``."""
     self.check(params, mesh, data_axis, batch)
+    stateful = model_state is not None
+    if stateful:
+      self._check_state(model_state, params)
     float32_sums = check_grad_reduce_dtype(grad_reduce_dtype) is not None
     specs = self.param_specs(params, param_specs)
     data_axes = sharding_lib.data_axes(mesh, data_axis)
@@ -540,9 +593,10 @@ class Pipeline:
         lambda spec: sharding_lib.only_axes(spec, axes), specs,
         is_leaf=sharding_lib.is_spec)
 
-    def per_device(params, batch, scale, keys):
+    def per_device(params, batch, scale, keys, states):
       # Everything in the loop varies over every manual axis, so autodiff puts no
       # psum in it. FSDP's split leaves stay shards: gathered where used (_FSDP).
+      # A state's copies are this device's layers x its M micro-batches already.
       varying = sharding_lib.cast_varying(params, axes)
       fsdp = _FSDP.of(varying, in_param_specs, data_axes, cast, self._stack_keys())
       micro = jax.tree_util.tree_map(
@@ -552,8 +606,8 @@ class Pipeline:
       if keys is not None:
         keys = sharding_lib.cast_varying(_replica_keys(keys, data_axes, D), axes)
       run = _PipelineRun(self, S, M, per_token_loss, cast, axes, num_layers, micro,
-                         scale, keys, float32_sums, fsdp)
-      loss, count, grads = executor(run, varying)
+                         scale, keys, float32_sums, fsdp, states)
+      loss, count, grads, updates = executor(run, varying)
       grads = _sum_invariant(grads, axes, params)
       loss, count = lax.psum(loss, axes), lax.psum(count, axes)
       if per_token_loss:
@@ -562,7 +616,7 @@ class Pipeline:
         denom = jnp.asarray(M * D, jnp.float32)
         count = jnp.asarray(M * D, jnp.float32)
       grads = jax.tree_util.tree_map(lambda g: g / denom.astype(g.dtype), grads)
-      return grads, loss / denom, count
+      return grads, loss / denom, count, updates
 
     batch_spec = sharding_lib.batch_sharding(mesh, data_axes).spec
     keys = None
@@ -573,22 +627,56 @@ class Pipeline:
         layer_ids = layer_ids[interleave]
       keys = (jax.random.key_data(jax.vmap(lambda m: keys_lib.microbatch_key(rng, m))(
           jnp.arange(M))), layer_ids)
+    copies = None
+    if stateful:
+      # One copy of the state per (replica, micro-batch): [layers, D * M, ...],
+      # the layers over the stages and the copies over the data axes.
+      copies = jax.tree_util.tree_map(
+          lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], D * M) + x.shape[1:]),
+          model_state)
+    copies_spec = P(self.stage_axis, data_axes or None)
+    state_specs = jax.tree_util.tree_map(lambda _: copies_spec, copies)
     fn = jax.shard_map(
         per_device, mesh=mesh,
         in_specs=(in_param_specs,
                   jax.tree_util.tree_map(lambda _: batch_spec, batch), P(),
-                  None if keys is None else (P(), P(self.stage_axis))),
-        out_specs=(in_param_specs, P(), P()), axis_names=set(axes))
+                  None if keys is None else (P(), P(self.stage_axis)), state_specs),
+        out_specs=(in_param_specs, P(), P(), state_specs), axis_names=set(axes))
+    reorder = lambda tree, order: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: x[order], tree)
     if permute:
       # Device s must hold its chunks s, s + S, ...: one all-to-all of the layers.
-      params = {**params, self.stages_key: jax.tree_util.tree_map(
-          lambda x: x[interleave], params[self.stages_key])}
-    grads, loss, count = fn(params, batch, jnp.asarray(loss_scale, jnp.float32), keys)
+      params = {**params, self.stages_key: reorder(params[self.stages_key],
+                                                   interleave)}
+      copies = reorder(copies, interleave)
+    grads, loss, count, updates = fn(
+        params, batch, jnp.asarray(loss_scale, jnp.float32), keys, copies)
     if permute:
       back = np.argsort(interleave)
-      grads = {**grads, self.stages_key: jax.tree_util.tree_map(
-          lambda g: g[back], grads[self.stages_key])}
-    return Gradients(grads, loss, count)
+      grads = {**grads, self.stages_key: reorder(grads[self.stages_key], back)}
+      updates = reorder(updates, back)
+    if not stateful:
+      return Gradients(grads, loss, count)
+    # The copies' updates, merged per layer: [D * M, layers, ...] -> [layers, ...].
+    new_state = self.merge_state(jax.tree_util.tree_map(
+        lambda u: jnp.swapaxes(u, 0, 1), updates))
+    return Gradients(grads, loss, count), new_state
+
+  def _check_state(self, model_state: Any, params: Any) -> None:
+    """`value_and_grad`'s ``model_state``: float leaves stacked over the layers, and
+    a ``merge_state`` to combine its updates."""
+    if self.merge_state is None:
+      raise validation.ArgumentError(
+          ("model_state", "merge_state"), "a {0} needs the Pipeline's {1}: how its "
+          "updates from several micro-batches and replicas combine")
+    num_layers = self._num_layers(params)
+    for leaf in jax.tree_util.tree_leaves(model_state):
+      if (np.ndim(leaf) == 0 or np.shape(leaf)[0] != num_layers
+          or not jnp.issubdtype(leaf.dtype, jnp.floating)):
+        raise validation.fail(
+            "model_state", f" must hold float arrays stacked over the {num_layers} "
+            f"layers (leading axis) as params[{self.stages_key!r}]; got a leaf "
+            f"{jnp.result_type(leaf)}{list(np.shape(leaf))}")
 
 
 def _replica_keys(keys: tuple[jax.Array, jax.Array], data_axes: Sequence[str],
@@ -736,6 +824,9 @@ class _PipelineRun:
   its micro-batches' gradients then add up in float32."""
   fsdp: Optional[_FSDP] = None
   """The parameters split over the data axes, gathered where used; ``None``: none."""
+  states: Any = None
+  """This device's copies of the layers' state: ``[its layers, M, ...]``, a copy per
+  micro-batch (`Pipeline.value_and_grad`'s ``model_state``); ``None``: none."""
 
   # ---- parameters: cast, and under FSDP gathered where used
   def params(self, params: Any) -> Any:
@@ -779,6 +870,19 @@ class _PipelineRun:
 
   def layer_ids(self) -> Any:
     return None if self.keys is None else self.keys[1]
+
+  @staticmethod
+  def item_states(states: Any, m: jax.Array, valid: Any = True) -> Any:
+    """Micro-batch ``m``'s copy of this device's layer ``states`` (`states`, or what
+    stands for them in a differentiation): ``[its layers, ...]``, or ``None``. Where
+    not ``valid`` (a bubble) its gradient is cut: only the tick that runs
+    micro-batch ``m`` writes that copy's update."""
+    if states is None:
+      return None
+    copy = jax.tree_util.tree_map(
+        lambda s: lax.dynamic_index_in_dim(s, m, axis=1, keepdims=False), states)
+    return jax.tree_util.tree_map(
+        lambda s: jnp.where(valid, s, lax.stop_gradient(s)), copy)
 
   def micro_keys(self, m: jax.Array, layer_ids: Any = None) -> tuple[Any, Any, Any]:
     """``(embed kwargs, raw layer keys, head kwargs)`` of micro-batch ``m`` on this
@@ -828,9 +932,10 @@ class _PipelineRun:
 
 
 def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array,
-                     keys: Optional[jax.Array], gather: Callable = lambda lp: lp
-                     ) -> jax.Array:
-  """``pipe._layers`` over chunk ``chunk`` of ``layers`` (leaves ``[v, n, ...]``).
+                     keys: Optional[jax.Array], gather: Callable = lambda lp: lp,
+                     states: Any = None) -> jax.Array:
+  """``pipe._layers`` over chunk ``chunk`` of ``layers`` (leaves ``[v, n, ...]``;
+  ``states`` alike, or ``None``).
 
   Each layer's parameters are picked from the stack inside a rematerialized body
   that saves only the outputs of its matrix products under ``recompute="none"``
@@ -843,28 +948,31 @@ def _layers_of_chunk(pipe: Pipeline, layers: Any, chunk: jax.Array, x: jax.Array
   again in the backward.
   """
   n = jax.tree_util.tree_leaves(layers)[0].shape[1]
+  pick = lambda tree, l: jax.tree_util.tree_map(  # noqa: E731
+      lambda a: a[chunk, l], tree)
 
   def body(h, l):
-    lp = gather(jax.tree_util.tree_map(lambda a: a[chunk, l], layers))
-    if keys is None:
-      return pipe.stage_fn(lp, h), None
-    return pipe.stage_fn(lp, h, rng=jax.random.wrap_key_data(keys[l])), None
+    lp = gather(pick(layers, l))
+    key = None if keys is None else keys[l]
+    state = None if states is None else pick(states, l)
+    return pipe._stage(lp, h, key, state), None  # pylint: disable=protected-access
 
   policy = _gathers_recomputed(pipe.policy())
   h, _ = lax.scan(jax.checkpoint(body, policy=policy), x, jnp.arange(n))
   return h
 
 
-def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
+def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
   """GPipe, interleaved over ``virtual_stages`` chunks: the forward loop, run
-  backward by autodiff. Returns ``(loss sum, count sum, grads)`` of this device."""
+  backward by autodiff. Returns ``(loss sum, count sum, grads, state updates)`` of
+  this device (the updates of its state copies, or ``None``)."""
   pipe, S, M = run.pipeline, run.S, run.M
   v = pipe.virtual_stages
   stage = run.stage()
   x_shape = run.embed_shape(params)
   ring = [(i, (i + 1) % S) for i in range(S if v > 1 else S - 1)]
 
-  def objective(params):
+  def objective(params, states):
     def cast():
       p = run.params(params)
       layers = p[pipe.stages_key]
@@ -899,9 +1007,14 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       # A bubble's input is garbage: replace it before any arithmetic touches it.
       x = jnp.where(valid, x, jnp.zeros_like(x))
       gather = run.gather_layer(pipe.stages_key)
-      y = (pipe._layers(layers, x, layer_keys, gather)  # pylint: disable=protected-access
+      item_states = run.item_states(states, m, valid)
+      if v > 1 and item_states is not None:
+        item_states = jax.tree_util.tree_map(
+            lambda s: s.reshape((v, s.shape[0] // v) + s.shape[1:]), item_states)
+      y = (pipe._layers(layers, x, layer_keys, gather,  # pylint: disable=protected-access
+                        item_states)
            if v == 1 else _layers_of_chunk(pipe, layers, chunk, x, layer_keys,
-                                           gather or (lambda lp: lp)))
+                                           gather or (lambda lp: lp), item_states))
       ends = valid & (stage == S - 1) & (chunk == v - 1)
       head = run.gathered(lambda p, y, mb: run.head_terms(p, y, mb, **head_kw))
       l, c = lax.cond(ends, lambda: head(p, y, mb),
@@ -914,8 +1027,9 @@ def _gpipe(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
                                    jnp.arange(v * M + S - 1))
     return run.scale * loss, (loss, count)
 
-  grads, (loss, count) = jax.grad(objective, has_aux=True)(params)
-  return loss, count, grads
+  (grads, updates), (loss, count) = jax.grad(objective, argnums=(0, 1),
+                                             has_aux=True)(params, run.states)
+  return loss, count, grads, updates
 
 
 # ---------------------------------------------------------------- 1F1B and ZB-H1
@@ -1005,6 +1119,10 @@ class _Ticks:
     self.rest = {k: x for k, x in p.items() if k != pipe.stages_key}
     ids = run.layer_ids()
     self.ids = None if ids is None else ids.reshape(self.v, self.n)
+    self.states = None if run.states is None else jax.tree_util.tree_map(
+        lambda s: s.reshape((self.v, self.n) + s.shape[1:]), run.states)
+    """The state copies, ``[v, n, M, ...]``, or ``None``."""
+    self.n_params = len(jax.tree_util.tree_leaves(layers))
     self.x_shape = run.embed_shape(params)
     self.split = pipe.schedule == "zb_h1"
     self._residuals: Optional[_Residuals] = None
@@ -1022,6 +1140,20 @@ class _Ticks:
     lp = jax.tree_util.tree_map(lambda x: x[c, l], self.layers)
     gather = self.run.gather_layer(self.pipe.stages_key)
     return lp if gather is None else gather(lp)
+
+  def layer_inputs(self, c: jax.Array, l: jax.Array, m: jax.Array) -> Any:
+    """What layer ``l`` of chunk ``c`` is differentiated in for micro-batch ``m``:
+    its parameters (`layer_params`), paired with its state copy where the layers
+    have state."""
+    lp = self.layer_params(c, l)
+    if self.states is None:
+      return lp
+    return lp, jax.tree_util.tree_map(lambda s: s[c, l, m], self.states)
+
+  def split_grads(self, dp: Any) -> tuple[Any, Any]:
+    """``(parameter cotangents, state update or None)`` of a `layer_inputs`
+    cotangent."""
+    return (dp, None) if self.states is None else dp
 
   def layer_grads(self, dp: Any, only: Optional[set] = None) -> Any:
     """A layer's parameter gradients in float32, reduce-scattered back to its shards
@@ -1057,17 +1189,19 @@ class _Ticks:
       return self.layer_forward(lp, x, key)[1]
     key = None if self.ids is None else self.layer_keys(0, 0)[0]
     x = self.run.vary(jnp.zeros(self.x_shape.shape, self.x_shape.dtype))
-    return jax.eval_shape(one, self.layer_params(0, 0), x, key)
+    return jax.eval_shape(one, self.layer_inputs(0, 0, 0), x, key)
 
   def layer_forward(self, lp: Any, h: jax.Array, key: Any
                    ) -> tuple[jax.Array, list[jax.Array]]:
     """The layer's output and what its backward keeps: the pullback's residuals
-    (ZB-H1: then each weight product's input, `mpscale.backward_split`)."""
+    (ZB-H1: then each weight product's input, `mpscale.backward_split`). ``lp``:
+    `layer_inputs`."""
+    stateful = self.states is not None
     if not self.split:
-      y, pullback = jax.vjp(self.pipe.layer(key), lp, h)
+      y, pullback = jax.vjp(self.pipe.layer(key, stateful), lp, h)
       self._residuals, kept = _split_pullback(pullback, lp)
       return y, kept
-    products = backward_split.Split(self.pipe.plain_layer(key), lp, h)
+    products = backward_split.Split(self.pipe.plain_layer(key, stateful), lp, h)
     tapped = _under(self.pipe.policy(), products.apply)
     deltas = [self.run.vary(jnp.zeros(d.shape, d.dtype)) for d in products.delta_shapes()]
     y, pullback, inputs = jax.vjp(lambda p, x, d: tapped(p, lp, x, d), lp, h, deltas,
@@ -1076,9 +1210,9 @@ class _Ticks:
     self._residuals, kept = _split_pullback(pullback, lp, deltas, inputs)
     return y, kept
 
-  def pullback(self, c: jax.Array, l: jax.Array, kept: Sequence[jax.Array]
-              ) -> Callable:
-    return self._residuals.pullback(self.layer_params(c, l), kept, self.run.vary)
+  def pullback(self, c: jax.Array, l: jax.Array, m: jax.Array,
+               kept: Sequence[jax.Array]) -> Callable:
+    return self._residuals.pullback(self.layer_inputs(c, l, m), kept, self.run.vary)
 
   # ---- the ops
   def forward(self, m: jax.Array, c: jax.Array, x_in: jax.Array):
@@ -1094,7 +1228,7 @@ class _Ticks:
 
     def body(h, xs):
       l, key = xs
-      return self.layer_forward(self.layer_params(c, l), h, key)
+      return self.layer_forward(self.layer_inputs(c, l, m), h, key)
 
     y, kept = lax.scan(body, x, (jnp.arange(self.n), keys))
 
@@ -1115,33 +1249,37 @@ class _Ticks:
     return y, kept, dy, d_rest, loss, count
 
   def backward(self, m: jax.Array, c: jax.Array, ct: jax.Array, kept: Any):
-    """``B(m, c)``: ``(dx, d_layers, cts, d_rest)``: ``d_layers`` (``[n, ...]``,
-    float32) are the parameter gradients (ZB-H1: all but the weight products'),
-    ``cts`` (ZB-H1) each weight product's output cotangent (``[n, ...]``) for
-    ``W``."""
+    """``B(m, c)``: ``(dx, d_layers, cts, d_rest, d_states)``: ``d_layers``
+    (``[n, ...]``, float32) are the parameter gradients (ZB-H1: all but the weight
+    products'), ``cts`` (ZB-H1) each weight product's output cotangent (``[n,
+    ...]``) for ``W``, ``d_states`` the layers' state updates (``[n, ...]``, or
+    ``None``)."""
     def body(g, xs):
       l, layer_kept = xs
-      dp, dh, *cts = self.pullback(c, l, layer_kept)(g)
+      dp, dh, *cts = self.pullback(c, l, m, layer_kept)(g)
+      dp, d_state = self.split_grads(dp)
       # ZB-H1: the leaves only its weight products use get their gradients in W.
       only = None if self._products is None else (
-          set(range(self._products.num_leaves)) - self._products.weight_only)
-      return dh, (self.layer_grads(dp, only), cts[0] if cts else [])
+          set(range(self.n_params)) - self._products.weight_only)
+      return dh, (self.layer_grads(dp, only), cts[0] if cts else [], d_state)
 
-    dx, (d_layers, cts) = lax.scan(body, ct, (jnp.arange(self.n), kept), reverse=True)
+    dx, (d_layers, cts, d_states) = lax.scan(body, ct, (jnp.arange(self.n), kept),
+                                             reverse=True)
     d_rest = lax.cond(
         self.run.first(c),
         _varying(self.run, functools.partial(self.into_embed, m, dx)),
         _varying(self.run, functools.partial(_float32_zeros, self.rest)))
-    return dx.astype(ct.dtype), d_layers, cts, d_rest
+    return dx.astype(ct.dtype), d_layers, cts, d_rest, d_states
 
-  def weights(self, c: jax.Array, kept: Any, cts: Any) -> Any:
+  def weights(self, m: jax.Array, c: jax.Array, kept: Any, cts: Any) -> Any:
     """ZB-H1's ``W``: the weight products' parameter gradients (float32,
     ``[n, ...]``) from their kept inputs and output cotangents."""
     def body(_, xs):
       l, layer_kept, dys = xs
       inputs = [layer_kept[j] for j in self._residuals.inputs]
-      return None, self.layer_grads(self._products.weight_gradients(
-          self.layer_params(c, l), inputs, dys), {t.leaf for t in self._products.taps})
+      dp, _ = self.split_grads(self._products.weight_gradients(
+          self.layer_inputs(c, l, m), inputs, dys))
+      return None, self.layer_grads(dp, {t.leaf for t in self._products.taps})
     return lax.scan(body, None, (jnp.arange(self.n), kept, cts))[1]
 
   def into_embed(self, m: jax.Array, dx: jax.Array) -> Any:
@@ -1185,13 +1323,13 @@ def _phases(table: np.ndarray) -> list[tuple[int, int, tuple[tuple[int, ...], ..
   return runs
 
 
-def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
+def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
   """1F1B (interleaved over ``virtual_stages`` chunks) or ZB-H1 from its table
   (`mpscale.pipeline_schedules`): per tick, the op of each slot (`_Ticks`), one
   ``ppermute`` up and one down (paired ticks: the forward's output right after the
   forward, the backward's input gradient at the start of the next tick). Buffers
-  hold ``K`` item slots (`item_slots`). Returns ``(loss sum, count sum, grads)`` of this
-  device."""
+  hold ``K`` item slots (`item_slots`). Returns ``(loss sum, count sum, grads, state
+  updates)`` of this device (the updates of its state copies, or ``None``)."""
   pipe, S, M = run.pipeline, run.S, run.M
   v = pipe.virtual_stages
   ops = _Ticks(run, params)
@@ -1208,6 +1346,8 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
       "d_layers": run.vary(_float32_zeros(params[pipe.stages_key])),  # as stored
       "d_rest": run.vary(_float32_zeros(ops.rest)),
       "loss": run.zero(), "count": run.zero()}
+  if ops.states is not None:
+    carry["d_states"] = run.vary(jax.tree_util.tree_map(jnp.zeros_like, ops.states))
   if ops.split:
     carry["cts"] = [fill((ops.n,) + d.shape, d.dtype) for d in ops.cts_shapes]
   # Paired ticks send a backward's input gradient one tick late: it leaves at the
@@ -1252,6 +1392,10 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
         c["d_layers"] = jax.tree_util.tree_map(
             lambda g, d: g.reshape((v,) + d.shape).at[chunk].add(d).reshape(g.shape),
             c["d_layers"], out["d_layers"])
+      if BWD in kinds and "d_states" in c:
+        # Each (chunk, micro-batch) has one B: its copies' updates, zeros elsewhere.
+        c["d_states"] = jax.tree_util.tree_map(
+            lambda u, d: u.at[chunk, :, m].add(d), c["d_states"], out["d_states"])
       c["d_rest"] = jax.tree_util.tree_map(jnp.add, c["d_rest"], out["d_rest"])
       c["loss"], c["count"] = c["loss"] + out["loss"], c["count"] + out["count"]
       if FWD in kinds and (S > 1 or v > 1):
@@ -1277,7 +1421,9 @@ def _ticked(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
     carry, _ = lax.scan(functools.partial(tick, slot_ops, deliver), carry,
                         jnp.asarray(table[start:stop]))
   grads = {**carry["d_rest"], pipe.stages_key: carry["d_layers"]}
-  return carry["loss"], carry["count"], grads
+  updates = None if ops.states is None else jax.tree_util.tree_map(
+      lambda u: u.reshape((v * ops.n,) + u.shape[2:]), carry["d_states"])
+  return carry["loss"], carry["count"], grads, updates
 
 
 def _write(item: jax.Array, where: jax.Array, buffer: jax.Array, value: jax.Array
@@ -1350,15 +1496,16 @@ def _op_forward(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
 
 def _op_backward(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
   def run():
-    dx, d_layers, cts, d_rest = ops.backward(m, chunk, c["ct"], c["kept"])
+    dx, d_layers, cts, d_rest, d_states = ops.backward(m, chunk, c["ct"], c["kept"])
     return _op_out(ops, writes, dx=dx, d_layers=d_layers, d_rest=d_rest,
-                   writes={"cts": (True, cts)} if ops.split else None)
+                   writes={"cts": (True, cts)} if ops.split else None,
+                   d_states=d_states)
   return run
 
 
 def _op_weights(ops: _Ticks, c: dict, m, chunk, writes) -> Callable:
   def run():
-    return _op_out(ops, writes, d_layers=ops.weights(chunk, c["kept"], c["cts"]))
+    return _op_out(ops, writes, d_layers=ops.weights(m, chunk, c["kept"], c["cts"]))
   return run
 
 
@@ -1366,7 +1513,8 @@ _OP_BRANCHES = {IDLE: _op_idle, FWD: _op_forward, BWD: _op_backward, WGT: _op_we
 
 
 def _op_out(ops: _Ticks, names: Sequence[str], *, y=None, dx=None, writes=None,
-            d_layers=None, d_rest=None, loss=None, count=None) -> dict:
+            d_layers=None, d_rest=None, loss=None, count=None, d_states=None
+            ) -> dict:
   """One op's outputs, with zeros for what it does not produce, so that every branch
   of a slot's switch returns the same structure: ``writes`` maps each buffer of
   ``names`` (those the slot's ops write) to ``(where, value)``, written to the
@@ -1375,7 +1523,10 @@ def _op_out(ops: _Ticks, names: Sequence[str], *, y=None, dx=None, writes=None,
   like = {"ct": act, "kept": ops.kept_zeros(),
           "cts": [jnp.zeros((ops.n,) + d.shape, d.dtype) for d in ops.cts_shapes]}
   given = writes or {}
-  return {
+  out = {} if ops.states is None else {"d_states": jax.tree_util.tree_map(
+      lambda s: jnp.zeros(s.shape[1:2] + s.shape[3:], s.dtype), ops.states)
+                                       if d_states is None else d_states}
+  return {**out,
       "y": act if y is None else y, "dx": act if dx is None else dx,
       "writes": {name: (jnp.asarray(given[name][0]), given[name][1]) if name in given
                  else (jnp.asarray(False), like[name]) for name in names},
@@ -1531,7 +1682,7 @@ class SplitPipeline(Pipeline):
   def _stack_keys(self) -> tuple[str, ...]:
     return (self.stages_key, self.decoder_key)
 
-  def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any]]:
+  def _executor(self) -> Callable[..., tuple[jax.Array, jax.Array, Any, Any]]:
     return _gpipe_split
 
   def value_and_grad(self, params: Any, batch: Any, **kwargs: Any) -> Gradients:
@@ -1539,6 +1690,9 @@ class SplitPipeline(Pipeline):
     ``params``; its gradients are stored alike (zero on the padding)."""
     if kwargs.get("rng") is not None:
       raise ValueError("rng: a SplitPipeline takes no random keys yet")
+    if kwargs.get("model_state") is not None:
+      raise validation.fail("model_state", ": a SplitPipeline's layers take no state "
+                            "yet (FP8 scaling state runs on a Pipeline)")
     return super().value_and_grad(params, batch, **kwargs)
 
   def residual_bytes(self, params: Any, batch: Any, **kwargs: Any) -> dict[str, int]:
@@ -1562,7 +1716,8 @@ def _decoder_layers(pipe: SplitPipeline, layers: Any, y: jax.Array,
   return y
 
 
-def _gpipe_split(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, Any]:
+def _gpipe_split(run: _PipelineRun, params: Any
+                 ) -> tuple[jax.Array, jax.Array, Any, None]:
   """GPipe over a `SplitPipeline`: each tick stage ``s`` runs its encoder slice on
   ``x`` (``s < split``) or its decoder slice on ``y`` reading ``x``, and sends ``(x,
   y)`` up. Returns ``(loss sum, count sum, grads)`` of this device."""
@@ -1615,4 +1770,4 @@ def _gpipe_split(run: _PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, 
     return run.scale * loss, (loss, count)
 
   grads, (loss, count) = jax.grad(objective, has_aux=True)(params)
-  return loss, count, grads
+  return loss, count, grads, None

@@ -756,20 +756,23 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
   -> (Gradients, new model_state)``."""
   if isinstance(loss_fn, pipeline_lib.Pipeline):
     def pipelined(params, batch, scale, rng, model_state):
-      if model_state is not None:
-        raise ValueError("a Pipeline carries no model_state (its stages are pure "
-                         "functions of the layers and activations); init the state "
-                         "without one")
-      grads = loss_fn.value_and_grad(
+      layer_state = _pipeline_state(loss_fn, model_state)
+      out = loss_fn.value_and_grad(
           params, batch, mesh=layout.mesh, data_axis=layout.data_axes,
           loss_scale=scale, per_token_loss=per_token_loss, cast=policy.cast_to_compute,
           param_specs=layout.specs(params), rng=rng,
           grad_reduce_dtype=reduce_dtype if _sums_in_float32(policy, reduce_dtype)
-          else None)
+          else None, model_state=layer_state)
+      grads, new_state = out if layer_state is not None else (out, None)
       if not per_token_loss:
         grads = grads._replace(num_tokens=jnp.asarray(
             sharding_lib.batch_rows(batch), jnp.int32))
-      return grads, None
+      if new_state is not None:
+        written = jax.tree_util.tree_map(_reached, new_state, layer_state,
+                                         is_leaf=_is_fp8_state)
+        new_state = fp8_lib.join_overwrite(
+            fp8_lib.split_overwrite(model_state)[0], {loss_fn.stages_key: written})
+      return grads, new_state
     return pipelined
 
   def accumulated(params, batch, scale, rng, model_state):
@@ -781,6 +784,35 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
         rng=rng, model_state=model_state, grad_reduce_dtype=reduce_dtype)
     return out if model_state is not None else (out, None)
   return accumulated
+
+
+def _pipeline_model(pipeline: pipeline_lib.Pipeline) -> Callable:
+  """`Pipeline.apply` as the step calls a loss: with a ``model_state`` (the step's,
+  `_pipeline_state`), ``(out, model_state)``."""
+  def model(params, batch, rng=None, model_state=None):
+    out = pipeline.apply(params, batch, rng=rng,
+                         model_state=_pipeline_state(pipeline, model_state))
+    return out if model_state is None else (out, model_state)
+  return model
+
+
+def _pipeline_state(pipeline: pipeline_lib.Pipeline, model_state: Any) -> Any:
+  """The layers' state a `Pipeline` takes from a step's ``model_state``: ``None``,
+  or an ``_overwrite_with_gradient`` collection (FP8 scaling state) holding only the
+  stacked layers' states, under the pipeline's ``stages_key``."""
+  if model_state is None:
+    return None
+  collection = (fp8_lib.split_overwrite(model_state)
+                if isinstance(model_state, Mapping) else (model_state, None))
+  rest, overwrite = collection
+  if rest or not isinstance(overwrite, Mapping) or set(overwrite) != {
+      pipeline.stages_key}:
+    raise validation.fail(
+        "model_state", f" of a Pipeline must be {{{fp8_lib.OVERWRITE_WITH_GRADIENT!r}: "
+        f"{{{pipeline.stages_key!r}: the layers' states}}}} (FP8 scaling state, "
+        "stacked as the layers are): a pipeline's stages pass no other state; got "
+        f"the keys {sorted(model_state) if isinstance(model_state, Mapping) else None}")
+  return overwrite[pipeline.stages_key]
 
 
 def _skipped_total(opt_state: Any) -> jax.Array:
@@ -1088,7 +1120,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   layout = _Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline)
   gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
                                per_token_loss, reduce_dtype)
-  model = pipeline.apply if pipeline is not None else loss_fn
+  model = _pipeline_model(pipeline) if pipeline is not None else loss_fn
   data_size = sharding_lib.axis_size(mesh, data_axes)
 
   if model_state_dtype is not None:
@@ -1096,12 +1128,16 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
 
   def init(params_or_state: Any, *, model_state: Any = None,
            rng: Any = None) -> TrainState:
-    if pipeline is not None and (model_state is not None or getattr(
-        params_or_state, "model_state", None) is not None):
-      raise ValueError("model_state: a Pipeline carries no model state (its stages "
-                       "are pure functions of the layers and activations)")
-    if _sums_in_float32(policy, reduce_dtype) and (model_state is not None or getattr(
-        params_or_state, "model_state", None) is not None):
+    given = (model_state if model_state is not None
+             else getattr(params_or_state, "model_state", None))
+    if pipeline is not None and given is not None:
+      _pipeline_state(pipeline, given)
+      if pipeline.merge_state is None:
+        raise validation.ArgumentError(
+            ("model_state", "merge_state"), "a Pipeline given a {0} needs its {1}: "
+            "how the state's updates from several micro-batches combine")
+    if (pipeline is None and _sums_in_float32(policy, reduce_dtype)
+        and given is not None):
       raise _refuse_model_state()
     return _init_state(optimizer, policy, layout, params_or_state, model_state, rng,
                        model_state_dtype)

@@ -108,9 +108,8 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[fp8_lib.Fp8Recipe]:
 
   Raises:
     ArgumentError: naming the ``precision.fp8`` key at fault: an unknown recipe or
-      ``amax_compute``, a ``history_len`` < 1, a negative ``margin``; FP8 with
-      ``mesh.stage > 1`` (pipelines carry no model state yet) or with a user's model
-      (``model.provider``: only the built-in tiny LM has FP8 blocks).
+      ``amax_compute``, a ``history_len`` < 1, a negative ``margin``; FP8 with a
+      user's model (``model.provider``: only the built-in tiny LM has FP8 blocks).
   """
   fp8 = cfg.precision.fp8
   if fp8.recipe is None:
@@ -118,12 +117,6 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[fp8_lib.Fp8Recipe]:
   recipe = errors.keyed("precision.fp8", lambda: fp8_lib.fp8_recipe(
       fp8.recipe, history_len=fp8.history_len, margin=fp8.margin,
       amax_compute=fp8.amax_compute), errors.fields("precision.fp8", fp8))
-  if cfg.mesh.stage > 1:
-    raise validation.ArgumentError(
-        ("precision.fp8.recipe", "mesh.stage"),
-        f"{{0}} ({fp8.recipe}) needs {{1}} = 1 (got {cfg.mesh.stage}): a pipeline "
-        "carries no model state, and the FP8 scaling state is one (pipelined FP8 is "
-        "left for later); set {0}: null or {1}: 1")
   if cfg.model.provider is not None:
     raise validation.ArgumentError(
         ("precision.fp8.recipe", "model.provider"),
@@ -605,13 +598,16 @@ def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
     keys = errors.fields("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
                          num_microbatches="train.num_microbatches", remat="train.remat",
                          recompute="train.recompute")
+    # FP8 scaling state: each micro-batch's and replica's update merged (max amax).
+    merge = (None if model.fp8 is None
+             else functools.partial(fp8_lib.merge_stacked, recipe=model.fp8))
     return errors.keyed("mesh", lambda: pipeline_lib.Pipeline(
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
         recompute=cfg.train.recompute,
         stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages,
-        layer_order="device", num_stages=cfg.mesh.stage), keys)
+        layer_order="device", num_stages=cfg.mesh.stage, merge_state=merge), keys)
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
 
 
@@ -776,8 +772,9 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
   init_state = getattr(model, "init_state", None)
   if isinstance(model, lm_lib.TinyLM) and model.fp8 is not None:
     init_state = lambda key: model.init_model_state()  # noqa: E731
-  if (reduce_dtype is not None and init_state is not None
+  if (reduce_dtype is not None and init_state is not None and not pipelined
       and jnp.finfo(policy.compute_dtype).bits < 32):
+    # (A pipeline sums in float32 itself and carries the FP8 state.)
     # make_train_step's init would refuse the model state: say so by key, now.
     if isinstance(model, lm_lib.TinyLM):  # its only state is FP8's
       raise validation.ArgumentError(
@@ -810,16 +807,18 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
 
   def init(params):
     model_state = None if init_state is None else init_state(key)
-    if pipeline is not None:
-      params = (jax.eval_shape(pipeline.to_device_order, params)
-                if _is_abstract(params) else pipeline.to_device_order(params))
+    if pipeline is not None:  # the stacked layers (and their states) in device order
+      params, model_state = (
+          jax.eval_shape(pipeline.to_device_order, (params, model_state))
+          if _is_abstract(params) else pipeline.to_device_order((params, model_state)))
     return make_init(params, model_state=model_state, rng=key if stochastic else None)
 
   @jax.jit
   def evaluate(state, batch):
-    kw = {} if state.model_state is None else {"model_state": state.model_state}
-    params = policy.cast_to_compute(
-        state.params if pipeline is None else pipeline.to_model_order(state.params))
+    params, model_state = (state.params, state.model_state) if pipeline is None else (
+        pipeline.to_model_order((state.params, state.model_state)))
+    kw = {} if model_state is None else {"model_state": model_state}
+    params = policy.cast_to_compute(params)
     out = {"loss": evaluate_fn(params, batch, **kw)}
     if metrics_fn is not None:
       out.update(metrics_fn(params, batch, **kw))

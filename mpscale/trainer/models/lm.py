@@ -233,6 +233,14 @@ FP8_PRODUCTS = ("qkv", "out", "fc", "proj")
 """The block's four matrix products, in `Block`'s names (``precision.fp8.products``)."""
 
 
+def fp8_block(states: dict[str, fp8_lib.Fp8State]) -> jax.Array:
+  """Whether a block with these FP8 states (one block's, from
+  `TinyLM.init_model_state`) multiplies in FP8: its states are not the zeros that
+  mark a block kept in the compute dtype (an update's scale is never 0)."""
+  first = states[min(states)]
+  return first.rhs.scale > 0
+
+
 def _dense(recipe: Optional[fp8_lib.Fp8Recipe], states: dict[str, fp8_lib.Fp8State],
            *args: Any, name: str, **kwargs: Any) -> nn.Dense:
   """``nn.Dense(*args, name=name, **kwargs)``, its product in FP8 where ``states``
@@ -335,11 +343,13 @@ class TinyLM:
       blocks and the head stay in the compute dtype (Megatron's
       ``--first-last-layers-bf16``). The FP8 scaling state is a model state,
       `init_model_state`: ``{"_overwrite_with_gradient": {"stages": {product:
-      Fp8State stacked over the FP8 blocks}}}``; ``loss_fn(params, batch,
-      model_state=state)`` multiplies in FP8 with it and returns ``(out, state)``
-      (the state as given: its gradient is its update, which `mpscale.make_train_step`
-      puts in the new state). Without a state the model runs in the compute dtype
-      (sampling), and a pipeline's ``stage_fn`` never uses FP8.
+      Fp8State stacked over every block}}}``, as ``params["stages"]`` is (so a
+      pipeline splits it over its stages with the blocks), the bf16 blocks' states
+      all zeros (`fp8_block`); ``loss_fn(params, batch, model_state=state)``
+      multiplies in FP8 with it and returns ``(out, state)`` (the state as given:
+      its gradient is its update, which `mpscale.make_train_step` puts in the new
+      state), and so does a pipeline's ``stage_fn(layer_params, x, state=...)``.
+      Without a state the model runs in the compute dtype (sampling).
     fp8_products: which of `FP8_PRODUCTS` multiply in FP8.
     bf16_layers: blocks at each end kept out of FP8; ``2 * bf16_layers <
       num_layers``.
@@ -501,10 +511,18 @@ class TinyLM:
     """Embeddings ``[B, T, d_model]`` of ``batch["inputs"]``, in the embedding's dtype."""
     return self._embed().apply({"params": params["embed"]}, batch["inputs"])
 
-  def stage_fn(self, layer_params: Params, x: jax.Array) -> jax.Array:
-    """One block, computing in the dtype of its ``qkv`` kernel."""
+  def stage_fn(self, layer_params: Params, x: jax.Array, state: Any = None
+              ) -> jax.Array:
+    """One block, computing in the dtype of its ``qkv`` kernel; with ``state`` (its
+    ``{product: Fp8State}`` from `init_model_state`, as a `mpscale.Pipeline` passes
+    it) the block's FP8 products multiply in FP8 where `fp8_block` says the block
+    is an FP8 one (a ``lax.cond``: a pipeline's stage scans over its blocks)."""
     dtype = layer_params["qkv"]["kernel"].dtype
-    return self._block(dtype).apply({"params": layer_params}, x)
+    block = lambda states: self._block(dtype).apply(  # noqa: E731
+        {"params": layer_params}, x, states)
+    if state is None:
+      return block(None)
+    return lax.cond(fp8_block(state), lambda: block(state), lambda: block(None))
 
   def logits_fn(self, params: Params, x: jax.Array) -> jax.Array:
     """Float32 logits ``[B, T, vocab]`` of the last hidden states ``x``."""
@@ -523,14 +541,20 @@ class TinyLM:
 
   def init_model_state(self) -> Optional[dict[str, Any]]:
     """The FP8 products' first scaling state (`mpscale.fp8_state` of the recipe, one
-    per FP8 block, stacked on axis 0 as ``params["stages"]`` is), in the
-    ``_overwrite_with_gradient`` collection; ``None`` without ``fp8``."""
+    per block, stacked on axis 0 as ``params["stages"]`` is), in the
+    ``_overwrite_with_gradient`` collection; the first and last ``bf16_layers``
+    blocks' states are zeros (no scale is 0: `fp8_block` reads them as compute-dtype
+    blocks, and a product that never runs keeps its state). ``None`` without
+    ``fp8``."""
     if self.fp8 is None:
       return None
-    count = self.num_layers - 2 * self.bf16_layers
     one = fp8_lib.fp8_state(self.fp8)
+    ends, n = self.bf16_layers, self.num_layers
+    on = jnp.arange(n)
+    on = (on >= ends) & (on < n - ends)
     stacked = {product: jax.tree_util.tree_map(
-        lambda x: jnp.tile(x[None], (count,) + (1,) * x.ndim), one)
+        lambda x: jnp.where(on.reshape((n,) + (1,) * x.ndim), x[None], 0.0).astype(
+            x.dtype), one)
                for product in self.fp8_products}
     return {fp8_lib.OVERWRITE_WITH_GRADIENT: {"stages": stacked}}
 
@@ -571,12 +595,14 @@ class TinyLM:
     if states is None:
       return self._layers(params["stages"], x)
     ends, n = self.bf16_layers, self.num_layers
-    part = lambda a, b: jax.tree_util.tree_map(lambda p: p[a:b], params["stages"])
+    part = lambda tree, a, b: jax.tree_util.tree_map(  # noqa: E731
+        lambda p: p[a:b], tree)
     if ends:
-      x = self._layers(part(0, ends), x)
-    x = self._layers(part(ends, n - ends), x, states)
+      x = self._layers(part(params["stages"], 0, ends), x)
+    x = self._layers(part(params["stages"], ends, n - ends), x,
+                     part(states, ends, n - ends))
     if ends:
-      x = self._layers(part(n - ends, n), x)
+      x = self._layers(part(params["stages"], n - ends, n), x)
     return x
 
   def loss_fn(self, params: Params, batch: dict[str, jax.Array],

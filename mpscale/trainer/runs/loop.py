@@ -571,8 +571,8 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   export = getattr(run.setup.model, "export", None)
   if model is not None and export is not None:
     # A Flax NNX module given here is updated in place (its export does that).
-    export(*jax.device_get((run.setup.to_model_order(state.params),
-                            state.model_state)))
+    export(*jax.device_get(run.setup.to_model_order((state.params,
+                                                     state.model_state))))
   return summary
 
 
@@ -818,8 +818,9 @@ def load(out_dir: str, devices: Optional[int] = None,
     RunDirError: if ``out_dir`` holds no run or no checkpoint.
   """
   run_, _ = load_run(out_dir, devices, step)
-  state = jax.device_get(run_.state._replace(
-      params=run_.setup.to_model_order(run_.state.params)))
+  params, model_state = run_.setup.to_model_order(
+      (run_.state.params, run_.state.model_state))
+  state = jax.device_get(run_.state._replace(params=params, model_state=model_state))
   export = getattr(run_.setup.model, "export", None)
   if export is not None:
     return export(state.params, state.model_state)
