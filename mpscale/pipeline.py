@@ -74,6 +74,15 @@ use (GPipe) or the tick runs no op at all (1F1B), so nothing from a bubble reach
 gradient. Replicated values are cast to device-varying before the loop, so the only
 all-reduces (the gradient sums over the data axes and ``stage``) happen once, after it.
 
+Layers with state (FP8 products' scaling state, whose cotangent is its update):
+``value_and_grad(..., model_state=states)`` takes the states stacked as the layers
+are, and calls ``stage_fn(layer_params, x, state=its state)``. Each micro-batch of
+each data replica gets a copy of the states (``[layers, D M, ...]``, over the stage
+and data axes), the tick that runs it reads its copy (GPipe: a bubble tick's read is
+cut from autodiff; 1F1B and ZB-H1: ``B`` differentiates the copy with the layer and
+adds its update to the copy's slot, where nothing else is added), and after the
+loop ``merge_state`` combines each layer's copies into its new state.
+
 The code reads the same way::
 
   Pipeline.value_and_grad -> shard_map(per_device), manual over data axes and stage

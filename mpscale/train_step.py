@@ -790,9 +790,11 @@ def _pipeline_model(pipeline: pipeline_lib.Pipeline) -> Callable:
   """`Pipeline.apply` as the step calls a loss: with a ``model_state`` (the step's,
   `_pipeline_state`), ``(out, model_state)``."""
   def model(params, batch, rng=None, model_state=None):
+    if model_state is None:
+      return pipeline.apply(params, batch, rng=rng)
     out = pipeline.apply(params, batch, rng=rng,
                          model_state=_pipeline_state(pipeline, model_state))
-    return out if model_state is None else (out, model_state)
+    return out, model_state
   return model
 
 

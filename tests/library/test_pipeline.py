@@ -1053,3 +1053,140 @@ def test_fsdp_stages_gather_a_layer_at_a_time(schedule):
   assert sizes and max(sizes) <= one_layer, sorted(set(sizes))
   assert one_layer in sizes  # the layers' weights are gathered, not activations
   assert temps[True] <= 1.05 * temps[False], temps
+
+
+# ------------------------------------------- layer state: FP8 scaling state in stages
+def _fp8_stage_fn(recipe):
+  def fp8_stage_fn(lp, x, state=None):
+    if state is None:
+      return stage_fn(lp, x)
+    y = mpscale.fp8_dot_general(x, lp["w"], (((1,), (0,)), ((), ())), state, recipe)
+    return jnp.tanh(y + lp["b"])
+  return fp8_stage_fn
+
+
+def _fp8_pipeline(recipe, micro=1, **kwargs):
+  merge = lambda updates: mpscale.fp8.merge_stacked(updates, recipe)  # noqa: E731
+  return pl.Pipeline(embed_fn, _fp8_stage_fn(recipe), head_fn, micro,
+                     merge_state=merge, **kwargs)
+
+
+def _fp8_states(recipe, layers=LAYERS):
+  return jax.tree_util.tree_map(lambda x: jnp.stack([x] * layers),
+                                mpscale.fp8_state(recipe))
+
+
+def _pipelined_fp8(model, params, batch, states, data, stage):
+  mesh = mesh_of(data, stage)
+  return jax.jit(lambda p, b, s: model.value_and_grad(
+      p, b, mesh=mesh, per_token_loss=True, model_state=s))(params, batch, states)
+
+
+@pytest.mark.parametrize("schedule, data, stage, micro, virtual", [
+    ("gpipe", 2, 4, 4, 1), ("1f1b", 2, 4, 4, 1), ("zb_h1", 2, 4, 4, 1),
+    ("gpipe", 1, 2, 4, 2), ("1f1b", 1, 2, 4, 2), ("1f1b", 8, 1, 1, 1)])
+def test_fp8_state_through_every_schedule_is_the_whole_batch_update(
+    schedule, data, stage, micro, virtual):
+  """Every micro-batch of every replica starts from the step's scales, and the
+  merged update is bit-identical to one call on the whole batch (delayed scaling:
+  the same scales, so the same FP8 values and gradients too). A bubble's update
+  reaching a copy would add a second state to it."""
+  recipe = mpscale.fp8_recipe("delayed", history_len=4)
+  params, batch = make_params(), make_batch()
+  states = _fp8_states(recipe)
+  reference = _fp8_pipeline(recipe)
+
+  def whole(p, s):
+    return reference.apply(p, batch, model_state=s)[0]
+
+  want_grads, want_states = jax.jit(jax.grad(whole, argnums=(0, 1)))(params, states)
+  model = _fp8_pipeline(recipe, micro, schedule=schedule, virtual_stages=virtual)
+  (grads, _, tokens), new = _pipelined_fp8(model, params, batch, states, data, stage)
+  assert_close(grads, jax.tree_util.tree_map(lambda g: g / tokens, want_grads))
+  for got, want in zip(jax.tree_util.tree_leaves(new),
+                       jax.tree_util.tree_leaves(want_states)):
+    np.testing.assert_array_equal(got, want)
+  assert np.all(new.lhs.amax_history[:, 0] > 0) and np.all(new.grad.scale != 1.0)
+
+
+@pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+def test_fp8_recipes_record_the_same_state_on_every_schedule(recipe):
+  """Current and blockwise scaling quantize each micro-batch on its own, so they
+  differ from a whole-batch call, but not between schedules, and with one
+  micro-batch and replica they are that call."""
+  recipe = mpscale.fp8_recipe(recipe, history_len=4, block_size=4)
+  params, batch = make_params(), make_batch()
+  states = _fp8_states(recipe)
+  runs = [_pipelined_fp8(_fp8_pipeline(recipe, 4, schedule=s), params, batch, states,
+                         2, 4) for s in ("gpipe", "1f1b", "zb_h1")]
+  for (grads, _, _), new in runs[1:]:
+    assert_close(grads, runs[0][0][0])
+    for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(runs[0][1])):
+      np.testing.assert_array_equal(a, b)
+  _, single = _pipelined_fp8(_fp8_pipeline(recipe, 1, schedule="1f1b"), params, batch,
+                             states, 1, 4)
+  want = jax.jit(jax.grad(lambda s: _fp8_pipeline(recipe).apply(
+      params, batch, model_state=s)[0]))(states)
+  for a, b in zip(jax.tree_util.tree_leaves(single), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_fp8_pipeline_step_skips_an_overflow_with_identical_state_everywhere():
+  """make_train_step over a pipeline with FP8 state: clean steps update the state
+  (as the unpipelined step with one micro-batch does), an injected overflow leaves
+  it bit-identical, and every device's copy of it is the same."""
+  recipe = mpscale.fp8_recipe("delayed", history_len=4)
+  params, batch = make_params(), make_batch()
+  state0 = {mpscale.OVERWRITE_WITH_GRADIENT: {"stages": _fp8_states(recipe)}}
+  tx = _optimizer(4)
+  model = _fp8_pipeline(recipe, 4, schedule="1f1b")
+  init, step = mpscale.make_train_step(model, tx, mesh=mesh_of(2, 4),
+                                       per_token_loss=True)
+
+  def unpipelined(p, b, model_state):
+    layers = model_state[mpscale.OVERWRITE_WITH_GRADIENT]["stages"]
+    return model.apply(p, b, model_state=layers), model_state
+
+  ref_init, ref_step = mpscale.make_train_step(unpipelined, tx, per_token_loss=True)
+  state, ref_state = init(params, model_state=state0), ref_init(params,
+                                                                model_state=state0)
+  for _ in range(2):
+    state, _ = step(state, batch)
+    ref_state, _ = ref_step(ref_state, batch)
+  assert_close(state.params, ref_state.params)
+  for a, b in zip(jax.tree_util.tree_leaves(state.model_state),
+                  jax.tree_util.tree_leaves(ref_state.model_state)):
+    np.testing.assert_array_equal(a, b)
+  poisoned = dict(batch, x=batch["x"].at[3, 0].set(jnp.inf))
+  before = jax.device_get(state.model_state)  # the step donates its state
+  after, metrics = step(state, poisoned)
+  assert bool(metrics["overflow"])
+  for new, old in zip(jax.tree_util.tree_leaves(after.model_state),
+                      jax.tree_util.tree_leaves(before)):
+    np.testing.assert_array_equal(new, old)
+    copies = [np.asarray(s.data) for s in new.addressable_shards]
+    for copy in copies:
+      np.testing.assert_array_equal(copy, copies[0])
+
+
+def test_layer_state_errors_name_the_argument():
+  recipe = mpscale.fp8_recipe("delayed", history_len=4)
+  params, batch = make_params(), make_batch()
+  mesh = mesh_of(1, 2)
+  no_merge = pl.Pipeline(embed_fn, _fp8_stage_fn(recipe), head_fn, 2)
+  with pytest.raises(mpscale.ArgumentError) as err:
+    no_merge.value_and_grad(params, batch, mesh=mesh, model_state=_fp8_states(recipe))
+  assert err.value.names == ("model_state", "merge_state")
+  with pytest.raises(mpscale.ArgumentError) as err:
+    _fp8_pipeline(recipe, 2).value_and_grad(params, batch, mesh=mesh,
+                                            model_state=_fp8_states(recipe, 4))
+  assert err.value.names == ("model_state",) and "stacked over the 8" in str(err.value)
+  with pytest.raises(mpscale.ArgumentTypeError) as err:
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 2, merge_state="max")
+  assert err.value.names == ("merge_state",)
+  init, _ = mpscale.make_train_step(_fp8_pipeline(recipe, 2), optax.sgd(0.1),
+                                    mesh=mesh)
+  with pytest.raises(mpscale.ArgumentError) as err:
+    init(params, model_state={"batch_stats": {"x": jnp.zeros(8)}})
+  assert err.value.names == ("model_state",)

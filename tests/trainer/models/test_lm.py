@@ -11,6 +11,7 @@ import pytest
 import mpscale
 from mpscale.trainer.config import load as config
 from mpscale.trainer.models import lm
+from tests import helpers
 
 CFG = config.ModelConfig(d_model=32, num_heads=4, num_layers=3, d_ff=64, seq_len=16)
 
@@ -250,14 +251,21 @@ def _fp8_model(recipe="delayed", **kwargs):
       FP8_CFG, fp8=mpscale.fp8_recipe(recipe, history_len=8), **kwargs)
 
 
-def test_fp8_state_is_stacked_over_the_middle_blocks_and_passes_through(batch):
+def test_fp8_state_is_stacked_over_every_block_and_passes_through(batch):
+  """One state per block, as params["stages"] (a pipeline splits both alike): the
+  first and last blocks' (kept in bf16) all zeros, the others the recipe's first."""
   model = _fp8_model(fp8_products=("qkv", "fc"))
   params = model.init(jax.random.key(0))
   state = model.init_model_state()
   stages = state["_overwrite_with_gradient"]["stages"]
   assert set(stages) == {"qkv", "fc"}
   for leaf in jax.tree_util.tree_leaves(stages):
-    assert leaf.shape[0] == FP8_CFG.num_layers - 2 and leaf.dtype == jnp.float32
+    assert leaf.shape[0] == FP8_CFG.num_layers and leaf.dtype == jnp.float32
+    assert not np.any(leaf[0]) and not np.any(leaf[-1])
+  assert np.all(stages["qkv"].lhs.scale[1:-1] == 1.0)
+  on = [bool(lm.fp8_block(jax.tree_util.tree_map(lambda x: x[i], stages)))
+        for i in range(FP8_CFG.num_layers)]
+  assert on == [False, True, True, False]
   (loss_sum, tokens), new = jax.jit(model.loss_fn)(params, batch, state)
   assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
   plain = jax.jit(model.loss_fn)(params, batch)  # no state: no FP8
@@ -281,8 +289,9 @@ def test_fp8_state_gradient_updates_every_fp8_block(batch, remat):
   grads, new = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, state)
   for meta in jax.tree_util.tree_leaves(
       new, is_leaf=lambda x: isinstance(x, mpscale.Fp8Meta)):
-    assert np.all(meta.amax_history[:, 0] > 0)  # every block, every tensor
-    assert np.all(meta.scale != 1.0)
+    assert np.all(meta.amax_history[1:-1, 0] > 0)  # every FP8 block, every tensor
+    assert np.all(meta.scale[1:-1] != 1.0)
+    assert not np.any(np.asarray(meta.scale)[[0, -1]])  # the bf16 blocks': no product, zeros
   assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
   if remat:
     reference = jax.jit(jax.grad(loss, argnums=(0, 1)))(
@@ -308,6 +317,32 @@ def test_a_state_without_fp8_is_refused(params, batch):
   with pytest.raises(mpscale.ArgumentError) as err:
     lm.TinyLM.from_sizes(CFG).loss_fn(params, batch, {"x": jnp.zeros(())})
   assert err.value.names == ("model_state",)
+
+
+def test_fp8_pipeline_form_equals_loss_fn_and_its_state_update(batch):
+  """A Pipeline of embed_fn / stage_fn(state=) / head_fn (its layers under a
+  lax.cond on fp8_block) gives loss_fn's loss, gradients and state update."""
+  model = _fp8_model()
+  params = model.init(jax.random.key(0))
+  state = model.init_model_state()
+  layers = state["_overwrite_with_gradient"]["stages"]
+  pipeline = mpscale.Pipeline(model.embed_fn, model.stage_fn, model.head_fn, 1)
+
+  def via_loss_fn(p, s):
+    return model.loss_fn(p, batch, {"_overwrite_with_gradient": {"stages": s}})[0][0]
+
+  def via_pipeline(p, s):
+    return pipeline.apply(p, batch, model_state=s)[0]
+
+  want = jax.jit(jax.value_and_grad(via_loss_fn, argnums=(0, 1)))(params, layers)
+  got = jax.jit(jax.value_and_grad(via_pipeline, argnums=(0, 1)))(params, layers)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  helpers.assert_close(got[1][0], want[1][0], 1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(got[1][1]),
+                  jax.tree_util.tree_leaves(want[1][1])):
+    np.testing.assert_array_equal(a, b)  # the bf16 ends' zeros too
+  plain = jax.jit(via_pipeline)(params, jax.tree_util.tree_map(jnp.zeros_like, layers))
+  np.testing.assert_allclose(plain, model.loss_fn(params, batch)[0], rtol=1e-5)
 
 
 def test_fp8_with_no_bf16_layers_puts_every_block_in_fp8(batch):
