@@ -108,8 +108,9 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[fp8_lib.Fp8Recipe]:
 
   Raises:
     ArgumentError: naming the ``precision.fp8`` key at fault: an unknown recipe or
-      ``amax_compute``, a ``history_len`` < 1, a negative ``margin``; FP8 with a
-      user's model (``model.provider``: only the built-in tiny LM has FP8 blocks).
+      ``amax_compute``, a ``history_len`` < 1, a negative ``margin``. (A user's
+      model, ``model.provider``, builds its own FP8 layers: its provider gets the
+      config and may call this; `build` checks that it keeps an FP8 state.)
   """
   fp8 = cfg.precision.fp8
   if fp8.recipe is None:
@@ -117,13 +118,35 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[fp8_lib.Fp8Recipe]:
   recipe = errors.keyed("precision.fp8", lambda: fp8_lib.fp8_recipe(
       fp8.recipe, history_len=fp8.history_len, margin=fp8.margin,
       amax_compute=fp8.amax_compute), errors.fields("precision.fp8", fp8))
-  if cfg.model.provider is not None:
+  return recipe
+
+
+def check_user_fp8(cfg: schema.RunConfig, model: Any) -> None:
+  """A user's model under ``precision.fp8``: it must keep FP8 scaling state (an
+  ``_overwrite_with_gradient`` collection of `mpscale.Fp8State`, as
+  `mpscale.fp8_flax`'s layers make), which its provider builds from the config
+  (`build_fp8`); a model without one would train without FP8 while the config says
+  FP8.
+
+  Raises:
+    ArgumentError: naming ``precision.fp8.recipe`` and ``model.provider``.
+  """
+  init_state = getattr(model, "init_state", None)
+  state = None if init_state is None else jax.eval_shape(init_state,
+                                                         jax.random.key(cfg.seed))
+  collection = (state.get(fp8_lib.OVERWRITE_WITH_GRADIENT)
+                if isinstance(state, Mapping) else None)
+  found = [x for x in jax.tree_util.tree_leaves(
+      collection, is_leaf=lambda x: isinstance(x, fp8_lib.Fp8State))
+           if isinstance(x, fp8_lib.Fp8State)]
+  if not found:
     raise validation.ArgumentError(
         ("precision.fp8.recipe", "model.provider"),
-        f"{{0}} ({fp8.recipe}) puts the built-in tiny LM's block products in FP8, but "
-        "{1} names a user's model: give its layers mpscale.fp8_flax's FP8 products "
-        "(their state in the _overwrite_with_gradient collection) and set {0}: null")
-  return recipe
+        f"{{0}} ({cfg.precision.fp8.recipe}) is set, but the user's model ({{1}}) "
+        "keeps no FP8 scaling state: build its layers with mpscale.fp8_flax's FP8 "
+        "products (the provider gets the config: "
+        "mpscale.trainer.config.build.build_fp8(config) is its recipe), or set "
+        "{0}: null")
 
 
 def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
@@ -736,10 +759,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
   check_train_steps(cfg)
   optimizer = build_optimizer(cfg)
   if build_fp8(cfg) is not None and model is not None:
-    raise validation.ArgumentError(
-        "precision.fp8.recipe", f"{{0}} ({cfg.precision.fp8.recipe}) puts the built-in "
-        "tiny LM's block products in FP8, but the run was given a user's model: give "
-        "its layers mpscale.fp8_flax's FP8 products and set {0}: null")
+    check_user_fp8(cfg, model)
   if cfg.data.provider is not None:
     models_lib.load_object(cfg.data.provider, "data.provider")
   if model is None and cfg.model.provider is not None:

@@ -174,13 +174,16 @@ UpdateRounding = Literal["nearest", "stochastic", "kahan"]
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
   """FP8 matrix products in the tiny LM's blocks (`mpscale.fp8_dot_general`; the
-  scaling state is the model state, `mpscale.trainer.models.lm.TinyLM`)."""
+  scaling state is the model state, `mpscale.trainer.models.lm.TinyLM`), or in a
+  user's model, whose provider builds `mpscale.fp8_flax` layers with this recipe
+  (`mpscale.trainer.config.build.build_fp8`)."""
   recipe: Optional[str] = None
   """``delayed`` (scales from the amax history, Transformer Engine's
   ``DelayedScaling``), ``current`` (each tensor's own amax), ``blockwise``
   (DeepSeek-V3's 1 x 128 tiles and 128 x 128 blocks); ``null``: off."""
   history_len: int = 1024
-  """Amaxes each scale's history keeps (one entry a micro-batch)."""
+  """Amaxes each scale's history keeps (one entry a micro-batch; under a pipeline
+  (``mesh.stage > 1``) one a step: its micro-batches' amaxes are merged)."""
   margin: int = 0
   """``scale = fp8_max / amax / 2**margin``."""
   amax_compute: str = "max"

@@ -44,6 +44,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from mpscale import fp8 as fp8_lib
 from mpscale import pipeline as pipeline_lib
 from mpscale import validation
 
@@ -151,13 +152,27 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
   key replaced by ``fold_in(rng, i)`` of the step's key (stream ``i`` in the state's
   order; counts from 0), and returns the variables it updated as the new state.
   Evaluation and ``metrics`` run in ``module.eval()`` mode. ``export`` puts trained
-  params and state into ``module`` and returns it in eval mode.
+  params and state into ``module`` and returns it in eval mode. FP8 products'
+  scaling state (`mpscale.fp8_flax.OverwriteWithGradient` variables) goes in the
+  state's ``_overwrite_with_gradient`` collection, which the step overwrites with
+  its gradient (`mpscale.make_train_step`); the loss returns it as given.
   """
   from flax import nnx  # noqa: PLC0415
-  graphdef, params, rngs, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+  from mpscale import fp8_flax  # noqa: PLC0415
+  graphdef, params, rngs, fp8_vars, rest = nnx.split(
+      module, nnx.Param, nnx.RngState, fp8_flax.OverwriteWithGradient, ...)
   values = nnx.to_pure_dict(params)
+  fp8_values = nnx.to_pure_dict(fp8_vars)
+  has_fp8 = bool(jax.tree_util.tree_leaves(fp8_values))
   state_values = nnx.to_pure_dict(rest)
+  if has_fp8:
+    state_values = {**state_values, fp8_lib.OVERWRITE_WITH_GRADIENT: fp8_values}
   stateful = bool(jax.tree_util.tree_leaves(state_values))
+
+  def split_state(model_state):
+    """``(the other variables' pure dict, the FP8 state's)``."""
+    rest_values = dict(model_state)
+    return rest_values, rest_values.pop(fp8_lib.OVERWRITE_WITH_GRADIENT, None)
   stochastic = bool(jax.tree_util.tree_leaves(rngs))
 
   def fill(like, pure):
@@ -178,8 +193,13 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
     return jax.tree_util.tree_unflatten(treedef, new)
 
   def merged(p, model_state, rng, train):
-    state = fill(rest, model_state) if stateful else rest
-    m = nnx.merge(graphdef, fill(params, p), keyed(rng), state)
+    state, fp8_state = rest, fp8_vars
+    if stateful:
+      rest_values, fp8_pure = split_state(model_state)
+      state = fill(rest, rest_values)
+      if has_fp8:
+        fp8_state = fill(fp8_vars, fp8_pure)
+    m = nnx.merge(graphdef, fill(params, p), keyed(rng), fp8_state, state)
     if train:
       m.train()
     else:
@@ -191,7 +211,11 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
     out = per_token(loss(m, batch))
     if not stateful:
       return out
-    return out, nnx.to_pure_dict(nnx.split(m, nnx.Param, nnx.RngState, ...)[3])
+    new = nnx.to_pure_dict(nnx.split(m, nnx.Param, nnx.RngState,
+                                     fp8_flax.OverwriteWithGradient, ...)[4])
+    if has_fp8:  # as given: its gradient is its update
+      new[fp8_lib.OVERWRITE_WITH_GRADIENT] = split_state(model_state)[1]
+    return out, new
 
   def evaluate(p, batch, model_state=None):
     return per_token(loss(merged(p, model_state, None, train=False), batch))
@@ -201,8 +225,12 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
                            "model.metrics")
 
   def export(p, model_state):
-    nnx.update(module, fill(params, p), *([fill(rest, model_state)] if stateful
-                                          else []))
+    states = []
+    if stateful:
+      rest_values, fp8_pure = split_state(model_state)
+      states = [fill(rest, rest_values)] + ([fill(fp8_vars, fp8_pure)] if has_fp8
+                                            else [])
+    nnx.update(module, fill(params, p), *states)
     module.eval()
     return module
 

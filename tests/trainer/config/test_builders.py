@@ -474,8 +474,6 @@ def test_fp8_under_a_pipeline_trains_as_the_unpipelined_run(tmp_path):
     ({"history_len": 0}, {}, ("precision.fp8.history_len",)),
     ({"products": ["qkv", "mlp"]}, {}, ("precision.fp8.products",)),
     ({"bf16_layers": 2}, {}, ("precision.fp8.bf16_layers", "model.num_layers")),
-    ({}, {"model": {"provider": "model.py:build"}},
-     ("precision.fp8.recipe", "model.provider")),
     ({}, {"precision": {"grad_reduce_dtype": "float32"}},
      ("precision.grad_reduce_dtype", "precision.fp8.recipe")),
 ])
@@ -490,11 +488,11 @@ def test_bad_fp8_settings_are_refused_by_key(fp8, extra, names):
     assert name in str(err.value)
 
 
-def test_a_user_model_passed_from_python_refuses_fp8():
+def test_a_user_model_without_fp8_state_refuses_precision_fp8():
   import mpscale.trainer
   cfg = config_lib.config_from_dict(_fp8_config("delayed"))
   model = mpscale.trainer.Model(init=lambda key: {"w": jnp.ones(2)},
                                 loss_fn=lambda p, b: jnp.sum(p["w"]))
   with pytest.raises(mpscale.ArgumentError) as err:
     builders.build(cfg, model=model)
-  assert err.value.names == ("precision.fp8.recipe",)
+  assert err.value.names == ("precision.fp8.recipe", "model.provider")

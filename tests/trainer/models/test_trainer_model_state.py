@@ -240,3 +240,99 @@ def test_a_pmap_era_batchnorm_trains_on_1_and_4_devices_to_the_same_statistics(
   assert not np.allclose(jax.tree_util.tree_leaves(stats[0])[0], 0)
   for a, b in zip(jax.tree_util.tree_leaves(stats[0]), jax.tree_util.tree_leaves(stats[1])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+FP8_MODELS = {"linen": textwrap.dedent('''
+    import functools
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import numpy as np
+    from mpscale import fp8_flax
+    from mpscale.trainer.config.build import build_fp8
+
+    class Net(nn.Module):
+      recipe: object = None
+      @nn.compact
+      def __call__(self, x):
+        fp8 = ({} if self.recipe is None else {"dot_general_cls": functools.partial(
+            fp8_flax.Fp8DotGeneral, recipe=self.recipe)})
+        h = nn.relu(nn.Dense(16, **fp8)(x))
+        return nn.Dense(1)(h)[:, 0]
+
+    def build(config):
+      return Net(build_fp8(config) if config.name == "fp8" else None)
+
+    def loss(model, batch):
+      err = (model(batch["x"]).astype(jnp.float32) - batch["y"]) ** 2
+      return jnp.sum(err), batch["x"].shape[0]
+'''), "nnx": textwrap.dedent('''
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from mpscale import fp8_flax
+    from mpscale.trainer.config.build import build_fp8
+
+    class Net(nnx.Module):
+      def __init__(self, recipe, rngs):
+        fp8 = {} if recipe is None else {
+            "dot_general": fp8_flax.NnxFp8DotGeneral(recipe)}
+        self.hidden = nnx.Linear(5, 16, rngs=rngs, **fp8)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+      def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))[:, 0]
+
+    def build(config):
+      return Net(build_fp8(config) if config.name == "fp8" else None, nnx.Rngs(0))
+
+    def loss(model, batch):
+      err = (model(batch["x"]).astype(jnp.float32) - batch["y"]) ** 2
+      return jnp.sum(err), batch["x"].shape[0]
+''')}
+
+
+def _fp8_user_config(tmp_path, flavour, name):
+  (tmp_path / "net.py").write_text(FP8_MODELS[flavour] + ROWS_SOURCE)
+  (tmp_path / "config.yaml").write_text(textwrap.dedent(f'''
+      name: {name}
+      model: {{provider: net.py:build, loss: net.py:loss}}
+      data: {{provider: net.py:source, batch_size: 32, eval_batches: 2}}
+      optimizer: {{name: adamw, learning_rate: 0.01}}
+      schedule: {{warmup_steps: 2}}
+      precision: {{policy: bf16, fp8: {{recipe: delayed, history_len: 8}}}}
+      train: {{steps: 12, log_every: 4, eval_every: 12, checkpoint_every: 12}}
+  '''))
+  return mpscale.trainer.load_config(str(tmp_path / "config.yaml"), ["mesh.data=2"])
+
+
+@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+def test_a_config_named_flax_model_trains_its_fp8_layers(tmp_path, flavour):
+  """precision.fp8 with a user's model: its provider builds mpscale.fp8_flax layers
+  from the config's recipe; their state is the run's model state, overwritten with
+  its gradient each step (linen's _overwrite_with_gradient collection; NNX's
+  OverwriteWithGradient variables, which the trainer puts in that collection) and
+  loaded back with the model."""
+  cfg = _fp8_user_config(tmp_path, flavour, "fp8")
+  out = tmp_path / "run"
+  mpscale.trainer.run(cfg, out_dir=str(out), progress=False, verbose=False)
+  rows = read_rows(str(out / "metrics.csv"))
+  assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+  loaded = mpscale.trainer.load(str(out))
+  if flavour == "linen":
+    state = loaded["_overwrite_with_gradient"]["Dense_0"]["Fp8DotGeneral_0"]["fp8_state"]
+  else:
+    from mpscale import fp8_flax
+    variable = loaded.hidden.dot_general.fp8_state
+    assert isinstance(variable, fp8_flax.OverwriteWithGradient)
+    state = getattr(variable, "get_value", lambda: variable.value)()
+  assert np.count_nonzero(state.lhs.amax_history) == 8  # 12 steps, a window of 8
+  assert np.count_nonzero(state.grad.amax_history) == 8
+  assert float(state.rhs.scale) != 1.0
+
+
+def test_a_user_model_without_fp8_layers_is_refused_under_precision_fp8(tmp_path):
+  cfg = _fp8_user_config(tmp_path, "linen", "plain")  # its provider builds no FP8
+  with pytest.raises(mpscale.trainer.ConfigError) as err:
+    mpscale.trainer.run(cfg, out_dir=str(tmp_path / "run"), progress=False,
+                        verbose=False)
+  assert err.value.keys[:2] == ("precision.fp8.recipe", "model.provider")
+  assert not (tmp_path / "run").exists()
