@@ -110,3 +110,69 @@ def test_bf16_weights_stall_with_round_to_nearest_not_with_stochastic_rounding(t
   gaps = [n["final_eval_loss"] - s["final_eval_loss"] for n, s in zip(*records.values())]
   assert all(map(math.isfinite, gaps)), gaps
   assert min(gaps) > max(gaps) - min(gaps), gaps
+
+
+def test_amax_series_reads_the_history_oldest_to_newest():
+  """`record_amax`'s roll (newest at [0], then [-1], [-2], ...) read back in step order,
+  and the steps delayed scaling clips: new highs over the earlier amaxes' max."""
+  import jax.numpy as jnp
+  import numpy as np
+  from mpscale.fp8 import record_amax
+  study = _study()
+  amaxes = [2.0, 1.0, 3.0, 3.0, 2.5, 4.0, 1.5]
+  history = jnp.zeros(16)
+  assert study.amax_series(history).size == 0
+  for i, a in enumerate(amaxes):
+    history = record_amax(history, jnp.float32(a))
+    np.testing.assert_array_equal(study.amax_series(history), amaxes[:i + 1])
+  series = study.amax_series(history)
+  # Step 3 (3 > 2) and step 6 (4 > 3); step 4 equals the max and does not clip.
+  assert study.saturating_steps(series, 16) == (2, 1.5)
+  assert study.saturating_steps(series, 16, margin=1) == (0, 1.0)
+  # The latest amax only: 1 -> 3, 2.5 -> 4, 1.5 no.
+  assert study.saturating_steps(series, 16, "most_recent") == (2, 3.0)
+  # A window of one amax is the latest amax.
+  assert study.saturating_steps(series, 1) == (2, 3.0)
+  # A full history is the last len(history) amaxes.
+  short = jnp.zeros(4)
+  for a in amaxes:
+    short = record_amax(short, jnp.float32(a))
+  np.testing.assert_array_equal(study.amax_series(short), amaxes[-4:])
+
+
+@pytest.mark.slow
+def test_amax_movement_reads_a_delayed_fp8_run(tmp_path):
+  """A 30-step fp8_delayed run (seed 0): a row for every block, product and tensor,
+  its first and last amax the history's oldest and newest entries, its new highs
+  counted from the history in step order."""
+  import numpy as np
+
+  import mpscale.trainer
+  from mpscale.trainer.runs.compare import compare
+  study = _study()
+  steps = 30
+  compare([os.path.join(study.CONFIGS, "fp8_delayed.yaml")], str(tmp_path / "seed0"),
+          overrides=["seed=0", f"train.steps={steps}", f"train.eval_every={steps}"],
+          progress=False, verbose=False)
+  rows = study.amax_movement(str(tmp_path), [0], ["fp8_delayed"])
+  _, state = mpscale.trainer.load(str(tmp_path / "seed0" / "fp8_delayed"))
+  stages = state["_overwrite_with_gradient"]["stages"]
+  keys = {(r["block"], r["product"], r["tensor"]) for r in rows}
+  assert len(rows) == len(keys) == 2 * 4 * 3
+  assert keys == {(b, p, t) for b in range(2) for p in ("qkv", "out", "fc", "proj")
+                  for t in ("lhs", "rhs", "grad")}
+  for r in rows:
+    assert r["run"] == "fp8_delayed" and r["recipe"] == "delayed" and r["recorded"]
+    h = np.asarray(getattr(stages[r["product"]], r["tensor"]).amax_history)[r["block"]]
+    assert np.count_nonzero(h) == steps == r["steps"]
+    assert r["first"] > 0 and r["last"] > 0
+    assert r["first"] == h[-(steps - 1)] and r["last"] == h[0]
+    series = [h[t - (steps - 1)] for t in range(steps)]  # [-29], ..., [-1], [0]
+    highs = sum(series[t] > max(series[:t]) for t in range(1, steps))
+    assert r["new_highs"] == highs and float(r["new_highs"]).is_integer()
+    assert 0 <= r["new_highs"] <= steps - 1
+    assert r["growth"] == pytest.approx(r["last"] / r["first"])
+    assert r["range"] == pytest.approx(max(series) / min(series))
+    assert (r["overshoot"] > 1) == (highs > 0)
+  text = "\n".join(study.movement_markdown([], rows))
+  assert "## Which amaxes move" in text and "| 0 | qkv | output gradient | e5m2 |" in text
