@@ -205,6 +205,22 @@ def _sums_in_float32(policy: policy_lib.Policy, reduce_dtype: Optional[np.dtype]
   return reduce_dtype is not None and jnp.finfo(policy.compute_dtype).bits < 32
 
 
+def _check_mergeable(model_state: Any, merge_state: Optional[Callable]) -> None:
+  """Under float32 sums (each replica differentiates its own rows) a model state
+  must be FP8 scaling state alone, whose replicas' updates ``merge_state``
+  combines."""
+  if not (isinstance(model_state, Mapping)
+          and set(model_state) == {fp8_lib.OVERWRITE_WITH_GRADIENT}):
+    raise _refuse_model_state()
+  if merge_state is None:
+    raise validation.ArgumentError(
+        ("merge_state", "grad_reduce_dtype"), "FP8 scaling state under {1}=float32 "
+        "needs {0}: each data replica updates it from its own rows, and {0} combines "
+        "the replicas' updates (functools.partial(mpscale.fp8.merge_stacked, "
+        "recipe=recipe))")
+  validation.function("merge_state", merge_state)
+
+
 def _refuse_model_state() -> validation.ArgumentError:
   return validation.ArgumentError(
       ("grad_reduce_dtype", "model_state"),
@@ -220,7 +236,8 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
                          mesh: Optional[Mesh] = None, data_axis: DataAxis = "data",
                          param_specs: Any = None, rng: Optional[jax.Array] = None,
                          model_state: Any = None,
-                         grad_reduce_dtype: Any = None) -> Gradients:
+                         grad_reduce_dtype: Any = None,
+                         merge_state: Optional[Callable] = None) -> Gradients:
   """float32 gradients of ``loss_scale * loss``, accumulated over micro-batches.
 
   ``loss_fn`` sees the parameters cast by ``policy.cast_to_compute``; the gradients
@@ -289,8 +306,15 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
       inside the ``shard_map``: an activation layout it sets must use
       `mpscale.sharding.constrain`, which drops the manual data axes. Under a
       float32 compute dtype the sums are float32 already and nothing changes. A
-      ``model_state`` refuses it: synchronized BatchNorm makes each micro-batch's
-      gradient span every replica's rows.
+      ``model_state`` refuses it (synchronized BatchNorm makes each micro-batch's
+      gradient span every replica's rows), except FP8 scaling state alone (an
+      ``_overwrite_with_gradient`` collection) with ``merge_state``.
+    merge_state: how updates of an FP8 scaling state from data replicas that
+      differentiate their own rows combine (``grad_reduce_dtype=float32``):
+      ``merge_state(updates)``, ``updates`` the collection with a leading axis of
+      replicas (``functools.partial(mpscale.fp8.merge_stacked, recipe=recipe)``).
+      Each micro-batch's updates are gathered from the replicas and merged, so
+      every replica carries the state on as the global micro-batch records it.
 
   Returns:
     `Gradients` ``(grads, loss, num_tokens)``; with a ``model_state``, the pair
@@ -310,7 +334,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   wide = _sums_in_float32(
       policy, gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype))
   if wide and stateful:
-    raise _refuse_model_state()
+    _check_mergeable(model_state, merge_state)
 
   # Laid-out parameters: activations stay split over the batch, so GSPMD gathers
   # weights (FSDP's all-gather, a layer at a time) rather than activations.
@@ -320,7 +344,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   # Three strategies add up the losses and float32 gradients; _averaged divides.
   if wide and data_size > 1:
     sums = _float32_sums(scaled_loss, policy, params, batch, rng, mesh, data_axes,
-                         specs, num_microbatches)
+                         specs, num_microbatches, model_state, merge_state)
   elif num_microbatches == 1:
     sums = _single_gradient(scaled_loss, params, batch, rng, model_state, mesh, specs)
   else:
@@ -544,7 +568,8 @@ def _averaged(sums: _Sums, per_token_loss: bool, rows: int) -> Gradients:
 
 def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
                   batch: Any, rng: Optional[jax.Array], mesh: Mesh,
-                  data_axes: tuple[str, ...], specs: Any, num_microbatches: int
+                  data_axes: tuple[str, ...], specs: Any, num_microbatches: int,
+                  model_state: Any = None, merge_state: Optional[Callable] = None
                  ) -> _Sums:
   """`accumulate_gradients` with ``grad_reduce_dtype=float32`` over several data
   replicas: the sums of the gradients, losses and token counts over every micro-batch
@@ -568,8 +593,13 @@ def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
   the same numbers as through the cast (its transpose only widens). FSDP gathers the
   compute dtype and sums in float32. Micro-batch ``k`` of replica ``r`` draws from
   ``replica_key(microbatch_key(rng, k), r)``, as on the vmapped path.
+
+  FP8 scaling state (``model_state``, an ``_overwrite_with_gradient`` collection)
+  runs through the micro-batches: each replica's update of it is gathered from
+  every replica and merged (``merge_state``), so each micro-batch records the
+  global amaxes, as the other paths do.
   """
-  grad_fn = jax.grad(scaled_loss, has_aux=True)
+  grad_fn = _state_grad(scaled_loss)
   layout = (jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
             if specs is None else specs)
   manual = jax.tree_util.tree_map(
@@ -585,11 +615,30 @@ def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
       lambda spec: tuple(sharding_lib.split_dims(spec, data_axes)), manual,
       is_leaf=sharding_lib.is_spec)
   split = any(jax.tree_util.tree_leaves(dims))
+  if split and model_state is not None:
+    # Its custom VJP is replayed on gathered (device-varying) weights that it was
+    # traced invariant on: not supported yet.
+    raise validation.ArgumentError(
+        ("grad_reduce_dtype", "param_specs", "model_state"),
+        "{0}=float32 with {1} splitting parameters over the data axes (FSDP) takes "
+        "no FP8 scaling {2} yet; pass {0}=None, or keep the parameters whole")
   # FSDP: the masters' shards, each cast and gathered where the loss uses it.
-  shard_grad = jax.grad(batch_split_lib.gather_where_used(scaled_loss, dims),
-                        has_aux=True)
+  shard_grad = _state_grad(batch_split_lib.gather_where_used(scaled_loss, dims))
 
-  def per_device(params, batch, keys):
+  def merged(state, old):
+    """The replicas' updates of the FP8 state, gathered and merged (the same
+    everywhere; a product no replica ran keeps its old state)."""
+    if state is None:
+      return None
+    _, update = fp8_lib.split_overwrite(state)
+    updates = jax.tree_util.tree_map(
+        lambda x: lax.all_gather(x, data_axes, axis=0, tiled=False), update)
+    new = jax.tree_util.tree_map(_reached, merge_state(updates),
+                                 fp8_lib.split_overwrite(old)[1],
+                                 is_leaf=_is_fp8_state)
+    return fp8_lib.join_overwrite(state, new)
+
+  def per_device(params, batch, keys, model_state):
     p = vary(params if split else policy.cast_to_compute(params))
     micro_batches = _split_microbatches(batch, num_microbatches, 1)
     if keys is not None:
@@ -599,32 +648,41 @@ def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
     grad = shard_grad if split else grad_fn
 
     def body(carry, xs):
+      carry, state = carry
       micro_batch, key = xs
-      grads, (loss, tokens, _) = grad(p, micro_batch, key, None)
+      grads, (loss, tokens, new_state) = grad(p, micro_batch, key, state)
       new = (jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), loss,
              tokens)
-      return _added(carry, new), None
+      return (_added(carry, new), merged(new_state, state)), None
 
     first = jax.tree_util.tree_map(lambda x: x[0], (micro_batches, keys))
-    _, (loss_shape, tokens_shape, _) = jax.eval_shape(grad, p, *first, None)
+    state = None if model_state is None else vary(model_state)
+    _, (loss_shape, tokens_shape, _) = jax.eval_shape(grad, p, *first, state)
     zeros = vary(_zero_sums(p, loss_shape, tokens_shape))
-    (grads, loss, tokens), _ = lax.scan(body, zeros, (micro_batches, keys))
+    ((grads, loss, tokens), state), _ = lax.scan(body, (zeros, state),
+                                                 (micro_batches, keys))
     grads = jax.tree_util.tree_map(
         lambda g, spec: _psum_over(g, tuple(
             a for a in data_axes if a not in sharding_lib.spec_axes(spec))),
         grads, manual, is_leaf=sharding_lib.is_spec)
-    return grads, lax.psum(loss, data_axes), lax.psum(tokens, data_axes)
+    # The merged state is the same on every replica: one copy each, the first kept.
+    copies = jax.tree_util.tree_map(lambda x: x[None], state)
+    return grads, lax.psum(loss, data_axes), lax.psum(tokens, data_axes), copies
 
   batch_spec = sharding_lib.batch_sharding(mesh, data_axes).spec
+  state_specs = jax.tree_util.tree_map(lambda _: PartitionSpec(data_axes),
+                                       model_state)
   fn = jax.shard_map(
       per_device, mesh=mesh,
       in_specs=(manual, jax.tree_util.tree_map(lambda _: batch_spec, batch),
-                None if keys is None else PartitionSpec()),
-      out_specs=(manual, PartitionSpec(), PartitionSpec()),
+                None if keys is None else PartitionSpec(),
+                jax.tree_util.tree_map(lambda _: PartitionSpec(), model_state)),
+      out_specs=(manual, PartitionSpec(), PartitionSpec(), state_specs),
       axis_names=set(data_axes))
-  grads, loss, tokens = fn(params, batch, keys)
+  grads, loss, tokens, copies = fn(params, batch, keys, model_state)
+  new_state = jax.tree_util.tree_map(lambda x: x[0], copies)
   return _Sums(_like_params(grads, specs, mesh), loss, tokens,
-               num_microbatches * sharding_lib.axis_size(mesh, data_axes), None)
+               num_microbatches * sharding_lib.axis_size(mesh, data_axes), new_state)
 
 
 def _psum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -750,7 +808,8 @@ class _Layout:
 
 def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
                      num_microbatches: int, per_token_loss: bool,
-                     reduce_dtype: Optional[np.dtype] = None
+                     reduce_dtype: Optional[np.dtype] = None,
+                     merge_state: Optional[Callable] = None
                     ) -> Callable[..., tuple[Gradients, Any]]:
   """The step's one gradient source: ``(params, batch, loss_scale, rng, model_state)
   -> (Gradients, new model_state)``."""
@@ -781,7 +840,8 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
         num_microbatches=num_microbatches, per_token_loss=per_token_loss,
         mesh=layout.mesh, data_axis=layout.data_axes or "data",
         param_specs=None if layout.param_specs is None else layout.specs(params),
-        rng=rng, model_state=model_state, grad_reduce_dtype=reduce_dtype)
+        rng=rng, model_state=model_state, grad_reduce_dtype=reduce_dtype,
+        merge_state=merge_state)
     return out if model_state is not None else (out, None)
   return accumulated
 
@@ -1024,7 +1084,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     shard_optimizer_state: bool = False,
                     param_specs: sharding_lib.SpecsLike = None, donate: bool = True,
                     model_state_dtype: Any = jnp.float32,
-                    grad_reduce_dtype: Any = None
+                    grad_reduce_dtype: Any = None,
+                    merge_state: Optional[Callable] = None
                    ) -> tuple[Callable[..., TrainState],
                               Callable[[TrainState, Any], tuple[TrainState, dict]]]:
   """A jitted mixed-precision, data-parallel train step and its ``init``.
@@ -1042,7 +1103,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     loss_fn: ``loss_fn(params, batch) -> loss``, a floating scalar mean loss (with
       ``per_token_loss``, ``-> (loss_sum, num_tokens)``) of the parameters cast by
       ``policy.cast_to_compute``; with a model state it returns ``(that,
-      new_model_state)``. Or a `mpscale.Pipeline`, over the mesh's stage axis.
+      new_model_state)``. Or a `mpscale.Pipeline`, over the mesh's stage axis, whose
+      model state can only be its layers' FP8 scaling state
+      (``{"_overwrite_with_gradient": {stages_key: states stacked as the layers}}``,
+      the pipeline built with ``merge_state``).
     optimizer: an optax transformation, ideally wrapped in `mpscale.dynamic_loss_scale`
       (float16) or `mpscale.no_loss_scale`, their ``axis_name`` unset. Its ``update``
       gets the unscaled loss as the extra argument ``loss``.
@@ -1067,7 +1131,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     grad_reduce_dtype: ``None`` (XLA's choice) or float32: under a 16-bit compute
       dtype, every gradient sum across data replicas and micro-batches is float32
       (Megatron-LM's ``accumulate_allreduce_grads_in_fp32``); ``init`` then refuses a
-      model state.
+      model state other than FP8 scaling state alone with ``merge_state``.
+    merge_state: with ``grad_reduce_dtype=float32`` and FP8 scaling state (an
+      ``_overwrite_with_gradient`` collection), how the data replicas' updates of it
+      combine (`mpscale.accumulate_gradients`' ``merge_state``:
+      ``functools.partial(mpscale.fp8.merge_stacked, recipe=recipe)``). A
+      `Pipeline` merges its own (its ``merge_state``).
 
   Returns:
     ``(init, step)``: ``init(params | flax TrainState | TrainState, *,
@@ -1120,8 +1189,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     num_microbatches = _check_pipeline(pipeline, mesh, num_microbatches)
   reduce_dtype = gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype)
   layout = _Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline)
+  if merge_state is not None:
+    validation.function("merge_state", merge_state)
   gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
-                               per_token_loss, reduce_dtype)
+                               per_token_loss, reduce_dtype, merge_state)
   model = _pipeline_model(pipeline) if pipeline is not None else loss_fn
   data_size = sharding_lib.axis_size(mesh, data_axes)
 
@@ -1140,7 +1211,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
             "how the state's updates from several micro-batches combine")
     if (pipeline is None and _sums_in_float32(policy, reduce_dtype)
         and given is not None):
-      raise _refuse_model_state()
+      _check_mergeable(given, merge_state)
     return _init_state(optimizer, policy, layout, params_or_state, model_state, rng,
                        model_state_dtype)
 

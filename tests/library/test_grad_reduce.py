@@ -314,3 +314,76 @@ def test_fsdp_float32_sums_gather_a_layer_at_a_time():
   got = grads(mesh, "f32")(params, batch)
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- FP8 scaling state under float32 sums
+RECIPE = mpscale.fp8_recipe("delayed", history_len=4)
+
+
+def fp8_loss_fn(p, b, model_state):
+  state = model_state[mpscale.OVERWRITE_WITH_GRADIENT]["w1"]
+  h = jnp.tanh(mpscale.fp8_dot_general(b["x"].astype(p["w1"].dtype), p["w1"],
+                                       (((1,), (0,)), ((), ())), state, RECIPE))
+  return jnp.mean(((h @ p["w2"]).astype(jnp.float32) - b["y"]) ** 2), model_state
+
+
+def _fp8_state():
+  return {mpscale.OVERWRITE_WITH_GRADIENT: {"w1": mpscale.fp8_state(RECIPE)}}
+
+
+@pytest.mark.parametrize("num_microbatches, specs", [(1, None), (2, None)],
+                         ids=["one", "micro"])
+def test_fp8_state_under_float32_sums_records_the_global_amaxes(num_microbatches,
+                                                                specs):
+  """Each replica differentiates its own rows and updates the FP8 state from them;
+  merge_state combines the replicas' updates each micro-batch, so the forward
+  operands' state is the one the bf16-sums step records (the global amaxes, a
+  history entry a micro-batch), bit for bit, on every device. The output gradient
+  each replica quantizes is that of its own rows' mean loss, 8 (the replicas) times
+  the global mean's: its amaxes are 8 times the bf16-sums step's, exactly."""
+  merge = lambda u: mpscale.fp8.merge_stacked(u, RECIPE)  # noqa: E731
+  steps = {}
+  for name, kw in (("bf16", {}), ("float32", {"grad_reduce_dtype": "float32",
+                                               "merge_state": merge})):
+    init, step = mpscale.make_train_step(
+        fp8_loss_fn, optax.sgd(0.1), policy="bf16", mesh=_mesh(),
+        num_microbatches=num_microbatches, param_specs=specs, **kw)
+    state = init(_params(), model_state=_fp8_state())
+    for _ in range(2):
+      state, _ = step(state, _batch())
+    steps[name] = state
+  want, got = (steps[k].model_state[mpscale.OVERWRITE_WITH_GRADIENT]["w1"]
+               for k in ("bf16", "float32"))
+  for a, b in zip(jax.tree_util.tree_leaves((got.lhs, got.rhs)),
+                  jax.tree_util.tree_leaves((want.lhs, want.rhs))):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(got.grad.amax_history, 8 * want.grad.amax_history)
+  for a in jax.tree_util.tree_leaves(got):
+    copies = [np.asarray(s.data) for s in a.addressable_shards]
+    assert all(np.array_equal(c, copies[0]) for c in copies)
+  meta = got
+  assert np.count_nonzero(meta.lhs.amax_history) == 2 * num_microbatches
+  assert np.count_nonzero(meta.grad.amax_history) == 2 * num_microbatches
+  for a, b in zip(jax.tree_util.tree_leaves(steps["float32"].params),
+                  jax.tree_util.tree_leaves(steps["bf16"].params)):
+    np.testing.assert_allclose(a, b, rtol=0.02, atol=1e-4)
+
+
+def test_fp8_state_under_float32_sums_needs_merge_state_by_name():
+  init, _ = _step(grad_reduce_dtype="float32")
+  with pytest.raises(mpscale.ArgumentError) as e:
+    init(_params(), model_state=_fp8_state())
+  assert e.value.names == ("merge_state", "grad_reduce_dtype")
+  with pytest.raises(mpscale.ArgumentError) as e:  # FP8 state and BatchNorm's
+    init(_params(), model_state={**_fp8_state(), "mean": jnp.zeros(3)})
+  assert e.value.names == ("grad_reduce_dtype", "model_state")
+  with pytest.raises(mpscale.ArgumentTypeError) as e:
+    _step(grad_reduce_dtype="float32", merge_state="max")
+  assert e.value.names == ("merge_state",)
+  merge = lambda u: mpscale.fp8.merge_stacked(u, RECIPE)  # noqa: E731
+  init, step = mpscale.make_train_step(
+      fp8_loss_fn, optax.sgd(0.1), policy="bf16", mesh=_mesh(), param_specs=FSDP,
+      grad_reduce_dtype="float32", merge_state=merge)
+  with pytest.raises(mpscale.ArgumentError) as e:  # FSDP: not yet
+    step(init(_params(), model_state=_fp8_state()), _batch())
+  assert e.value.names == ("grad_reduce_dtype", "param_specs", "model_state")

@@ -792,27 +792,36 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
   init_state = getattr(model, "init_state", None)
   if isinstance(model, lm_lib.TinyLM) and model.fp8 is not None:
     init_state = lambda key: model.init_model_state()  # noqa: E731
+  fp8 = build_fp8(cfg)
+  # FP8 scaling state from several replicas or micro-batches: merged (max amax).
+  merge = None if fp8 is None else functools.partial(fp8_lib.merge_stacked,
+                                                     recipe=fp8)
   if (reduce_dtype is not None and init_state is not None and not pipelined
       and jnp.finfo(policy.compute_dtype).bits < 32):
-    # (A pipeline sums in float32 itself and carries the FP8 state.)
-    # make_train_step's init would refuse the model state: say so by key, now.
-    if isinstance(model, lm_lib.TinyLM):  # its only state is FP8's
+    # (A pipeline sums in float32 itself and carries the FP8 state.) Each replica
+    # then differentiates its own rows: only FP8 scaling state can follow, merged.
+    # make_train_step's init would refuse the others: say so by key, now.
+    state = jax.eval_shape(init_state, jax.random.key(cfg.seed))
+    fp8_only = (isinstance(state, Mapping)
+                and set(state) == {fp8_lib.OVERWRITE_WITH_GRADIENT})
+    if fp8 is not None and fp8_only and cfg.mesh.fsdp > 1:
       raise validation.ArgumentError(
-          ("precision.grad_reduce_dtype", "precision.fp8.recipe"),
-          "{0}: float32 sums each data replica's own gradient, but FP8 ({1}) keeps "
-          "its scaling state as a model state, which the float32 sums do not carry "
-          "yet; set {0}: null or {1}: null")
-    raise validation.ArgumentError(
-        ("precision.grad_reduce_dtype", "model.provider"),
-        "{0}: float32 sums each data replica's own gradient, but the model of {1} "
-        "keeps a state (synchronized BatchNorm statistics), which makes every "
-        "micro-batch's gradient span all replicas' rows; set {0}: null")
+          ("precision.grad_reduce_dtype", "precision.fp8.recipe", "mesh.fsdp"),
+          "{0}: float32 with FP8 ({1}) and FSDP ({2} > 1) is not supported yet (the "
+          "FP8 products' custom VJPs would be replayed on gathered weights); set "
+          "{0}: null or {2}: 1")
+    if not (fp8 is not None and fp8_only):
+      raise validation.ArgumentError(
+          ("precision.grad_reduce_dtype", "model.provider"),
+          "{0}: float32 sums each data replica's own gradient, but the model of {1} "
+          "keeps a state (synchronized BatchNorm statistics), which makes every "
+          "micro-batch's gradient span all replicas' rows; set {0}: null")
   make_init, step = errors.keyed("train", lambda: train_step_lib.make_train_step(
       loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
       num_microbatches=1 if pipelined else cfg.train.num_microbatches,
       per_token_loss=per_token,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
-      param_specs=specs, grad_reduce_dtype=reduce_dtype),
+      param_specs=specs, grad_reduce_dtype=reduce_dtype, merge_state=merge),
       {"grad_reduce_dtype": "precision.grad_reduce_dtype"})
   if abstract:
     return None

@@ -468,14 +468,38 @@ def test_fp8_under_a_pipeline_trains_as_the_unpipelined_run(tmp_path):
     np.testing.assert_allclose(got.grad.scale, want.grad.scale, rtol=0.1)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
+def test_fp8_with_float32_gradient_sums_trains_as_with_bf16_sums(tmp_path):
+  """precision.grad_reduce_dtype: float32 over 2 data replicas and 2 micro-batches:
+  each replica updates the FP8 state from its own rows and the step merges the
+  replicas' updates (merge_state), so the state records the global amaxes, a
+  history entry a micro-batch, as the bf16-sums run does."""
+  import mpscale.trainer
+  runs = {}
+  for name, sums in (("bf16", None), ("float32", "float32")):
+    cfg = _fp8_config("delayed")
+    cfg["train"] = {**cfg["train"], "steps": 6, "eval_every": 6,
+                    "checkpoint_every": 6, "num_microbatches": 2}
+    cfg["mesh"] = {"data": 2}
+    cfg["precision"] = {**cfg["precision"], "grad_reduce_dtype": sums}
+    out = str(tmp_path / name)
+    mpscale.trainer.run(cfg, out_dir=out, verbose=False, progress=False)
+    runs[name] = (_losses(out), mpscale.trainer.load(out)[1])
+  np.testing.assert_allclose(runs["float32"][0], runs["bf16"][0], rtol=2e-3)
+  got, want = (runs[k][1]["_overwrite_with_gradient"]["stages"]["fc"]
+               for k in ("float32", "bf16"))
+  assert np.count_nonzero(got.lhs.amax_history, axis=1).tolist() == [0, 12, 12, 0]
+  np.testing.assert_allclose(got.lhs.amax_history, want.lhs.amax_history, rtol=2e-2)
+
+
 @pytest.mark.parametrize("fp8, extra, names", [
     ({"recipe": "fast"}, {}, ("precision.fp8.recipe",)),
     ({"amax_compute": "mean"}, {}, ("precision.fp8.amax_compute",)),
     ({"history_len": 0}, {}, ("precision.fp8.history_len",)),
     ({"products": ["qkv", "mlp"]}, {}, ("precision.fp8.products",)),
     ({"bf16_layers": 2}, {}, ("precision.fp8.bf16_layers", "model.num_layers")),
-    ({}, {"precision": {"grad_reduce_dtype": "float32"}},
-     ("precision.grad_reduce_dtype", "precision.fp8.recipe")),
+    ({}, {"precision": {"grad_reduce_dtype": "float32"}, "mesh": {"fsdp": 2}},
+     ("precision.grad_reduce_dtype", "precision.fp8.recipe", "mesh.fsdp")),
 ])
 def test_bad_fp8_settings_are_refused_by_key(fp8, extra, names):
   raw = _fp8_config(**{"recipe": "delayed", **fp8})
