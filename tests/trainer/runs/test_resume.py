@@ -162,14 +162,18 @@ def test_corrupt_checkpoint_is_refused_by_name(tmp_path):
   assert (run / "metrics.csv").read_bytes() == before  # nothing overwritten
 
 
-def test_an_fp8_run_resumes_to_the_same_losses_and_fp8_state(tmp_path):
+@pytest.mark.parametrize("layout", ["plain", pytest.param("pipelined", marks=pytest.mark.slow)])
+def test_an_fp8_run_resumes_to_the_same_losses_and_fp8_state(tmp_path, layout):
   """The FP8 scaling state is the TrainState's model state: checkpointed, restored,
   and carried on as the uninterrupted run carries it (in process, from step 2 of 4;
-  2 micro-batches, so two history entries a step)."""
+  2 micro-batches, so two history entries a step). Pipelined (2 stages, interleaved
+  1F1B, the blocks and their states stored in device order, checkpointed in model
+  order): one entry a step, for each of the 2 FP8 blocks of 4."""
   import shutil
   import jax
   import mpscale.trainer
-  cfg = {"model": {"d_model": 32, "num_heads": 2, "num_layers": 3, "d_ff": 64,
+  layers = 3 if layout == "plain" else 4
+  cfg = {"model": {"d_model": 32, "num_heads": 2, "num_layers": layers, "d_ff": 64,
                    "seq_len": 32},
          "data": {"batch_size": 8, "eval_batches": 1},
          "train": {"steps": 4, "log_every": 1, "eval_every": 4, "checkpoint_every": 2,
@@ -177,6 +181,8 @@ def test_an_fp8_run_resumes_to_the_same_losses_and_fp8_state(tmp_path):
          "schedule": {"warmup_steps": 1},
          "precision": {"policy": "bf16", "fp8": {"recipe": "delayed",
                                                  "history_len": 32}}}
+  if layout == "pipelined":
+    cfg["mesh"] = {"stage": 2, "pipeline_schedule": "1f1b", "virtual_stages": 2}
   whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
   mpscale.trainer.run(cfg, out_dir=whole, verbose=False, progress=False)
   shutil.copytree(whole, part)
@@ -193,4 +199,6 @@ def test_an_fp8_run_resumes_to_the_same_losses_and_fp8_state(tmp_path):
                   jax.tree_util.tree_leaves(uninterrupted)):
     np.testing.assert_array_equal(a, b)
   history = resumed["_overwrite_with_gradient"]["stages"]["fc"].lhs.amax_history
-  assert np.count_nonzero(history) == 8  # 4 steps x 2 micro-batches, 1 FP8 block
+  # 4 steps x 2 micro-batches, 1 FP8 block; pipelined 4 steps x 2 FP8 blocks
+  assert np.count_nonzero(history, axis=1).tolist() == (
+      [0, 8, 0] if layout == "plain" else [0, 4, 4, 0])
