@@ -162,7 +162,8 @@ def test_corrupt_checkpoint_is_refused_by_name(tmp_path):
   assert (run / "metrics.csv").read_bytes() == before  # nothing overwritten
 
 
-@pytest.mark.parametrize("layout", ["plain", pytest.param("pipelined", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [
+    "plain", pytest.param("pipelined", marks=pytest.mark.slow)])
 def test_an_fp8_run_resumes_to_the_same_losses_and_fp8_state(tmp_path, layout):
   """The FP8 scaling state is the TrainState's model state: checkpointed, restored,
   and carried on as the uninterrupted run carries it (in process, from step 2 of 4;
