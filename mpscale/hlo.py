@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                "all-to-all")
@@ -151,11 +151,14 @@ _Cost = Callable[[str, Instruction], dict[str, float]]
 class _Totals:
   """``cost`` summed over what a computation, or one instruction, runs in a step: a
   while body its trip count times (XLA's ``known_trip_count``), a conditional its
-  costliest branch (one runs; which one, the program decides), any other called
-  computation (fusions, calls) once per call. Memoised per computation."""
+  costliest branch (one runs; which one, the program decides; ``branch_key`` ranks
+  them, by default the sum of their costs), any other called computation (fusions,
+  calls) once per call. Memoised per computation."""
 
-  def __init__(self, module: Module, cost: _Cost):
+  def __init__(self, module: Module, cost: _Cost,
+               branch_key: Optional[Callable[[dict[str, float]], Any]] = None):
     self.module, self.cost = module, cost
+    self.branch_key = branch_key or (lambda d: sum(d.values()))
     self.memo: dict[str, dict[str, float]] = {}
 
   def instruction(self, name: str, ins: Instruction) -> dict[str, float]:
@@ -169,7 +172,7 @@ class _Totals:
     callees = [(r, c) for r, c in _callees(ins) if c in self.module.computations]
     branches = [self.computation(c) for r, c in callees if r == "branch"]
     if branches:
-      add(max(branches, key=lambda d: sum(d.values())))
+      add(max(branches, key=self.branch_key))
     for role, callee in callees:
       if role == "body":
         add(self.computation(callee), _trips(ins, self.module))
@@ -189,9 +192,11 @@ class _Totals:
     return self.memo[name]
 
 
-def _per_step(module: Module, cost: _Cost) -> dict[str, float]:
+def _per_step(module: Module, cost: _Cost,
+              branch_key: Optional[Callable[[dict[str, float]], Any]] = None
+              ) -> dict[str, float]:
   """The sum of ``cost`` over everything one step runs (`_Totals`, from the entry)."""
-  return (_Totals(module, cost).computation(module.entry)
+  return (_Totals(module, cost, branch_key).computation(module.entry)
           if module.entry in module.computations else {})
 
 
@@ -453,7 +458,10 @@ def fp8_flops(hlo: Union[str, Module]) -> float:
   (a ``dot`` or ``convolution`` of ``f8e4m3fn``/``f8e5m2`` operands, as in a Triton
   GEMM fusion, or cuBLAS's ``__cublas$lt$matmul$f8``), counted per step as
   `matmul_flops` counts. A CPU compile widens 8-bit operands before its products,
-  so it finds none there."""
+  so it finds none there. A conditional counts the branch `matmul_flops` counts;
+  where its branches' products tie (a layer in FP8 or in bf16, chosen at run time:
+  a pipeline's `mpscale.trainer.models.lm.TinyLM` blocks), the one with the fewest
+  FP8 FLOPs, the slower: the plan cannot tell which runs."""
   module = _as_module(hlo)
 
   def cost(name: str, ins: Instruction) -> dict[str, float]:
@@ -462,10 +470,13 @@ def fp8_flops(hlo: Union[str, Module]) -> float:
     operands = _operands(ins)[:2]
     if flops and len(operands) == 2 and all(
         types.get(o, "").startswith("f8") for o in operands):
-      return {"flops": flops}
-    return {}
+      return {"flops": flops, "all": flops}
+    return {"all": flops} if flops else {}
 
-  return _per_step(module, cost).get("flops", 0.0)
+  def branch_key(d: dict[str, float]) -> tuple[float, float]:
+    return d.get("all", 0.0), -d.get("flops", 0.0)
+
+  return _per_step(module, cost, branch_key).get("flops", 0.0)
 
 
 _GROUPS = re.compile(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[0-9,]+\]<=\[[0-9,]+\]"

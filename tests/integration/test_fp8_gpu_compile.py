@@ -161,3 +161,27 @@ def test_the_plan_reads_every_product_of_an_fp8_dense_as_an_fp8_gemm(options):
   text = compile_dense_step("delayed", options)
   assert hlo_lib.fp8_flops(text) == hlo_lib.matmul_flops(text) == 3 * 2 * ROWS * IN * OUT
   assert hlo_lib.fp8_flops(compile_dense_step("blockwise", options)) == 0
+
+
+@gpu_compile
+@needs_cuda
+def test_a_pipelined_fp8_step_multiplies_its_blocks_in_fp8_gemms():
+  """The tiny LM's FP8 blocks over 2 pipeline stages x 4 data replicas, compiled for
+  8 H100s: with every block in FP8 (``bf16_layers: 0``, no cond) nearly all the
+  products' FLOPs are FP8 GEMMs (the rest: attention's scores and values, the
+  head); with bf16 end blocks each block's precision is a cond, which the plan
+  prices at bf16."""
+  from mpscale.trainer.config import load as config_lib
+  from mpscale.trainer.planning import compiled
+  base = ["model.num_layers=4", "model.d_model=128", "model.d_ff=512",
+          "model.seq_len=128", "data.batch_size=16", "train.per_token_loss=true",
+          "mesh.stage=2", "mesh.data=4", "train.num_microbatches=2",
+          "precision.fp8.recipe=delayed"]
+  shares = {}
+  for ends in (0, 1):
+    cfg = config_lib.load_config("configs/tiny_lm_bf16.yaml",
+                                 base + [f"precision.fp8.bf16_layers={ends}"])
+    plan = compiled.plan(cfg, hardware="h100-80g", compiler="target")
+    assert "H100" in plan.compiled_for and not plan.compile_note, plan.compiled_for
+    shares[ends] = plan.fp8_flops / plan.flops_per_device
+  assert shares[0] > 0.75 and shares[1] == 0.0, shares

@@ -176,6 +176,35 @@ ENTRY %main (i: s32[], a: f32[8,16]) -> f32[8,4] {
                                                           "bytes": 8 * 4 * 4}}
 
 
+def test_fp8_flops_of_a_conditional_follow_the_branch_the_products_count():
+  """A layer chosen at run time in FP8 or in bf16 (a cond whose branches' products
+  tie): the plan cannot tell which runs, so it counts the slower, with no FP8
+  FLOPs; a costlier FP8 branch counts as an FP8 one."""
+  def branch(name, kind, k):
+    return f"""%{name} (p: {kind}[8,{k}]) -> bf16[8,4] {{
+  %p = {kind}[8,{k}]{{1,0}} parameter(0)
+  %w = {kind}[{k},4]{{1,0}} constant({{...}})
+  ROOT %d = bf16[8,4]{{1,0}} dot(%p, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+
+  def module(fp8_k, bf16_k):
+    return ("HloModule m\n\n" + branch("fp8", "f8e4m3fn", fp8_k)
+            + branch("plain", "bf16", bf16_k) + f"""
+ENTRY %main (i: s32[], a: f8e4m3fn[8,{fp8_k}], c: bf16[8,{bf16_k}]) -> bf16[8,4] {{
+  %i = s32[] parameter(0)
+  %a = f8e4m3fn[8,{fp8_k}]{{1,0}} parameter(1)
+  %c = bf16[8,{bf16_k}]{{1,0}} parameter(2)
+  ROOT %r = bf16[8,4]{{1,0}} conditional(%i, %a, %c), branch_computations={{%fp8, %plain}}
+}}
+""")
+
+  tie = module(16, 16)
+  assert hlo.matmul_flops(tie) == 2 * 8 * 4 * 16 and hlo.fp8_flops(tie) == 0
+  costlier_fp8 = module(64, 16)
+  assert hlo.fp8_flops(costlier_fp8) == hlo.matmul_flops(costlier_fp8) == 2 * 8 * 4 * 64
+
+
 def test_a_promoted_sum_in_hlo_text_counts_half():
   text = """HloModule m
 

@@ -516,12 +516,15 @@ class TinyLM:
     """One block, computing in the dtype of its ``qkv`` kernel; with ``state`` (its
     ``{product: Fp8State}`` from `init_model_state`, as a `mpscale.Pipeline` passes
     it) the block's FP8 products multiply in FP8 where `fp8_block` says the block
-    is an FP8 one (a ``lax.cond``: a pipeline's stage scans over its blocks)."""
+    is an FP8 one (a ``lax.cond``: a pipeline's stage scans over its blocks; with
+    ``bf16_layers`` 0 every block is, and there is no cond)."""
     dtype = layer_params["qkv"]["kernel"].dtype
     block = lambda states: self._block(dtype).apply(  # noqa: E731
         {"params": layer_params}, x, states)
     if state is None:
       return block(None)
+    if self.fp8 is not None and self.bf16_layers == 0:
+      return block(state)
     return lax.cond(fp8_block(state), lambda: block(state), lambda: block(None))
 
   def logits_fn(self, params: Params, x: jax.Array) -> jax.Array:
