@@ -587,7 +587,7 @@ class Pipeline:
     self.check(params, mesh, data_axis, batch)
     stateful = model_state is not None
     if stateful:
-      self._check_state(model_state, params)
+      self.check_model_state(model_state, params)
     float32_sums = check_grad_reduce_dtype(grad_reduce_dtype) is not None
     specs = self.param_specs(params, param_specs)
     data_axes = sharding_lib.data_axes(mesh, data_axis)
@@ -671,13 +671,17 @@ class Pipeline:
         lambda u: jnp.swapaxes(u, 0, 1), updates))
     return Gradients(grads, loss, count), new_state
 
-  def _check_state(self, model_state: Any, params: Any) -> None:
-    """`value_and_grad`'s ``model_state``: float leaves stacked over the layers, and
-    a ``merge_state`` to combine its updates."""
+  def check_model_state(self, model_state: Any, params: Any = None) -> None:
+    """Raises ``ArgumentError`` naming ``model_state`` (and ``merge_state``) unless
+    this pipeline can take ``model_state`` (`value_and_grad`'s): a ``merge_state``
+    to combine its updates and, with ``params``, float leaves stacked over their
+    layers."""
     if self.merge_state is None:
       raise validation.ArgumentError(
           ("model_state", "merge_state"), "a {0} needs the Pipeline's {1}: how its "
           "updates from several micro-batches and replicas combine")
+    if params is None:
+      return
     num_layers = self._num_layers(params)
     for leaf in jax.tree_util.tree_leaves(model_state):
       if (np.ndim(leaf) == 0 or np.shape(leaf)[0] != num_layers

@@ -411,8 +411,7 @@ def _state_grad(scaled_loss: Callable) -> Callable:
     (grads, written), (loss_value, tokens, new_state) = jax.grad(
         loss, argnums=(0, 1), has_aux=True)(params, overwrite)
     new_rest, _ = fp8_lib.split_overwrite(new_state)
-    written = jax.tree_util.tree_map(_reached, written, overwrite,
-                                     is_leaf=_is_fp8_state)
+    written = _reached(written, overwrite)
     return grads, (loss_value, tokens, fp8_lib.join_overwrite(new_rest, written))
   return grad_fn
 
@@ -422,16 +421,19 @@ def _is_fp8_state(x: Any) -> bool:
 
 
 def _reached(new: Any, old: Any) -> Any:
-  """An FP8 state's cotangent, or its old value where no product gave one (its
-  scales all 0: a product outside the loss's graph)."""
-  if not _is_fp8_state(new):
-    return new
-  reached = (new.lhs.scale != 0) | (new.rhs.scale != 0) | (new.grad.scale != 0)
+  """Each `mpscale.fp8.Fp8State` of ``new`` (the FP8 states' cotangents, or their
+  merged updates), or its value in ``old`` where no product gave one (its scales all
+  0: a product outside the loss's graph)."""
+  def one(n: Any, o: Any) -> Any:
+    if not _is_fp8_state(n):
+      return n
+    reached = (n.lhs.scale != 0) | (n.rhs.scale != 0) | (n.grad.scale != 0)
 
-  def pick(n, o):  # per state of a stack (the scales' shape), over its history too
-    return jnp.where(reached.reshape(reached.shape + (1,) * (n.ndim - reached.ndim)),
-                     n, o)
-  return jax.tree_util.tree_map(pick, new, old)
+    def pick(a, b):  # per state of a stack (the scales' shape), over its history too
+      return jnp.where(reached.reshape(reached.shape + (1,) * (a.ndim - reached.ndim)),
+                       a, b)
+    return jax.tree_util.tree_map(pick, n, o)
+  return jax.tree_util.tree_map(one, new, old, is_leaf=_is_fp8_state)
 
 
 def _like_params(grads: Any, specs: Any, mesh: Optional[Mesh],
@@ -633,9 +635,7 @@ def _float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
     _, update = fp8_lib.split_overwrite(state)
     updates = jax.tree_util.tree_map(
         lambda x: lax.all_gather(x, data_axes, axis=0, tiled=False), update)
-    new = jax.tree_util.tree_map(_reached, merge_state(updates),
-                                 fp8_lib.split_overwrite(old)[1],
-                                 is_leaf=_is_fp8_state)
+    new = _reached(merge_state(updates), fp8_lib.split_overwrite(old)[1])
     return fp8_lib.join_overwrite(state, new)
 
   def per_device(params, batch, keys, model_state):
@@ -827,8 +827,7 @@ def _gradient_source(loss_fn: Any, layout: _Layout, policy: policy_lib.Policy,
         grads = grads._replace(num_tokens=jnp.asarray(
             sharding_lib.batch_rows(batch), jnp.int32))
       if new_state is not None:
-        written = jax.tree_util.tree_map(_reached, new_state, layer_state,
-                                         is_leaf=_is_fp8_state)
+        written = _reached(new_state, layer_state)
         new_state = fp8_lib.join_overwrite(
             fp8_lib.split_overwrite(model_state)[0], {loss_fn.stages_key: written})
       return grads, new_state
@@ -1204,11 +1203,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     given = (model_state if model_state is not None
              else getattr(params_or_state, "model_state", None))
     if pipeline is not None and given is not None:
-      _pipeline_state(pipeline, given)
-      if pipeline.merge_state is None:
-        raise validation.ArgumentError(
-            ("model_state", "merge_state"), "a Pipeline given a {0} needs its {1}: "
-            "how the state's updates from several micro-batches combine")
+      pipeline.check_model_state(_pipeline_state(pipeline, given))
     if (pipeline is None and _sums_in_float32(policy, reduce_dtype)
         and given is not None):
       _check_mergeable(given, merge_state)
