@@ -5,7 +5,7 @@ For each model (a user's linen LM with unrolled blocks, and mpscale's built-in
 8 devices:
 
   dp          data parallelism (parameters replicated)
-  fsdp        ``sharding.fsdp_specs`` over 8 devices, the step as it is (activations
+  fsdp        ``parallel.fsdp_specs`` over 8 devices, the step as it is (activations
               kept split over the batch: `mpscale.batch_split`)
   fsdp-gspmd  the same without `batch_split` (GSPMD's own choice: what the step
               compiled before)
@@ -42,7 +42,9 @@ import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import mpscale  # noqa: E402
-from mpscale import batch_split, hlo, sharding  # noqa: E402
+from mpscale.parallel import _batch_split as batch_split  # noqa: E402
+from mpscale.trainer.planning import hlo as hlo
+from mpscale import parallel
 from mpscale.trainer.models.lm import TinyLM  # noqa: E402
 
 # The user's linen LM and the HLO reading are the tests' own (tests/library/test_batch_split.py).
@@ -110,7 +112,7 @@ def devices(gpu):
 
 
 def compile_step(params, loss_fn, mesh, layout, rows, seq):
-  specs = None if layout == "dp" else sharding.fsdp_specs(params, mesh)
+  specs = None if layout == "dp" else parallel.fsdp_specs(params, mesh)
   keep = batch_split.keep_batch_split
   if layout == "fsdp-gspmd":
     batch_split.keep_batch_split = lambda fn, *a: fn
@@ -186,7 +188,7 @@ def pipelined(args, devs):
       mesh = Mesh(np.array(devs).reshape(4, 2), (axis, "stage"))
       specs = pipe.param_specs(params, tiny.param_specs(mesh))
       if layout == "fsdp":
-        specs = sharding.fsdp_specs(params, mesh, "fsdp", specs)
+        specs = parallel.fsdp_specs(params, mesh, "fsdp", specs)
       init, step = mpscale.make_train_step(
           pipe, optax.adamw(1e-3), mesh=mesh, data_axis=axis, param_specs=specs,
           per_token_loss=True)

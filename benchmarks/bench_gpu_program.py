@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
 
 import mpscale  # noqa: E402
-from mpscale import hlo  # noqa: E402
+from mpscale.trainer.planning import hlo as hlo  # noqa: E402
 
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpscale",
                     "trainer", "planning", "target_specs", "h100_sxm.txtpb")
@@ -139,7 +139,7 @@ def optimizer_rows(layers: int, dev):
        build(optax.chain(optax.clip_by_global_norm(1.0), adamw()))),
       ("dls(chain(mpscale clip, adamw))", "chain(optax clip, adamw)",
        build(mpscale.dynamic_loss_scale(
-           optax.chain(mpscale.clip_by_global_norm(1.0), adamw())))),
+           optax.chain(mpscale.global_norm_clip(1.0), adamw())))),
       ("mpscale.came", "adamw", build(mpscale.came(1e-3))),
   ]
 
@@ -165,7 +165,7 @@ def train_step_rows(dev, which: str = "both"):
   """``make_train_step`` (O2, dls(adamw)) against the same step written by hand, on
   the Flax MLP and on mpscale's TinyLM (GPT-2-small-like: width 768, 12 stacked
   blocks, 8 x 256 tokens)."""
-  policy = mpscale.get_policy("O2")
+  policy = mpscale.make_policy("O2")
   models = []
   if which in ("both", "mlp"):
     width, depth = 1024, 4

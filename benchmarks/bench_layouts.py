@@ -37,9 +37,9 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpscale  # noqa: E402
-from mpscale import hlo as hlo_lib  # noqa: E402
+from mpscale.trainer.planning import hlo as hlo_lib  # noqa: E402
 from mpscale.trainer.models import lm as lm_lib  # noqa: E402
-from mpscale import sharding  # noqa: E402
+from mpscale import parallel  # noqa: E402
 from mpscale.trainer.config.load import ModelConfig  # noqa: E402
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
 
@@ -125,7 +125,7 @@ def bench_lm(quick: bool, timed: bool) -> None:
     if shape[2] > 1:
       loss = mpscale.Pipeline(model.embed_fn, model.stage_fn, model.head_fn, micro,
                               virtual_stages=virtual)
-    tx = mpscale.dynamic_loss_scale(optax.chain(mpscale.clip_by_global_norm(1.0),
+    tx = mpscale.dynamic_loss_scale(optax.chain(mpscale.global_norm_clip(1.0),
                                                 mpscale.came(1e-3)))
     specs = model.param_specs(mesh) if laid_out else None
     init, step = mpscale.make_train_step(
@@ -170,7 +170,7 @@ def bench_tree(quick: bool, timed: bool) -> None:
   n = sum(x.size for x in jax.tree_util.tree_leaves(params))
   print(f"\n== optimizer update on the GPT-2-like tree: {n / 1e6:.1f}M params ==")
   for opt_name, inner in (("adamw", optax.adamw(1e-3)), ("came", mpscale.came(1e-3))):
-    tx = mpscale.dynamic_loss_scale(optax.chain(mpscale.clip_by_global_norm(1.0), inner))
+    tx = mpscale.dynamic_loss_scale(optax.chain(mpscale.global_norm_clip(1.0), inner))
     print(f"-- {opt_name}")
     base = None
     for name, shape in TREE_LAYOUTS.items():

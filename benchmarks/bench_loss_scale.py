@@ -18,7 +18,7 @@ Implementations (each has a letter; the ratios are named by them):
      ``jnp.where``-select params and state, adjust the scale
   d  ``mpscale.dynamic_loss_scale(optax.adamw(1e-3))``
   e  ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``     baseline B
-  f  ``mpscale.dynamic_loss_scale(optax.chain(mpscale.clip_by_global_norm(1.0),
+  f  ``mpscale.dynamic_loss_scale(optax.chain(mpscale.global_norm_clip(1.0),
      optax.adamw(1e-3)))``
   g  naive ``lax.cond`` dynamic scale: unscale, ``all(isfinite)``, ``lax.cond`` between
      the adamw step and keeping params/state, adjust the scale
@@ -205,7 +205,7 @@ def build_impls() -> dict[str, Impl]:
                   optax.chain(optax.clip_by_global_norm(1.0), adamw()), False),
       _optax_impl("f", "mpscale.dls(chain(mpscale.clip, adamw))",
                   mpscale.dynamic_loss_scale(optax.chain(
-                      mpscale.clip_by_global_norm(1.0), adamw())), True),
+                      mpscale.global_norm_clip(1.0), adamw())), True),
       Impl("g", "hand-written scale+lax.cond(adamw)",
            lambda p: manual_select_init(adamw(), p), manual_cond_step(adamw()), True),
   ]

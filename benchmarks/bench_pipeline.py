@@ -45,8 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from mpscale import hlo  # noqa: E402
-from mpscale import pipeline as pl  # noqa: E402
+from mpscale.trainer.planning import hlo as hlo  # noqa: E402
+from mpscale.parallel.pipeline import _pipeline as pl  # noqa: E402
 
 
 def model(width, features):
@@ -184,8 +184,8 @@ def main():
         jax.block_until_ready(compiled(sharded, batch))
         times.append(time.perf_counter() - t0)
       step_ms = 1e3 * float(np.median(times))
-      table = pl.schedule_table(schedule, S, M, v)
-      bubble, alive = pl.bubble_fraction(table), pl.live_slots(table)  # pylint: disable=protected-access
+      table = pl.pipeline_schedule_table(schedule, S, M, v)
+      bubble, alive = pl.pipeline_bubble_fraction(table), pl.live_slots(table)  # pylint: disable=protected-access
       work = 3 * M if schedule == "zb_h1" else v * M  # the ideal's (S-1)/(work+S-1)
       print(f"{label:9} {M:3d} {bubble:7.3f} {(S - 1) / (work + S - 1):7.3f} "
             f"{alive:5d} {compile_s:9.2f} {temp / 1024:9.1f} {step_ms:8.1f} "

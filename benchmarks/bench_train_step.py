@@ -146,7 +146,7 @@ def time_steps(step, state, batch, n: int) -> tuple[Any, float]:
 
 def bench(precision: str, args) -> dict[str, Any]:
   fp16 = precision == "fp16"
-  policy = mpscale.get_policy("params=float32,compute=float16,output=float32"
+  policy = mpscale.make_policy("params=float32,compute=float16,output=float32"
                               if fp16 else "O0")
   model, params, batch = make_problem(args.batch, args.width, args.depth)
   batch = jax.device_put(batch)

@@ -62,7 +62,10 @@ from jax.sharding import Mesh  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_fsdp  # noqa: E402
-from mpscale import batch_split, hlo, jaxprs, sharding  # noqa: E402
+from mpscale.parallel import _batch_split as batch_split  # noqa: E402
+from mpscale.trainer.planning import hlo as hlo
+from mpscale import _jaxprs as jaxprs
+from mpscale import parallel
 
 _Split = batch_split._Split
 NOW = "lookahead (mpscale now)"
@@ -74,7 +77,7 @@ def _own_input_product(self, eqn, values, specs):
   product's own input, so each is gathered once that input is there."""
   def gathered(*values):
     values = lax.optimization_barrier(values)
-    return jaxprs.bind(eqn, [x if s is None else sharding.constrain(x, s, self.mesh)
+    return jaxprs.bind(eqn, [x if s is None else parallel.constrain(x, s, self.mesh)
                              for x, s in zip(values, specs)])
   return list(jax.checkpoint(gathered)(*values))
 
@@ -94,7 +97,7 @@ def _naive_product(self, eqn, values, specs):
     _, ws = lax.optimization_barrier((tie, [values[i] for i in w]))
     for i, x in zip(w, ws):
       values[i] = x
-    return jaxprs.bind(eqn, [x if s is None else sharding.constrain(x, s, self.mesh)
+    return jaxprs.bind(eqn, [x if s is None else parallel.constrain(x, s, self.mesh)
                              for x, s in zip(values, specs)])
   return list(jax.checkpoint(gathered)(*values, *tie))
 
@@ -186,9 +189,9 @@ def check_values(models, rows, seq):
     params = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(shapes),
         [0.05 * jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)])
-    specs = sharding.fsdp_specs(params, mesh)
+    specs = parallel.fsdp_specs(params, mesh)
     params = jax.device_put(params, jax.tree_util.tree_map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=sharding.is_spec))
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=parallel.is_spec))
     ids = jax.random.randint(jax.random.key(2), (rows, seq), 0, 512)
     batch = jax.device_put({"inputs": ids, "targets": jnp.roll(ids, -1, 1)},
                            NamedSharding(mesh, P(("data", "fsdp"))))

@@ -70,7 +70,7 @@ autodoc_typehints_description_target = "documented"
 autodoc_preserve_defaults = True
 # mpscale's type aliases by name (documented in api.rst), not expanded into long unions.
 _ALIASES = {
-    "mpscale.norms.Groups": ("Groups", "norms_lib.Groups", "norms.Groups"),
+    "mpscale.norms.NormGroups": ("NormGroups", "norms_lib.NormGroups", "norms.NormGroups"),
     "mpscale.came.ScalarOrSchedule": ("ScalarOrSchedule",),
     "mpscale.came.Compression": ("Compression",),
     "mpscale.policy.KeepFp32": ("KeepFp32",),

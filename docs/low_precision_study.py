@@ -151,7 +151,7 @@ def amax_movement(out: str, seeds, runs) -> list[dict]:
   nothing) is ``recorded: False`` with no numbers.
   """
   import mpscale.trainer
-  from mpscale import fp8 as fp8_lib
+  from mpscale.precision import _fp8 as fp8_lib
   rows = []
   for run in runs:
     stats: dict[tuple, list] = {}

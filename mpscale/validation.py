@@ -186,9 +186,9 @@ def positive_scalar(name: str, value: Any) -> Union[float, jax.Array]:
   return positive_float(name, value)
 
 
-def groups(name: str, value: Any) -> Any:
-  """A grouping of leaves (`mpscale.norms.Groups`): ``None``, a depth >= 1 or a
-  callable."""
+def norm_groups(name: str, value: Any) -> Any:
+  """A grouping of leaves for their norms (`mpscale.scaling.NormGroups`): ``None``,
+  a depth >= 1 or a callable."""
   if value is None or callable(value):
     return value
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):

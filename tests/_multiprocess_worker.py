@@ -44,7 +44,7 @@ def train(kind: str) -> dict:
                              lambda lp, h: jnp.tanh(h @ lp["w"]), head,
                              num_microbatches=2, schedule="1f1b")
     tx = mpscale.dynamic_loss_scale(
-        optax.chain(mpscale.clip_by_global_norm(1.0, groups=mpscale.stage_groups(4)),
+        optax.chain(mpscale.global_norm_clip(1.0, norm_groups=mpscale.stage_norm_groups(4)),
                     optax.adam(0.05)), init_scale=2.0**8)
   init, step = mpscale.make_train_step(model, tx, mesh=mesh,
                                        per_token_loss=kind != "data")
@@ -64,7 +64,7 @@ def train(kind: str) -> dict:
 
 def flatten(result: dict) -> dict:
   """``result`` as a flat ``{"params/w": array, ...}`` dict (npz keys)."""
-  from mpscale import norms
+  from mpscale.scaling import _norms as norms
   import jax
   return {norms.path_str(path): v
           for path, v in jax.tree_util.tree_flatten_with_path(result)[0]}

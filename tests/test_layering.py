@@ -264,7 +264,7 @@ def _private_uses(path, package):
 def test_the_private_name_check_sees_both_spellings(tmp_path):
   path = tmp_path / "m.py"
   path.write_text("from mpscale.trainer.config import build as b\n"
-                  "from mpscale.norms import _leafwise\nx = b._keyed\ny = b.keyed\n")
+                  "from mpscale.scaling._norms import _leafwise\nx = b._keyed\ny = b.keyed\n")
   assert sorted(_private_uses(path, "mpscale")) == [
       "mpscale.norms._leafwise", "mpscale.trainer.config.build._keyed"]
 

@@ -88,7 +88,7 @@ def build(config) -> Transformer:
   return Transformer(d_model=args.get("d_model", 64), num_heads=args.get("num_heads", 4),
                      num_layers=args.get("num_layers", 2),
                      max_len=args.get("max_len", 32), rngs=nnx.Rngs(config.seed),
-                     dtype=mpscale.get_policy(config.precision.policy).compute_dtype)
+                     dtype=mpscale.make_policy(config.precision.policy).compute_dtype)
 
 
 def loss(model: Transformer, batch: dict) -> tuple[jax.Array, jax.Array]:

@@ -41,7 +41,7 @@ def built_docs(tmp_path_factory):
 def test_docs_build_and_api_page_names_key_functions(built_docs):
   api = (built_docs / "api.html").read_text(encoding="utf-8")
   for name in ["dynamic_loss_scale", "skip_nonfinite", "came", "make_train_step",
-               "step_metrics", "clip_by_global_norm", "Pipeline"]:
+               "step_metrics", "global_norm_clip", "Pipeline"]:
     assert f'id="mpscale.{name}"' in api, f"no entry for mpscale.{name}"
   # The module docstrings (with their pseudocode) are part of the page.
   assert "Dynamic loss scaling, per step" in api

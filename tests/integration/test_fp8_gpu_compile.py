@@ -36,8 +36,8 @@ from flax import linen as nn
 from jax.sharding import SingleDeviceSharding
 
 import mpscale
-from mpscale import hlo as hlo_lib
-from mpscale.fp8_flax import Fp8DotGeneral
+from mpscale.trainer.planning import hlo as hlo_lib
+from mpscale.precision.fp8_flax import Fp8DotGeneral
 from mpscale.trainer.planning import targets
 from tests.integration.test_gpu_compile import gpu_compile, needs_cuda
 
@@ -66,7 +66,7 @@ def h100():
 def compile_dense_step(recipe_name: str, options: dict) -> str:
   """The compiled HLO of an FP8 ``nn.Dense``'s gradients with respect to its
   variables and its input (bf16 compute, float32 parameters), for one H100."""
-  recipe = mpscale.fp8_recipe(recipe_name)
+  recipe = mpscale.make_fp8_recipe(recipe_name)
   dense = nn.Dense(OUT, dtype=jnp.bfloat16,
                    dot_general_cls=functools.partial(Fp8DotGeneral, recipe=recipe))
   sharding = SingleDeviceSharding(h100())

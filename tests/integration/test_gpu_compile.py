@@ -34,7 +34,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mpscale
-from mpscale import hlo as hlo_lib
+from mpscale.trainer.planning import hlo as hlo_lib
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import hardware, targets
@@ -272,7 +272,7 @@ def _programs(*names: str) -> dict[str, Program]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_gpus_program_keeps_16_bit_collectives_and_bounded_temporaries(name):
   program = _programs(name)[name]
-  compute = jnp.dtype(mpscale.get_policy(program.cfg.precision.policy).compute_dtype)
+  compute = jnp.dtype(mpscale.make_policy(program.cfg.precision.policy).compute_dtype)
   sixteen_bit = {"bfloat16": "bf16", "float16": "f16"}[compute.name]
   assert _collective_dtypes(program.text)[sixteen_bit], "no 16-bit collective"
   assert not widened_collectives(program.module)

@@ -117,7 +117,7 @@ def test_amax_series_reads_the_history_oldest_to_newest():
   and the steps delayed scaling clips: new highs over the earlier amaxes' max."""
   import jax.numpy as jnp
   import numpy as np
-  from mpscale.fp8 import record_amax
+  from mpscale.precision._fp8 import record_amax
   study = _study()
   amaxes = [2.0, 1.0, 3.0, 3.0, 2.5, 4.0, 1.5]
   history = jnp.zeros(16)

@@ -87,14 +87,14 @@ def _check_02(s):
 def _check_03(s):
   # The numbers the markdown states, and the same recomputed from the schedule tables
   # (S = 4 stages, M = 8 micro-batches, v = 2 virtual stages in the interleaved ones).
-  from mpscale import pipeline as pl
+  from mpscale.parallel.pipeline import _pipeline as pl
   S, M, v = 4, 8, 2
 
   def bubble(schedule, m, vs=1):
-    return round(pl.bubble_fraction(pl.schedule_table(schedule, S, m, vs)), 3)
+    return round(pl.pipeline_bubble_fraction(pl.pipeline_schedule_table(schedule, S, m, vs)), 3)
 
   def alive(schedule, m, vs=1):
-    table = pl.schedule_table(schedule, S, m, vs)
+    table = pl.pipeline_schedule_table(schedule, S, m, vs)
     return int(pl.live_slots(table))  # pylint: disable=protected-access
 
   plain = ("gpipe", "1f1b")
@@ -110,7 +110,7 @@ def _check_03(s):
   # GPipe 2 (M + S - 1) ticks, 1F1B M + 2 S - 2 (each a forward and a backward long),
   # ZB-H1 3 M + S - 1 one-op ticks.
   assert s["ticks_S4_M8"] == {"gpipe": 22, "1f1b": 14, "zb_h1": 27} == {
-      k: int(pl.schedule_table(k, S, M).shape[0]) for k in ("gpipe", "1f1b", "zb_h1")}
+      k: int(pl.pipeline_schedule_table(k, S, M).shape[0]) for k in ("gpipe", "1f1b", "zb_h1")}
   # ZB-H1: (S - 1) / (3 M + S - 1) = 3 / 27, with min(S, M) items alive.
   assert s["bubble_S4_M8_zb_h1"] == bubble("zb_h1", M) == round(
       (S - 1) / (3 * M + S - 1), 3) == 0.111

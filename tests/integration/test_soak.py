@@ -8,7 +8,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
-from mpscale.sharding import cast_varying
+from mpscale.parallel import cast_varying
 
 STEPS, POISON_RATE, REPLICAS = 10_000, 0.05, 8
 MIN_SCALE, MAX_SCALE = 2.0**-4, 2.0**12
@@ -34,7 +34,7 @@ def _run(step_ids, plan):
   """Runs the given step ids (each with its own clean gradient) under shard_map."""
   mesh = Mesh(np.array(jax.devices()[:REPLICAS]), ("data",))
   tx = mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+      optax.chain(mpscale.global_norm_clip(1.0), optax.adamw(1e-3)),
       init_scale=2.0**10, growth_interval=50, hysteresis=2, min_scale=MIN_SCALE,
       max_scale=MAX_SCALE, axis_name="data")
   params = _params()

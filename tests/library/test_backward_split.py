@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from mpscale import backward_split as bs
+from mpscale.parallel.pipeline import _backward_split as bs
 
 
 def _params(dtype=jnp.float32):

@@ -30,8 +30,8 @@ CATALOGUE = [
     (mpscale.fixed_loss_scale, dict(inner=sgd, scale=2.0, skip_nonfinite=None), TypeError, "skip_nonfinite"),
     (mpscale.no_loss_scale, dict(inner=None), TypeError, "inner"),
     (mpscale.skip_nonfinite, dict(inner=sgd, groups=0), ValueError, "groups"),
-    (mpscale.clip_by_global_norm, dict(max_norm=0.0), ValueError, "max_norm"),
-    (mpscale.clip_by_global_norm, dict(max_norm="1"), TypeError, "max_norm"),
+    (mpscale.global_norm_clip, dict(max_norm=0.0), ValueError, "max_norm"),
+    (mpscale.global_norm_clip, dict(max_norm="1"), TypeError, "max_norm"),
     (mpscale.came, dict(learning_rate=None), ValueError, "learning_rate"),
     (mpscale.came, dict(learning_rate=1e-3, beta1=1.5), ValueError, "beta1"),
     (mpscale.came, dict(learning_rate=1e-3, beta3=-0.1), ValueError, "beta3"),
@@ -43,7 +43,7 @@ CATALOGUE = [
     (mpscale.lr_schedule, dict(peak=-1.0, decay_steps=10), ValueError, "peak"),
     (mpscale.lr_schedule, dict(peak=1.0, decay_steps=10, style="step"), ValueError, "style"),
     (mpscale.weight_decay_schedule, dict(start=0.1, end=0.0, steps=0), ValueError, "steps"),
-    (mpscale.get_policy, dict(policy="O9"), ValueError, "O9"),
+    (mpscale.make_policy, dict(policy="O9"), ValueError, "O9"),
     (mpscale.Policy, dict(param_dtype="float17"), (TypeError, ValueError), "float17"),
     (mpscale.make_train_step, dict(loss_fn=3, optimizer=sgd), TypeError, "loss_fn"),
     (mpscale.make_train_step, dict(loss_fn=lambda p, b: 0.0, optimizer="sgd"), TypeError, "optimizer"),
@@ -62,7 +62,7 @@ CATALOGUE = [
                          ids=[f"{b.__name__}-{n}" for b, _, _, n in CATALOGUE])
 def test_public_constructors_reject_bad_input_by_name(builder, kwargs, exc, name):
   args = []
-  if builder is mpscale.get_policy:
+  if builder is mpscale.make_policy:
     args, kwargs = [kwargs["policy"]], {}
   with pytest.raises(exc, match=name):
     builder(*args, **kwargs)

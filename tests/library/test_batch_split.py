@@ -12,7 +12,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mpscale
-from mpscale import batch_split, hlo, sharding
+from mpscale.parallel import _batch_split as batch_split
+from mpscale.trainer.planning import hlo as hlo
+from mpscale import parallel
 
 
 def fsdp_mesh(data=1, fsdp=8):
@@ -61,7 +63,7 @@ def lm_loss(model):
 def lm_step(model, rows, seq, mesh, optimizer=None):
   params = jax.eval_shape(
       lambda: model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))["params"])
-  specs = None if mesh is None else sharding.fsdp_specs(params, mesh)
+  specs = None if mesh is None else parallel.fsdp_specs(params, mesh)
   init, step = mpscale.make_train_step(
       lm_loss(model), optimizer or optax.adamw(1e-3), mesh=mesh,
       data_axis=("data", "fsdp") if mesh is not None else "data", param_specs=specs)
@@ -79,7 +81,7 @@ def test_values_and_gradients_are_the_functions():
   params = {"embed": rng.normal(size=(32, 16)), "w": rng.normal(size=(3, 16, 16)) / 4,
             "head": rng.normal(size=(16, 32)) / 4}
   params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
-  specs = sharding.fsdp_specs(params, mesh)
+  specs = parallel.fsdp_specs(params, mesh)
   batch = {"ids": jnp.asarray(rng.integers(0, 32, (8, 6))),
            "y": jnp.asarray(rng.integers(0, 32, (8, 6)))}
 
@@ -98,7 +100,7 @@ def test_values_and_gradients_are_the_functions():
 
   wrapped = batch_split.keep_batch_split(loss, mesh, ("data", "fsdp"), specs)
   put = lambda t, s: jax.device_put(t, jax.tree_util.tree_map(  # noqa: E731
-      lambda q: NamedSharding(mesh, q), s, is_leaf=sharding.is_spec))
+      lambda q: NamedSharding(mesh, q), s, is_leaf=parallel.is_spec))
   p = put(params, specs)
   b = put(batch, {"ids": P(("data", "fsdp")), "y": P(("data", "fsdp"))})
   want = jax.jit(jax.value_and_grad(loss))(p, b)
@@ -186,8 +188,8 @@ def test_fsdp_gathers_each_weight_forward_and_backward():
       lambda: model.init(jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))["params"])
   split = sum(x.size * 4 for x, s in zip(
       jax.tree_util.tree_leaves(params),
-      jax.tree_util.tree_leaves(sharding.fsdp_specs(params, mesh),
-                                is_leaf=sharding.is_spec)) if "fsdp" in sharding.spec_axes(s))
+      jax.tree_util.tree_leaves(parallel.fsdp_specs(params, mesh),
+                                is_leaf=parallel.is_spec)) if "fsdp" in parallel.spec_axes(s))
   gathered = hlo.collectives(compiled(model, mesh).as_text())["all-gather"]["bytes"]
   assert 1.9 * split <= gathered <= 2.1 * split
 
@@ -214,7 +216,7 @@ def test_a_transposed_or_reshaped_weight_is_gathered_where_it_is_used():
   mesh = fsdp_mesh(1, 8)
   init, step = mpscale.make_train_step(
       loss, optax.sgd(0.1), mesh=mesh, data_axis=("data", "fsdp"),
-      param_specs=sharding.fsdp_specs(params, mesh))
+      param_specs=parallel.fsdp_specs(params, mesh))
   batch = {"x": jax.ShapeDtypeStruct((rows, seq, width), jnp.float32)}
   text = step.lower(init(params), batch).compile().as_text()
   gathered = hlo.collectives(text)["all-gather"]["bytes"]
@@ -295,7 +297,7 @@ def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
   def text():
     init, step = mpscale.make_train_step(
         model.loss_fn, optax.adamw(1e-3), mesh=mesh, data_axis=("data", "fsdp"),
-        param_specs=sharding.fsdp_specs(params, mesh), per_token_loss=True)
+        param_specs=parallel.fsdp_specs(params, mesh), per_token_loss=True)
     batch = {k: jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32) for k in ("x", "y")}
     return step.lower(init(params), batch).compile().as_text()
 
@@ -324,7 +326,7 @@ def test_fsdp_keeps_hugging_face_gpt2s_batch_split(monkeypatch):
   def text():
     init, step = mpscale.make_train_step(
         loss_fn, optax.adamw(1e-3), mesh=mesh, data_axis=("data", "fsdp"),
-        param_specs=sharding.fsdp_specs(params, mesh))
+        param_specs=parallel.fsdp_specs(params, mesh))
     batch = {k: jax.ShapeDtypeStruct((ROWS, SEQ), jnp.int32) for k in ("x", "y")}
     return step.lower(init(params), batch).compile().as_text()
 
@@ -352,7 +354,7 @@ def test_each_weight_is_gathered_one_product_ahead():
 
   mesh = fsdp_mesh(1, 8)
   wrapped = batch_split.keep_batch_split(loss, mesh, ("data", "fsdp"),
-                                         sharding.fsdp_specs(params, mesh))
+                                         parallel.fsdp_specs(params, mesh))
   batch = {"x": jnp.ones((16, 32))}
   jaxpr = jax.make_jaxpr(wrapped)(params, batch).jaxpr
   products = [e for e in jaxpr.eqns if e.primitive.name in ("checkpoint", "remat2",

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mpscale
-from mpscale.came import compression_dtype
+from mpscale.optim._came import compression_dtype
 from tests.helpers import load_script
 
 _DATA = os.path.join(os.path.dirname(__file__), "..", "data")

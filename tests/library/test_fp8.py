@@ -22,8 +22,8 @@ from flax.training import train_state
 import optax
 
 import mpscale
-from mpscale import fp8
-from mpscale.fp8_flax import (Fp8DotGeneral, NnxFp8DotGeneral, NnxFp8Einsum,
+from mpscale.precision import _fp8 as fp8
+from mpscale.precision.fp8_flax import (Fp8DotGeneral, NnxFp8DotGeneral, NnxFp8Einsum,
                               OverwriteWithGradient)
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -167,7 +167,7 @@ def _grads(x, w, state, recipe, dims=DENSE, loss=jnp.sum):
 @pytest.mark.parametrize("amax_compute, margin", [("max", 0), ("max", 1),
                                                   ("most_recent", 0)])
 def test_delayed_state_gradient_is_the_updated_state(amax_compute, margin):
-  recipe = fp8.fp8_recipe("delayed", history_len=4, margin=margin,
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4, margin=margin,
                           amax_compute=amax_compute)
   x = jnp.full((2, 16), 0.5).at[0, 3].set(-3.0)       # amax 3
   w = jnp.full((16, 4), 0.25)                         # amax 0.25
@@ -183,7 +183,7 @@ def test_delayed_state_gradient_is_the_updated_state(amax_compute, margin):
 
 
 def test_delayed_casts_with_the_old_scale_and_the_next_call_with_the_new():
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
@@ -203,7 +203,7 @@ def test_delayed_casts_with_the_old_scale_and_the_next_call_with_the_new():
 
 
 def test_current_scales_each_tensor_by_its_own_amax_and_records_the_history():
-  recipe = fp8.fp8_recipe("current", history_len=4)
+  recipe = fp8.make_fp8_recipe("current", history_len=4)
   x = jnp.full((2, 16), 0.5).at[1, 0].set(7.0)
   w = jnp.full((16, 4), 0.25)
   old = _state(scales=(1e-3, 1e-3, 1e-3), history=(1.0, 2.0, 3.0, 4.0))
@@ -243,7 +243,7 @@ def test_blockwise_scales_come_from_their_own_blocks():
 
 
 def test_blockwise_forward_is_the_product_of_the_blockwise_rounded_operands():
-  recipe = fp8.fp8_recipe("blockwise", history_len=4, block_size=8)
+  recipe = fp8.make_fp8_recipe("blockwise", history_len=4, block_size=8)
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(6, 20)) * np.exp(rng.normal(size=(6, 20))),
                   jnp.float32)
@@ -283,7 +283,7 @@ def test_gradients_match_dot_general_on_exact_values(name):
   out_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), x, w).shape
   t = jnp.asarray(rng.integers(-2, 3, out_shape), jnp.float32)
   loss = lambda out: jnp.sum(out * t)
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   dx, dw, _ = _grads(x, w, _state(), recipe, dims, loss)
   want = jax.grad(lambda a, b: loss(jax.lax.dot_general(a, b, dims)), (0, 1))(x, w)
   np.testing.assert_array_equal(dx, want[0])
@@ -304,7 +304,7 @@ FORWARD_BOUND, GRADIENT_BOUND = 2 * 2.0**-4, 2.0**-3 + 2.0**-4
 @pytest.mark.parametrize("recipe_name", list(fp8.RECIPES))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fp8_dense_gradients_are_close_to_the_dense_layers(recipe_name, dtype):
-  recipe = fp8.fp8_recipe(recipe_name, history_len=8, block_size=32)
+  recipe = fp8.make_fp8_recipe(recipe_name, history_len=8, block_size=32)
   x = jax.random.normal(jax.random.key(0), (64, 96))
   t = jax.random.normal(jax.random.key(1), (64, 80))
   reference = nn.Dense(80, dtype=dtype)
@@ -331,7 +331,7 @@ def test_float16_products_accumulate_and_scale_in_float32(recipe_name):
   # e4m3 values scaled up to 448: 256 terms of 448 x 448 is 5e7, far past float16's
   # 65504 unscaled; the product and its gradients are the float32 ones within FP8's
   # error, and finite
-  recipe = fp8.fp8_recipe(recipe_name)
+  recipe = fp8.make_fp8_recipe(recipe_name)
   state = fp8.fp8_state(recipe)
   if recipe_name == "delayed":  # a history whose scale fits these operands
     state = jax.grad(lambda s: jnp.sum(fp8.fp8_dot_general(
@@ -353,7 +353,7 @@ def test_float16_products_accumulate_and_scale_in_float32(recipe_name):
 
 
 def test_jit_and_eager_agree():
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   x = jax.random.normal(jax.random.key(0), (4, 32))
   w = jax.random.normal(jax.random.key(1), (32, 8))
   fn = jax.grad(lambda x, w, s: jnp.sum(fp8.fp8_dot_general(x, w, DENSE, s, recipe)
@@ -379,7 +379,7 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("recipe_name", list(fp8.RECIPES))
 def test_merged_micro_batches_take_the_max_in_any_order(recipe_name):
-  recipe = fp8.fp8_recipe(recipe_name, history_len=4)
+  recipe = fp8.make_fp8_recipe(recipe_name, history_len=4)
   rng = np.random.default_rng(5)
   batches = [jnp.asarray(rng.normal(size=(3, 16)) * s, jnp.float32)
              for s in (1.0, 20.0, 3.0)]
@@ -402,7 +402,7 @@ def test_merged_micro_batches_take_the_max_in_any_order(recipe_name):
 
 
 def test_a_vmap_over_replicas_stacks_updates_that_merge_stacked_combines():
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   rng = np.random.default_rng(7)
   spread = np.array([1.0, 9.0, 4.0])[:, None, None]
   xs = jnp.asarray(rng.normal(size=(3, 2, 16)) * spread, jnp.float32)
@@ -415,7 +415,7 @@ def test_a_vmap_over_replicas_stacks_updates_that_merge_stacked_combines():
 
 
 def test_under_a_batch_sharded_jit_the_state_records_the_global_amax():
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   x = jax.random.normal(jax.random.key(0), (16, 32)).at[13, 5].set(40.0)
@@ -428,7 +428,7 @@ def test_under_a_batch_sharded_jit_the_state_records_the_global_amax():
 
 
 def test_merge_keeps_the_old_scale_where_the_merged_amax_gives_none():
-  recipe = fp8.fp8_recipe("delayed", history_len=4, amax_compute="most_recent")
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4, amax_compute="most_recent")
   zeros = jnp.zeros((3, 16))
   old, (a, z1, z2, inf) = _updates(recipe, jnp.ones((3, 16)), zeros, zeros,
                                    jnp.ones((3, 16)).at[0, 0].set(jnp.inf))
@@ -444,7 +444,7 @@ def test_merge_keeps_the_old_scale_where_the_merged_amax_gives_none():
 
 
 def test_merge_across_replicas_of_a_shard_map():
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   rng = np.random.default_rng(6)
   batches = [jnp.asarray(rng.normal(size=(3, 16)) * (i + 1), jnp.float32)
              for i in range(8)]
@@ -479,7 +479,7 @@ def test_split_and_join_route_the_overwrite_with_gradient_collection():
 
 
 def test_flax_train_state_replaces_the_state_by_its_gradient():
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   dense = nn.Dense(8, dot_general_cls=functools.partial(Fp8DotGeneral, recipe=recipe))
   x = jax.random.normal(jax.random.key(0), (4, 16)) * 3
   ts = train_state.TrainState.create(apply_fn=dense.apply,
@@ -493,7 +493,7 @@ def test_flax_train_state_replaces_the_state_by_its_gradient():
 
 # ------------------------------------------------------------------ Flax layers
 def test_linen_dense_general_and_einsum_hold_their_state():
-  recipe = fp8.fp8_recipe("delayed", history_len=4)
+  recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   x = jax.random.normal(jax.random.key(0), (3, 2, 32))
   layer = nn.DenseGeneral((2, 4), axis=(-2, -1), dot_general_cls=functools.partial(
       Fp8DotGeneral, recipe=recipe))
@@ -533,7 +533,7 @@ def _only(state, kind):
 
 
 def test_nnx_linear_and_einsum_take_the_product_and_update_their_state():
-  recipe = fp8.fp8_recipe("current", history_len=4)
+  recipe = fp8.make_fp8_recipe("current", history_len=4)
   x = jax.random.normal(jax.random.key(0), (4, 2, 8)) * 2
   flat = x.reshape(4, 16)
   for model, product, inputs, dims in [
@@ -564,12 +564,12 @@ def test_nnx_linear_and_einsum_take_the_product_and_update_their_state():
 
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("call, exc, name", [
-    (lambda: fp8.fp8_recipe("mxfp8"), ValueError, "recipe"),
-    (lambda: fp8.fp8_recipe(margin=-1), ValueError, "margin"),
-    (lambda: fp8.fp8_recipe(margin=0.5), TypeError, "margin"),
-    (lambda: fp8.fp8_recipe(history_len=0), ValueError, "history_len"),
-    (lambda: fp8.fp8_recipe(amax_compute="mean"), ValueError, "amax_compute"),
-    (lambda: fp8.fp8_recipe("blockwise", block_size=0), ValueError, "block_size"),
+    (lambda: fp8.make_fp8_recipe("mxfp8"), ValueError, "recipe"),
+    (lambda: fp8.make_fp8_recipe(margin=-1), ValueError, "margin"),
+    (lambda: fp8.make_fp8_recipe(margin=0.5), TypeError, "margin"),
+    (lambda: fp8.make_fp8_recipe(history_len=0), ValueError, "history_len"),
+    (lambda: fp8.make_fp8_recipe(amax_compute="mean"), ValueError, "amax_compute"),
+    (lambda: fp8.make_fp8_recipe("blockwise", block_size=0), ValueError, "block_size"),
     (lambda: fp8.quantize(jnp.ones(2), 1.0, jnp.float16), TypeError, "dtype"),
     (lambda: fp8.quantize(jnp.ones(2), 1.0, jnp.int8), TypeError, "dtype"),
     (lambda: fp8.quantize_blockwise(jnp.ones((2, 2)), (2,), E4M3), ValueError,
@@ -580,10 +580,10 @@ def test_nnx_linear_and_einsum_take_the_product_and_update_their_state():
     (lambda: fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DENSE,
                                  jax.tree_util.tree_map(
                                      lambda a: a.astype(jnp.bfloat16), _state()),
-                                 fp8.fp8_recipe()), TypeError, "state"),
+                                 fp8.make_fp8_recipe()), TypeError, "state"),
     (lambda: fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), (1, 0), _state(),
-                                 fp8.fp8_recipe()), TypeError, "dimension_numbers"),
-    (lambda: fp8.merge({"a": 1.0}, {"a": 1.0}, fp8.fp8_recipe()), TypeError, "a"),
+                                 fp8.make_fp8_recipe()), TypeError, "dimension_numbers"),
+    (lambda: fp8.merge({"a": 1.0}, {"a": 1.0}, fp8.make_fp8_recipe()), TypeError, "a"),
     (lambda: mpscale.split_overwrite([1]), TypeError, "tree"),
     (lambda: Fp8DotGeneral().init(jax.random.key(0), jnp.ones((2, 3)), jnp.ones((3, 4)),
                                   method=lambda m, a, b: m.einsum("...d,dk->...k",

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import mpscale
-from mpscale import hlo
-from mpscale import pipeline as pl
+from mpscale.trainer.planning import hlo as hlo
+from mpscale.parallel.pipeline import _pipeline as pl
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import compiled as planning
 from tests.library import test_pipeline as tp
@@ -317,7 +317,7 @@ def test_fsdp_float32_sums_gather_a_layer_at_a_time():
 
 
 # ------------------------------------------------- FP8 scaling state under float32 sums
-RECIPE = mpscale.fp8_recipe("delayed", history_len=4)
+RECIPE = mpscale.make_fp8_recipe("delayed", history_len=4)
 
 
 def fp8_loss_fn(p, b, model_state):

@@ -170,7 +170,7 @@ def test_consecutive_hysteresis_refills_on_every_finite_step():
 @pytest.mark.parametrize("kind", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("leaf", [0, 1, 2])
 def test_skipped_step_is_bit_identical(kind, leaf):
-  inner = optax.chain(mpscale.clip_by_global_norm(1.0),
+  inner = optax.chain(mpscale.global_norm_clip(1.0),
                       optax.inject_hyperparams(optax.adamw)(
                           learning_rate=optax.linear_schedule(1e-2, 1e-3, 10)))
   tx = mpscale.dynamic_loss_scale(inner, init_scale=2.0**10, growth_interval=1)
@@ -366,7 +366,7 @@ def test_flax_train_state_loop_with_fp16_model_converges():
   y = jnp.sin(x.sum(axis=1, keepdims=True))
   model = MLP()
   tx = mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(1.0), optax.adam(1e-2)),
+      optax.chain(mpscale.global_norm_clip(1.0), optax.adam(1e-2)),
       init_scale=2.0**15, growth_interval=20)
   ts = train_state.TrainState.create(
       apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x)["params"],
@@ -588,7 +588,7 @@ def _gpt2_like(layers=12, d=64):
 def _compiled_step(tx, device, step=None):
   """``step(params, opt_state, grads)`` (an optimizer step, params and state
   donated) compiled for ``device`` from shapes, as a parsed module."""
-  from mpscale import hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
   sharding = jax.sharding.SingleDeviceSharding(device)
   on = lambda t: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
@@ -605,7 +605,7 @@ def _compiled_step(tx, device, step=None):
 
 def _leaf_copies(module, params):
   """The entry's copies at least as large as the smallest parameter leaf."""
-  from mpscale import hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
   smallest = min(x.size * 4 for x in jax.tree.leaves(params))
   return [ins.result for ins in module.computations[module.entry]
           if ins.op == "copy" and hlo._shape_bytes(ins.result) >= smallest]
@@ -627,7 +627,7 @@ def test_dynamic_loss_scale_step_copies_no_donated_leaf(target):
   params and state in place: no whole-leaf copy on the CPU program nor on the one
   XLA compiles for an H100; and there, the wrapper launches at most 1.2x AdamW's
   kernels (one reduction per bucket of like leaves, not one per leaf)."""
-  from mpscale import hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
   device = jax.devices("cpu")[0] if target == "cpu" else _h100()
   adamw = optax.adamw(1e-3)
   module, params = _compiled_step(mpscale.dynamic_loss_scale(adamw), device)

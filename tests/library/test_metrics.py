@@ -20,7 +20,7 @@ def _params():
 def test_metrics_of_a_clean_step():
   sched = optax.cosine_decay_schedule(1e-2, 100)
   tx = mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(1.0, groups=2),
+      optax.chain(mpscale.global_norm_clip(1.0, norm_groups=2),
                   optax.inject_hyperparams(optax.adamw)(learning_rate=sched)),
       init_scale=16.0)
   params = _params()
@@ -46,7 +46,7 @@ def test_metrics_of_a_clean_step():
 
 def test_skipped_step_reports_its_own_norms():
   tx = mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(1.0), optax.sgd(1.0)), init_scale=4.0)
+      optax.chain(mpscale.global_norm_clip(1.0), optax.sgd(1.0)), init_scale=4.0)
   params = _params()
   state = tx.init(params)
   grads = jax.tree.map(lambda x: jnp.full(x.shape, 4.0), params)

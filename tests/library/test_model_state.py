@@ -324,7 +324,7 @@ def test_pipeline_step_with_dropout_trains():
 
 # ---- FP8 scaling state (an _overwrite_with_gradient collection)
 
-FP8_RECIPE = mpscale.fp8_recipe("delayed", history_len=16)
+FP8_RECIPE = mpscale.make_fp8_recipe("delayed", history_len=16)
 
 
 def _fp8_loss(params, batch, *, model_state):

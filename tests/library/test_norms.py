@@ -1,4 +1,4 @@
-"""Tests for mpscale.norms: global/group norms and clip_by_global_norm."""
+"""Tests for mpscale.norms: global/group norms and global_norm_clip."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import mpscale
-from mpscale import norms
+from mpscale.scaling import _norms as norms
 
 
 def _tree(seed=0):
@@ -55,14 +55,14 @@ def test_group_norms_default_is_one_group_per_top_level_key():
 
 def test_group_norms_by_depth_and_callable():
   tree = _tree()
-  gn, sizes = mpscale.group_norms(tree, groups=2)
+  gn, sizes = mpscale.group_norms(tree, norm_groups=2)
   assert set(gn) == {"embed/table", "layer_0/attn", "layer_0/mlp", "scale"}
   np.testing.assert_allclose(
       gn["layer_0/mlp"], _np_norm(jax.tree.leaves(tree["layer_0"]["mlp"])), rtol=1e-6)
   assert int(sizes["layer_0/mlp"]) == 256 + 32
 
   by_kind = lambda path: "bias" if norms.path_str(path[-1:]) == "b" else "weights"
-  gn, sizes = mpscale.group_norms(tree, groups=by_kind)
+  gn, sizes = mpscale.group_norms(tree, norm_groups=by_kind)
   np.testing.assert_allclose(gn["bias"], _np_norm([tree["layer_0"]["mlp"]["b"]]),
                              rtol=1e-6)
   assert int(sizes["bias"]) == 32
@@ -77,21 +77,21 @@ def test_group_norms_of_a_bare_array():
     ("layer", TypeError), (0, ValueError), (True, TypeError), (-1, ValueError)])
 def test_bad_groups_are_rejected(groups, exc):
   with pytest.raises(exc, match="groups"):
-    mpscale.group_norms(_tree(), groups=groups)
+    mpscale.group_norms(_tree(), norm_groups=groups)
   with pytest.raises(exc, match="groups"):
-    mpscale.clip_by_global_norm(1.0, groups=groups)
+    mpscale.global_norm_clip(1.0, norm_groups=groups)
 
 
 def test_groups_callable_must_return_str():
   with pytest.raises(TypeError, match="str"):
-    mpscale.group_norms(_tree(), groups=lambda path: 3)
+    mpscale.group_norms(_tree(), norm_groups=lambda path: 3)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 3.0, 100.0])
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_clip_matches_optax(max_norm, use_jit):
   tree = _tree()
-  ours = mpscale.clip_by_global_norm(max_norm)
+  ours = mpscale.global_norm_clip(max_norm)
   ref = optax.clip_by_global_norm(max_norm)
   update = jax.jit(ours.update) if use_jit else ours.update
   got, state = update(tree, ours.init(tree))
@@ -105,7 +105,7 @@ def test_clip_matches_optax(max_norm, use_jit):
 
 def test_clip_keeps_dtype():
   tree = {"a": jnp.ones((4,), jnp.bfloat16) * 10}
-  tx = mpscale.clip_by_global_norm(1.0)
+  tx = mpscale.global_norm_clip(1.0)
   out, _ = tx.update(tree, tx.init(tree))
   assert out["a"].dtype == jnp.bfloat16
 
@@ -115,7 +115,7 @@ def test_clip_keeps_dtype():
     ("1", TypeError), (None, TypeError)])
 def test_clip_validates_max_norm(max_norm, exc):
   with pytest.raises(exc, match="max_norm"):
-    mpscale.clip_by_global_norm(max_norm)
+    mpscale.global_norm_clip(max_norm)
 
 
 def _sub_jaxprs(params):
@@ -166,7 +166,7 @@ def test_clip_inside_wrapper_reuses_the_single_pass():
 
   plain = reductions(mpscale.dynamic_loss_scale(optax.sgd(0.1)))
   clipped = reductions(mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(1.0), optax.sgd(0.1))))
+      optax.chain(mpscale.global_norm_clip(1.0), optax.sgd(0.1))))
   optax_clipped = reductions(mpscale.dynamic_loss_scale(
       optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))))
   assert plain == n_leaves  # one sum of squares per leaf, nothing else
@@ -179,7 +179,7 @@ def test_clip_after_another_transform_measures_its_own_input():
   # reuse them.
   params = _tree()
   grads = _tree(1)
-  inner = optax.chain(optax.scale(10.0), mpscale.clip_by_global_norm(1e9),
+  inner = optax.chain(optax.scale(10.0), mpscale.global_norm_clip(1e9),
                       optax.sgd(1.0))
   tx = mpscale.no_loss_scale(inner)
   _, state = tx.update(grads, tx.init(params), params)
@@ -193,7 +193,7 @@ def test_per_stage_norms_of_a_tensor_parallel_stack_gather_nothing():
   device sums its own block, and only the sums move (an all-reduce of a few floats);
   flattening the leaf would have gathered every layer over tensor."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  from mpscale import hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "stage", "tensor"))
   stack = jax.device_put(jnp.ones((4, 64, 192)),
                          NamedSharding(mesh, P("stage", None, "tensor")))

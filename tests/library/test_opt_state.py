@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import optax
 
 import mpscale
-from mpscale import opt_state
+from mpscale import _tree as opt_state
 
 
 def _nested():
   return mpscale.dynamic_loss_scale(mpscale.skip_nonfinite(optax.chain(
-      mpscale.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(1e-3))))
+      mpscale.global_norm_clip(1.0), optax.inject_hyperparams(optax.adamw)(1e-3))))
 
 
 def test_find_returns_every_state_of_a_kind_outermost_first():
@@ -20,7 +20,7 @@ def test_find_returns_every_state_of_a_kind_outermost_first():
   assert skips[0] is state.skip_state
   assert skips[1] is state.skip_state.inner_state
   assert opt_state.find(state, mpscale.LossScaleState) == [state]
-  assert len(opt_state.find(state, mpscale.ClipByGlobalNormState)) == 1
+  assert len(opt_state.find(state, mpscale.GlobalNormClipState)) == 1
   assert opt_state.find(state, mpscale.ScaleByCameState) == []
 
 

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import mpscale
-from mpscale import parameter_groups as param_groups_lib
-from mpscale.came import relative_step_size
+from mpscale.optim import _param_groups as param_groups_lib
+from mpscale.optim._came import relative_step_size
 
 
 def _params():
@@ -96,14 +96,14 @@ def test_lr_mult_zero_freezes_a_group_and_keeps_no_state_for_it():
 def test_first_matching_group_wins_and_the_rest_are_default():
   params = _params()
   groups = [{"match": "bias", "name": "biases"}, {"match": "^block", "name": "block"}]
-  labels = param_groups_lib.labels(params, groups)
+  labels = param_groups_lib.param_group_labels(params, groups)
   assert labels["block"]["mlp"]["bias"] == "biases"
   assert labels["block"]["ln"]["bias"] == "biases"
   assert labels["block"]["ln"]["scale"] == "block"
   assert labels["block"]["mlp"]["kernel"] == "block"
   assert labels["head"]["kernel"] == "default"
   predicate = [mpscale.ParamGroup(lambda path, leaf: leaf.ndim == 1, name="vectors")]
-  labels = param_groups_lib.labels(params, predicate)
+  labels = param_groups_lib.param_group_labels(params, predicate)
   assert labels["block"]["ln"]["scale"] == "vectors"
   assert labels["embed"]["embedding"] == "default"
 
@@ -129,7 +129,7 @@ def test_group_learning_rates_follow_the_schedule_and_reach_the_metrics():
       optax.adamw, [{"match": "^embed", "lr_mult": 0.5, "name": "embed"},
                     {"match": "^head", "learning_rate": 3e-3, "name": "head"}],
       learning_rate=schedule)
-  tx = mpscale.dynamic_loss_scale(optax.chain(mpscale.clip_by_global_norm(1.0), inner),
+  tx = mpscale.dynamic_loss_scale(optax.chain(mpscale.global_norm_clip(1.0), inner),
                                   init_scale=1.0)
   state = tx.init(params)
   update = jax.jit(tx.update)

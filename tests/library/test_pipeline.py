@@ -13,8 +13,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import mpscale
 from tests import helpers
-from mpscale import opt_state as opt_state_lib
-from mpscale import pipeline as pl
+from mpscale import _tree
+from mpscale.parallel.pipeline import _pipeline as pl
 
 LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
 
@@ -158,7 +158,7 @@ def mlp_stage_fn(lp, x):
 
 
 def _matmul_flops(schedule, micro, virtual, recompute, stages=4, mlp=False):
-  from mpscale import hlo
+  from mpscale.trainer.planning import hlo as hlo
   params = make_params()
   if mlp:
     params["stages"]["w2"] = jnp.swapaxes(params["stages"]["w"], 1, 2)
@@ -283,10 +283,10 @@ def _train(params, batch, tx, grad_fn, steps=5):
 
 
 def _optimizer(stages):
-  groups = pl.stage_groups(stages)
+  groups = pl.stage_norm_groups(stages)
   return mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(0.5, groups=groups), optax.adam(1e-2)),
-      init_scale=2.0**8, groups=groups)
+      optax.chain(mpscale.global_norm_clip(0.5, norm_groups=groups), optax.adam(1e-2)),
+      init_scale=2.0**8, norm_groups=groups)
 
 
 @pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
@@ -430,8 +430,8 @@ def test_schedule_table_is_a_valid_pipeline(schedule, stages, micro, virtual):
   every tick where any stage runs a forward and any a backward is a tick of both,
   and a step costs GPipe's forward and backward ticks."""
   S, M, v = stages, micro, virtual
-  table = pl.schedule_table(schedule, S, M, v)
-  chunks = pl.schedule_chunks(schedule, S, M, v)
+  table = pl.pipeline_schedule_table(schedule, S, M, v)
+  chunks = pl.pipeline_schedule_chunks(schedule, S, M, v)
   when = {}
   for t, row in enumerate(table):
     for s in range(S):
@@ -450,8 +450,8 @@ def test_schedule_table_is_a_valid_pipeline(schedule, stages, micro, virtual):
       assert when[(pl.FWD, vs, m)] < t
       if vs < last:
         assert when[(pl.BWD, vs + 1, m)][0] < t[0]
-  assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
-  from mpscale import pipeline_schedules as ps
+  assert pl.pipeline_bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
+  from mpscale.parallel.pipeline import _schedules as ps
   assert ps.tick_costs(table).sum() == 3 * (v * M + S - 1)  # GPipe's F + B ticks
   live = pl.live_slots(table)
   if schedule == "gpipe":
@@ -465,10 +465,10 @@ def test_interleaved_1f1b_keeps_its_inputs_bounded_as_m_grows():
   while interleaved GPipe's grow as v M."""
   for S, v in ((2, 2), (4, 2), (4, 4)):
     bound = (v + 1) * S - 1
-    lives = [pl.live_slots(pl.schedule_table("1f1b", S, M, v))
+    lives = [pl.live_slots(pl.pipeline_schedule_table("1f1b", S, M, v))
              for M in (S, 2 * S, 4 * S, 8 * S)]
     assert max(lives) <= bound and lives[-1] == lives[-2]
-    assert pl.live_slots(pl.schedule_table("gpipe", S, 8 * S, v)) == 8 * S * v
+    assert pl.live_slots(pl.pipeline_schedule_table("gpipe", S, 8 * S, v)) == 8 * S * v
 
 
 def test_clear_errors():
@@ -590,17 +590,17 @@ def test_interleaved_1f1b_trains_as_the_plain_step_and_skips_a_poisoned_batch(
   assert bool(metrics["overflow"]) and int(metrics["skipped"]) == 1
   chex.assert_trees_all_equal(jax.device_get(state.params), before.params)
   chex.assert_trees_all_equal(
-      opt_state_lib.find(jax.device_get(state.opt_state),
+      _tree.find(jax.device_get(state.opt_state),
                              optax.ScaleByAdamState),
-      opt_state_lib.find(before.opt_state, optax.ScaleByAdamState))
+      _tree.find(before.opt_state, optax.ScaleByAdamState))
 
 
 @pytest.mark.parametrize("stages, virtual, micro", [(4, 2, 4), (2, 4, 6), (4, 1, 8),
                                                     (3, 3, 3)])
 def test_interleaved_bubble_is_megatrons(stages, virtual, micro):
   S, v, M = stages, virtual, micro
-  table = pl.schedule_table("gpipe", S, M, virtual_stages=v)
-  assert pl.bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
+  table = pl.pipeline_schedule_table("gpipe", S, M, virtual_stages=v)
+  assert pl.pipeline_bubble_fraction(table) == pytest.approx((S - 1) / (v * M + S - 1))
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, M, virtual_stages=v)
   assert model.bubble(S) == pytest.approx((S - 1) / (v * M + S - 1))
   # Every micro-batch runs forward and backward through each of the v chunks once.
@@ -679,10 +679,10 @@ def test_device_order_round_trips_a_state_and_names_its_groups():
   chex.assert_trees_all_equal(stored["nested"]["copy"], stored["params"])
   chex.assert_trees_all_equal(stored["params"]["embed"], params["embed"])
   # The groups keep the virtual stages' names wherever their layers are stored.
-  by_model, _ = mpscale.group_norms(params, pl.stage_groups(S * v))
+  by_model, _ = mpscale.group_norms(params, pl.stage_norm_groups(S * v))
   by_device, _ = mpscale.group_norms(
       model.to_device_order(params),
-      pl.stage_groups(S, virtual_stages=v, layer_order="device"))
+      pl.stage_norm_groups(S, virtual_stages=v, layer_order="device"))
   assert_close(by_device, by_model)
 
 
@@ -712,7 +712,7 @@ def test_zb_h1_table_splits_the_backward_and_fills_1f1bs_bubble(stages, micro):
   ZB-H1's (S - 1)/(3M + S - 1) once M >= S, below 1F1B's whenever S > 1, with no
   more inputs alive than 1F1B's peak."""
   S, M = stages, micro
-  table = pl.schedule_table("zb_h1", S, M)
+  table = pl.pipeline_schedule_table("zb_h1", S, M)
   assert (table[:, :, 1, 0] == pl.IDLE).all()  # one op a tick, in slot 0
   when = {}
   for t, row in enumerate(table):
@@ -728,8 +728,8 @@ def test_zb_h1_table_splits_the_backward_and_fills_1f1bs_bubble(stages, micro):
       assert when[(pl.BWD, s + 1, m) if s < S - 1 else (pl.FWD, s, m)] < t
     if op == pl.WGT:
       assert when[(pl.BWD, s, m)] < t
-  zb = pl.bubble_fraction(table)
-  ofob = pl.bubble_fraction(pl.schedule_table("1f1b", S, M))
+  zb = pl.pipeline_bubble_fraction(table)
+  ofob = pl.pipeline_bubble_fraction(pl.pipeline_schedule_table("1f1b", S, M))
   if M >= S:
     assert zb == pytest.approx((S - 1) / (3 * M + S - 1))
   assert zb < ofob if S > 1 else zb == ofob == 0
@@ -755,7 +755,7 @@ def test_zb_h1_runs_one_chunk_per_stage():
     pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule="zb_h1", virtual_stages=2)
   assert err.value.names == ("schedule", "virtual_stages")
   with pytest.raises(ValueError, match="virtual_stages=1"):
-    pl.schedule_table("zb_h1", 2, 4, virtual_stages=2)
+    pl.pipeline_schedule_table("zb_h1", 2, 4, virtual_stages=2)
 
 
 def test_interleaved_gpipe_keeps_the_stacked_layers_once_not_per_tick():
@@ -1091,7 +1091,7 @@ def test_fp8_state_through_every_schedule_is_the_whole_batch_update(
   merged update is bit-identical to one call on the whole batch (delayed scaling:
   the same scales, so the same FP8 values and gradients too). A bubble's update
   reaching a copy would add a second state to it."""
-  recipe = mpscale.fp8_recipe("delayed", history_len=4)
+  recipe = mpscale.make_fp8_recipe("delayed", history_len=4)
   params, batch = make_params(), make_batch()
   states = _fp8_states(recipe)
   reference = _fp8_pipeline(recipe)
@@ -1115,7 +1115,7 @@ def test_fp8_recipes_record_the_same_state_on_every_schedule(recipe):
   """Current and blockwise scaling quantize each micro-batch on its own, so they
   differ from a whole-batch call, but not between schedules, and with one
   micro-batch and replica they are that call."""
-  recipe = mpscale.fp8_recipe(recipe, history_len=4, block_size=4)
+  recipe = mpscale.make_fp8_recipe(recipe, history_len=4, block_size=4)
   params, batch = make_params(), make_batch()
   states = _fp8_states(recipe)
   runs = [_pipelined_fp8(_fp8_pipeline(recipe, 4, schedule=s), params, batch, states,
@@ -1136,7 +1136,7 @@ def test_fp8_pipeline_step_skips_an_overflow_with_identical_state_everywhere():
   """make_train_step over a pipeline with FP8 state: clean steps update the state
   (as the unpipelined step with one micro-batch does), an injected overflow leaves
   it bit-identical, and every device's copy of it is the same."""
-  recipe = mpscale.fp8_recipe("delayed", history_len=4)
+  recipe = mpscale.make_fp8_recipe("delayed", history_len=4)
   params, batch = make_params(), make_batch()
   state0 = {mpscale.OVERWRITE_WITH_GRADIENT: {"stages": _fp8_states(recipe)}}
   tx = _optimizer(4)
@@ -1171,7 +1171,7 @@ def test_fp8_pipeline_step_skips_an_overflow_with_identical_state_everywhere():
 
 
 def test_layer_state_errors_name_the_argument():
-  recipe = mpscale.fp8_recipe("delayed", history_len=4)
+  recipe = mpscale.make_fp8_recipe("delayed", history_len=4)
   params, batch = make_params(), make_batch()
   mesh = mesh_of(1, 2)
   no_merge = pl.Pipeline(embed_fn, _fp8_stage_fn(recipe), head_fn, 2)

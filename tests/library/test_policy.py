@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import mpscale
-from mpscale import policy as policy_lib
+from mpscale.precision import _policy as policy_lib
 
 F32, F16, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)
 
@@ -29,7 +29,7 @@ def dtypes(p):
     ("float32", (F32, F32, F32)),
 ])
 def test_get_policy_parses_role_dtype_strings(spec, expected):
-  assert dtypes(mpscale.get_policy(spec)) == expected
+  assert dtypes(mpscale.make_policy(spec)) == expected
 
 
 @pytest.mark.parametrize("name, expected, needs_scaling, keeps", [
@@ -41,7 +41,7 @@ def test_get_policy_parses_role_dtype_strings(spec, expected):
     ("bf16-pure", (BF16, BF16, F32), False, False),
 ])
 def test_presets(name, expected, needs_scaling, keeps):
-  p = mpscale.get_policy(name)
+  p = mpscale.make_policy(name)
   assert dtypes(p) == expected
   assert p.needs_loss_scaling is needs_scaling
   assert (p.keep_fp32 is mpscale.default_keep_fp32) is keeps
@@ -50,12 +50,12 @@ def test_presets(name, expected, needs_scaling, keeps):
 def test_str_round_trips():
   p = mpscale.Policy("float32", "bfloat16", "float16")
   assert str(p) == "params=float32,compute=bfloat16,output=float16"
-  assert dtypes(mpscale.get_policy(str(p))) == dtypes(p)
+  assert dtypes(mpscale.make_policy(str(p))) == dtypes(p)
 
 
 def test_get_policy_returns_a_policy_unchanged():
   p = mpscale.Policy(jnp.float32, jnp.float16, jnp.float32)
-  assert mpscale.get_policy(p) is p
+  assert mpscale.make_policy(p) is p
 
 
 @pytest.mark.parametrize("spec, error, match", [
@@ -67,7 +67,7 @@ def test_get_policy_returns_a_policy_unchanged():
 ])
 def test_get_policy_errors(spec, error, match):
   with pytest.raises(error, match=match):
-    mpscale.get_policy(spec)
+    mpscale.make_policy(spec)
 
 
 def test_policy_rejects_non_float_dtypes_and_bad_predicates():
@@ -85,16 +85,16 @@ def test_needs_loss_scaling_follows_float16():
 
 def test_loss_scale_for_picks_the_wrapper_the_policy_needs():
   params = {"w": jnp.ones(3)}
-  scaled = mpscale.loss_scale_for(mpscale.get_policy("O2"), optax.sgd(0.1),
+  scaled = mpscale.policy_loss_scale(mpscale.make_policy("O2"), optax.sgd(0.1),
                                   init_scale=64.0)
   assert float(mpscale.loss_scale_of(scaled.init(params))) == 64.0
-  plain = mpscale.loss_scale_for(mpscale.get_policy("bf16"), optax.sgd(0.1))
+  plain = mpscale.policy_loss_scale(mpscale.make_policy("bf16"), optax.sgd(0.1))
   assert float(mpscale.loss_scale_of(plain.init(params))) == 1.0
   assert isinstance(plain.init(params), mpscale.LossScaleState)
 
 
 def test_casts_touch_only_floating_arrays():
-  p = mpscale.get_policy("params=float32,compute=float16,output=bfloat16")
+  p = mpscale.make_policy("params=float32,compute=float16,output=bfloat16")
   tree = {"w": jnp.ones((2, 3), jnp.float32), "ids": jnp.arange(3),
           "lr": 0.5, "h": np.ones(2, np.float64)}
   out = p.cast_to_compute(tree)
@@ -107,7 +107,7 @@ def test_casts_touch_only_floating_arrays():
 
 
 def test_casts_work_under_jit():
-  p = mpscale.get_policy("O3")
+  p = mpscale.make_policy("O3")
   out = jax.jit(p.cast_to_compute)({"w": jnp.ones(3)})
   assert out["w"].dtype == F16
 
@@ -120,7 +120,7 @@ class _Block(nn.Module):
 
 def test_default_keep_fp32_keeps_norm_and_bias_leaves():
   params = _Block().init(jax.random.PRNGKey(0), jnp.ones((1, 3)))["params"]
-  cast = mpscale.get_policy("O2").cast_to_compute(params)
+  cast = mpscale.make_policy("O2").cast_to_compute(params)
   assert cast["Dense_0"]["kernel"].dtype == F16
   assert cast["Dense_1"]["kernel"].dtype == F16
   assert cast["Dense_0"]["bias"].dtype == F32
@@ -147,15 +147,15 @@ def test_keep_fp32_sees_the_leaf():
 
 
 def test_policy_is_hashable_and_frozen():
-  p = mpscale.get_policy("O1")
-  assert hash(p) == hash(mpscale.get_policy("O2"))
+  p = mpscale.make_policy("O1")
+  assert hash(p) == hash(mpscale.make_policy("O2"))
   with pytest.raises(AttributeError):
     p.compute_dtype = jnp.float32
 
 
 def test_module_names_the_presets_in_its_error():
   with pytest.raises(ValueError, match="O0"):
-    policy_lib.get_policy("mixed")
+    policy_lib.make_policy("mixed")
 
 
 def test_a_model_that_fixes_float32_under_a_16_bit_policy_is_warned_about():

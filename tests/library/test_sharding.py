@@ -19,7 +19,7 @@ import pytest
 
 import mpscale
 from mpscale.trainer.models import lm as lm_lib
-from mpscale import sharding
+from mpscale import parallel
 from mpscale.trainer.config.load import ModelConfig
 
 AXES = ("data", "fsdp", "stage", "tensor")
@@ -53,8 +53,8 @@ def make_optimizer(name):
   else:
     inner = optax.adamw(1e-2, eps=1e-6)
   return mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(0.5, groups=1), inner),
-      init_scale=2.0 ** 10, groups=1)
+      optax.chain(mpscale.global_norm_clip(0.5, norm_groups=1), inner),
+      init_scale=2.0 ** 10, norm_groups=1)
 
 
 def make_step(mesh, optimizer, *, virtual=0, sequence_parallel=False, schedule="gpipe",
@@ -199,10 +199,10 @@ def test_fsdp_divides_params_and_optimizer_state():
   leaves = jax.tree_util.tree_leaves((state.params, state.opt_state))
   total = sum(x.nbytes for x in leaves)
   unsplit = [x.nbytes for x in leaves
-             if "fsdp" not in sharding.spec_axes(x.sharding.spec)]
+             if "fsdp" not in parallel.spec_axes(x.sharding.spec)]
   assert max(unsplit) <= 16  # only scalars (step counts, the scale) stay whole
   bound = total / n + sum(unsplit)
-  per_device = sharding.tree_bytes((state.params, state.opt_state))
+  per_device = parallel.tree_bytes((state.params, state.opt_state))
   assert per_device <= bound, (per_device, total / n, sum(unsplit))
   # The compiled step holds no more than that, plus the batch.
   compiled = step.lower(state, make_batch()).compile()
@@ -230,7 +230,7 @@ def test_came_factors_follow_their_dimension():
   params = {"w": jax.ShapeDtypeStruct((8, 12), jnp.float32)}
   specs = {"w": P("fsdp", "tensor")}
   state = jax.eval_shape(mpscale.came(1e-3).init, params)
-  laid = sharding.state_specs(state, params, specs)
+  laid = parallel.state_specs(state, params, specs)
   came_state = laid[0]
   assert came_state.mu["w"] == P("fsdp", "tensor")
   assert came_state.v_row["w"] == P("fsdp")          # mean over the last dim
@@ -239,12 +239,12 @@ def test_came_factors_follow_their_dimension():
   assert came_state.v["w"] == P()                    # an empty placeholder
   # Square factors: CAME's state declares which dimension each statistic averages.
   square = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
-  laid = sharding.state_specs(jax.eval_shape(mpscale.came(1e-3).init, square), square,
+  laid = parallel.state_specs(jax.eval_shape(mpscale.came(1e-3).init, square), square,
                               specs)[0]
   assert (laid.v_row["w"], laid.v_col["w"]) == (P("fsdp"), P("tensor"))
   # ZeRO-1 on top: the data axes a leaf does not use yet, on a free dimension.
-  followed = sharding.state_specs(state, params, {"w": P(None, "tensor")})
-  zero = sharding.zero1_specs(state, followed, mesh, ("fsdp",))
+  followed = parallel.state_specs(state, params, {"w": P(None, "tensor")})
+  zero = parallel.zero1_specs(state, followed, mesh, ("fsdp",))
   assert zero[0].mu["w"] == P("fsdp", "tensor")
   assert zero[0].v_col["w"] == P("tensor")  # 12 / 4; fsdp has no free dim left
 
@@ -252,7 +252,7 @@ def test_came_factors_follow_their_dimension():
 def test_adafactor_factors_follow_their_dimension():
   square = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
   state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=1).init, square)
-  laid = sharding.state_specs(state, square, {"w": P("fsdp", "tensor")})
+  laid = parallel.state_specs(state, square, {"w": P("fsdp", "tensor")})
   (factored,) = [s for s in jax.tree_util.tree_leaves(
       laid, is_leaf=lambda x: isinstance(x, optax.FactoredState))
                  if isinstance(s, optax.FactoredState)]
@@ -276,15 +276,15 @@ def test_a_state_declares_which_dimension_a_statistic_averages():
   specs = {"w": P("fsdp", "tensor")}
   stat = {"w": jax.ShapeDtypeStruct((8,), jnp.float32)}
   # Dropping either dimension fits the shape; the declaration decides, not the name.
-  declared = sharding.state_specs(_DeclaredState(stat), square, specs)
+  declared = parallel.state_specs(_DeclaredState(stat), square, specs)
   assert declared.row["w"] == P("tensor")
   # Field names alone decide nothing: undeclared, both take the last fitting one.
-  undeclared = sharding.state_specs(_UndeclaredState(stat, stat), square, specs)
+  undeclared = parallel.state_specs(_UndeclaredState(stat, stat), square, specs)
   assert (undeclared.row["w"], undeclared.col["w"]) == (P("fsdp"), P("fsdp"))
   # An unambiguous shape needs no declaration.
   wide = {"w": jax.ShapeDtypeStruct((8, 12), jnp.float32)}
   cols = {"w": jax.ShapeDtypeStruct((12,), jnp.float32)}
-  laid = sharding.state_specs(_UndeclaredState(stat, cols), wide, specs)
+  laid = parallel.state_specs(_UndeclaredState(stat, cols), wide, specs)
   assert (laid.row["w"], laid.col["w"]) == (P("fsdp"), P("tensor"))
 
 
@@ -292,23 +292,23 @@ def test_tree_bytes_counts_what_one_device_holds():
   mesh = make_mesh(fsdp=2, tensor=4)
   x = jax.device_put(jnp.zeros((8, 16), jnp.float32),
                      NamedSharding(mesh, P("fsdp", "tensor")))
-  assert sharding.tree_bytes(x) == 8 * 16 * 4 // 8
-  assert sharding.tree_bytes(x, per_device=False) == 8 * 16 * 4
+  assert parallel.tree_bytes(x) == 8 * 16 * 4 // 8
+  assert parallel.tree_bytes(x, per_device=False) == 8 * 16 * 4
   shape = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16,
                                sharding=NamedSharding(mesh, P(None, "tensor")))
-  assert sharding.tree_bytes(shape) == 8 * 16 * 2 // 4
+  assert parallel.tree_bytes(shape) == 8 * 16 * 2 // 4
   # Specs on a mesh decide over the leaves' own layout.
   tree = {"a": shape, "b": jax.ShapeDtypeStruct((6,), jnp.int32)}
   specs = {"a": P("fsdp"), "b": P()}
-  assert sharding.tree_bytes(tree, specs, mesh) == 8 * 16 * 2 // 2 + 6 * 4
-  assert sharding.bytes_per_device(mesh, tree, specs) == {
+  assert parallel.tree_bytes(tree, specs, mesh) == 8 * 16 * 2 // 2 + 6 * 4
+  assert parallel.bytes_per_device(mesh, tree, specs) == {
       "total": 8 * 16 * 2 + 6 * 4, "per_device": 8 * 16 * 2 // 2 + 6 * 4}
   # None and non-array leaves hold nothing; a leaf without a sharding counts whole.
   mixed = {"a": None, "b": 3, "c": "name", "d": np.zeros((5,), np.float16)}
-  assert sharding.tree_bytes(mixed) == 10
-  assert sharding.tree_bytes(mixed, per_device=False) == 10
+  assert parallel.tree_bytes(mixed) == 10
+  assert parallel.tree_bytes(mixed, per_device=False) == 10
   with pytest.raises(ValueError, match="specs need a mesh"):
-    sharding.tree_bytes(tree, specs)
+    parallel.tree_bytes(tree, specs)
 
 
 # ------------------------------------------------------------------ collectives
@@ -450,17 +450,17 @@ def test_param_specs_forms_agree():
   as_tree = {"a": {"w": P("fsdp", "tensor")}, "b": P()}
   as_prefix = {"a": P("fsdp", "tensor"), "b": None}
   as_function = lambda path, leaf: P("fsdp", "tensor") if leaf.ndim == 2 else P()
-  as_logical = sharding.logical_specs(
+  as_logical = parallel.logical_specs(
       {"a": {"w": ("rows", "cols")}, "b": ("cols_again",)},
       [("rows", "fsdp"), ("cols", "tensor")])
-  results = [sharding.resolve_specs(f, params)
+  results = [parallel.resolve_specs(f, params)
              for f in (as_tree, as_prefix, as_function, as_logical)]
   for r in results:
     assert r == as_tree
   # A mesh axis is used once per leaf: the second dimension naming it is not split.
-  assert sharding.logical_specs(("x", "y"), [("x", "tensor"), ("y", "tensor")]) == (
+  assert parallel.logical_specs(("x", "y"), [("x", "tensor"), ("y", "tensor")]) == (
       P("tensor"))
-  fsdp = sharding.fsdp_specs(params, mesh, "fsdp", {"a": {"w": P(None, "tensor")},
+  fsdp = parallel.fsdp_specs(params, mesh, "fsdp", {"a": {"w": P(None, "tensor")},
                                                     "b": P()})
   assert fsdp == {"a": {"w": P("fsdp", "tensor")}, "b": P("fsdp")}
 
@@ -479,10 +479,10 @@ def test_flax_partitioning_metadata():
       return x @ k + b
 
   variables = jax.eval_shape(Linen().init, jax.random.key(0), jnp.ones((1, 4)))
-  specs = sharding.flax_specs(variables["params"], rules=[("mlp", "tensor")])
+  specs = parallel.flax_specs(variables["params"], rules=[("mlp", "tensor")])
   assert specs == {"kernel": P(None, "tensor"), "bias": P("tensor")}
   assert jax.tree_util.tree_structure(specs) == jax.tree_util.tree_structure(
-      sharding.flax_unbox(variables["params"]))
+      parallel.flax_unbox(variables["params"]))
 
   class Nnx(nnx.Module):
     def __init__(self, rngs):
@@ -493,7 +493,7 @@ def test_flax_partitioning_metadata():
   with (jax.set_mesh(mesh) if hasattr(jax, "set_mesh")  # flax >= 0.11 wants a mesh
         else jax.sharding.use_mesh(mesh)):
     state = nnx.state(Nnx(nnx.Rngs(0)), nnx.Param)
-  specs = sharding.flax_specs(state)
+  specs = parallel.flax_specs(state)
   assert jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P)) == [
       P("fsdp", None)]
 
@@ -553,7 +553,7 @@ def _sweep_transforms():
   wd = mpscale.weight_decay_schedule(0.0, 0.1, 10)
   matrices = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
   return {
-      "skip_nonfinite": lambda: mpscale.skip_nonfinite(adamw(), groups=1),
+      "skip_nonfinite": lambda: mpscale.skip_nonfinite(adamw(), norm_groups=1),
       "dynamic(skip_nonfinite)": lambda: mpscale.dynamic_loss_scale(
           mpscale.skip_nonfinite(adamw()), init_scale=4.0, growth_interval=1),
       "skip_nonfinite(fixed)": lambda: mpscale.skip_nonfinite(
@@ -561,14 +561,14 @@ def _sweep_transforms():
       "fixed(apply overflow)": lambda: mpscale.fixed_loss_scale(
           optax.sgd(0.1), 8.0, skip_nonfinite=False),
       "no_loss_scale(clip, adamw)": lambda: mpscale.no_loss_scale(
-          optax.chain(mpscale.clip_by_global_norm(1.0, groups=1), adamw())),
+          optax.chain(mpscale.global_norm_clip(1.0, norm_groups=1), adamw())),
       # The check is on from step 2 (these updates pass no loss: the norm only).
       "dynamic(skip_spikes(clip, adamw))": lambda: mpscale.dynamic_loss_scale(
-          mpscale.skip_spikes(optax.chain(mpscale.clip_by_global_norm(1.0), adamw()),
+          mpscale.skip_spikes(optax.chain(mpscale.global_norm_clip(1.0), adamw()),
                               window=2, watch="global_norm"), init_scale=4.0),
-      "clip_by_global_norm": lambda: mpscale.clip_by_global_norm(0.5),
+      "global_norm_clip": lambda: mpscale.global_norm_clip(0.5),
       "dynamic(clip, came)": lambda: mpscale.dynamic_loss_scale(
-          optax.chain(mpscale.clip_by_global_norm(1.0), mpscale.came(1e-2)),
+          optax.chain(mpscale.global_norm_clip(1.0), mpscale.came(1e-2)),
           init_scale=2.0 ** 8, hysteresis=2),
       "came(beta2, weight decay, mask)": lambda: mpscale.came(
           1e-2, beta2=0.999, weight_decay=0.1, mask=matrices),

@@ -71,7 +71,7 @@ def test_skip_nonfinite_validates():
   with pytest.raises(TypeError, match="inner"):
     mpscale.skip_nonfinite(None)
   with pytest.raises(ValueError, match="groups"):
-    mpscale.skip_nonfinite(optax.sgd(1.0), groups=0)
+    mpscale.skip_nonfinite(optax.sgd(1.0), norm_groups=0)
 
 
 def test_initial_state_can_be_donated():
@@ -79,7 +79,7 @@ def test_initial_state_can_be_donated():
   # twice").
   for tx in (mpscale.skip_nonfinite(optax.sgd(0.1)),
              mpscale.dynamic_loss_scale(
-                 optax.chain(mpscale.clip_by_global_norm(1.0), optax.sgd(0.1)))):
+                 optax.chain(mpscale.global_norm_clip(1.0), optax.sgd(0.1)))):
     params = {"w": jnp.ones((3,))}
     state = tx.init(params)
     leaves = jax.tree.leaves(state)
@@ -95,7 +95,7 @@ def test_donated_skip_step_copies_no_state(clip):
   params = {"w": jnp.ones((64, 64)), "v": {"u": jnp.ones((128, 32)), "b": jnp.ones((64,))}}
   inner = optax.adamw(1e-3)
   if clip:
-    inner = optax.chain(mpscale.clip_by_global_norm(1.0), inner)
+    inner = optax.chain(mpscale.global_norm_clip(1.0), inner)
   tx = mpscale.dynamic_loss_scale(inner)
 
   def step(params, state, grads):
@@ -115,7 +115,7 @@ def test_select_at_the_producer_keeps_skips_exact_for_many_optimizers():
   for inner in (optax.adamw(0.1), optax.sgd(0.1, momentum=0.9, nesterov=True),
                 optax.lion(0.1), optax.adafactor(0.1),
                 optax.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
-                optax.chain(optax.adamw(0.1), mpscale.clip_by_global_norm(0.5))):
+                optax.chain(optax.adamw(0.1), mpscale.global_norm_clip(0.5))):
     tx = mpscale.skip_nonfinite(inner)
 
     @jax.jit

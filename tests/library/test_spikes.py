@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import mpscale
-from mpscale.sharding import cast_varying
+from mpscale.parallel import cast_varying
 from tests import helpers
 
 STEPS = 200
@@ -68,7 +68,7 @@ def _at(tree, t):
 
 
 def _inner():
-  return optax.chain(mpscale.clip_by_global_norm(100.0), optax.adamw(1e-2))
+  return optax.chain(mpscale.global_norm_clip(100.0), optax.adamw(1e-2))
 
 
 def _check_run(params, spikes_state, inner_state):
@@ -384,7 +384,7 @@ def test_no_false_skip_in_10000_ordinary_steps():
   skipped; the same run with one 100x step skips that step only."""
   steps = 10_000
   tx = mpscale.dynamic_loss_scale(
-      mpscale.skip_spikes(optax.chain(mpscale.clip_by_global_norm(1.0),
+      mpscale.skip_spikes(optax.chain(mpscale.global_norm_clip(1.0),
                                       optax.adamw(1e-3))),
       init_scale=2.0**10, growth_interval=50, min_scale=2.0**-4, max_scale=2.0**12)
   params = _soak_params()

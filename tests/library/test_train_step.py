@@ -49,7 +49,7 @@ def make_batch(seed=1, rows=BATCH):
 
 def adamw_chain():
   return mpscale.dynamic_loss_scale(
-      optax.chain(mpscale.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+      optax.chain(mpscale.global_norm_clip(1.0), optax.adamw(1e-2)),
       init_scale=2.0**10, growth_interval=2)
 
 
@@ -313,8 +313,8 @@ def test_fp16_with_dynamic_scaling_matches_fp32_and_without_it_stalls():
   batch = {"x": x, "y": np.tanh(x @ rng.randn(8, 4)).astype(np.float32)}
   model = TeacherMLP()
   params = model.init(jax.random.PRNGKey(0), x)["params"]
-  fp32 = mpscale.get_policy("O0")
-  fp16 = mpscale.get_policy("params=float32,compute=float16,output=float32")
+  fp32 = mpscale.make_policy("O0")
+  fp16 = mpscale.make_policy("params=float32,compute=float16,output=float32")
   adam = lambda: optax.adam(1e-2, eps=1e-20)  # gradients are ~1e-8
 
   def train(policy, tx, steps=40):

@@ -26,8 +26,8 @@ from mpscale import validation
     (validation.positive_int, (), True, TypeError),
     (validation.boolean, (), 1, TypeError),
     (validation.one_of, (("a", "b"),), "c", ValueError),
-    (validation.groups, (), 0, ValueError),
-    (validation.groups, (), "layer", TypeError),
+    (validation.norm_groups, (), 0, ValueError),
+    (validation.norm_groups, (), "layer", TypeError),
     (validation.axis_name, (), 3, TypeError),
     (validation.transformation, (), "adam", TypeError),
     (validation.function, (), 3, TypeError),
@@ -43,7 +43,7 @@ def test_good_values_come_back_converted():
   assert validation.positive_float("x", math.inf, allow_inf=True) == math.inf
   assert validation.integer("x", np.int64(3), 0) == 3
   assert validation.boolean("x", np.bool_(True)) is True
-  assert validation.groups("x", np.int32(2)) == 2
+  assert validation.norm_groups("x", np.int32(2)) == 2
   assert validation.axis_name("x", ("data", "fsdp")) == ("data", "fsdp")
   assert validation.floats("eps", [1, 2, 3], 3, validation.positive_float) == (1.0, 2.0,
                                                                               3.0)

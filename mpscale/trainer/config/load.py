@@ -22,7 +22,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from mpscale import sharding
+from mpscale import parallel
 from mpscale import validation
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import errors
@@ -113,7 +113,7 @@ def check(cfg: RunConfig) -> None:
                       "mesh.virtual_stages > 1",
                       ("train.num_microbatches", "mesh.stage", "mesh.virtual_stages"))
   try:
-    sharding.check_batch_size(data.batch_size, mesh.data * mesh.fsdp,
+    parallel.check_batch_size(data.batch_size, mesh.data * mesh.fsdp,
                               train.num_microbatches)
   except validation.ArgumentError as e:
     keys = {"batch_size": "data.batch_size", "data_size": "mesh.data x mesh.fsdp",
@@ -137,7 +137,7 @@ def _check_rampup_sizes(cfg: RunConfig) -> None:
   sizes = errors.checked(builders.build_batch_sizes, cfg).sizes()
   for size in sizes[:-1]:
     try:
-      sharding.check_batch_size(size, mesh.data * mesh.fsdp, train.num_microbatches)
+      parallel.check_batch_size(size, mesh.data * mesh.fsdp, train.num_microbatches)
     except validation.ArgumentError as e:
       keys = {"batch_size": "a batch size of data.rampup_batch_size",
               "data_size": "mesh.data x mesh.fsdp",

@@ -199,7 +199,7 @@ class Fp8Config:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-  """The precision policy (`mpscale.get_policy`)."""
+  """The precision policy (`mpscale.make_policy`)."""
   policy: str = "O0"
   """A preset (``O0``..``O3``, ``bf16``, ``bf16-pure``), a dtype, or
   ``params=..,compute=..,output=..``."""

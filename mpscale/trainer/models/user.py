@@ -43,10 +43,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-
-from mpscale import fp8 as fp8_lib
-from mpscale import pipeline as pipeline_lib
 from mpscale import validation
+from mpscale import parallel
+from mpscale import precision
 
 
 class Model(NamedTuple):
@@ -158,7 +157,7 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
   its gradient (`mpscale.make_train_step`); the loss returns it as given.
   """
   from flax import nnx  # noqa: PLC0415
-  from mpscale import fp8_flax  # noqa: PLC0415
+  from mpscale.precision import fp8_flax as fp8_flax  # noqa: PLC0415
   graphdef, params, rngs, fp8_vars, rest = nnx.split(
       module, nnx.Param, nnx.RngState, fp8_flax.OverwriteWithGradient, ...)
   values = nnx.to_pure_dict(params)
@@ -166,13 +165,13 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
   has_fp8 = bool(jax.tree_util.tree_leaves(fp8_values))
   state_values = nnx.to_pure_dict(rest)
   if has_fp8:
-    state_values = {**state_values, fp8_lib.OVERWRITE_WITH_GRADIENT: fp8_values}
+    state_values = {**state_values, precision.OVERWRITE_WITH_GRADIENT: fp8_values}
   stateful = bool(jax.tree_util.tree_leaves(state_values))
 
   def split_state(model_state):
     """``(the other variables' pure dict, the FP8 state's)``."""
     rest_values = dict(model_state)
-    return rest_values, rest_values.pop(fp8_lib.OVERWRITE_WITH_GRADIENT, None)
+    return rest_values, rest_values.pop(precision.OVERWRITE_WITH_GRADIENT, None)
   stochastic = bool(jax.tree_util.tree_leaves(rngs))
 
   def fill(like, pure):
@@ -214,7 +213,7 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
     new = nnx.to_pure_dict(nnx.split(m, nnx.Param, nnx.RngState,
                                      fp8_flax.OverwriteWithGradient, ...)[4])
     if has_fp8:  # as given: its gradient is its update
-      new[fp8_lib.OVERWRITE_WITH_GRADIENT] = split_state(model_state)[1]
+      new[precision.OVERWRITE_WITH_GRADIENT] = split_state(model_state)[1]
     return out, new
 
   def evaluate(p, batch, model_state=None):
@@ -377,7 +376,7 @@ def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
       raise validation.fail(key, ": gave a Model, which has its own loss_fn, and a "
                             "loss as well; drop one", validation.ArgumentTypeError)
     stateful = obj.init_state is not None
-    if isinstance(obj.loss_fn, pipeline_lib.Pipeline):
+    if isinstance(obj.loss_fn, parallel.Pipeline):
       if obj.evaluate is None:
         raise validation.fail(
             key, ": a Model whose loss_fn is an mpscale.Pipeline needs evaluate="

@@ -71,8 +71,6 @@ from typing import Any, Mapping, NamedTuple
 
 import jax
 import numpy as np
-
-from mpscale import policy as policy_lib
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.planning import step_time as step_time_lib

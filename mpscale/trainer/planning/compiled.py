@@ -33,7 +33,7 @@ config (``mesh.stage > 1``) also gets every schedule side by side for its stages
 micro-batches and virtual stages (`Plan.schedules`): GPipe and 1F1B, and both
 interleaved when ``mesh.virtual_stages > 1``, each with its bubble and the most stage
 inputs it keeps alive per device, read from the schedules' tick tables
-(`mpscale.schedule_table`; nothing more is compiled).
+(`mpscale.pipeline_schedule_table`; nothing more is compiled).
 
 A user's model (``model.provider``: a Flax NNX module, a linen module or a
 `mpscale.trainer.Model`) is planned as the trainer would train it: its data provider
@@ -62,10 +62,9 @@ from typing import Any, Optional
 
 import jax
 
-from mpscale import hlo as hlo_lib
-from mpscale import jaxprs
-from mpscale import pipeline as pipeline_lib
-from mpscale import sharding as sharding_lib
+from mpscale.trainer.planning import hlo as hlo_lib
+from mpscale import _jaxprs as jaxprs
+from mpscale import parallel
 from mpscale import validation
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.models import lm as lm_lib
@@ -309,7 +308,7 @@ def schedule_rows(num_stages: int, num_microbatches: int, virtual_stages: int = 
 
   GPipe, 1F1B and ZB-H1, then, with ``virtual_stages`` ``v > 1``, GPipe and 1F1B
   interleaved over ``v`` chunks: each a dict of ``schedule``, ``virtual_stages``,
-  ``bubble`` (`mpscale.bubble_fraction` of its tick table, time-weighted: a ZB-H1
+  ``bubble`` (`mpscale.pipeline_bubble_fraction` of its tick table, time-weighted: a ZB-H1
   tick is one of F, B and W, a paired 1F1B tick a forward and a backward (B and W
   together), so the fractions compare as times at equal forward, input-gradient and
   weight-gradient costs), ``inputs_alive`` (the most micro-batches whose residuals
@@ -320,13 +319,13 @@ def schedule_rows(num_stages: int, num_microbatches: int, virtual_stages: int = 
   # pylint: disable=protected-access
   rows = []
   for v in sorted({1, virtual_stages}):
-    for name in pipeline_lib.SCHEDULES:
+    for name in parallel.SCHEDULES:
       if name == "zb_h1" and v > 1:
         continue  # one chunk per stage
-      table = pipeline_lib.schedule_table(name, num_stages, num_microbatches, v)
+      table = parallel.pipeline_schedule_table(name, num_stages, num_microbatches, v)
       rows.append({"schedule": name, "virtual_stages": v,
-                   "bubble": pipeline_lib.bubble_fraction(table),
-                   "inputs_alive": int(pipeline_lib.live_slots(table)),
+                   "bubble": parallel.pipeline_bubble_fraction(table),
+                   "inputs_alive": int(parallel.live_slots(table)),
                    "config": name == schedule and v == virtual_stages})
   return rows
 
@@ -539,7 +538,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
   peak = arguments + outputs - aliased + temporaries
   num_params = lm_lib.num_params(params)
   hlo = hlo_lib.parse(compiled.as_text())  # once, for the FLOPs and the collectives
-  param_bytes = sharding_lib.tree_bytes(state.params)
+  param_bytes = parallel.tree_bytes(state.params)
   devices = 1 if mesh is None else mesh.devices.size
   if provided:
     loss = setup.model.loss_fn
@@ -547,17 +546,17 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
     loss = builders.build_loss(cfg, setup.model)
   bubble = loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0
   schedules, residuals = [], None
-  if cfg.mesh.stage > 1 and isinstance(loss, pipeline_lib.Pipeline):
+  if cfg.mesh.stage > 1 and isinstance(loss, parallel.Pipeline):
     schedules = schedule_rows(cfg.mesh.stage, loss.num_microbatches,
                               loss.virtual_stages, loss.schedule)
-    if not isinstance(loss, pipeline_lib.SplitPipeline):
+    if not isinstance(loss, parallel.SplitPipeline):
       residuals = loss.residual_bytes(
           state.params, batch, mesh=mesh, data_axis=builders.data_axes(mesh),
           per_token_loss=provided or cfg.train.per_token_loss,
           cast=setup.policy.cast_to_compute)
   activations = float32_share = None
-  if not isinstance(loss, pipeline_lib.Pipeline):
-    replicas = 1 if mesh is None else sharding_lib.axis_size(
+  if not isinstance(loss, parallel.Pipeline):
+    replicas = 1 if mesh is None else parallel.axis_size(
         mesh, builders.data_axes(mesh))
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0] // (
         replicas * cfg.train.num_microbatches)
@@ -578,10 +577,10 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
       mesh={} if mesh is None else dict(mesh.shape),
       params=num_params, tokens_per_step=tokens,
       bytes={"params": param_bytes,
-             "optimizer_state": sharding_lib.tree_bytes(state.opt_state),
+             "optimizer_state": parallel.tree_bytes(state.opt_state),
              "gradients": param_bytes,
-             "model_state": sharding_lib.tree_bytes(state.model_state),
-             "batch": sharding_lib.tree_bytes(batch),
+             "model_state": parallel.tree_bytes(state.model_state),
+             "batch": parallel.tree_bytes(batch),
              "arguments": arguments, "outputs": outputs, "aliased": aliased,
              "temporaries": temporaries, "peak": int(peak)},
       flops_per_device=hlo_lib.matmul_flops(hlo), fp8_flops=hlo_lib.fp8_flops(hlo),

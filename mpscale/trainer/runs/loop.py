@@ -20,9 +20,9 @@ import orbax.checkpoint as ocp
 from rich.console import Console
 from rich.progress import TaskID
 
-from mpscale import sharding as sharding_lib
+from mpscale import parallel
 from mpscale import validation
-from mpscale.train_step import TrainState
+from mpscale.step import TrainState
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.runs import checkpoints
 from mpscale.trainer.config import load as config_lib
@@ -243,7 +243,7 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
                          f"{type(e).__name__}: {str(e)[:500]}"))
   return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes, eval_names,
               num_params=lm_lib.num_params(params),
-              opt_bytes=sharding_lib.tree_bytes(state.opt_state, per_device=False),
+              opt_bytes=parallel.tree_bytes(state.opt_state, per_device=False),
               main_process=jax.process_index() == 0)
 
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import mpscale
-from mpscale.came import relative_step_size
+from mpscale.optim._came import relative_step_size
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import errors
 from mpscale.trainer.config import load as config_lib
@@ -147,8 +147,8 @@ def test_clip_max_norm_zero_or_null_means_no_clipping(max_norm, clipped):
   params = {"w": jnp.ones((4, 4))}
   state = builders.build_optimizer(cfg).init(params)
   found = [x for x in jax.tree_util.tree_leaves(
-      state, is_leaf=lambda x: isinstance(x, mpscale.ClipByGlobalNormState))
-           if isinstance(x, mpscale.ClipByGlobalNormState)]
+      state, is_leaf=lambda x: isinstance(x, mpscale.GlobalNormClipState))
+           if isinstance(x, mpscale.GlobalNormClipState)]
   assert bool(found) == clipped
 
 
@@ -267,7 +267,7 @@ def test_skip_spikes_goes_inside_the_loss_scale_and_outside_the_clip():
   state = tx.init(params)
   spikes = state.skip_state.inner_state  # dynamic_loss_scale(skip_spikes(...))
   assert isinstance(spikes, mpscale.SkipSpikesState) and spikes.losses.shape == (16,)
-  assert mpscale.opt_state.find(spikes.inner_state, mpscale.ClipByGlobalNormState)
+  assert mpscale.opt_state.find(spikes.inner_state, mpscale.GlobalNormClipState)
   _, state = tx.update(params, state, params, loss=jnp.float32(2.0))
   metrics = mpscale.step_metrics(state)
   assert not bool(metrics["spike"]) and int(metrics["spikes"]) == 0
@@ -307,7 +307,7 @@ def test_the_check_is_the_build_on_shapes(monkeypatch):
   """Loading a config builds its train step once, on an abstract mesh of the
   config's sizes (no devices, nothing allocated); `build` builds the same step on
   devices. One sequence: a rule only the step's builder knows is a config error."""
-  from mpscale import train_step as train_step_lib
+  from mpscale.step import _train_step as train_step_lib
   seen = []
   real = train_step_lib.make_train_step
 

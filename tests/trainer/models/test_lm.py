@@ -99,7 +99,7 @@ def test_attention_is_causal(model, params, batch):
                                          ("O0", jnp.float32)])
 def test_activations_follow_the_compute_dtype_and_loss_is_float32(
     model, params, batch, spec, dtype):
-  policy = mpscale.get_policy(spec)
+  policy = mpscale.make_policy(spec)
   cast = policy.cast_to_compute(params)  # O2 keeps norms and biases in float32
   hidden = jax.eval_shape(model.model.hidden_fn, cast, batch)
   assert hidden.dtype == dtype
@@ -248,7 +248,7 @@ FP8_CFG = config.ModelConfig(d_model=32, num_heads=4, num_layers=4, d_ff=64,
 
 def _fp8_model(recipe="delayed", **kwargs):
   return lm.TinyLM.from_sizes(
-      FP8_CFG, fp8=mpscale.fp8_recipe(recipe, history_len=8), **kwargs)
+      FP8_CFG, fp8=mpscale.make_fp8_recipe(recipe, history_len=8), **kwargs)
 
 
 def test_fp8_state_is_stacked_over_every_block_and_passes_through(batch):

@@ -247,7 +247,7 @@ FP8_MODELS = {"linen": textwrap.dedent('''
     import flax.linen as nn
     import jax.numpy as jnp
     import numpy as np
-    from mpscale import fp8_flax
+    from mpscale.precision import fp8_flax as fp8_flax
     from mpscale.trainer.config.build import build_fp8
 
     class Net(nn.Module):
@@ -269,7 +269,7 @@ FP8_MODELS = {"linen": textwrap.dedent('''
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from mpscale import fp8_flax
+    from mpscale.precision import fp8_flax as fp8_flax
     from mpscale.trainer.config.build import build_fp8
 
     class Net(nnx.Module):
@@ -320,7 +320,7 @@ def test_a_config_named_flax_model_trains_its_fp8_layers(tmp_path, flavour):
   if flavour == "linen":
     state = loaded["_overwrite_with_gradient"]["Dense_0"]["Fp8DotGeneral_0"]["fp8_state"]
   else:
-    from mpscale import fp8_flax
+    from mpscale.precision import fp8_flax as fp8_flax
     variable = loaded.hidden.dot_general.fp8_state
     assert isinstance(variable, fp8_flax.OverwriteWithGradient)
     state = getattr(variable, "get_value", lambda: variable.value)()

@@ -5,7 +5,7 @@ the exact state bytes, and its FLOPs against a compiled plan's."""
 import jax
 import pytest
 
-from mpscale import pipeline_schedules
+from mpscale.parallel.pipeline import _schedules as pipeline_schedules
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.planning import analytic
@@ -94,9 +94,9 @@ def test_bubble_and_items_alive_are_the_schedule_tables(schedule, stages, micro,
   # micro-batches at least the stages, as `search.layouts` enumerates them
   layout = analytic.Layout(stage=stages, microbatches=micro, schedule=schedule,
                            virtual_stages=virtual)
-  table = pipeline_schedules.schedule_table(schedule, stages, micro, virtual)
+  table = pipeline_schedules.pipeline_schedule_table(schedule, stages, micro, virtual)
   assert analytic.bubble(layout) == pytest.approx(
-      pipeline_schedules.bubble_fraction(table))
+      pipeline_schedules.pipeline_bubble_fraction(table))
   assert analytic.live_items(layout) == pipeline_schedules.live_slots(table)
 
 

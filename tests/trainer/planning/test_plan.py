@@ -103,7 +103,7 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
   """Interleaved 1F1B (S = 4, M = 8, v = 2): the plan lists GPipe and 1F1B, plain and
   interleaved, with each table's bubble and stage inputs alive, its own marked, in the
   text and the dict."""
-  from mpscale import pipeline as pl
+  from mpscale.parallel.pipeline import _pipeline as pl
   S, M, v = 4, 8, 2
   planned = plan_lib.plan(_cfg("mesh.data=2", f"mesh.stage={S}", "model.num_layers=8",
                                f"train.num_microbatches={M}", "train.per_token_loss=true",
@@ -111,9 +111,9 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
   want = []
   for vs in (1, v):
     for schedule in ("gpipe", "1f1b") + (("zb_h1",) if vs == 1 else ()):
-      table = pl.schedule_table(schedule, S, M, vs)
+      table = pl.pipeline_schedule_table(schedule, S, M, vs)
       want.append({"schedule": schedule, "virtual_stages": vs,
-                   "bubble": pl.bubble_fraction(table),
+                   "bubble": pl.pipeline_bubble_fraction(table),
                    "inputs_alive": pl.live_slots(table),
                    "config": schedule == "1f1b" and vs == v})
   assert planned.schedules == want

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mpscale import hlo as hlo_lib
+from mpscale.trainer.planning import hlo as hlo_lib
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.config.schema import ConfigError

@@ -57,21 +57,21 @@ SLOTS = 2
 """Op slots a tick: 0 for forwards (and every op of a one-op tick), 1 for backwards."""
 
 
-def schedule_table(schedule: str, num_stages: int, num_microbatches: int,
+def pipeline_schedule_table(schedule: str, num_stages: int, num_microbatches: int,
                    virtual_stages: int = 1) -> np.ndarray:
   """The ops each stage runs at each tick, as an int array ``[ticks, stages, 2, 2]``.
 
   ``table[t, s, k] = (op, m)``: slot ``k`` of stage ``s`` at tick ``t`` runs ``op``
   (``IDLE``, ``FWD``, ``BWD`` or ``WGT``) on micro-batch ``m``; slot 0 runs before
   slot 1 (the module docstring). With ``virtual_stages=v`` an op runs one of a
-  device's ``v`` layer chunks (`schedule_chunks` says which).
+  device's ``v`` layer chunks (`pipeline_schedule_chunks` says which).
   """
   return chunk_table(schedule, num_stages, num_microbatches, virtual_stages)[..., :2]
 
 
-def schedule_chunks(schedule: str, num_stages: int, num_microbatches: int,
+def pipeline_schedule_chunks(schedule: str, num_stages: int, num_microbatches: int,
                     virtual_stages: int = 1) -> np.ndarray:
-  """The layer chunk of each op of `schedule_table`, ``[ticks, stages, 2]`` (0 for an
+  """The layer chunk of each op of `pipeline_schedule_table`, ``[ticks, stages, 2]`` (0 for an
   idle slot, and always 0 without virtual stages): stage ``s``'s chunk ``c`` is
   virtual stage ``c S + s``."""
   return chunk_table(schedule, num_stages, num_microbatches, virtual_stages)[..., 2]
@@ -100,7 +100,7 @@ def _item(k: int, S: int, v: int, backward: bool) -> tuple[int, int]:
 @functools.lru_cache(maxsize=64)
 def chunk_table(schedule: str, num_stages: int, num_microbatches: int,
                 virtual_stages: int = 1) -> np.ndarray:
-  """`schedule_table` with each op's chunk: ``[ticks, stages, 2, 3]`` of ``(op, m,
+  """`pipeline_schedule_table` with each op's chunk: ``[ticks, stages, 2, 3]`` of ``(op, m,
   chunk)`` (read-only; cached)."""
   check_schedule(schedule, num_stages, num_microbatches, virtual_stages)
   S, M, v = num_stages, num_microbatches, virtual_stages
@@ -195,7 +195,7 @@ def tick_costs(table: np.ndarray) -> np.ndarray:
   return _slot_costs(table).max(axis=1).sum(axis=-1)
 
 
-def bubble_fraction(table: np.ndarray) -> float:
+def pipeline_bubble_fraction(table: np.ndarray) -> float:
   """Share of the stages' time that runs no op: ``1 - busy / (S x step time)``, with
   the times of `tick_costs` (a forward 1, a backward 2, ZB-H1's input and weight
   gradients 1 each)."""

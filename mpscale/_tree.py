@@ -1,8 +1,13 @@
-"""Reading an optimizer state: Flax NNX unwrapping and finding mpscale's states in it.
+"""Tree helpers the rooms share: key paths as strings, shapes, and optimizer states.
 
-The loss scale, the metrics and the train step read mpscale's wrapper states from
-wherever they sit in an ``optax.chain``/``inject_hyperparams`` state tree; these
-helpers find them (with ``optax.tree_utils``) and accept a Flax NNX optimizer too.
+* `path_str`: a key path as the ``/``-joined string every grouping of leaves reads
+  (norm groups, parameter groups, the precision policy's float32 names, layouts).
+* `shapes`: a tree of arrays as ``jax.ShapeDtypeStruct`` leaves.
+* Reading an optimizer state: the loss scale, the metrics and the train step read
+  mpscale's wrapper states from wherever they sit in an
+  ``optax.chain``/``inject_hyperparams`` state tree; `find` and `find_all` find them
+  (with ``optax.tree_utils``), `plain` accepts a Flax NNX optimizer too, and
+  `learning_rate` reads the outermost learning rate.
 """
 
 from __future__ import annotations
@@ -12,7 +17,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+KeyPath = tuple[Any, ...]
+"""A key path, as ``jax.tree_util.tree_flatten_with_path`` gives it."""
+
+
+def path_str(path: KeyPath) -> str:
+  """A key path as a ``/``-joined string, e.g. ``"encoder/layer_0/kernel"``
+  (``jax.tree_util.keystr`` in its simple form)."""
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def shapes(tree: Any) -> Any:
+  """``tree`` with every leaf a ``jax.ShapeDtypeStruct`` of its shape and dtype."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
 
 
 def nnx_module():

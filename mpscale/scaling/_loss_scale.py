@@ -69,9 +69,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpscale import norms as norms_lib
-from mpscale import opt_state as opt_state_lib
-from mpscale import skip as skip_lib
+from mpscale.scaling import _norms as norms_lib
+from mpscale import _tree
+from mpscale.scaling import _skip as skip_lib
+from mpscale import _deprecated
 from mpscale import validation
 
 
@@ -97,10 +98,10 @@ def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bo
              growth_interval: int = 1, hysteresis: int = 1,
              consecutive_hysteresis: bool = False, refill_after_backoff: bool = False,
              min_scale: float = 1.0, max_scale: float = 2.0**24,
-             groups: norms_lib.Groups = None,
+             groups: norms_lib.NormGroups = None,
              axis_name: Optional[str] = None) -> optax.GradientTransformationExtraArgs:
   inner = validation.transformation("inner", inner)
-  groups = validation.groups("groups", groups)
+  groups = validation.norm_groups("norm_groups", groups)
   axis_name = validation.axis_name("axis_name", axis_name)
 
   def init_fn(params):
@@ -154,13 +155,14 @@ def _loss_scaling(inner, *, init_scale: float, skip_nonfinite: bool, dynamic: bo
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@_deprecated.renamed_keyword("groups", "norm_groups")
 def dynamic_loss_scale(inner: optax.GradientTransformation, *,
                        init_scale: float = 2.0**15, growth_factor: float = 2.0,
                        backoff_factor: float = 0.5, growth_interval: int = 2000,
                        hysteresis: int = 1, consecutive_hysteresis: bool = False,
                        refill_after_backoff: bool = False,
                        min_scale: float = 1.0, max_scale: float = 2.0**24,
-                       groups: norms_lib.Groups = None,
+                       norm_groups: norms_lib.NormGroups = None,
                        axis_name: Optional[str] = None
                       ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling around ``inner``, with overflow skipping and hysteresis.
@@ -172,7 +174,7 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
 
   Args:
     inner: the optimizer to wrap, e.g. ``optax.adamw(1e-3)`` or an ``optax.chain``
-      starting with `mpscale.clip_by_global_norm`.
+      starting with `mpscale.global_norm_clip`.
     init_scale: the first scale; within ``[min_scale, max_scale]``.
     growth_factor: multiplier on growth; > 1.
     backoff_factor: multiplier on back-off; in (0, 1).
@@ -186,7 +188,8 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
       overflow once it is spent (Megatron-LM).
     min_scale: floor of the scale; > 0.
     max_scale: ceiling of the scale; finite and >= ``min_scale``.
-    groups: grouping of the recorded group norms (see `mpscale.norms.Groups`).
+    norm_groups: how leaves map to the recorded group norms (see
+      `mpscale.scaling.NormGroups`); default one group per top-level key.
     axis_name: when the update runs per replica (inside ``shard_map``/``pmap``), the
       axis over which the overflow decision is agreed.
 
@@ -226,12 +229,13 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, *,
       growth_interval=growth_interval, hysteresis=hysteresis,
       consecutive_hysteresis=consecutive_hysteresis,
       refill_after_backoff=refill_after_backoff, min_scale=min_scale,
-      max_scale=max_scale, groups=groups, axis_name=axis_name)
+      max_scale=max_scale, groups=norm_groups, axis_name=axis_name)
 
 
+@_deprecated.renamed_keyword("groups", "norm_groups")
 def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
                      skip_nonfinite: bool = True,
-                     groups: norms_lib.Groups = None,
+                     norm_groups: norms_lib.NormGroups = None,
                      axis_name: Optional[str] = None
                     ) -> optax.GradientTransformationExtraArgs:
   """A constant loss scale around ``inner``.
@@ -247,7 +251,7 @@ def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
       step is still applied, as MindSpore's ``FixedLossScaleManager(...,
       skip_nonfinite=False)``; it is reported in ``overflow`` but not counted as
       skipped.
-    groups: grouping of the recorded group norms.
+    norm_groups: how leaves map to the recorded group norms.
     axis_name: replica axis over which the overflow decision is agreed.
 
   Returns:
@@ -256,27 +260,28 @@ def fixed_loss_scale(inner: optax.GradientTransformation, scale: float, *,
   scale = validation.positive_scalar("scale", scale)
   validation.boolean("skip_nonfinite", skip_nonfinite)
   return _loss_scaling(inner, init_scale=scale, skip_nonfinite=skip_nonfinite,
-                       dynamic=False, groups=groups, axis_name=axis_name)
+                       dynamic=False, groups=norm_groups, axis_name=axis_name)
 
 
+@_deprecated.renamed_keyword("groups", "norm_groups")
 def no_loss_scale(inner: optax.GradientTransformation, *,
-                  groups: norms_lib.Groups = None,
+                  norm_groups: norms_lib.NormGroups = None,
                   axis_name: Optional[str] = None
                  ) -> optax.GradientTransformationExtraArgs:
   """Scale 1 (for bfloat16/float32 training) with the same metrics and skipping.
 
   Args:
     inner: the optimizer to wrap.
-    groups: grouping of the recorded group norms.
+    norm_groups: how leaves map to the recorded group norms.
     axis_name: replica axis over which the overflow decision is agreed.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state `LossScaleState`.
   """
-  return fixed_loss_scale(inner, 1.0, groups=groups, axis_name=axis_name)
+  return fixed_loss_scale(inner, 1.0, norm_groups=norm_groups, axis_name=axis_name)
 
 
-def loss_scale_for(policy: Any, inner: optax.GradientTransformation, **kwargs: Any
+def policy_loss_scale(policy: Any, inner: optax.GradientTransformation, **kwargs: Any
                   ) -> optax.GradientTransformationExtraArgs:
   """``inner`` in the loss-scale wrapper a precision policy calls for.
 
@@ -284,7 +289,7 @@ def loss_scale_for(policy: Any, inner: optax.GradientTransformation, **kwargs: A
     policy: a `mpscale.Policy` (or anything with a ``needs_loss_scaling`` bool).
     inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
     **kwargs: passed to `dynamic_loss_scale` (e.g. ``growth_interval``) when the
-      policy needs loss scaling, else to `no_loss_scale` (e.g. ``groups``).
+      policy needs loss scaling, else to `no_loss_scale` (e.g. ``norm_groups``).
 
   Returns:
     `dynamic_loss_scale` ``(inner)`` when ``policy.needs_loss_scaling`` (a float16
@@ -309,7 +314,7 @@ def loss_scale_of(opt_state: Any) -> jax.Array:
   Returns:
     A float32 scalar (a plain array) to multiply the loss by before differentiation.
   """
-  states = opt_state_lib.find(opt_state_lib.plain(opt_state), LossScaleState)
+  states = _tree.find(_tree.plain(opt_state), LossScaleState)
   if not states:
     return jnp.ones((), jnp.float32)
   return states[0].loss_scale
@@ -355,7 +360,7 @@ def with_loss_scale(opt_state: Any, scale: Any) -> Any:
   Raises:
     ValueError: if ``opt_state`` holds no `LossScaleState`.
   """
-  nnx = opt_state_lib.nnx_module()
+  nnx = _tree.nnx_module()
   if nnx is not None and isinstance(opt_state, nnx.Optimizer):
     opt_state.opt_state = with_loss_scale(opt_state.opt_state, scale)
     return opt_state

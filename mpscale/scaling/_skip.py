@@ -44,10 +44,11 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
-from mpscale import norms as norms_lib
-from mpscale import opt_state as opt_state_lib
-from mpscale import producer_select
-from mpscale import spikes as spikes_lib
+from mpscale.scaling import _norms as norms_lib
+from mpscale import _tree
+from mpscale.scaling import _producer_select as producer_select
+from mpscale.scaling import _spikes as spikes_lib
+from mpscale import _deprecated
 from mpscale import validation
 
 
@@ -70,7 +71,7 @@ class SkipNonfiniteState(NamedTuple):
   """float32 global norm of the latest step's (unscaled) gradients, before any clip."""
   group_norms: dict[str, jax.Array]
   """float32 norm of each group of the latest gradients (the groups of a
-  `clip_by_global_norm` inside ``inner`` when there is one, else this wrapper's)."""
+  `global_norm_clip` inside ``inner`` when there is one, else this wrapper's)."""
   group_sizes: dict[str, jax.Array]
   """Number of elements in each group."""
 
@@ -84,7 +85,7 @@ def _any_across(flag: jax.Array, axis_name: Optional[str]) -> jax.Array:
 def _reported_groups(inner_state: Any, own_groups):
   """Group norms to report: a clip's inside ``inner_state`` (its groups were chosen for
   clipping), else ``own_groups()``."""
-  clips = opt_state_lib.find(inner_state, norms_lib.ClipByGlobalNormState)
+  clips = _tree.find(inner_state, norms_lib.GlobalNormClipState)
   if clips:
     return clips[0].group_norms, clips[0].group_sizes
   return own_groups()
@@ -93,13 +94,13 @@ def _reported_groups(inner_state: Any, own_groups):
 def _spiked(inner_state: Any) -> jax.Array:
   """Whether a `mpscale.skip_spikes` inside ``inner_state`` skipped its step."""
   flag = jnp.zeros((), jnp.bool_)
-  for spikes_state in opt_state_lib.find(inner_state, spikes_lib.SkipSpikesState):
+  for spikes_state in _tree.find(inner_state, spikes_lib.SkipSpikesState):
     flag = flag | spikes_state.spike
   return flag
 
 
 def init_state(inner: optax.GradientTransformation, params: Any,
-               groups: norms_lib.Groups) -> SkipNonfiniteState:
+               groups: norms_lib.NormGroups) -> SkipNonfiniteState:
   """The state of a wrapper that skips non-finite steps of ``inner``."""
   inner_state = inner.init(params)
   norms, sizes = jax.tree_util.tree_map(jnp.array, _reported_groups(  # copies
@@ -115,7 +116,7 @@ def init_state(inner: optax.GradientTransformation, params: Any,
 
 def apply_or_skip(inner: optax.GradientTransformationExtraArgs, updates: Any,
                   state: SkipNonfiniteState, params: Any, *, skip_nonfinite: bool,
-                  groups: norms_lib.Groups, axis_name: Optional[str],
+                  groups: norms_lib.NormGroups, axis_name: Optional[str],
                   extra_args: dict,
                   leaf_squares: Optional[norms_lib.LeafSquares] = None
                  ) -> tuple[Any, SkipNonfiniteState]:
@@ -160,8 +161,9 @@ def apply_or_skip(inner: optax.GradientTransformationExtraArgs, updates: Any,
   return new_updates, new_state
 
 
+@_deprecated.renamed_keyword("groups", "norm_groups")
 def skip_nonfinite(inner: optax.GradientTransformation, *,
-                   groups: norms_lib.Groups = None,
+                   norm_groups: norms_lib.NormGroups = None,
                    axis_name: Optional[str] = None
                   ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that a step with any NaN/Inf gradient changes nothing.
@@ -175,7 +177,8 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
 
   Args:
     inner: the transformation to wrap, e.g. ``optax.adamw(1e-3)``.
-    groups: grouping for the recorded group norms (see `mpscale.norms.Groups`).
+    norm_groups: how leaves map to the recorded group norms (see
+      `mpscale.scaling.NormGroups`); default one group per top-level key.
     axis_name: when the update runs per replica (inside ``shard_map``/``pmap``), the
       mapped axis over which the skip decision is agreed: if any replica sees a
       non-finite gradient, every replica skips.
@@ -187,7 +190,7 @@ def skip_nonfinite(inner: optax.GradientTransformation, *,
     optax.apply_if_finite, which this replaces with a single shared pass.
   """
   inner = validation.transformation("inner", inner)
-  groups = validation.groups("groups", groups)
+  groups = validation.norm_groups("norm_groups", norm_groups)
   axis_name = validation.axis_name("axis_name", axis_name)
 
   def init_fn(params):

@@ -18,7 +18,7 @@ factory makes with its settings, run on its leaves alone::
 
 Only per-leaf optimizers can be split so (AdamW, Adafactor, CAME, SGD: each leaf's
 update reads that leaf alone); a global clip belongs outside, around the groups
-(``optax.chain(mpscale.clip_by_global_norm(1.0), param_groups(...))``), where it sees
+(``optax.chain(mpscale.global_norm_clip(1.0), param_groups(...))``), where it sees
 every leaf.
 """
 
@@ -33,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mpscale import norms as norms_lib
-from mpscale import opt_state as opt_state_lib
+from mpscale import _tree
 from mpscale import validation
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
@@ -165,7 +164,7 @@ def _matches(group: ParamGroup, path: str, leaf: Any) -> bool:
   return bool(group.match(path, leaf))
 
 
-def labels(params: Any, groups: Sequence[Union[ParamGroup, Mapping]]) -> Any:
+def param_group_labels(params: Any, groups: Sequence[Union[ParamGroup, Mapping]]) -> Any:
   """The group name of each leaf of ``params``: the first of ``groups`` whose
   ``match`` accepts its key path, else ``"default"``.
 
@@ -176,7 +175,7 @@ def labels(params: Any, groups: Sequence[Union[ParamGroup, Mapping]]) -> Any:
   used = set()
 
   def label(path, leaf):
-    text = norms_lib.path_str(path)
+    text = _tree.path_str(path)
     for i, group in enumerate(groups):
       if _matches(group, text, leaf):
         used.add(i)
@@ -186,7 +185,7 @@ def labels(params: Any, groups: Sequence[Union[ParamGroup, Mapping]]) -> Any:
   out = jax.tree_util.tree_map_with_path(label, params)
   for i, group in enumerate(groups):
     if i not in used:
-      paths = [norms_lib.path_str(p) for p, _ in
+      paths = [_tree.path_str(p) for p, _ in
                jax.tree_util.tree_leaves_with_path(params)]
       shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
       raise validation.ArgumentError(
@@ -302,10 +301,10 @@ def param_groups(optimizer: Callable[..., optax.GradientTransformation],
       raise validation.fail("optimizer", " must return an optax.GradientTransformation;"
                             f" got {type(tx).__name__}", validation.ArgumentTypeError)
     transforms[DEFAULT if g is None else g.name] = tx
-  partition = optax.partition(transforms, lambda tree: labels(tree, groups))
+  partition = optax.partition(transforms, lambda tree: param_group_labels(tree, groups))
 
   def learning_rates(count, inner_states):
-    found = lambda name: opt_state_lib.learning_rate(inner_states[name])
+    found = lambda name: _tree.learning_rate(inner_states[name])
     default = _at(learning_rate, count)
     if default is None:  # the optimizer's own rate (CAME's relative step)
       default = found(DEFAULT)

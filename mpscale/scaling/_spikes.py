@@ -42,7 +42,7 @@ against OLMo-core's rule, each for a reason:
 
 Put it inside the loss-scale wrapper, outside any clip::
 
-  tx = dynamic_loss_scale(skip_spikes(optax.chain(clip_by_global_norm(1.0), adamw)))
+  tx = dynamic_loss_scale(skip_spikes(optax.chain(global_norm_clip(1.0), adamw)))
 
 The wrapper hands down the unscaled gradients' sums of squares (``leaf_squares``) and
 the loss, counts a spike step in its ``skipped`` and ``consecutive_skipped`` (so
@@ -77,8 +77,8 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
-from mpscale import norms as norms_lib
-from mpscale import producer_select
+from mpscale.scaling import _norms as norms_lib
+from mpscale.scaling import _producer_select as producer_select
 from mpscale import validation
 
 _WATCHABLE = ("loss", "global_norm")  # the step's loss, its gradients' global norm
@@ -172,7 +172,7 @@ def skip_spikes(inner: optax.GradientTransformation, *, window: int = 128,
   argument, are passed on to ``inner``.
 
   Args:
-    inner: the transformation to wrap, e.g. ``optax.chain(clip_by_global_norm(1.0),
+    inner: the transformation to wrap, e.g. ``optax.chain(global_norm_clip(1.0),
       optax.adamw(1e-3))``.
     window: how many accepted steps the statistics cover; >= 2.
     threshold: how many standard deviations above the mean make a spike; > 0.

@@ -43,19 +43,14 @@ References:
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
-from jax import lax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
-import optax
 
-from mpscale import norms as norms_lib
-from mpscale import validation
+from mpscale import _tree
 
 AxisNames = Union[None, str, tuple[str, ...]]
 Rules = Sequence[tuple[str, AxisNames]]
@@ -81,7 +76,7 @@ def entry_axes(entry: AxisNames) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _entry(axes: Sequence[str]) -> AxisNames:
+def spec_entry(axes: Sequence[str]) -> AxisNames:
   """The spec entry naming ``axes``: ``None``, one axis, or a tuple of them."""
   return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
@@ -103,113 +98,6 @@ def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
 def axis_size(mesh: Mesh, axes: AxisNames) -> int:
   """The number of devices along ``axes`` of ``mesh`` (1 for ``None``)."""
   return math.prod(mesh.shape[a] for a in entry_axes(axes))
-
-
-# --------------------------------------------------------------------------- the batch
-def data_axes(mesh: Optional[Mesh], data_axis: AxisNames) -> tuple[str, ...]:
-  """``data_axis`` as the tuple of data-parallel axes of ``mesh`` (``()`` without one).
-
-  Args:
-    mesh: a ``jax.sharding.Mesh`` with Auto axes, or ``None`` for one device (or a
-      ``jax.sharding.AbstractMesh``, to build a step that is checked, not run).
-    data_axis: the mesh axis the batch is split over, or a tuple of them.
-
-  Returns:
-    The axes, in order.
-
-  Raises:
-    TypeError: for a ``mesh`` that is no ``Mesh``, or a ``data_axis`` that is not a
-      str or a non-empty tuple of str.
-    ValueError: for an axis ``mesh`` lacks, or a mesh with Explicit axes (GSPMD lays
-      the arrays out, so the axes must be Auto).
-  """
-  if mesh is None:
-    return ()
-  if not isinstance(mesh, (Mesh, AbstractMesh)):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
-  axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis or ())
-  if not axes or not all(isinstance(a, str) for a in axes):
-    raise TypeError(f"data_axis must be a str or a tuple of str; got {data_axis!r}")
-  missing = [a for a in axes if a not in mesh.axis_names]
-  if missing:
-    raise ValueError(f"mesh has axes {tuple(mesh.axis_names)} but no data axis "
-                     f"{missing[0]!r}; pass data_axis= one of them")
-  explicit = [name for name, kind in zip(mesh.axis_names,
-                                         getattr(mesh, "axis_types", None) or ())
-              if "explicit" in str(kind).lower()]
-  if explicit:
-    raise ValueError(
-        f"mesh axes {explicit} are Explicit (what jax.make_mesh makes without "
-        "axis_types); "
-        "mpscale lays arrays out with GSPMD and needs Auto axes: build the "
-        "mesh with jax.sharding.Mesh(devices, names) or jax.make_mesh(shape, names, "
-        "axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
-  return axes
-
-
-def batch_sharding(mesh: Mesh, data_axes: AxisNames) -> NamedSharding:
-  """How a global batch lies on ``mesh``: its rows split over ``data_axes``."""
-  return NamedSharding(mesh, PartitionSpec(entry_axes(data_axes)))
-
-
-def check_batch_size(size: int, data_size: int, num_microbatches: int = 1) -> None:
-  """The batch rule: ``size`` rows split into ``data_size`` replicas of
-  ``num_microbatches`` micro-batches each, so ``data_size x num_microbatches``
-  divides ``size``. Checked on arrays by `batch_rows`, on a config's keys by the
-  trainer.
-
-  Raises:
-    ArgumentError: whose ``names`` are ``("batch_size", "data_size",
-      "num_microbatches")`` (rename them with `ArgumentError.renamed`).
-  """
-  divisor = data_size * num_microbatches
-  if size % divisor:
-    raise validation.ArgumentError(
-        ("batch_size", "data_size", "num_microbatches"),
-        f"{{0}} ({size}) is not divisible by {{1}} ({data_size}) x {{2}} "
-        f"({num_microbatches}) = {divisor}")
-
-
-def batch_rows(batch: Any, data_size: int = 1, num_microbatches: int = 1, *,
-               pipelined: bool = False) -> int:
-  """The batch's number of rows, checked: every leaf's leading dimension is the same
-  and divisible by ``data_size x num_microbatches``.
-
-  Args:
-    batch: a pytree of arrays (or shapes) with a common leading batch dimension.
-    data_size: the number of data-parallel replicas (`axis_size` of `data_axes`).
-    num_microbatches: the micro-batches each replica's rows are cut into.
-    pipelined: a pipeline cuts every leaf into micro-batches, so it refuses scalar
-      leaves even when nothing divides the batch.
-
-  Returns:
-    The leading dimension (0 for a batch without arrays).
-
-  Raises:
-    ValueError: naming the leaf, for a scalar leaf where the batch is split, a leading
-      dimension that does not divide, or leaves that disagree on the batch size.
-  """
-  divisor = data_size * num_microbatches
-  sizes = set()
-  for path, x in jax.tree_util.tree_leaves_with_path(batch):
-    shape = np.shape(x)
-    name = norms_lib.path_str(path) or "batch"
-    if not shape:
-      if divisor > 1 or pipelined:
-        raise ValueError(f"batch leaf {name!r} is a scalar; with data parallelism, "
-                         "micro-batches or a pipeline every batch leaf needs a leading "
-                         "batch dimension")
-      continue
-    try:
-      check_batch_size(shape[0], data_size, num_microbatches)
-    except validation.ArgumentError as e:
-      names = {"batch_size": f"the leading dimension of batch leaf {name!r}",
-               "data_size": "data-parallel size"}
-      raise e.renamed(lambda n: names.get(n, n)) from None
-    sizes.add(shape[0])
-  if len(sizes) > 1:
-    raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
-  return sizes.pop() if sizes else 0
 
 
 # --------------------------------------------------------------------------- logical
@@ -242,7 +130,7 @@ def logical_specs(logical: Any, rules: Rules) -> Any:
         entries.append(None)
         continue
       used |= set(axes)
-      entries.append(_entry(axes))
+      entries.append(spec_entry(axes))
     return make_spec(entries)
 
   return jax.tree_util.tree_map(
@@ -328,7 +216,7 @@ def resolve_specs(param_specs: SpecsLike, params: Any) -> Any:
       if spec is None:
         return PartitionSpec()
       if not is_spec(spec):
-        raise TypeError(f"param_specs({norms_lib.path_str(path)!r}, leaf) must return "
+        raise TypeError(f"param_specs({_tree.path_str(path)!r}, leaf) must return "
                         f"a PartitionSpec; got {type(spec).__name__}")
       return spec
     return jax.tree_util.tree_map_with_path(call, params)
@@ -352,7 +240,7 @@ def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
   """
   for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
                                 jax.tree_util.tree_leaves(specs, is_leaf=is_spec)):
-    name = norms_lib.path_str(path) or "params"
+    name = _tree.path_str(path) or "params"
     shape = np.shape(leaf)
     if len(spec) > len(shape):
       raise ValueError(f"{what}: leaf {name!r} of shape {shape} has a spec {spec} with "
@@ -396,197 +284,24 @@ def split_largest(spec: PartitionSpec, shape: Sequence[int], axes: AxisNames,
       best = dim
   if best is None:
     return spec
-  entries[best] = _entry(axes)
+  entries[best] = spec_entry(axes)
   return make_spec(entries)
 
 
-def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
-               param_specs: SpecsLike = None) -> Any:
-  """FSDP (ZeRO-3): every parameter also split over ``axis`` on its largest free
-  dimension that the axis size divides (the rest stay as ``param_specs`` has them).
-
-  Args:
-    params: the parameters (arrays or shapes).
-    mesh: the mesh holding ``axis``.
-    axis: the FSDP mesh axis (or axes); the batch is split over it too.
-    param_specs: a layout to add FSDP to (tensor or stage splits); any form
-      `resolve_specs` accepts.
-
-  Returns:
-    A pytree of ``PartitionSpec`` with the structure of ``params``.
-  """
-  size = axis_size(mesh, axis)
-  base = resolve_specs(param_specs, params)
-  return jax.tree_util.tree_map(
-      lambda spec, leaf: split_largest(spec, np.shape(leaf), axis, size),
-      base, params, is_leaf=is_spec)
-
-
-# --------------------------------------------------------------------------- state
-AVERAGED_DIMS: dict[type, Mapping[str, int]] = {
-    optax.FactoredState: {"v_row": -1, "v_col": -2},
-}
-"""Factored statistics of optimizer states that cannot declare their own: state type
--> {field: the parameter dimension that field's statistic averages over}. A state
-type of one's own declares it as a class attribute ``averaged_dims`` of that form
-(`mpscale.ScaleByCameState` does)."""
-
-
-def averaged_dims(state: Any) -> Optional[Mapping[str, int]]:
-  """The factored statistics ``state`` declares (see `AVERAGED_DIMS`), or ``None``."""
-  declared = AVERAGED_DIMS.get(type(state))
-  if declared is None:
-    declared = getattr(type(state), "averaged_dims", None)
-  return declared if isinstance(declared, Mapping) else None
-
-
-def _follow(param_spec: PartitionSpec, param_shape: Sequence[int],
-            shape: Sequence[int], averaged: Optional[int]) -> PartitionSpec:
-  """The spec of an optimizer-state leaf of ``shape`` kept for a parameter.
-
-  ``averaged``: the parameter dimension the leaf's statistic averages over, as its
-  state declares it; it decides when dropping more than one dimension fits ``shape``
-  (a square matrix). Undeclared, or not fitting ``shape``, the last fitting one.
-  """
-  param_shape, shape = tuple(param_shape), tuple(shape)
-  entries = pad(param_spec, len(param_shape))
-  if shape == param_shape:
-    return param_spec
-  dropped = [d for d in range(len(param_shape))
-             if param_shape[:d] + param_shape[d + 1:] == shape]
-  if not dropped:
-    return PartitionSpec()
-  dim = dropped[-1]
-  if averaged is not None:
-    declared = averaged + len(param_shape) if averaged < 0 else averaged
-    dim = declared if declared in dropped else dim
-  return make_spec(entries[:dim] + entries[dim + 1:])
-
-
-def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
-  """Specs for an optimizer state that follow its parameters' specs.
-
-  Every subtree of ``state`` with the tree structure of ``params`` (Adam's moments,
-  CAME's statistics) is laid out leaf by leaf after the matching parameter: the same
-  spec for the same shape, the spec without the averaged dimension for a factored
-  statistic (the dimension its state declares, see `averaged_dims`), replicated
-  otherwise; leaves outside such subtrees are replicated.
-  """
-  params_def = jax.tree_util.tree_structure(params)
-  param_leaves = jax.tree_util.tree_leaves(params)
-  spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
-
-  def like(x):
-    return (not _is_array_like(x) and x is not None
-            and jax.tree_util.tree_structure(x) == params_def)
-
-  def lay_out(tree, averaged=None):
-    def one(sub):
-      if like(sub):
-        return params_def.unflatten([
-            _follow(spec, np.shape(p), np.shape(x), averaged)
-            for p, spec, x in zip(param_leaves, spec_leaves,
-                                  jax.tree_util.tree_leaves(sub))])
-      declared = averaged_dims(sub)
-      if declared is not None:
-        return sub._replace(**{f: lay_out(getattr(sub, f), declared.get(f))
-                               for f in sub._fields})
-      return PartitionSpec()
-    return jax.tree_util.tree_map(
-        one, tree, is_leaf=lambda x: (like(x) or _is_array_like(x)
-                                      or averaged_dims(x) is not None))
-
-  return lay_out(state)
-
-
-def _is_array_like(x: Any) -> bool:
+def is_array_like(x: Any) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def zero1_specs(state: Any, specs: Any, mesh: Mesh, data_axes: AxisNames) -> Any:
-  """ZeRO-1 on top of ``specs``: each state leaf also split over the data axes its spec
-  does not use yet, on its largest free dimension they divide."""
-  def add(spec, leaf):
-    free = tuple(a for a in entry_axes(data_axes) if a not in spec_axes(spec))
-    return split_largest(spec, np.shape(leaf), free, axis_size(mesh, free))
-  return jax.tree_util.tree_map(add, specs, state, is_leaf=is_spec)
-
-
-# --------------------------------------------------------------------------- activations
-def _manual_axes() -> tuple[frozenset, Any]:
-  """The manual axes of the enclosing ``shard_map`` (empty outside one) and the
-  abstract mesh that names them."""
-  get = getattr(jax.sharding, "get_abstract_mesh", None)
-  abstract = get() if get is not None else None
-  if abstract is None or getattr(abstract, "empty", True):
-    return frozenset(), None
-  return frozenset(getattr(abstract, "manual_axes", ())), abstract
 
 
 def only_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
   """``spec`` cut to the mesh ``axes`` (a ``shard_map``'s manual axes): each entry
   keeps the axes in ``axes``, ``None`` where none is left."""
-  return PartitionSpec(*(_entry([a for a in entry_axes(e) if a in axes])
+  return PartitionSpec(*(spec_entry([a for a in entry_axes(e) if a in axes])
                          for e in spec))
 
 
 def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
   """``spec`` without the mesh ``axes``: the layout of a leaf gathered over them."""
-  return make_spec([_entry([a for a in entry_axes(e) if a not in axes]) for e in spec])
-
-
-def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Array:
-  """``lax.with_sharding_constraint(x, spec)`` on ``mesh``; ``x`` itself without one.
-
-  Works under ``jit`` and inside a ``shard_map`` that is manual over some axes: there
-  the manual axes are dropped from ``spec`` (each device already holds its own part
-  along them). Use ``PartitionSpec.UNCONSTRAINED`` for dimensions whose layout GSPMD
-  should choose.
-  """
-  if mesh is None:
-    return x
-  manual, abstract = _manual_axes()
-  target: Any = mesh
-  if manual:
-    spec = PartitionSpec(*(
-        e if e is _UNCONSTRAINED
-        else _entry([a for a in entry_axes(e) if a not in manual]) for e in spec))
-    if hasattr(jax.typeof(x), "manual_axis_type"):  # jax >= 0.9 wants the abstract mesh
-      target = abstract
-  return lax.with_sharding_constraint(x, NamedSharding(target, spec))
-
-
-# ------------------------------------------------------------------ inside shard_map
-def varying_axes(x: Any) -> frozenset:
-  """The mesh axes ``x`` varies over inside ``shard_map`` (its "vma" type)."""
-  aval = jax.typeof(x)
-  if hasattr(aval, "manual_axis_type"):  # jax >= 0.9
-    return frozenset(aval.manual_axis_type.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def _mark_varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  if hasattr(lax, "pcast"):  # jax >= 0.8
-    return lax.pcast(x, axes, to="varying")
-  return lax.pvary(x, axes)  # jax 0.7: pvary is the cast it has
-
-
-def cast_varying(tree: Any, axes: Sequence[str]) -> Any:
-  """Marks every leaf device-varying over ``axes`` (no data moves): what autodiff
-  then differentiates gets no ``psum`` of its own, and a loop carry keeps its type."""
-  def cast(x):
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return _mark_varying(x, missing) if missing else x
-  return jax.tree_util.tree_map(cast, tree)
-
-
-def replica_index(axes: Sequence[str]) -> jax.Array:
-  """Inside ``shard_map``: this device's data replica over ``axes``, row-major (the
-  order of the batch's row blocks)."""
-  replica = jnp.zeros((), jnp.int32)
-  for axis in axes:
-    replica = replica * lax.axis_size(axis) + lax.axis_index(axis)
-  return replica
+  return make_spec([spec_entry([a for a in entry_axes(e) if a not in axes]) for e in spec])
 
 
 def split_dims(spec: PartitionSpec, axes: Sequence[str]
@@ -598,46 +313,6 @@ def split_dims(spec: PartitionSpec, axes: Sequence[str]
     if over:
       found.append((dim, over))
   return found
-
-
-def gather_cast(x: jax.Array, dtype: Any, dims: Sequence[tuple[int, tuple[str, ...]]]
-               ) -> jax.Array:
-  """Inside ``shard_map``: ``x`` (a master shard) cast to ``dtype`` and all-gathered
-  along ``dims`` (`split_dims`' ``(dim, axes)`` pairs). The gather moves the compute
-  dtype; the gradient comes back reduce-scattered in ``x``'s own dtype (float32
-  masters: float32 sums over the replicas, PyTorch FSDP's ``reduce_dtype``)."""
-  return _gather_cast(x, jnp.dtype(dtype), tuple(dims), jnp.dtype(x.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather_cast(x, dtype, dims, master):
-  del master
-  y = x.astype(dtype)
-  for dim, over in dims:
-    y = lax.all_gather(y, over, axis=dim, tiled=True)
-  return y
-
-
-def _gather_cast_fwd(x, dtype, dims, master):
-  return _gather_cast(x, dtype, dims, master), None
-
-
-def _gather_cast_bwd(dtype, dims, master, _, ct):
-  del dtype
-  return (scatter_dims(ct.astype(master), dims),)
-
-
-def scatter_dims(g: jax.Array, dims: Sequence[tuple[int, tuple[str, ...]]]
-                ) -> jax.Array:
-  """Inside ``shard_map``: ``g`` summed over the axes of ``dims`` (`split_dims`'
-  pairs), keeping this device's slice along each dim: the reduce-scatter that
-  undoes `gather_cast`'s gather."""
-  for dim, over in reversed(dims):
-    g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
-  return g
-
-
-_gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
 
 
 # --------------------------------------------------------------------------- memory
@@ -675,7 +350,7 @@ def tree_bytes(tree: Any, specs: Any = None, mesh: Optional[Mesh] = None, *,
     shardings = [NamedSharding(mesh, s) for s in spec_leaves]
   total = 0
   for leaf, sharding in zip(leaves, shardings):
-    if not _is_array_like(leaf):
+    if not is_array_like(leaf):
       continue
     shape = tuple(leaf.shape)
     if per_device and sharding is not None:

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +107,7 @@ AMAX_COMPUTE = ("max", "most_recent")
 # ------------------------------------------------------------------ recipe and state
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-  """How an FP8 product scales its operands (build it with `fp8_recipe`)."""
+  """How an FP8 product scales its operands (build it with `make_fp8_recipe`)."""
   name: str
   """``"delayed"``, ``"current"`` or ``"blockwise"``."""
   history_len: int
@@ -120,7 +120,7 @@ class Fp8Recipe:
   """Blockwise tiles' and blocks' side (DeepSeek-V3: 128)."""
 
 
-def fp8_recipe(name: str = "delayed", *, history_len: int = 1024, margin: int = 0,
+def make_fp8_recipe(name: str = "delayed", *, history_len: int = 1024, margin: int = 0,
                amax_compute: str = "max", block_size: int = 128) -> Fp8Recipe:
   """A checked `Fp8Recipe`.
 
@@ -181,15 +181,15 @@ def fp8_state(recipe: Fp8Recipe) -> Fp8State:
   Returns:
     An `Fp8State` of float32 arrays.
   """
-  recipe = _recipe(recipe)
+  recipe = recipe_of(recipe)
   meta = lambda: Fp8Meta(jnp.ones((), jnp.float32),
                          jnp.zeros((recipe.history_len,), jnp.float32))
   return Fp8State(meta(), meta(), meta())
 
 
-def _recipe(value: Any) -> Fp8Recipe:
+def recipe_of(value: Any) -> Fp8Recipe:
   if not isinstance(value, Fp8Recipe):
-    raise validation.fail("recipe", " must be an Fp8Recipe (mpscale.fp8_recipe); got "
+    raise validation.fail("recipe", " must be an Fp8Recipe (mpscale.make_fp8_recipe); got "
                           f"{type(value).__name__}", validation.ArgumentTypeError)
   return value
 
@@ -261,7 +261,7 @@ def amax(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.Array:
   return jnp.max(jnp.where(jnp.isnan(a), 0.0, a), axis=axis, keepdims=keepdims)
 
 
-def _usable(a: jax.Array) -> jax.Array:
+def usable(a: jax.Array) -> jax.Array:
   """Whether an amax gives a scale: finite and > 0."""
   return (a > 0) & jnp.isfinite(a)
 
@@ -287,7 +287,7 @@ def scale_from_amax(amax_value: jax.Array, old_scale: Any, dtype: Any,
   a = jnp.asarray(amax_value, jnp.float32)
   scale = (jnp.float32(bound) / a) / jnp.float32(2.0 ** margin)
   scale = jnp.minimum(scale, jnp.finfo(jnp.float32).max)
-  return jnp.where(_usable(a), scale, jnp.asarray(old_scale, jnp.float32))
+  return jnp.where(usable(a), scale, jnp.asarray(old_scale, jnp.float32))
 
 
 def record_amax(history: jax.Array, amax_value: jax.Array) -> jax.Array:
@@ -297,7 +297,7 @@ def record_amax(history: jax.Array, amax_value: jax.Array) -> jax.Array:
   return jnp.roll(history, -1).at[0].set(amax_value.astype(history.dtype))
 
 
-def _reduce(history: jax.Array, amax_compute: str) -> jax.Array:
+def reduce_history(history: jax.Array, amax_compute: str) -> jax.Array:
   if amax_compute == "max":
     return jnp.max(history, axis=-1)
   return history[..., 0]
@@ -310,7 +310,7 @@ def _step_scale(x: jax.Array, meta: Fp8Meta, dtype: Any,
   a = amax(x)
   history = record_amax(meta.amax_history.astype(jnp.float32), a)
   if recipe.name == "delayed":
-    new = scale_from_amax(_reduce(history, recipe.amax_compute), old, dtype,
+    new = scale_from_amax(reduce_history(history, recipe.amax_compute), old, dtype,
                           recipe.margin)
     return old, Fp8Meta(new, history)
   now = scale_from_amax(a, old, dtype, recipe.margin)
@@ -613,7 +613,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
       rhs_batch))``, as ``lax.dot_general``'s (any batch and contracting dims).
     state: this product's `Fp8State` (float32; `fp8_state` makes the first).
-    recipe: an `Fp8Recipe` (`fp8_recipe`).
+    recipe: an `Fp8Recipe` (`make_fp8_recipe`).
     precision: passed to the products (``lax.dot_general``'s).
     preferred_element_type: the output dtype; default the operands' result type.
     out_sharding: the forward product's ``out_sharding`` (explicit sharding mode).
@@ -627,7 +627,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
 
   Example:
     >>> import jax, jax.numpy as jnp, mpscale
-    >>> recipe = mpscale.fp8_recipe("delayed", history_len=16)
+    >>> recipe = mpscale.make_fp8_recipe("delayed", history_len=16)
     >>> state = mpscale.fp8_state(recipe)
     >>> x, w = jnp.ones((4, 32)), jnp.full((32, 8), 0.5)
     >>> dims = (((1,), (0,)), ((), ()))
@@ -636,7 +636,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
     >>> float(new_state.rhs.amax_history[0]), float(new_state.rhs.scale)
     (0.5, 896.0)
   """
-  recipe = _recipe(recipe)
+  recipe = recipe_of(recipe)
   state = _check_state(state)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   out_dtype = (jnp.result_type(lhs, rhs) if preferred_element_type is None
@@ -645,139 +645,4 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                    out_dtype, lhs.dtype, rhs.dtype, out_sharding)
   return _fp8_product(lhs, rhs, state, static)
 
-
-# ------------------------------------------------------------------ combining updates
-def _is_state(x: Any) -> bool:
-  return isinstance(x, Fp8State)
-
-
-def _merged_meta(history: jax.Array, fallback: jax.Array, dtype: Any,
-                 recipe: Fp8Recipe) -> Fp8Meta:
-  """The meta of a merged history: the scale from it, else the old one."""
-  algo = recipe.amax_compute if recipe.name == "delayed" else "most_recent"
-  scale = scale_from_amax(_reduce(history, algo), fallback, dtype, recipe.margin)
-  return Fp8Meta(scale.astype(fallback.dtype), history)
-
-
-def _valid(meta: Fp8Meta, recipe: Fp8Recipe) -> jax.Array:
-  """Whether an update's own scale came from its amax (else it kept the old one)."""
-  algo = recipe.amax_compute if recipe.name == "delayed" else "most_recent"
-  return _usable(_reduce(meta.amax_history.astype(jnp.float32), algo))
-
-
-def _map_states(fn, *trees, argname: str):
-  """``fn(*states)`` on every `Fp8State` of ``trees`` (alike), checking that they
-  hold nothing else."""
-  def one(*nodes):
-    if not all(map(_is_state, nodes)):
-      raise validation.fail(argname, " must hold only Fp8State nodes (an "
-                            f"{OVERWRITE_WITH_GRADIENT} collection); found a "
-                            f"{type(nodes[0]).__name__}", validation.ArgumentTypeError)
-    formats = (E4M3, E4M3, E5M2)
-    return Fp8State(*(fn(dtype, *metas) for dtype, *metas in zip(formats, *nodes)))
-  return jax.tree_util.tree_map(one, *trees, is_leaf=_is_state)
-
-
-def merge(a: Any, b: Any, recipe: Fp8Recipe) -> Any:
-  """Two updates of the same FP8 state combined into one (micro-batches, replicas).
-
-  Each history takes the element-wise max of ``a``'s and ``b``'s (their only new
-  entry, ``[0]``, is each side's amax; the rest is the old history they share), and
-  its scale is computed again from the merged history (an update that kept the old
-  scale carries it, for an amax of 0 or inf). Commutative and associative: any
-  order of merging gives the same state, the one a single call on all the data
-  would record (for the ``max`` and ``most_recent`` reductions). Start a ``scan``'s
-  carry with the first micro-batch's update.
-
-  Args:
-    a: a tree of `Fp8State` (an ``_overwrite_with_gradient`` collection).
-    b: the same tree, another update from the same old state.
-    recipe: the products' `Fp8Recipe`.
-
-  Returns:
-    The merged tree.
-  """
-  recipe = _recipe(recipe)
-
-  def meta(dtype, x, y):
-    history = jnp.maximum(x.amax_history, y.amax_history)
-    fallback = jnp.where(_valid(x, recipe), y.scale, x.scale)
-    return _merged_meta(history, fallback, dtype, recipe)
-  return _map_states(meta, a, b, argname="a")
-
-
-def merge_stacked(states: Any, recipe: Fp8Recipe) -> Any:
-  """`merge` over the leading axis of every leaf (updates stacked by a ``vmap``).
-
-  Args:
-    states: a tree of `Fp8State` whose arrays have a leading axis of updates.
-    recipe: the products' `Fp8Recipe`.
-
-  Returns:
-    The merged tree, without the leading axis.
-  """
-  recipe = _recipe(recipe)
-
-  def meta(dtype, m):
-    history = jnp.max(m.amax_history, axis=0)
-    kept = jnp.where(_valid(m, recipe), jnp.inf, m.scale)
-    return _merged_meta(history, jnp.min(kept, axis=0).astype(m.scale.dtype), dtype,
-                        recipe)
-  return _map_states(meta, states, argname="states")
-
-
-def merge_across(state: Any, recipe: Fp8Recipe, axis_name: Any) -> Any:
-  """`merge` across a mapped axis (inside ``shard_map``, ``pmap`` or a named
-  ``vmap``): every member gets the merged state.
-
-  Args:
-    state: this member's tree of `Fp8State`.
-    recipe: the products' `Fp8Recipe`.
-    axis_name: the axis (or tuple of axes) to merge over.
-
-  Returns:
-    The merged tree, the same on every member.
-  """
-  recipe = _recipe(recipe)
-  axis_name = validation.axis_name("axis_name", axis_name)
-
-  def meta(dtype, m):
-    history = lax.pmax(m.amax_history, axis_name)
-    kept = lax.pmin(jnp.where(_valid(m, recipe), jnp.inf, m.scale), axis_name)
-    return _merged_meta(history, kept.astype(m.scale.dtype), dtype, recipe)
-  return _map_states(meta, state, argname="state")
-
-
-# ------------------------------------------------------------------ routing the state
-def split_overwrite(tree: Mapping[str, Any]) -> tuple[Any, Any]:
-  """``tree`` without its ``_overwrite_with_gradient`` collection, and the collection.
-
-  For Flax variables (``{"params": ..., "_overwrite_with_gradient": ...}``) and their
-  gradients: the step applies the optimizer to the first and replaces the FP8 state
-  by the second (`join_overwrite` puts them together again).
-
-  Args:
-    tree: a mapping of collections (a dict or Flax ``FrozenDict``).
-
-  Returns:
-    ``(rest, state)``: ``rest`` of ``tree``'s type, ``state`` the collection or
-    ``None`` when ``tree`` has none.
-  """
-  if not isinstance(tree, Mapping):
-    raise validation.fail("tree", " must be a mapping of collections; got "
-                          f"{type(tree).__name__}", validation.ArgumentTypeError)
-  rest = {k: v for k, v in tree.items() if k != OVERWRITE_WITH_GRADIENT}
-  return _like(tree, rest), tree.get(OVERWRITE_WITH_GRADIENT)
-
-
-def join_overwrite(rest: Mapping[str, Any], state: Any) -> Any:
-  """`split_overwrite`'s inverse: ``rest`` with ``state`` as its
-  ``_overwrite_with_gradient`` collection (``rest`` as it is for ``None``)."""
-  if state is None:
-    return rest
-  return _like(rest, {**rest, OVERWRITE_WITH_GRADIENT: state})
-
-
-def _like(original: Mapping[str, Any], items: dict) -> Any:
-  return items if isinstance(original, dict) else type(original)(items)
 

@@ -1,24 +1,35 @@
-"""Evaluating a jaxpr one equation at a time: what mpscale's jaxpr rewrites share
-(`mpscale.backward_split` taps a layer's weight products, `mpscale.batch_split`
-pins activations to the batch split).
+"""The JAX internals mpscale reads, in one place: evaluating a jaxpr one equation at a
+time, a value's varying axes inside ``shard_map``, and the FLOPs of a jaxpr's products.
 
-Both trace a function with ``jax.make_jaxpr`` and evaluate its equations again, each
-as JAX's own ``eval_jaxpr`` does, changing a few on the way; calls to nested ``jit``
-functions are evaluated inline, so what they hold is reached too.
+The jaxpr rewrites (the skip's select where each state leaf is produced,
+``mpscale.scaling``; the ZB-H1 backward split and the activations kept split over the
+batch, ``mpscale.parallel``) trace a function with ``jax.make_jaxpr`` and evaluate its
+equations again, each as JAX's own ``eval_jaxpr`` does (`bind`), changing a few on the
+way; calls to nested ``jit`` functions are evaluated inline, so what they hold is
+reached too. Where JAX's internals changed between releases, the shim is here, once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from mpscale import sharding as sharding_lib
+try:
+  from jax.extend import source_info_util as _source_info
+except ImportError:  # pragma: no cover - names are lost, results are not
+  _source_info = None
 
 CALLS = ("pjit", "jit", "closed_call", "core_call")
 """Call primitives whose body is evaluated inline."""
+REMAT = ("checkpoint", "remat", "remat2")
+"""The rematerialization (``jax.checkpoint``) primitive's names."""
+CASTS = ("convert_element_type", "copy", "copy_p")
+"""Through which a weight is still the weight (a policy's cast to the compute dtype)."""
 
 
 def call_body(eqn: Any) -> Optional[tuple[Any, Sequence[Any]]]:
@@ -49,17 +60,51 @@ _TO_VARYING = ("pvary", "pcast")
 evaluated again varying (a parameter shard) is already what they make."""
 
 
+def varying_axes(x: Any) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``shard_map`` (its "vma" type)."""
+  aval = jax.typeof(x)
+  if hasattr(aval, "manual_axis_type"):  # jax >= 0.9
+    return frozenset(aval.manual_axis_type.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def bind_params(eqn: Any) -> tuple[Sequence[Any], dict]:
+  """``(subfunctions, params)`` to bind equation ``eqn`` with.
+
+  ``Primitive.get_bind_params`` returns ``(subfunctions, params)`` before jax 0.9.2
+  and the params alone from 0.9.2 on (checked against each release's
+  ``jax/_src/core.py``).
+
+  Raises:
+    TypeError: for any other form (a JAX whose internals moved again).
+  """
+  bound = eqn.primitive.get_bind_params(eqn.params)
+  subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+  if not isinstance(params, dict):
+    raise TypeError(f"{eqn.primitive}.get_bind_params returned a "
+                    f"{type(params).__name__}")
+  return subfuns, params
+
+
+def _source_context(eqn: Any) -> Any:
+  """The equation's source information (``jax.named_scope`` names, so they reach
+  the compiled program and the profiler)."""
+  if _source_info is None:  # pragma: no cover
+    return contextlib.nullcontext()
+  name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+  return _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
 def bind(eqn: Any, values: Sequence[Any]) -> list:
-  """Equation ``eqn`` applied to ``values``: its outputs, as a list. A cast to
-  device-varying of values that already vary over its axes passes them on."""
+  """Equation ``eqn`` applied to ``values`` as ``jax.core.eval_jaxpr`` applies it (in
+  its own context and under its source information): its outputs, as a list. A cast
+  to device-varying of values that already vary over its axes passes them on."""
   if eqn.primitive.name in _TO_VARYING and eqn.params.get("to", "varying") == "varying":
     axes = set(eqn.params.get("axes", eqn.params.get("axis_name", ())) or ())
-    if all(axes <= sharding_lib.varying_axes(x) for x in values):
+    if all(axes <= varying_axes(x) for x in values):
       return list(values)
-  bound = eqn.primitive.get_bind_params(eqn.params)
-  # jax < 0.8 returns (subfunctions, params); later, the params alone.
-  subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-  with eqn.ctx.manager:
+  subfuns, params = bind_params(eqn)
+  with _source_context(eqn), eqn.ctx.manager:
     out = eqn.primitive.bind(*subfuns, *values, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
 

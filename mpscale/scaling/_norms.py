@@ -4,7 +4,7 @@ A full reduction over the gradients is a pass over memory that XLA cannot fuse i
 optimizer's elementwise update. mpscale makes that pass once: the finiteness check, the
 global norm, the per-group ("local") norms and the clip all read the same per-leaf sums
 of squares (`LeafSquares`). The loss-scale and skip wrappers hand them to the inner
-transformation as the extra argument ``leaf_squares``; `clip_by_global_norm` reuses
+transformation as the extra argument ``leaf_squares``; `global_norm_clip` reuses
 them when they describe exactly the updates it receives.
 
 The pass reads each leaf once, and on an NVIDIA GPU it also launches few kernels: the
@@ -32,7 +32,7 @@ The code reads the same way::
   leaf_squares = reuse_or_measure(tree, leaf_squares, groups)  # or a wrapper's s
   global_norm = jnp.sqrt(leaf_squares.total())                 # s is one vector
   group_norms, group_sizes = grouped(leaf_squares, groups)
-  clip_by_global_norm: factor = max_norm / jnp.maximum(norm, max_norm)
+  global_norm_clip: factor = max_norm / jnp.maximum(norm, max_norm)
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpscale import _deprecated
 from mpscale import validation
-
-KeyPath = tuple[Any, ...]
-Groups = Union[None, int, Callable[[KeyPath], Union[str, Sequence[str]]]]
+from mpscale._tree import KeyPath, path_str
+NormGroups = Union[None, int, Callable[[KeyPath], Union[str, Sequence[str]]]]
 """How leaves map to named groups.
 
 * ``None``: one group per top-level key of the tree (the default).
@@ -57,20 +57,14 @@ Groups = Union[None, int, Callable[[KeyPath], Union[str, Sequence[str]]]]
 * a callable ``key_path -> str``: any grouping, e.g. per layer. It may also return a
   tuple of ``k`` names: the leaf is then split into ``k`` equal parts along its leading
   axis, part ``i`` going to group ``names[i]`` (layers stacked on a leading axis, e.g.
-  one group per pipeline stage: see `mpscale.stage_groups`). The split is measured in
+  one group per pipeline stage: see `mpscale.stage_norm_groups`). The split is measured in
   the same single pass.
 """
 
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def path_str(path: KeyPath) -> str:
-  """A key path as a ``/``-joined string, e.g. ``"encoder/layer_0/kernel"``
-  (``jax.tree_util.keystr`` in its simple form)."""
-  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
-def _group_fn(groups: Groups) -> Callable[[KeyPath], str]:
+def _group_fn(groups: NormGroups) -> Callable[[KeyPath], str]:
   if callable(groups):
     return groups
   depth = 1 if groups is None else groups
@@ -124,7 +118,7 @@ class LeafSquares(NamedTuple):
                          vector=self.vector * jnp.square(factor).astype(jnp.float32))
 
 
-def _names(groups: Groups, path: KeyPath) -> tuple[str, ...]:
+def _names(groups: NormGroups, path: KeyPath) -> tuple[str, ...]:
   """The group name(s) of one leaf, as a tuple (more than one: a split leaf)."""
   name = _group_fn(groups)(path)
   names = (name,) if isinstance(name, str) else tuple(name) if isinstance(
@@ -135,7 +129,7 @@ def _names(groups: Groups, path: KeyPath) -> tuple[str, ...]:
   return names
 
 
-def splits_for(tree: Any, groups: Groups) -> tuple[int, ...]:
+def splits_for(tree: Any, groups: NormGroups) -> tuple[int, ...]:
   """How many parts each leaf of ``tree`` is split into by ``groups``."""
   paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   return tuple(len(_names(groups, p)) for p in paths)
@@ -277,7 +271,7 @@ def measure(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
 
 
 def reuse_or_measure(tree: Any, leaf_squares: Optional[LeafSquares],
-               groups: Groups = None) -> LeafSquares:
+               groups: NormGroups = None) -> LeafSquares:
   """Reuses ``leaf_squares`` when it describes ``tree`` at least as finely as
   ``groups`` needs, else measures ``tree``."""
   splits = splits_for(tree, groups)
@@ -287,7 +281,7 @@ def reuse_or_measure(tree: Any, leaf_squares: Optional[LeafSquares],
   return measure(tree, splits)
 
 
-def grouped(leaf_squares: LeafSquares, groups: Groups = None
+def grouped(leaf_squares: LeafSquares, groups: NormGroups = None
            ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """Group norms and sizes from per-leaf sums; groups keep first-appearance order.
 
@@ -308,7 +302,7 @@ def grouped(leaf_squares: LeafSquares, groups: Groups = None
   return norms, _group_sizes(leaf_squares.paths, leaf_squares.leaves, groups)
 
 
-def _group_sizes(paths, leaves, groups: Groups) -> dict[str, jax.Array]:
+def _group_sizes(paths, leaves, groups: NormGroups) -> dict[str, jax.Array]:
   """Element count per group; static, but metrics want arrays (int32, or float32
   past the int32 range)."""
   sizes: dict[str, int] = {}
@@ -344,24 +338,26 @@ def global_norm(tree: Any) -> jax.Array:
   return jnp.sqrt(measure(tree).total())
 
 
-def group_norms(tree: Any, groups: Groups = None
+@_deprecated.renamed_keyword("groups", "norm_groups")
+def group_norms(tree: Any, norm_groups: NormGroups = None
                ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
   """Per-group ("local") L2 norms and element counts of ``tree``.
 
   Args:
     tree: a pytree of arrays.
-    groups: how leaves map to groups (see `Groups`); default one per top-level key.
+    norm_groups: how leaves map to groups (see `NormGroups`); default one per
+      top-level key.
 
   Returns:
     ``(norms, sizes)``: dicts from group name to a float32 norm and to the number of
     elements in the group (int32, or float32 past the int32 range).
   """
-  groups = validation.groups("groups", groups)
+  groups = validation.norm_groups("norm_groups", norm_groups)
   return grouped(measure(tree, splits_for(tree, groups)), groups)
 
 
-class ClipByGlobalNormState(NamedTuple):
-  """State of `clip_by_global_norm`: what it measured at the latest step."""
+class GlobalNormClipState(NamedTuple):
+  """State of `global_norm_clip`: what it measured at the latest step."""
   global_norm: jax.Array
   """float32 norm of the incoming updates, before clipping."""
   group_norms: dict[str, jax.Array]
@@ -370,7 +366,7 @@ class ClipByGlobalNormState(NamedTuple):
   """Number of elements in each group."""
 
 
-def zero_group_stats(tree: Any, groups: Groups):
+def zero_group_stats(tree: Any, groups: NormGroups):
   """Group norms of zero and the group sizes of ``tree``, for an initial state."""
   paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   paths = [p for p, _ in paths_leaves]
@@ -378,10 +374,9 @@ def zero_group_stats(tree: Any, groups: Groups):
   zeros = {n: jnp.zeros((), jnp.float32) for n in names}
   return zeros, _group_sizes(paths, [x for _, x in paths_leaves], groups)
 
-
-
-def clip_by_global_norm(max_norm: float, *, groups: Groups = None
-                       ) -> optax.GradientTransformationExtraArgs:
+@_deprecated.renamed_keyword("groups", "norm_groups")
+def global_norm_clip(max_norm: float, *, norm_groups: NormGroups = None
+                    ) -> optax.GradientTransformationExtraArgs:
   """Clips updates to a maximum global L2 norm and records global and group norms.
 
   The updates are multiplied by ``max_norm / max(norm, max_norm)``. Inside an mpscale
@@ -391,22 +386,22 @@ def clip_by_global_norm(max_norm: float, *, groups: Groups = None
 
   Args:
     max_norm: the largest global norm let through; a positive finite float.
-    groups: how leaves map to named groups for the recorded ``group_norms`` (see
-      `Groups`); default one group per top-level key.
+    norm_groups: how leaves map to named groups for the recorded ``group_norms``
+      (see `NormGroups`); default one group per top-level key.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is `ClipByGlobalNormState`.
+    An ``optax.GradientTransformationExtraArgs`` whose state is `GlobalNormClipState`.
 
   Example:
     >>> import optax, mpscale
-    >>> tx = optax.chain(mpscale.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    >>> tx = optax.chain(mpscale.global_norm_clip(1.0), optax.adamw(1e-3))
   """
   max_norm = validation.positive_float("max_norm", max_norm)
-  groups = validation.groups("groups", groups)
+  groups = validation.norm_groups("norm_groups", norm_groups)
 
   def init_fn(params):
     norms, sizes = zero_group_stats(params, groups)
-    return ClipByGlobalNormState(jnp.zeros((), jnp.float32), norms, sizes)
+    return GlobalNormClipState(jnp.zeros((), jnp.float32), norms, sizes)
 
   def update_fn(updates, state, params=None, *, leaf_squares=None, **extra_args):
     del params, extra_args
@@ -415,7 +410,7 @@ def clip_by_global_norm(max_norm: float, *, groups: Groups = None
     factor = max_norm / jnp.maximum(norm, max_norm)
     clipped = jax.tree_util.tree_map(lambda u: (u * factor).astype(u.dtype), updates)
     norms, sizes = grouped(leaf_squares, groups)
-    return clipped, ClipByGlobalNormState(norm, norms,
-                                          static_sizes(sizes, state.group_sizes))
+    return clipped, GlobalNormClipState(norm, norms,
+                                        static_sizes(sizes, state.group_sizes))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

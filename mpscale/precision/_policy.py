@@ -11,8 +11,8 @@ are cast to float32 instead. `default_keep_fp32` keeps the parameters of normali
 layers and biases (any path component containing ``norm``, ``scale`` or ``bias``): they
 are small, so keeping them in float32 costs little.
 
-Presets, after MindSpore's ``amp_level`` (`get_policy`); the last column is
-``needs_loss_scaling``; ``mpscale.loss_scale_for(policy, optax.adamw(1e-3))`` wraps an
+Presets, after MindSpore's ``amp_level`` (`make_policy`); the last column is
+``needs_loss_scaling``; ``mpscale.policy_loss_scale(policy, optax.adamw(1e-3))`` wraps an
 optimizer in `mpscale.dynamic_loss_scale` when it is true, else in `no_loss_scale`::
 
                params    compute   output   keep_fp32           needs_loss_scaling
@@ -53,10 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpscale import norms as norms_lib
+from mpscale import _tree
 from mpscale import validation
 
-KeepFp32 = Callable[[norms_lib.KeyPath, Any], bool]
+KeepFp32 = Callable[[_tree.KeyPath, Any], bool]
 """Predicate ``(key_path, leaf) -> bool``: cast this leaf to float32, not to compute."""
 
 _DTYPES = {
@@ -116,9 +116,9 @@ def keep_fp32_by_name(*substrings: str) -> KeepFp32:
     raise ValueError("keep_fp32_by_name needs one or more non-empty strings")
   wanted = tuple(s.lower() for s in substrings)
 
-  def keep(path: norms_lib.KeyPath, leaf: Any) -> bool:
+  def keep(path: _tree.KeyPath, leaf: Any) -> bool:
     del leaf
-    names = [norms_lib.path_str((k,)).lower() for k in path]
+    names = [_tree.path_str((k,)).lower() for k in path]
     return any(s in name for name in names for s in wanted)
 
   return keep
@@ -234,7 +234,7 @@ def _presets() -> dict[str, Policy]:
   }
 
 
-def get_policy(spec: Union[str, Policy]) -> Policy:
+def make_policy(spec: Union[str, Policy]) -> Policy:
   """A `Policy` from a preset name or a ``role=dtype`` string.
 
   Args:
@@ -251,7 +251,7 @@ def get_policy(spec: Union[str, Policy]) -> Policy:
 
   Example:
     >>> import mpscale
-    >>> policy = mpscale.get_policy("params=float32,compute=float16,output=float32")
+    >>> policy = mpscale.make_policy("params=float32,compute=float16,output=float32")
     >>> policy.needs_loss_scaling
     True
   """

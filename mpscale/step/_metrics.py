@@ -5,14 +5,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
-import optax
 
-from mpscale import loss_scale as loss_scale_lib
-from mpscale import opt_state as opt_state_lib
-from mpscale import parameter_groups as param_groups_lib
-from mpscale import skip as skip_lib
-from mpscale import spikes as spikes_lib
+from mpscale.scaling import _loss_scale as loss_scale_lib
+from mpscale import _tree
+from mpscale.optim import _param_groups as param_groups_lib
+from mpscale.scaling import _skip as skip_lib
+from mpscale.scaling import _spikes as spikes_lib
 
 
 class StepMetrics(NamedTuple):
@@ -41,7 +39,7 @@ class StepMetrics(NamedTuple):
   """float32 global norm of the step's unscaled gradients, before clipping."""
   group_norms: Any
   """float32 norm of each group of the gradients, by group name: the groups of a
-  `clip_by_global_norm` inside the wrapper when there is one, else the wrapper's."""
+  `global_norm_clip` inside the wrapper when there is one, else the wrapper's."""
   group_sizes: Any
   """Number of elements in each group, by group name."""
   learning_rate: Any = None
@@ -64,7 +62,7 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
 
   Args:
     opt_state: a state containing an mpscale loss-scale or skip wrapper (and possibly a
-      `clip_by_global_norm` and an ``optax.inject_hyperparams`` optimizer); or a Flax
+      `global_norm_clip` and an ``optax.inject_hyperparams`` optimizer); or a Flax
       NNX ``nnx.Optimizer`` or its ``opt_state`` (values come back as plain arrays).
 
   Returns:
@@ -80,8 +78,8 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
   Raises:
     ValueError: if ``opt_state`` holds no mpscale wrapper state.
   """
-  opt_state = opt_state_lib.plain(opt_state)
-  skip_states = opt_state_lib.find(opt_state, skip_lib.SkipNonfiniteState)
+  opt_state = _tree.plain(opt_state)
+  skip_states = _tree.find(opt_state, skip_lib.SkipNonfiniteState)
   if not skip_states:
     raise ValueError("opt_state holds no mpscale loss-scale or skip_nonfinite state")
   skip_state = skip_states[0]
@@ -96,7 +94,7 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
       global_norm=skip_state.global_norm,
       group_norms=skip_state.group_norms,
       group_sizes=skip_state.group_sizes,
-      learning_rate=opt_state_lib.learning_rate(skip_state.inner_state),
+      learning_rate=_tree.learning_rate(skip_state.inner_state),
       group_learning_rates=_group_learning_rates(skip_state.inner_state),
       **_spikes(skip_state),
   )._asdict()
@@ -108,7 +106,7 @@ def step_metrics(opt_state: Any) -> dict[str, Any]:
 
 def _step_scale(opt_state: Any) -> jax.Array:
   """The scale the latest step used: the outermost loss-scale state's (1 without)."""
-  states = opt_state_lib.find(opt_state, loss_scale_lib.LossScaleState)
+  states = _tree.find(opt_state, loss_scale_lib.LossScaleState)
   if not states or states[0].step_scale is None:
     return loss_scale_lib.loss_scale_of(opt_state)
   return states[0].step_scale
@@ -116,14 +114,14 @@ def _step_scale(opt_state: Any) -> jax.Array:
 
 def _group_learning_rates(inner_state: Any) -> Optional[dict[str, Any]]:
   """The outermost `mpscale.param_groups` state's learning rate per group, if any."""
-  states = opt_state_lib.find(inner_state, param_groups_lib.ParamGroupsState)
+  states = _tree.find(inner_state, param_groups_lib.ParamGroupsState)
   return dict(states[0].group_learning_rates) if states else None
 
 
 def _spikes(skip_state: skip_lib.SkipNonfiniteState) -> dict[str, Any]:
   """``spike`` and ``spikes`` of the outermost `mpscale.skip_spikes` inside the
   wrapper, if any."""
-  states = opt_state_lib.find(skip_state.inner_state, spikes_lib.SkipSpikesState)
+  states = _tree.find(skip_state.inner_state, spikes_lib.SkipSpikesState)
   if not states:
     return {}
   # An overflowed step kept the inner state, whose flag is then the step before's.

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from mpscale import jaxprs
+from mpscale import _jaxprs as jaxprs
 
 _SHAPING = ("reshape", "transpose", "convert_element_type", "squeeze", "expand_dims",
             "broadcast_in_dim", "copy", "copy_p")

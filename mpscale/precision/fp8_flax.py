@@ -6,7 +6,7 @@
 ``nnx.LinearGeneral``, and `NnxFp8Einsum` for ``nnx.Einsum(..., einsum_op=...)``. Each
 holds one `mpscale.Fp8State` and calls `mpscale.fp8_dot_general` with its recipe::
 
-  recipe = mpscale.fp8_recipe("delayed")
+  recipe = mpscale.make_fp8_recipe("delayed")
   dense = nn.Dense(1024, dot_general_cls=functools.partial(Fp8DotGeneral,
                                                            recipe=recipe))
   variables = dense.init(key, x)     # {"params": ..., "_overwrite_with_gradient": ...}
@@ -33,10 +33,10 @@ from flax import nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import lax
 
-from mpscale import fp8 as fp8_lib
+from mpscale.precision import _fp8 as fp8_lib
 from mpscale import validation
 
-_DEFAULT = fp8_lib.fp8_recipe()
+_DEFAULT = fp8_lib.make_fp8_recipe()
 
 
 def _einsum_dims(subscripts: str, lhs_ndim: int, rhs_ndim: int):
@@ -86,7 +86,7 @@ class Fp8DotGeneral(nn.Module):
   whose variable ``fp8_state`` holds the `mpscale.Fp8State`.
 
   Attributes:
-    recipe: the `mpscale.Fp8Recipe` (default ``mpscale.fp8_recipe()``, delayed).
+    recipe: the `mpscale.Fp8Recipe` (default ``mpscale.make_fp8_recipe()``, delayed).
   """
   recipe: fp8_lib.Fp8Recipe = _DEFAULT
 
@@ -127,7 +127,7 @@ class NnxFp8DotGeneral(nnx.Module):
   Its `OverwriteWithGradient` variable ``fp8_state`` holds the `mpscale.Fp8State`.
 
   Args:
-    recipe: the `mpscale.Fp8Recipe` (default ``mpscale.fp8_recipe()``, delayed).
+    recipe: the `mpscale.Fp8Recipe` (default ``mpscale.make_fp8_recipe()``, delayed).
   """
 
   def __init__(self, recipe: fp8_lib.Fp8Recipe = _DEFAULT):

@@ -45,19 +45,17 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from mpscale import jaxprs
-from mpscale import sharding as sharding_lib
+from mpscale import _jaxprs as jaxprs
+from mpscale.parallel import _layouts as layouts_lib
+from mpscale.parallel import _mesh as mesh_lib
 
 Dim = Optional[int]
 """Where a value's batch dimension is (``None``: it has none that is followed)."""
 
 _REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                "reduce_or", "reduce_xor", "argmax", "argmin", "reduce_precision")
-_REMAT = ("checkpoint", "remat", "remat2")
 _PRODUCTS = ("dot_general", "conv_general_dilated", "gather")
 """Where a weight is used whole: gathered over the data axes there."""
-_CASTS = ("convert_element_type", "copy", "copy_p")
-"""Through which a weight is still the weight (a policy's cast to the compute dtype)."""
 _SHAPING = ("reshape", "squeeze", "expand_dims")
 """Through which a weight left whole (no other split) is still the weight."""
 
@@ -67,7 +65,7 @@ def _uses_weight(eqn: Any, specs: list) -> bool:
   if all(s is None for s in specs):
     return False
   name = eqn.primitive.name
-  return (name in _PRODUCTS or name in _REMAT or name == "scan"
+  return (name in _PRODUCTS or name in jaxprs.REMAT or name == "scan"
           or jaxprs.call_body(eqn) is not None)
 
 
@@ -133,7 +131,7 @@ class _Split:
 
   def __init__(self, mesh: Mesh, axes: tuple[str, ...]):
     self.mesh, self.axes = mesh, axes
-    self.size = sharding_lib.axis_size(mesh, axes)
+    self.size = layouts_lib.axis_size(mesh, axes)
     self.previous: Optional[list] = None
     """The last product's inputs and a token of its gathered weight, in the body
     being evaluated: what the next product's gather waits on (`product`)."""
@@ -154,15 +152,15 @@ class _Split:
       return x
     spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[dim] = self.axes if len(self.axes) > 1 else self.axes[0]
-    return sharding_lib.constrain(x, PartitionSpec(*spec), self.mesh)
+    return mesh_lib.constrain(x, PartitionSpec(*spec), self.mesh)
 
   def gathered(self, params: Any, specs: Any) -> list[Optional[PartitionSpec]]:
     """Each parameter leaf's spec without the data axes (``None`` without specs)."""
     leaves = jax.tree_util.tree_leaves(params)
     if specs is None:
       return [None] * len(leaves)
-    specs = jax.tree_util.tree_leaves(specs, is_leaf=sharding_lib.is_spec)
-    return [sharding_lib.without_axes(spec, self.axes) for spec in specs]
+    specs = jax.tree_util.tree_leaves(specs, is_leaf=layouts_lib.is_spec)
+    return [layouts_lib.without_axes(spec, self.axes) for spec in specs]
 
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
           dims: Sequence[Dim], weights: Optional[dict] = None
@@ -201,7 +199,7 @@ class _Split:
       return self.run(body[0], body[1], values, dims, inner)
     if name == "scan":
       return self.scan(eqn, values, dims, specs)
-    if name in _REMAT:
+    if name in jaxprs.REMAT:
       return self.remat(eqn, values, dims, specs)
     out_dims = (_out_dims(eqn, dims) if any(d is not None for d in dims)
                 else [None] * len(eqn.outvars))
@@ -237,7 +235,7 @@ class _Split:
       _, early = lax.optimization_barrier(
           (tie, [lax.stop_gradient(values[i]) for i in weights]))
       for i, x in zip(weights, early):
-        own[i] = sharding_lib.constrain(_route(x, own[i]), specs[i], self.mesh)
+        own[i] = mesh_lib.constrain(_route(x, own[i]), specs[i], self.mesh)
       first = own[weights[0]]
       token = lax.slice(first, (0,) * first.ndim, (1,) * first.ndim)
       return [*jaxprs.bind(eqn, own), token]
@@ -295,11 +293,11 @@ def _weight_through(eqn: Any, spec: PartitionSpec) -> Optional[PartitionSpec]:
   a reshape or the like of a weight left whole on the device), ``None`` for any
   other."""
   name = eqn.primitive.name
-  if name in _CASTS:
+  if name in jaxprs.CASTS:
     return spec
-  entries = sharding_lib.pad(spec, eqn.invars[0].aval.ndim)
+  entries = layouts_lib.pad(spec, eqn.invars[0].aval.ndim)
   if name == "transpose":
-    return sharding_lib.make_spec([entries[d] for d in eqn.params["permutation"]])
+    return layouts_lib.make_spec([entries[d] for d in eqn.params["permutation"]])
   if name in _SHAPING and all(e is None for e in entries):
     return PartitionSpec()
   return None
@@ -381,144 +379,3 @@ def _gathered(numbers: Any, d: int, shape: tuple, out_ndim: int) -> Dim:
   return rest[d] if d < len(rest) else None
 
 
-# ------------------------------------------------ inside shard_map: gathered where used
-class _Shard:
-  """A weight kept as its master shard until it is used (`gather_where_used`): the
-  dtype it is cast to there and the dimensions it is split along, ``(dim, axes)``."""
-
-  def __init__(self, dtype: Any, dims: tuple):
-    self.dtype, self.dims = dtype, dims
-
-  def gather(self, x: jax.Array) -> jax.Array:
-    return sharding_lib.gather_cast(x, self.dtype, self.dims)
-
-
-def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
-  """Inside a ``shard_map`` that is manual over FSDP's data axes: ``fn(params,
-  *args)`` evaluated on the parameters' master shards, each split leaf cast and
-  all-gathered at each equation that uses it (`mpscale.sharding.gather_cast`, under
-  ``jax.checkpoint`` so the backward gathers it again), never the whole model at
-  once; its gradient is reduce-scattered there in the masters' dtype.
-
-  ``fn`` is traced on the parameters' whole shapes and evaluated again one equation
-  at a time: a cast of a split leaf is deferred to its gather (the gather moves the
-  compute dtype, the gradient sums in float32), and a leaf is followed into
-  ``scan`` bodies (a stacked leaf's slice is one layer's shard), nested ``jit``
-  calls and ``checkpoint``. Any other equation that uses it gathers it there; one
-  that cannot be followed (``cond``, ``while``, custom derivatives) gathers it
-  whole first.
-
-  Args:
-    fn: ``fn(params, *args)``, written for whole parameters.
-    dims: like ``params``: each leaf's ``(dim, axes)`` pairs
-      (`mpscale.sharding.split_dims` of its spec over the manual data axes), a
-      tuple, empty for a leaf that is not split.
-
-  Returns:
-    ``f(shards, *args)`` with ``fn``'s results.
-  """
-  def wrapped(shards: Any, *args: Any) -> Any:
-    leaf_dims = jax.tree_util.tree_leaves(dims, is_leaf=lambda x: isinstance(x, tuple))
-    shard_leaves = jax.tree_util.tree_leaves(shards)
-    whole = [jax.ShapeDtypeStruct(_whole_shape(x.shape, d), x.dtype)
-             for x, d in zip(shard_leaves, leaf_dims)]
-    p_tree = jax.tree_util.tree_structure(shards)
-    leaves, tree = jax.tree_util.tree_flatten(args)
-
-    def flat(*xs):
-      p = jax.tree_util.tree_unflatten(p_tree, xs[:len(whole)])
-      return fn(p, *jax.tree_util.tree_unflatten(tree, xs[len(whole):]))
-
-    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*whole, *leaves)
-    marks = {v: _Shard(x.dtype, tuple(d)) for v, x, d in
-             zip(closed.jaxpr.invars, shard_leaves, leaf_dims) if d}
-    outs = _Gathers().run(closed.jaxpr, closed.consts, [*shard_leaves, *leaves], marks)
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-
-  return wrapped
-
-
-def _whole_shape(shape: tuple, dims: Sequence) -> tuple:
-  out = list(shape)
-  for dim, axes in dims:
-    out[dim] *= math.prod(lax.axis_size(a) for a in axes)
-  return tuple(out)
-
-
-class _Gathers:
-  """`gather_where_used`'s evaluation: values, and the weights still shards."""
-
-  def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-          marks: dict) -> list:
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    marks = dict(marks)
-    for eqn in jaxpr.eqns:
-      values = [jaxprs.read(env, v) for v in eqn.invars]
-      shards = [jaxprs.lookup(marks, v) for v in eqn.invars]
-      if all(s is None for s in shards):
-        outs = jaxprs.bind(eqn, values)
-      elif eqn.primitive.name in _CASTS and shards[0] is not None:
-        # Deferred: cast where gathered (the compute dtype moves, float32 sums back).
-        dtype = eqn.params.get("new_dtype", eqn.outvars[0].aval.dtype)
-        marks[eqn.outvars[0]] = _Shard(dtype, shards[0].dims)
-        outs = values
-      else:
-        outs = self.equation(eqn, values, shards)
-      env.update(zip(eqn.outvars, outs))
-    return [self.whole(jaxprs.read(env, v), jaxprs.lookup(marks, v))
-            for v in jaxpr.outvars]
-
-  @staticmethod
-  def whole(x: Any, shard: Optional[_Shard]) -> Any:
-    if shard is not None:
-      return shard.gather(x)
-    return x if hasattr(x, "dtype") and hasattr(x, "astype") else jax.numpy.asarray(x)
-
-  def equation(self, eqn: Any, values: list, shards: list) -> list:
-    body = jaxprs.call_body(eqn)
-    if body is not None:
-      return self.run(body[0], body[1], values,
-                      {v: s for v, s in zip(body[0].invars, shards) if s is not None})
-    name = eqn.primitive.name
-    if name == "scan":
-      return self.scan(eqn, values, shards)
-    if name in _REMAT:
-      inner = {v: s for v, s in zip(eqn.params["jaxpr"].invars, shards)
-               if s is not None}
-      return list(jax.checkpoint(
-          lambda *args: self.run(eqn.params["jaxpr"], (), args, inner),
-          prevent_cse=eqn.params.get("prevent_cse", True),
-          policy=eqn.params.get("policy"))(*values))
-
-    def use(*values):
-      # Tied to the equation's other operands: gathered once its input is there.
-      values = lax.optimization_barrier(values)
-      return jaxprs.bind(eqn, [self.whole(x, s) for x, s in zip(values, shards)])
-    # The backward gathers again rather than keeping the gathered weight.
-    return list(jax.checkpoint(use)(*values))
-
-  def scan(self, eqn: Any, values: list, shards: list) -> list:
-    p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    # A carried weight, or a stack split along its layers, is gathered first.
-    first = [s is not None and (nc <= i < nc + nk or (
-        i >= nc + nk and any(d == 0 for d, _ in s.dims)))
-             for i, s in enumerate(shards)]
-    values = [self.whole(x, s) if g else x for x, s, g in zip(values, shards, first)]
-    shards = [None if g else s for s, g in zip(shards, first)]
-    consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
-    # A stacked weight's slice is one layer's shard.
-    inner = [*shards[:nc], *([None] * nk),
-             *(None if s is None else _Shard(s.dtype, tuple((d - 1, a) for d, a in s.dims))
-               for s in shards[nc + nk:])]
-    body = p["jaxpr"]
-    marks = {v: s for v, s in zip(body.jaxpr.invars, inner) if s is not None}
-
-    def step(carry, x):
-      outs = self.run(body.jaxpr, body.consts, [*consts, *carry, *x], marks)
-      return outs[:nk], outs[nk:]
-
-    carry, ys = lax.scan(step, list(init), list(xs), length=p["length"],
-                         reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *ys]

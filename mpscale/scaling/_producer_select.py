@@ -51,6 +51,8 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
+from mpscale import _jaxprs
+
 try:  # the public home of the jaxpr types
   from jax.extend.core import Literal as _Literal
 except ImportError as e:  # pragma: no cover - a JAX that moved it
@@ -58,11 +60,6 @@ except ImportError as e:  # pragma: no cover - a JAX that moved it
   _UNAVAILABLE = f"jax.extend.core has no Literal ({e})"
 else:
   _UNAVAILABLE = None
-
-try:
-  from jax.extend import source_info_util as _source_info
-except ImportError:  # pragma: no cover - names are lost, results are not
-  _source_info = None
 
 Updates = Any
 State = Any
@@ -160,27 +157,6 @@ def _warn_once(cause: str) -> None:
       "optimizer state may be copied on every step.", RuntimeWarning, stacklevel=3)
 
 
-def _bind(eqn: Any, values: list) -> list:
-  """Binds one equation as ``jax.core.eval_jaxpr`` does (context, source info)."""
-  params = eqn.primitive.get_bind_params(eqn.params)
-  if isinstance(params, tuple):  # jax < 0.7.1: (subfuns, params)
-    subfuns, params = params
-    values = [*subfuns, *values]
-  elif not isinstance(params, dict):
-    raise TypeError(f"{eqn.primitive}.get_bind_params returned a "
-                    f"{type(params).__name__}")
-  context = eqn.ctx.manager
-  if _source_info is not None:
-    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-    context_info = _source_info.user_context(eqn.source_info.traceback,
-                                             name_stack=name_stack)
-  else:  # pragma: no cover
-    context_info = contextlib.nullcontext()
-  with context_info, context:
-    outs = eqn.primitive.bind(*values, **params)
-  return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
 def _evaluate(closed: Any, out_shape: Any, skip: jax.Array, old_state: State
              ) -> tuple[Updates, State, State]:
   # Selected as where(applied, new, old): XLA fuses (and rounds) an applied step's
@@ -222,9 +198,9 @@ def _evaluate(closed: Any, out_shape: Any, skip: jax.Array, old_state: State
   read = lambda v: env[v] if is_var(v) else v.val
   read_unselected = lambda v: unselected[v] if is_var(v) and v in unselected else read(v)
   for i, eqn in enumerate(jaxpr.eqns):
-    outs = _bind(eqn, [read(v) for v in eqn.invars])
+    outs = _jaxprs.bind(eqn, [read(v) for v in eqn.invars])
     if i in feeds_state and any(is_var(v) and v in unselected for v in eqn.invars):
-      for v, out in zip(eqn.outvars, _bind(eqn, [read_unselected(v)
+      for v, out in zip(eqn.outvars, _jaxprs.bind(eqn, [read_unselected(v)
                                                  for v in eqn.invars])):
         unselected[v] = out
     for v, out in zip(eqn.outvars, outs):  # a dropped output is written, never read

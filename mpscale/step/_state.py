@@ -1,0 +1,281 @@
+"""What a step carries, and where it lives: `TrainState`, built by ``init``.
+
+`init_state` casts the parameters to the policy's ``param_dtype``, initializes the
+optimizer (wrapped in `mpscale.no_loss_scale` when it has no mpscale loss-scale or
+skip wrapper: `wrapped`), and places everything on the mesh where `Layout` says:
+the parameters by their specs, the optimizer state after them (ZeRO-1 on top), the
+model state and the key replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+import optax
+
+from mpscale import _tree
+from mpscale.parallel import _layouts as layouts_lib
+from mpscale.parallel import _mesh as mesh_lib
+from mpscale.parallel import _optimizer_state as state_layouts_lib
+from mpscale.precision import _policy as policy_lib
+from mpscale.scaling import _loss_scale as loss_scale_lib
+from mpscale.scaling import _skip as skip_lib
+
+
+class TrainState(NamedTuple):
+  """Everything a step reads and writes; a plain pytree that checkpoints cleanly."""
+  params: Any
+  """Master parameters, in the policy's ``param_dtype``."""
+  opt_state: Any
+  """Optimizer state, holding an mpscale loss-scale wrapper state (the scale, the skip
+  counters and the latest step's norms)."""
+  step: jax.Array
+  """int32 number of steps taken, skipped ones included."""
+  model_state: Any = None
+  """The model's non-parameter state (BatchNorm statistics, any collection or NNX
+  variable its forward pass updates; FP8 scaling state in an
+  ``_overwrite_with_gradient`` collection, replaced by its gradient), float32 unless
+  ``model_state_dtype`` says otherwise; ``None`` for a model without one. Updated by
+  an applied step, untouched by a skipped one (an overflow's amax is never kept)."""
+  rng: Optional[jax.Array] = None
+  """Raw ``uint32`` key data every random draw of the run derives from
+  (`mpscale.keys`); ``None`` for a deterministic model. It never changes: step ``n``
+  draws from ``fold_in(rng, n)``."""
+
+  @classmethod
+  def from_flax(cls, flax_state: Any) -> "TrainState":
+    """The params, opt_state and step of a ``flax.training.train_state.TrainState``.
+
+    The opt_state is taken as it is; `make_train_step`'s ``init`` also wraps a plain
+    optax state into the loss-scale state its step expects.
+    """
+    for field in ("params", "opt_state", "step"):
+      if not hasattr(flax_state, field):
+        raise TypeError(f"expected a flax TrainState; {type(flax_state).__name__} has "
+                        f"no {field!r}")
+    return cls(flax_state.params, flax_state.opt_state,
+               jnp.asarray(flax_state.step, jnp.int32))
+
+
+def is_flax_state(x: Any) -> bool:
+  return all(hasattr(x, f) for f in ("params", "opt_state", "step", "tx", "apply_fn"))
+
+
+def _has_wrapper(optimizer: optax.GradientTransformation, params: Any) -> bool:
+  state = jax.eval_shape(optimizer.init, _tree.shapes(params))
+  return bool(_tree.find(state, skip_lib.SkipNonfiniteState))
+
+
+def wrapped(optimizer: optax.GradientTransformation, params: Any
+            ) -> optax.GradientTransformation:
+  """``optimizer``, or `no_loss_scale(optimizer)` when it has no mpscale wrapper."""
+  if _has_wrapper(optimizer, params):
+    return optimizer
+  return loss_scale_lib.no_loss_scale(optimizer)
+
+
+def key_data(rng: Any) -> jax.Array:
+  """A seed or key as raw key data (``uint32``), what a `TrainState` stores: plain
+  arrays checkpoint with any library."""
+  if isinstance(rng, (int, np.integer)):
+    return jax.random.key_data(jax.random.key(int(rng)))
+  if isinstance(rng, jax.ShapeDtypeStruct):
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+      return jax.eval_shape(jax.random.key_data, rng)
+    return rng
+  if jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+    return jax.random.key_data(rng)
+  if jnp.result_type(rng) != jnp.uint32:
+    raise TypeError(f"rng must be an int seed or a PRNG key; got {rng!r}")
+  return jnp.asarray(rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where every array of a step lives on the mesh (``mesh=None``: one device)."""
+  mesh: Optional[Mesh]
+  data_axes: tuple[str, ...]
+  param_specs: Any
+  zero1: bool
+  pipeline: Any
+  """The `mpscale.Pipeline` the step runs, or ``None``."""
+
+  def specs(self, params: Any) -> Any:
+    """The params' specs, checked (a pipeline adds its stage axis)."""
+    specs = layouts_lib.resolve_specs(self.param_specs, params)
+    if self.pipeline is not None:
+      specs = self.pipeline.param_specs(params, specs)
+    layouts_lib.check_specs(params, specs, self.mesh)
+    return specs
+
+  def state(self, state: TrainState) -> Optional[TrainState]:
+    """``NamedSharding``s for a `TrainState` (of arrays or shapes)."""
+    if self.mesh is None:
+      return None
+    params = self.specs(state.params)
+    opt = state_layouts_lib.state_specs(state.opt_state, state.params, params)
+    # FSDP shards the optimizer state over its data axes too (a moment the spec of
+    # its parameter leaves unsplit: a factored one); ZeRO-1 over every data axis.
+    used = {a for s in jax.tree_util.tree_leaves(params, is_leaf=layouts_lib.is_spec)
+            for a in layouts_lib.spec_axes(s)}
+    over = self.data_axes if self.zero1 else tuple(a for a in self.data_axes
+                                                   if a in used)
+    if over:
+      opt = state_layouts_lib.zero1_specs(state.opt_state, opt, self.mesh, over)
+    # The model state and the key are replicated: every device holds them whole.
+    model_state = jax.tree_util.tree_map(lambda _: PartitionSpec(), state.model_state)
+    rng = None if state.rng is None else PartitionSpec()
+    return TrainState(*layouts_lib.shardings(
+        self.mesh, (params, opt, PartitionSpec(), model_state, rng)))
+
+  def batch(self) -> Optional[NamedSharding]:
+    if self.mesh is None:
+      return None
+    return mesh_lib.batch_sharding(self.mesh, self.data_axes)
+
+  def constrain(self, tree: Any, shardings: Any = None) -> Any:
+    """``tree`` constrained to ``shardings`` (default: replicated)."""
+    if self.mesh is None:
+      return tree
+    if shardings is None:
+      shardings = jax.tree_util.tree_map(
+          lambda _: NamedSharding(self.mesh, PartitionSpec()), tree)
+    return lax.with_sharding_constraint(tree, shardings)
+
+
+def _adopt_opt_state(optimizer: optax.GradientTransformation, params: Any,
+                     opt_state: Any) -> Any:
+  """``opt_state`` in the structure of the wrapped optimizer's state."""
+  tx = wrapped(optimizer, params)
+  expected = jax.tree_util.tree_structure(
+      jax.eval_shape(tx.init, _tree.shapes(params)))
+  if jax.tree_util.tree_structure(opt_state) == expected:
+    return opt_state
+  if tx is not optimizer:
+    inner = jax.tree_util.tree_structure(
+        jax.eval_shape(optimizer.init, _tree.shapes(params)))
+    if jax.tree_util.tree_structure(opt_state) == inner:
+      fresh = tx.init(params)
+      return fresh._replace(skip_state=fresh.skip_state._replace(inner_state=opt_state))
+  raise ValueError("the given opt_state does not match the optimizer passed to "
+                   "make_train_step (its tree structure differs)")
+
+
+def init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Policy,
+                layout: Layout, params_or_state: Any, model_state: Any = None,
+                rng: Any = None, model_state_dtype: Any = jnp.float32) -> TrainState:
+  """`make_train_step`'s ``init``: a placed `TrainState` in fresh buffers."""
+  given = None
+  if isinstance(params_or_state, TrainState) or is_flax_state(params_or_state):
+    given = (params_or_state if isinstance(params_or_state, TrainState)
+             else TrainState.from_flax(params_or_state))
+    for name, value in (("model_state", model_state), ("rng", rng)):
+      if value is not None and getattr(given, name) is not None:
+        raise ValueError(f"init got {name}= and a state that holds one; pass one")
+    model_state = given.model_state if model_state is None else model_state
+    rng = given.rng if rng is None else rng
+  model_state = _cast_model_state(model_state, model_state_dtype)
+  rng = None if rng is None else key_data(rng)
+
+  def fresh_state(params, model_state, rng):
+    return TrainState(params, wrapped(optimizer, params).init(params),
+                      jnp.zeros((), jnp.int32), model_state, rng)
+
+  if given is None and _is_abstract(params_or_state):
+    return _abstract_state(layout, jax.eval_shape(
+        lambda p, m, r: fresh_state(policy.cast_to_param(p), m, r),
+        params_or_state, model_state, rng))
+  if given is not None:
+    params = policy.cast_to_param(given.params)
+    state = TrainState(params, _adopt_opt_state(optimizer, params, given.opt_state),
+                       jnp.asarray(given.step, jnp.int32), model_state, rng)
+    shardings = layout.state(_tree.shapes(state))
+    if shardings is not None:
+      state = jax.device_put(state, shardings)
+    # A jit copy gives every leaf its own new buffer: the step donates its input,
+    # which must neither free the caller's arrays nor meet one buffer twice (an
+    # eagerly built optimizer state can share one array between fields).
+    state = jax.jit(lambda s: s, out_shardings=shardings)(state)
+  else:
+    params = policy.cast_to_param(params_or_state)
+    shardings = layout.state(jax.eval_shape(fresh_state, _tree.shapes(params),
+                                            _tree.shapes(model_state), _tree.shapes(rng)))
+    if shardings is not None:
+      params, model_state, rng = jax.device_put(
+          (params, model_state, rng),
+          (shardings.params, shardings.model_state, shardings.rng))
+    # jit returns new buffers, so donating the state never frees ``params``.
+    state = jax.jit(fresh_state, out_shardings=shardings)(params, model_state, rng)
+  _check_finite_params(state.params)
+  _warn_if_unscaled(policy, state.opt_state)
+  return state
+
+
+def _cast_model_state(model_state: Any, dtype: Any) -> Any:
+  """The model state with its floating leaves in ``dtype`` (``None``: as they are)."""
+  if model_state is None or dtype is None:
+    return model_state
+
+  def cast(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return (jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+              if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    x = jnp.asarray(x)
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree_util.tree_map(cast, model_state)
+
+
+def _is_abstract(tree: Any) -> bool:
+  """Whether ``tree`` is shapes only (``jax.ShapeDtypeStruct`` leaves, at least one)."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _abstract_state(layout: Layout, state: TrainState) -> TrainState:
+  """The `TrainState` ``init`` would build, as ``ShapeDtypeStruct``s with the
+  shardings it would place it in: what ``step.lower`` needs to compile ahead of time,
+  with nothing allocated."""
+  shardings = layout.state(state)
+  if shardings is None:
+    return state
+  return jax.tree_util.tree_map(
+      lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      state, shardings)
+
+
+def _check_finite_params(params: Any) -> None:
+  """Raises ``ValueError`` naming the first parameter holding a NaN or an Inf.
+
+  One host sync, at ``init`` only: a model that starts non-finite would otherwise
+  skip every step without a word.
+  """
+  flags = jax.tree_util.tree_map(
+      lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+      else jnp.asarray(True), params)
+  for path, ok in jax.tree_util.tree_leaves_with_path(jax.device_get(flags)):
+    if not ok:
+      raise ValueError(f"initial parameter {_tree.path_str(path)!r} holds a NaN "
+                       "or an Inf")
+
+
+def _warn_if_unscaled(policy: policy_lib.Policy, opt_state: Any) -> None:
+  if not policy.needs_loss_scaling:
+    return
+  states = _tree.find(opt_state, loss_scale_lib.LossScaleState)
+  scale = states[0].loss_scale if states else None
+  unscaled = scale is None
+  if scale is not None and not isinstance(scale, jax.core.Tracer):
+    unscaled = float(scale) == 1.0
+  if unscaled:
+    warnings.warn(
+        f"policy {policy} computes in float16 but the optimizer has no loss scaling "
+        "(scale 1): small float16 gradients will flush to zero. Wrap the optimizer in "
+        "mpscale.dynamic_loss_scale, e.g. with mpscale.policy_loss_scale(policy, optimizer).",
+        stacklevel=3)
