@@ -6,7 +6,7 @@ For each model (a user's linen LM with unrolled blocks, and mpscale's built-in
 
   dp          data parallelism (parameters replicated)
   fsdp        ``parallel.fsdp_specs`` over 8 devices, the step as it is (activations
-              kept split over the batch: `mpscale.batch_split`)
+              kept split over the batch: `mpscale.parallel`)
   fsdp-gspmd  the same without `batch_split` (GSPMD's own choice: what the step
               compiled before)
 

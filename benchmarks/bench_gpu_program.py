@@ -4,7 +4,7 @@ Each optimizer step is compiled ahead of time for one NVIDIA H100
 (``jax.experimental.topologies`` with ``mpscale/trainer/planning/target_specs/h100_sxm.txtpb``; nothing runs) and
 its program is read, against a baseline compiled in the same run:
 
-* ``kernels``: `mpscale.hlo.launches`, the instructions one step runs other than
+* ``kernels``: `mpscale.trainer.planning.hlo.launches`, the instructions one step runs other than
   parameters, tuples, get-tuple-elements, bitcasts and constants (fusions, copies,
   custom-calls, collectives), a loop body's times its trip count: one launch each.
   The columns that break them down read the entry computation only (the optimizer
@@ -15,7 +15,7 @@ its program is read, against a baseline compiled in the same run:
   whose result is at least as large as the smallest parameter leaf (a copy of a whole
   leaf, not of a scalar or an empty array). The CPU backend has no ``kInput`` fusions
   (its reductions are loops), so ``--cpu`` prints no reduction count.
-* ``bytes``: what `mpscale.hlo.kernels` says one step reads and writes
+* ``bytes``: what `mpscale.trainer.planning.hlo.kernels` says one step reads and writes
   (``k.bytes + sum(bytes * count)`` of its matrix products).
 * ``temp``: ``compiled.memory_analysis().temp_size_in_bytes``, the compiled
   temporaries beside the (donated) inputs and the outputs.
@@ -285,11 +285,11 @@ def main():
       fname = "".join(c if c.isalnum() else "_" for c in name).strip("_") + ".txt"
       with open(os.path.join(args.dump, fname), "w") as f:
         f.write(r["text"])
-  print("kernels: launches a step (mpscale.hlo.launches: fusions, copies, custom-calls,"
+  print("kernels: launches a step (mpscale.trainer.planning.hlo.launches: fusions, copies, custom-calls,"
         " collectives; loop bodies by trip count); the rest read the entry:"
         " reduct: kInput fusions; scalar: other kernels with a rank-0 result (copies"
         " aside); leafcp: copies at least one parameter leaf in size; GiB: bytes one"
-        " step reads and writes (mpscale.hlo.kernels); temp: compiled temporaries")
+        " step reads and writes (mpscale.trainer.planning.hlo.kernels); temp: compiled temporaries")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mpscale  # noqa: E402
 from mpscale.trainer.planning import hlo as hlo_lib  # noqa: E402
 from mpscale.trainer.models import lm as lm_lib  # noqa: E402
-from mpscale import parallel  # noqa: E402
 from mpscale.trainer.config.load import ModelConfig  # noqa: E402
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
 
@@ -86,7 +85,7 @@ def fmt_bytes(n: float) -> str:
 
 def fmt_ops(hlo: str) -> str:
   """Each collective kind's count and bytes per step, as `mpscale plan` reads the
-  compiled HLO (`mpscale.hlo.collectives`: loops by their trip counts, a bfloat16
+  compiled HLO (`mpscale.trainer.planning.hlo.collectives`: loops by their trip counts, a bfloat16
   sum at bfloat16's bytes)."""
   ops = hlo_lib.collectives(hlo)
   return ", ".join(f"{k} {v['count']} ({fmt_bytes(v['bytes'])})"

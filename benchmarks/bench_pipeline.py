@@ -14,11 +14,11 @@ and ZB-H1 min(S, M), interleaved 1F1B at most (v + 1) S - 1 whatever M), the com
 time, the compiled temp bytes per device (``memory_analysis``), and the median step time
 (value-and-grad of the pipelined model, with the micro-batch size held fixed, so the
 global batch grows with M) and per micro-batch. ZB-H1's B and W each cost about a
-forward (W is the weight side of each matrix product: `mpscale.backward_split`).
+forward (W is the weight side of each matrix product: `mpscale.parallel.pipeline`).
 
 ``--work`` prints instead, for S in {2, 4, 8}, M in {S, 4S}, v in {1, 2} and each
 recompute policy (``none``, ``selective``, ``full``), each schedule's compiled matrix
-FLOPs (`mpscale.hlo.matmul_flops`: loops by trip count, a conditional at its costliest
+FLOPs (`mpscale.trainer.planning.hlo.matmul_flops`: loops by trip count, a conditional at its costliest
 branch) over GPipe's on the same model, S, M, v and policy, and over the model's own
 (``6 x params x tokens``, plus one forward more under ``full``), and its compiled temp
 bytes per device over GPipe's. Nothing is timed: the ratios are the compiler's.
@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from mpscale.trainer.planning import hlo as hlo  # noqa: E402
-from mpscale.parallel.pipeline import _pipeline as pl  # noqa: E402
+from mpscale.parallel import pipeline as pl  # noqa: E402
 
 
 def model(width, features):

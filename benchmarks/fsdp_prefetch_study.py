@@ -1,7 +1,7 @@
 """Does FSDP's per-product weight gather overlap compute? mpscale's one-product
 lookahead against the gathers it replaced, on XLA's H100 compiler (no GPU needed).
 
-`mpscale.batch_split` gathers each weight where a matrix product uses it, under
+`mpscale.parallel` gathers each weight where a matrix product uses it, under
 ``jax.checkpoint`` (the backward gathers it again). Since issue #47 it gathers a
 weight once the *previous* product's input is there, one product ahead
 (`_Split.product`, scoped by `_Split.body` to the step, a scan step or a remat

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_pipeline  # noqa: E402
 
-from mpscale.parallel.pipeline import _pipeline as pl  # noqa: E402
+from mpscale.parallel import pipeline as pl  # noqa: E402
 
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpscale",
                     "trainer", "planning", "target_specs", "h100_sxm.txtpb")

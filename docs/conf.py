@@ -70,12 +70,12 @@ autodoc_typehints_description_target = "documented"
 autodoc_preserve_defaults = True
 # mpscale's type aliases by name (documented in api.rst), not expanded into long unions.
 _ALIASES = {
-    "mpscale.norms.NormGroups": ("NormGroups", "norms_lib.NormGroups", "norms.NormGroups"),
-    "mpscale.came.ScalarOrSchedule": ("ScalarOrSchedule",),
-    "mpscale.came.Compression": ("Compression",),
-    "mpscale.policy.KeepFp32": ("KeepFp32",),
-    "mpscale.train_step.LossFn": ("LossFn",),
-    "mpscale.train_step.DataAxis": ("DataAxis",),
+    "mpscale.scaling.NormGroups": ("NormGroups", "norms_lib.NormGroups", "norms.NormGroups"),
+    "mpscale.optim.ScalarOrSchedule": ("ScalarOrSchedule",),
+    "mpscale.optim.Compression": ("Compression",),
+    "mpscale.precision.KeepFp32": ("KeepFp32",),
+    "mpscale.step.LossFn": ("LossFn",),
+    "mpscale.step.DataAxis": ("DataAxis",),
     "optax.Schedule": ("optax.Schedule",),
 }
 autodoc_type_aliases = {name: target for target, names in _ALIASES.items()
@@ -98,7 +98,7 @@ html_show_sourcelink = False
 
 
 # Names in the docstrings are written as the user sees them (`mpscale.dynamic_loss_scale`,
-# `loss_scale_of(opt_state)` inside mpscale.loss_scale, `Policy.cast_to_compute`) while
+# `loss_scale_of(opt_state)` inside mpscale.scaling, `Policy.cast_to_compute`) while
 # api.rst documents each public object once, as ``mpscale.<name>``. Resolve a reference
 # Sphinx could not find to that documented object when there is exactly one reading.
 def _resolve_public_name(app, env, node, contnode):

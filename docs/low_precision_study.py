@@ -101,7 +101,7 @@ def meets_target(row: dict) -> bool:
 def amax_series(history) -> "np.ndarray":
   """One tensor's amaxes, oldest to newest, from its ``amax_history``.
 
-  `mpscale.fp8.record_amax` rolls the history by -1 and writes the newest amax at
+  `mpscale.precision.record_amax` rolls the history by -1 and writes the newest amax at
   ``[0]``, so after ``n`` updates the one before the newest is ``[-1]``, the one
   before that ``[-2]``, and the unused slots (zeros) are ``[1:len - n + 1]``: the
   series is ``history[len - (n - 1):]`` then ``history[0]``, ``n`` the nonzero

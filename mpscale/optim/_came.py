@@ -114,7 +114,7 @@ class ScaleByCameState(NamedTuple):
   averaged_dims = {"v_row": -1, "v_col": -2, "instability_row": -1,
                    "instability_col": -2}
   """Not a field: each factored statistic -> the parameter dimension it averages
-  over, which `mpscale.sharding.state_specs` reads to lay it out (on a square matrix
+  over, which `mpscale.parallel.state_specs` reads to lay it out (on a square matrix
   its shape alone cannot tell)."""
 
 

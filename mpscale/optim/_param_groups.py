@@ -49,7 +49,7 @@ class ParamGroup:
 
   Attributes:
     match: a regular expression searched (``re.search``) in each leaf's key path,
-      ``/``-joined (`mpscale.norms.path_str`, e.g. ``"blocks/ln1/scale"``), or a
+      ``/``-joined (`mpscale._tree.path_str`, e.g. ``"blocks/ln1/scale"``), or a
       predicate ``(path, leaf) -> bool``.
     lr_mult: multiplies the default learning rate (or schedule); 0 freezes the group
       (its leaves get zero updates and keep no optimizer state).

@@ -1,6 +1,6 @@
 """Activations kept split over the batch: FSDP as FSDP for any model.
 
-Under FSDP (``mesh.fsdp``, `mpscale.sharding.fsdp_specs`) the batch and the parameters
+Under FSDP (``mesh.fsdp``, `mpscale.parallel.fsdp_specs`) the batch and the parameters
 are split over the same devices. GSPMD then chooses, product by product, whether to
 all-gather the weight or the activation. Where a layer's activations are comparable
 to its weights (a few sequences a device: the regime FSDP is for) it gathers the

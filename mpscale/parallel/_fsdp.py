@@ -120,7 +120,7 @@ class _Shard:
 def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
   """Inside a ``shard_map`` that is manual over FSDP's data axes: ``fn(params,
   *args)`` evaluated on the parameters' master shards, each split leaf cast and
-  all-gathered at each equation that uses it (`mpscale.sharding.gather_cast`, under
+  all-gathered at each equation that uses it (`mpscale.parallel.gather_cast`, under
   ``jax.checkpoint`` so the backward gathers it again), never the whole model at
   once; its gradient is reduce-scattered there in the masters' dtype.
 
@@ -135,7 +135,7 @@ def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
   Args:
     fn: ``fn(params, *args)``, written for whole parameters.
     dims: like ``params``: each leaf's ``(dim, axes)`` pairs
-      (`mpscale.sharding.split_dims` of its spec over the manual data axes), a
+      (`mpscale.parallel.split_dims` of its spec over the manual data axes), a
       tuple, empty for a leaf that is not split.
 
   Returns:
@@ -253,7 +253,7 @@ class StageFSDP:
   """Parameters split over the data axes (FSDP) inside the pipeline's ``shard_map``.
 
   Each stays a master shard until it is used, then is cast to the compute dtype and
-  all-gathered there (`mpscale.sharding.gather_cast`): a layer at a time for the
+  all-gathered there (`mpscale.parallel.gather_cast`): a layer at a time for the
   stacked layers (in every schedule, on the forward and again on the backward), and
   around the embedding and the head for the rest. Its gradient is reduce-scattered
   back where it is computed, in the masters' dtype, so no device ever holds a whole

@@ -25,7 +25,7 @@ Everything else follows the parameters::
   FSDP (ZeRO-3)     `fsdp_specs`: each parameter splits its largest free dimension
                     over the ``fsdp`` axis; it is all-gathered where it is used, a
                     layer at a time, and its gradient reduce-scattered there
-                    (`mpscale.batch_split`; inside pipeline stages, `mpscale.pipeline`)
+                    (`mpscale.parallel`; inside pipeline stages, `mpscale.parallel.pipeline`)
   the batch         leading dimension over the data axes (``data`` and ``fsdp``):
                     `data_axes`, `batch_sharding`; `batch_rows` checks it divides
 

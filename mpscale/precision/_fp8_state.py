@@ -165,9 +165,9 @@ def _like(original: Mapping[str, Any], items: dict) -> Any:
 def grad_with_overwrite(scaled_loss: Callable) -> Callable:
   """``jax.grad(scaled_loss, has_aux=True)``, overwriting FP8 state by its gradient.
 
-  A model state holding an ``_overwrite_with_gradient`` collection (`mpscale.fp8`:
+  A model state holding an ``_overwrite_with_gradient`` collection (`mpscale.precision`:
   FP8 products' scaling state) is differentiated with the parameters: the products'
-  custom VJPs give each `mpscale.fp8.Fp8State` its updated value as its cotangent,
+  custom VJPs give each `mpscale.precision.Fp8State` its updated value as its cotangent,
   and that replaces the collection in the new model state (the other collections as
   the loss returned them). A state the differentiation did not reach (a zero
   cotangent: no scale is ever 0) keeps its old value. Any other model state: exactly
@@ -196,7 +196,7 @@ def grad_with_overwrite(scaled_loss: Callable) -> Callable:
 
 
 def reached(new: Any, old: Any) -> Any:
-  """Each `mpscale.fp8.Fp8State` of ``new`` (the FP8 states' cotangents, or their
+  """Each `mpscale.precision.Fp8State` of ``new`` (the FP8 states' cotangents, or their
   merged updates), or its value in ``old`` where no product gave one (its scales all
   0: a product outside the loss's graph)."""
   def one(n: Any, o: Any) -> Any:

@@ -35,7 +35,7 @@ so ``needs_loss_scaling`` is true for O3 and the train step warns without it.
 copy (an optimizer's state is made in its parameters' dtype; optax's ``adamw`` keeps
 its first moment there with ``mu_dtype=jnp.bfloat16``), so round-to-nearest loses every
 update smaller than half a parameter's spacing: end the optimizer chain with
-`mpscale.stochastic_rounding` or `mpscale.kahan_summation` (`mpscale.rounding`). The
+`mpscale.stochastic_rounding` or `mpscale.kahan_summation` (`mpscale.optim`). The
 loss is still taken in float32.
 
 References:
@@ -191,7 +191,7 @@ class Policy:
     return _cast(tree, self.output_dtype)
 
   def wide_share(self, flops: dict[str, float]) -> Optional[float]:
-    """The share of matrix FLOPs (`mpscale.jaxprs.matmul_flops`, by operand dtype)
+    """The share of matrix FLOPs (`mpscale._jaxprs.matmul_flops`, by operand dtype)
     that run in float32 or wider under a 16-bit ``compute_dtype``; ``None`` when
     the compute dtype is not 16-bit or there are no such FLOPs."""
     if jnp.dtype(self.compute_dtype).itemsize != 2:

@@ -3,7 +3,7 @@
 The scale lives in the optimizer state. Inside the train step the loss is multiplied by
 `loss_scale_of(opt_state)` before differentiation; the wrapper's ``update`` receives the
 gradients of ``scale * loss``, unscales them in float32, checks them in one pass (see
-`mpscale.skip`), runs or skips the inner transformation, and adjusts the scale.
+`mpscale.scaling`), runs or skips the inner transformation, and adjusts the scale.
 
 Dynamic loss scaling, per step::
 

@@ -21,7 +21,7 @@ reduction per leaf made it 3.06x (benchmarks/README.md, ``bench_gpu_program.py``
 One pass, every consumer::
 
   s[leaf] = sum(float32(leaf) ** 2)          # a vector of k parts for a split leaf
-  overflow = any(isnan(s) or isinf(s))        # mpscale.skip
+  overflow = any(isnan(s) or isinf(s))        # mpscale.scaling
   global_norm = sqrt(sum(s))
   group_norms[name] = sqrt(sum of s over the leaves (or parts) in group name)
   clipped = updates * max_norm / max(global_norm, max_norm)

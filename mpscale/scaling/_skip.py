@@ -1,12 +1,12 @@
 """Finite-check-and-skip: a step with a NaN/Inf gradient changes nothing and is counted.
 
-The check reads the per-leaf sums of squares from `mpscale.norms` (one pass over the
+The check reads the per-leaf sums of squares from `mpscale.scaling` (one pass over the
 gradients, shared with the global and group norms and any clip), and the skip is a
 select, not a ``lax.cond``: the inner update is always computed and the new or the old
 state kept elementwise. A select needs no device-to-host sync of the predicate (a
 ``cond`` on GPU does) and is elementwise work XLA fuses into the inner update. Each
 state leaf is selected where the inner update produces it
-(`mpscale.producer_select`), so the inner update's own outputs read the selected state
+(`mpscale.scaling`), so the inner update's own outputs read the selected state
 and a donated state is updated in place with no copies, on every backend (see
 benchmarks/README.md for the figures).
 

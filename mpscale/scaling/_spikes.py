@@ -7,9 +7,9 @@ gradient norm is more than ``sigma_factor`` (6) standard deviations above the me
 the last ``rolling_interval_length`` (128) steps, once half of them are in (the current
 one counted: 63 earlier values).
 `skip_spikes` is that rule as an mpscale wrapper: the global norm is read from the
-per-leaf sums of squares the loss-scale wrapper measured (`mpscale.norms`, no new
+per-leaf sums of squares the loss-scale wrapper measured (`mpscale.scaling`, no new
 pass), the loss arrives as the update's extra argument ``loss``, and the skip is
-`skip_nonfinite`'s select (`mpscale.producer_select`): updates of ``-0.0`` and the
+`skip_nonfinite`'s select (`mpscale.scaling`): updates of ``-0.0`` and the
 inner state kept bit for bit.
 
 Per step::

@@ -86,7 +86,7 @@ def check_mergeable(model_state: Any, merge_state: Optional[Callable]) -> None:
     raise validation.ArgumentError(
         ("merge_state", "grad_reduce_dtype"), "FP8 scaling state under {1}=float32 "
         "needs {0}: each data replica updates it from its own rows, and {0} combines "
-        "the replicas' updates (functools.partial(mpscale.fp8.merge_stacked, "
+        "the replicas' updates (functools.partial(mpscale.precision.merge_stacked, "
         "recipe=recipe))")
   validation.function("merge_state", merge_state)
 
@@ -125,7 +125,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   are those of the global micro-batch, the same on every device, as synchronized
   BatchNorm computes them.
 
-  FP8 scaling state (`mpscale.fp8`): a model state holding an
+  FP8 scaling state (`mpscale.precision`): a model state holding an
   ``_overwrite_with_gradient`` collection is differentiated with the parameters, and
   the collection is replaced by its gradient, the products' updated states. The
   state runs through the micro-batches in order, so each micro-batch's amax enters
@@ -155,7 +155,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
       micro-batches GSPMD needs no help.
     data_axis: the mesh axis (or axes) of the data-parallel replicas.
     param_specs: the params' ``PartitionSpec``s (a pytree like ``params``; see
-      `mpscale.sharding`), or ``None`` for replicated params.
+      `mpscale.parallel`), or ``None`` for replicated params.
     rng: a PRNG key (typed or raw) the step's random draws derive from; ``None``: the
       loss takes no key.
     model_state: the model's non-parameter state (a pytree of arrays); ``None``: the
@@ -174,7 +174,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
       others all-reduced once after the loop. Each micro-batch's gradient is still
       rounded to the compute dtype once, by the matmul that makes it. The loss runs
       inside the ``shard_map``: an activation layout it sets must use
-      `mpscale.sharding.constrain`, which drops the manual data axes. Under a
+      `mpscale.parallel.constrain`, which drops the manual data axes. Under a
       float32 compute dtype the sums are float32 already and nothing changes. A
       ``model_state`` refuses it (synchronized BatchNorm makes each micro-batch's
       gradient span every replica's rows), except FP8 scaling state alone (an
@@ -182,7 +182,7 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     merge_state: how updates of an FP8 scaling state from data replicas that
       differentiate their own rows combine (``grad_reduce_dtype=float32``):
       ``merge_state(updates)``, ``updates`` the collection with a leading axis of
-      replicas (``functools.partial(mpscale.fp8.merge_stacked, recipe=recipe)``).
+      replicas (``functools.partial(mpscale.precision.merge_stacked, recipe=recipe)``).
       Each micro-batch's updates are gathered from the replicas and merged, so
       every replica carries the state on as the global micro-batch records it.
 
@@ -210,15 +210,15 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   # weights (FSDP's all-gather, a layer at a time) rather than activations.
   model = (batch_split_lib.keep_batch_split(loss_fn, mesh, data_axes, specs)
            if specs is not None and not wide else loss_fn)
-  sums_lib.scaled_loss = sums_lib.scaled_loss(model, policy, scale, per_token_loss, stateful)
+  scaled_loss = sums_lib.scaled_loss(model, policy, scale, per_token_loss, stateful)
   # Three strategies add up the losses and float32 gradients; averaged divides.
   if wide and data_size > 1:
-    sums = float32_lib.float32_sums(sums_lib.scaled_loss, policy, params, batch, rng, mesh, data_axes,
+    sums = float32_lib.float32_sums(scaled_loss, policy, params, batch, rng, mesh, data_axes,
                          specs, num_microbatches, model_state, merge_state)
   elif num_microbatches == 1:
-    sums = _single_gradient(sums_lib.scaled_loss, params, batch, rng, model_state, mesh, specs)
+    sums = _single_gradient(scaled_loss, params, batch, rng, model_state, mesh, specs)
   else:
-    sums = _microbatch_scan(sums_lib.scaled_loss, params, batch, rng, model_state, mesh,
+    sums = _microbatch_scan(scaled_loss, params, batch, rng, model_state, mesh,
                             data_axes, specs, num_microbatches)
   gradients = sums_lib.averaged(sums, per_token_loss, rows)
   return gradients if not stateful else (gradients, sums.model_state)
@@ -230,7 +230,7 @@ def _single_gradient(scaled_loss: Callable, params: Any, batch: Any,
   """`accumulate_gradients` with one micro-batch: one gradient of the whole batch,
   widened to float32. Under a mesh GSPMD all-reduces (or reduce-scatters) it once."""
   key = None if rng is None else keys_lib.microbatch_key(rng, 0)
-  grads, (loss, tokens, model_state) = fp8_state_lib.grad_with_overwrite(sums_lib.scaled_loss)(
+  grads, (loss, tokens, model_state) = fp8_state_lib.grad_with_overwrite(scaled_loss)(
       params, batch, key, model_state)
   grads = sums_lib.like_params(
       jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads), specs, mesh)
@@ -269,7 +269,7 @@ def _microbatch_scan(scaled_loss: Callable, params: Any, batch: Any,
   per_replica = specs is None and model_state is None
   vmap_axes = data_axes if per_replica else ()
   inner_axes = () if per_replica else data_axes
-  grad_fn = fp8_state_lib.grad_with_overwrite(sums_lib.scaled_loss)
+  grad_fn = fp8_state_lib.grad_with_overwrite(scaled_loss)
   replicas = layouts_lib.axis_size(mesh, vmap_axes)
   inner = layouts_lib.axis_size(mesh, inner_axes)
   micro_batches = sums_lib.split_microbatches(batch, num_microbatches, replicas, inner)

@@ -38,7 +38,7 @@ def float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
 
   A ``shard_map`` manual over the data axes and automatic over the others (a tensor
   split stays GSPMD's, and so does the model's activation layout, whose
-  `mpscale.sharding.constrain` drops the manual axes). On each device::
+  `mpscale.parallel.constrain` drops the manual axes). On each device::
 
     p = params                                  # this device's shard, varying
     g = 0                                       # float32, p's shape
@@ -60,7 +60,7 @@ def float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
   every replica and merged (``merge_state``), so each micro-batch records the
   global amaxes, as the other paths do.
   """
-  grad_fn = fp8_state_lib.grad_with_overwrite(sums_lib.scaled_loss)
+  grad_fn = fp8_state_lib.grad_with_overwrite(scaled_loss)
   layout = (jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
             if specs is None else specs)
   manual = jax.tree_util.tree_map(
@@ -84,7 +84,7 @@ def float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
         "{0}=float32 with {1} splitting parameters over the data axes (FSDP) takes "
         "no FP8 scaling {2} yet; pass {0}=None, or keep the parameters whole")
   # FSDP: the masters' shards, each cast and gathered where the loss uses it.
-  shard_grad = fp8_state_lib.grad_with_overwrite(fsdp_lib.gather_where_used(sums_lib.scaled_loss, dims))
+  shard_grad = fp8_state_lib.grad_with_overwrite(fsdp_lib.gather_where_used(scaled_loss, dims))
 
   def merged(state, old):
     """The replicas' updates of the FP8 state, gathered and merged (the same

@@ -27,7 +27,7 @@ The code reads the same way::
 
 Data parallelism is jit + GSPMD over a `jax.sharding.Mesh`: the batch is sharded over
 the data axes, and XLA inserts the gradient all-reduce. ``param_specs`` lays the
-parameters out on the mesh (`mpscale.sharding`): FSDP splits them over a data axis
+parameters out on the mesh (`mpscale.parallel`): FSDP splits them over a data axis
 (``("data", "fsdp")``), tensor parallelism over a ``tensor`` axis, and XLA gathers and
 reduce-scatters them; the optimizer state follows its parameters (a factored moment
 the dimension it kept), and FSDP's data axes split it too. With
@@ -36,7 +36,7 @@ remaining data axes along its largest free divisible dimension (ZeRO-1); XLA the
 updates each shard where it lives and all-gathers the parameter updates.
 
 The overflow check, the global norm and the group norms read one float32 sum of squares
-per gradient leaf (`mpscale.norms`); across devices they only ever move those scalars,
+per gradient leaf (`mpscale.scaling`); across devices they only ever move those scalars,
 never a gradient. On replicated gradients (plain data parallelism) each device sums its
 all-reduced copy, with no communication; on sharded ones (ZeRO-1) XLA all-reduces the
 per-device partial sums, a few bytes. Each leaf's sum can start as soon as that leaf's
@@ -297,7 +297,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       axes its spec does not use. Needs a mesh. Results are the same as unsharded.
     param_specs: the parameters' layout on ``mesh``: a pytree of ``PartitionSpec``
       like the params (or a prefix of it), a function ``(key_path, leaf) ->
-      PartitionSpec``, or `mpscale.sharding.logical_specs`; ``None``: replicated (a
+      PartitionSpec``, or `mpscale.parallel.logical_specs`; ``None``: replicated (a
       Pipeline's stacked layers over its stage axis). Checked by ``init``.
     donate: donate the input state's buffers to the output state.
     model_state_dtype: the dtype of the model state's floating leaves (BatchNorm
@@ -309,7 +309,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     merge_state: with ``grad_reduce_dtype=float32`` and FP8 scaling state (an
       ``_overwrite_with_gradient`` collection), how the data replicas' updates of it
       combine (`mpscale.accumulate_gradients`' ``merge_state``:
-      ``functools.partial(mpscale.fp8.merge_stacked, recipe=recipe)``). A
+      ``functools.partial(mpscale.precision.merge_stacked, recipe=recipe)``). A
       `Pipeline` merges its own (its ``merge_state``).
 
   Returns:
@@ -317,14 +317,14 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     model_state=None, rng=None) -> TrainState`` (given ``jax.ShapeDtypeStruct``s, the
     state's shapes and shardings, allocating nothing) and ``step(state, batch) ->
     (state, metrics)``, ``metrics`` a dict of device arrays: ``loss`` (unscaled),
-    ``num_tokens``, ``loss_scale`` (this step's) and `mpscale.metrics.StepMetrics`'
+    ``num_tokens``, ``loss_scale`` (this step's) and `mpscale.step.StepMetrics`'
     (``overflow``, ``skipped``, ``global_norm``, ``group_norms``, ...).
 
   Raises:
     ValueError: for a mesh without ``data_axis``; ``shard_optimizer_state`` without a
       mesh; a ``grad_reduce_dtype`` other than ``None`` or float32 (an
       `mpscale.ArgumentError` naming it); by ``init``, ``param_specs`` that do not fit
-      the params or the mesh (`mpscale.sharding.check_specs`); and, when ``step``
+      the params or the mesh (`mpscale.parallel.check_specs`); and, when ``step``
       traces, a batch whose size is not divisible by the data-parallel size times
       ``num_microbatches``.
     TypeError: when ``step`` traces, for a ``loss_fn`` returning the wrong structure.

@@ -22,9 +22,11 @@ MODULES = sorted(info.name for info in pkgutil.walk_packages(mpscale.__path__, "
 """Every module of the package; none has side effects on import (``mpscale.__main__``
 runs the command line only as ``__main__``), so none is skipped."""
 
-WITH_EXAMPLES = ("mpscale.came", "mpscale.hlo", "mpscale.loss_scale", "mpscale.norms",
-                 "mpscale.policy", "mpscale.rounding", "mpscale.schedules",
-                 "mpscale.spikes", "mpscale.train_step", "mpscale.trainer.config.load",
+WITH_EXAMPLES = ("mpscale.optim._came", "mpscale.trainer.planning.hlo",
+                 "mpscale.scaling._loss_scale", "mpscale.scaling._norms",
+                 "mpscale.precision._policy", "mpscale.optim._rounding",
+                 "mpscale.optim._lr_schedules", "mpscale.scaling._spikes",
+                 "mpscale.step._train_step", "mpscale.trainer.config.load",
                  "mpscale.trainer.models.lm")
 """Modules whose docstrings have examples today: deleting them all fails a test."""
 

@@ -1,7 +1,7 @@
 """FP8 products compiled for an H100 without a GPU: the GEMMs take the FP8 values.
 
 With JAX's CUDA plugin installed, XLA's CUDA compiler builds a Flax ``nn.Dense`` whose
-product is `mpscale.fp8_flax.Fp8DotGeneral`, forward and backward, for one H100
+product is `mpscale.precision.fp8_flax.Fp8DotGeneral`, forward and backward, for one H100
 (the compile-only topology of `mpscale.trainer.planning.targets`), and the tests read
 the program's matrix products:
 
@@ -155,7 +155,7 @@ def test_an_fp8_round_trip_before_a_bf16_gemm_is_elided_by_the_gpu_compiler():
 @needs_cuda
 @pytest.mark.parametrize("options", [{}, TRITON_OFF], ids=["triton", "cublas"])
 def test_the_plan_reads_every_product_of_an_fp8_dense_as_an_fp8_gemm(options):
-  """`mpscale.hlo.fp8_flops`, which the plan prices at the profile's float8 peak:
+  """`mpscale.trainer.planning.hlo.fp8_flops`, which the plan prices at the profile's float8 peak:
   all of a per-tensor FP8 Dense's product FLOPs, through cuBLAS's FP8 calls and
   Triton's GEMM fusions alike; none of blockwise's bf16 products."""
   text = compile_dense_step("delayed", options)

@@ -114,10 +114,10 @@ def _converted_from_16_bit(module: hlo_lib.Module, computation: str, name: str,
 
 
 def widened_collectives(hlo: Any) -> list[str]:
-  """The collectives of the compiled program ``hlo`` (text, or `mpscale.hlo.parse`'s
-  `mpscale.hlo.Module`) that move 16-bit data as float32, each as
+  """The collectives of the compiled program ``hlo`` (text, or `mpscale.trainer.planning.hlo.parse`'s
+  `mpscale.trainer.planning.hlo.Module`) that move 16-bit data as float32, each as
   ``"<computation>/<name>: <result type>"``: a sum XLA widened (its reducer
-  ``*_promoted``, `mpscale.hlo.sums`), or a float32 operand that is a bf16 or f16
+  ``*_promoted``, `mpscale.trainer.planning.hlo.sums`), or a float32 operand that is a bf16 or f16
   value converted. A float32 collective of float32 data (a loss, a norm, a weight
   the policy keeps in float32) is not one. Empty on a GPU's program of a 16-bit
   policy; XLA's CPU compiler widens them all."""
@@ -224,7 +224,7 @@ class Program(NamedTuple):
   text: str
   """The compiled HLO (``compiled.as_text()``)."""
   module: hlo_lib.Module
-  """``text`` parsed (`mpscale.hlo.parse`)."""
+  """``text`` parsed (`mpscale.trainer.planning.hlo.parse`)."""
   memory: Any
   """``compiled.memory_analysis()``."""
 

@@ -87,7 +87,7 @@ def _check_02(s):
 def _check_03(s):
   # The numbers the markdown states, and the same recomputed from the schedule tables
   # (S = 4 stages, M = 8 micro-batches, v = 2 virtual stages in the interleaved ones).
-  from mpscale.parallel.pipeline import _pipeline as pl
+  from mpscale.parallel import pipeline as pl
   S, M, v = 4, 8, 2
 
   def bubble(schedule, m, vs=1):

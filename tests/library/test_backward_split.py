@@ -1,4 +1,4 @@
-"""mpscale.backward_split: B's and W's gradients add up to the layer's, and B does
+"""mpscale.parallel.pipeline: B's and W's gradients add up to the layer's, and B does
 none of the tapped products' weight-side work."""
 
 import jax

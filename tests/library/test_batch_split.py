@@ -1,4 +1,4 @@
-"""`mpscale.batch_split`: activations stay split over the batch under FSDP, for any
+"""`mpscale.parallel`: activations stay split over the batch under FSDP, for any
 model, with the same values and gradients."""
 
 import re

@@ -1,4 +1,4 @@
-"""Tests for mpscale.fp8 (FP8 products and their scaling state) and mpscale.fp8_flax.
+"""Tests for mpscale.precision (FP8 products and their scaling state) and mpscale.precision.fp8_flax.
 
 The casts are checked against a float64 reference that rounds to the nearest of the
 format's values (every finite value, decoded from its 256 codes), ties to the even
@@ -23,6 +23,7 @@ import optax
 
 import mpscale
 from mpscale.precision import _fp8 as fp8
+from mpscale.precision import _fp8_state as fp8_state
 from mpscale.precision.fp8_flax import (Fp8DotGeneral, NnxFp8DotGeneral, NnxFp8Einsum,
                               OverwriteWithGradient)
 
@@ -384,9 +385,9 @@ def test_merged_micro_batches_take_the_max_in_any_order(recipe_name):
   batches = [jnp.asarray(rng.normal(size=(3, 16)) * s, jnp.float32)
              for s in (1.0, 20.0, 3.0)]
   _, (a, b, c) = _updates(recipe, *batches)
-  ab = fp8.merge(a, b, recipe)
-  _assert_same(ab, fp8.merge(b, a, recipe))
-  _assert_same(fp8.merge(ab, c, recipe), fp8.merge(a, fp8.merge(b, c, recipe), recipe))
+  ab = fp8_state.merge(a, b, recipe)
+  _assert_same(ab, fp8_state.merge(b, a, recipe))
+  _assert_same(fp8_state.merge(ab, c, recipe), fp8_state.merge(a, fp8_state.merge(b, c, recipe), recipe))
   np.testing.assert_array_equal(
       ab["layer"].lhs.amax_history,
       jnp.maximum(a["layer"].lhs.amax_history, b["layer"].lhs.amax_history))
@@ -395,9 +396,9 @@ def test_merged_micro_batches_take_the_max_in_any_order(recipe_name):
   _assert_same(ab, whole)
   # a vmap's stacked updates, and the replicas of a named axis, merge alike
   stacked = jax.tree_util.tree_map(lambda *u: jnp.stack(u), a, b, c)
-  abc = fp8.merge(ab, c, recipe)
-  _assert_same(fp8.merge_stacked(stacked, recipe), abc)
-  across = jax.vmap(lambda s: fp8.merge_across(s, recipe, "r"), axis_name="r")(stacked)
+  abc = fp8_state.merge(ab, c, recipe)
+  _assert_same(fp8_state.merge_stacked(stacked, recipe), abc)
+  across = jax.vmap(lambda s: fp8_state.merge_across(s, recipe, "r"), axis_name="r")(stacked)
   _assert_same(jax.tree_util.tree_map(lambda u: u[1], across), abc)
 
 
@@ -410,8 +411,8 @@ def test_a_vmap_over_replicas_stacks_updates_that_merge_stacked_combines():
   w = jnp.full((16, 4), 0.25)
   per_replica = jax.vmap(jax.grad(lambda s, x: jnp.sum(fp8.fp8_dot_general(
       x, w, DENSE, s["layer"], recipe) * jnp.arange(4.0))), in_axes=(None, 0))(old, xs)
-  _assert_same(fp8.merge_stacked(per_replica, recipe),
-               functools.reduce(lambda p, q: fp8.merge(p, q, recipe), updates))
+  _assert_same(fp8_state.merge_stacked(per_replica, recipe),
+               functools.reduce(lambda p, q: fp8_state.merge(p, q, recipe), updates))
 
 
 def test_under_a_batch_sharded_jit_the_state_records_the_global_amax():
@@ -433,14 +434,14 @@ def test_merge_keeps_the_old_scale_where_the_merged_amax_gives_none():
   old, (a, z1, z2, inf) = _updates(recipe, jnp.ones((3, 16)), zeros, zeros,
                                    jnp.ones((3, 16)).at[0, 0].set(jnp.inf))
   # one update saw zeros: the other's amax decides
-  assert float(fp8.merge(z1, a, recipe)["layer"].lhs.scale) == float(
+  assert float(fp8_state.merge(z1, a, recipe)["layer"].lhs.scale) == float(
       a["layer"].lhs.scale) == 448.0
   # both zeros, or an inf in either: the old scale
-  assert float(fp8.merge(z1, z2, recipe)["layer"].lhs.scale) == 2.0
+  assert float(fp8_state.merge(z1, z2, recipe)["layer"].lhs.scale) == 2.0
   for pair in ((a, inf), (inf, a)):
-    assert float(fp8.merge(*pair, recipe)["layer"].lhs.scale) == 2.0
+    assert float(fp8_state.merge(*pair, recipe)["layer"].lhs.scale) == 2.0
   stacked = jax.tree_util.tree_map(lambda *u: jnp.stack(u), a, inf, z1)
-  assert float(fp8.merge_stacked(stacked, recipe)["layer"].lhs.scale) == 2.0
+  assert float(fp8_state.merge_stacked(stacked, recipe)["layer"].lhs.scale) == 2.0
 
 
 def test_merge_across_replicas_of_a_shard_map():
@@ -454,10 +455,10 @@ def test_merge_across_replicas_of_a_shard_map():
   P = jax.sharding.PartitionSpec
   merged = jax.shard_map(
       lambda s: jax.tree_util.tree_map(
-          lambda u: u[None], fp8.merge_across(
+          lambda u: u[None], fp8_state.merge_across(
               jax.tree_util.tree_map(lambda u: u[0], s), recipe, "data")),
       mesh=mesh, in_specs=P("data"), out_specs=P("data"))(stacked)
-  want = functools.reduce(lambda p, q: fp8.merge(p, q, recipe), updates)
+  want = functools.reduce(lambda p, q: fp8_state.merge(p, q, recipe), updates)
   for i in range(8):
     _assert_same(jax.tree_util.tree_map(lambda u: u[i], merged), want)
 
@@ -583,7 +584,7 @@ def test_nnx_linear_and_einsum_take_the_product_and_update_their_state():
                                  fp8.make_fp8_recipe()), TypeError, "state"),
     (lambda: fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), (1, 0), _state(),
                                  fp8.make_fp8_recipe()), TypeError, "dimension_numbers"),
-    (lambda: fp8.merge({"a": 1.0}, {"a": 1.0}, fp8.make_fp8_recipe()), TypeError, "a"),
+    (lambda: fp8_state.merge({"a": 1.0}, {"a": 1.0}, fp8.make_fp8_recipe()), TypeError, "a"),
     (lambda: mpscale.split_overwrite([1]), TypeError, "tree"),
     (lambda: Fp8DotGeneral().init(jax.random.key(0), jnp.ones((2, 3)), jnp.ones((3, 4)),
                                   method=lambda m, a, b: m.einsum("...d,dk->...k",

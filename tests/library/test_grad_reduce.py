@@ -1,5 +1,5 @@
 """float32 gradient sums under a 16-bit compute dtype (``grad_reduce_dtype``): where the
-compiled program sums (mpscale.hlo.sums, the plan's reader), what it changes in the
+compiled program sums (mpscale.trainer.planning.hlo.sums, the plan's reader), what it changes in the
 numbers, what `mpscale plan` counts, and the bad inputs."""
 
 import jax
@@ -11,7 +11,7 @@ import pytest
 
 import mpscale
 from mpscale.trainer.planning import hlo as hlo
-from mpscale.parallel.pipeline import _pipeline as pl
+from mpscale.parallel import pipeline as pl
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import compiled as planning
 from tests.library import test_pipeline as tp
@@ -281,7 +281,7 @@ def test_a_model_with_a_state_is_refused_by_key():
 
 def test_fsdp_float32_sums_gather_a_layer_at_a_time():
   """Under FSDP the float32-sums step casts and gathers each weight where the loss
-  uses it (`mpscale.batch_split.gather_where_used`): on the built-in LM, whose layers
+  uses it (`mpscale.parallel.gather_where_used`): on the built-in LM, whose layers
   are stacked and scanned, no all-gather is larger than one layer's largest weight
   in bfloat16 (the step once gathered every stacked leaf whole, each micro-batch),
   the gradient sums stay float32, and the gradients equal one device's."""
@@ -341,7 +341,7 @@ def test_fp8_state_under_float32_sums_records_the_global_amaxes(num_microbatches
   history entry a micro-batch), bit for bit, on every device. The output gradient
   each replica quantizes is that of its own rows' mean loss, 8 (the replicas) times
   the global mean's: its amaxes are 8 times the bf16-sums step's, exactly."""
-  merge = lambda u: mpscale.fp8.merge_stacked(u, RECIPE)  # noqa: E731
+  merge = lambda u: mpscale.precision.merge_stacked(u, RECIPE)  # noqa: E731
   steps = {}
   for name, kw in (("bf16", {}), ("float32", {"grad_reduce_dtype": "float32",
                                                "merge_state": merge})):
@@ -380,7 +380,7 @@ def test_fp8_state_under_float32_sums_needs_merge_state_by_name():
   with pytest.raises(mpscale.ArgumentTypeError) as e:
     _step(grad_reduce_dtype="float32", merge_state="max")
   assert e.value.names == ("merge_state",)
-  merge = lambda u: mpscale.fp8.merge_stacked(u, RECIPE)  # noqa: E731
+  merge = lambda u: mpscale.precision.merge_stacked(u, RECIPE)  # noqa: E731
   init, step = mpscale.make_train_step(
       fp8_loss_fn, optax.sgd(0.1), policy="bf16", mesh=_mesh(), param_specs=FSDP,
       grad_reduce_dtype="float32", merge_state=merge)

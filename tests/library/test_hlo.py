@@ -1,4 +1,4 @@
-"""Reading compiled HLO text (mpscale.hlo): the collectives and matrix-product FLOPs of
+"""Reading compiled HLO text (mpscale.trainer.planning.hlo): the collectives and matrix-product FLOPs of
 programs compiled on the 8 fake CPU devices, against bytes and FLOPs counted by hand,
 and hand-written HLO for what a CPU compile does not print (asynchronous pairs,
 conditionals, widened sums)."""

@@ -1,4 +1,4 @@
-"""Tests for mpscale.loss_scale: dynamic/fixed/no loss scaling around Optax."""
+"""Tests for mpscale.scaling: dynamic/fixed/no loss scaling around Optax."""
 
 import functools
 from pathlib import Path
@@ -36,7 +36,7 @@ def _grads(scale, poison=None, leaf=0, seed=1):
 
 
 class ReferenceScaler:
-  """The rules of `mpscale.loss_scale`'s module docstring, in plain Python, one step at
+  """The rules of `mpscale.scaling`'s module docstring, in plain Python, one step at
   a time."""
 
   def __init__(self, init, growth, backoff, interval, hysteresis, consecutive,

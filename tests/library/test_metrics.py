@@ -1,4 +1,4 @@
-"""Tests for mpscale.metrics.step_metrics."""
+"""Tests for mpscale.step.step_metrics."""
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ def test_metrics_of_a_clean_step():
   # fields, the optional ones this optimizer does not record left out: declared
   # there once.
   assert tuple(mpscale.step_metrics(state)) == tuple(
-      f for f in mpscale.metrics.StepMetrics._fields if f in m)
+      f for f in mpscale.step.StepMetrics._fields if f in m)
   np.testing.assert_allclose(m["global_norm"], mpscale.global_norm(grads), rtol=1e-6)
   np.testing.assert_allclose(m["learning_rate"], sched(0), rtol=1e-6)
   # The clip's depth-2 groups are the ones reported.
@@ -69,7 +69,7 @@ def test_metrics_without_learning_rate_and_for_skip_nonfinite():
   m = mpscale.step_metrics(tx.init(params))
   assert set(m) == KEYS and float(m["loss_scale"]) == float(m["next_loss_scale"]) == 1.0
   assert tuple(m) == tuple(  # no learning_rate, none of the other optional ones
-      f for f in mpscale.metrics.StepMetrics._fields if f in KEYS)
+      f for f in mpscale.step.StepMetrics._fields if f in KEYS)
   assert set(m["group_norms"]) == {"enc", "dec"}
 
 

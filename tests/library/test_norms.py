@@ -1,4 +1,4 @@
-"""Tests for mpscale.norms: global/group norms and global_norm_clip."""
+"""Tests for mpscale.scaling: global/group norms and global_norm_clip."""
 
 import jax
 import jax.numpy as jnp

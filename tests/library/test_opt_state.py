@@ -1,4 +1,4 @@
-"""Tests for mpscale.opt_state: finding mpscale's states inside an optimizer state."""
+"""Tests for mpscale._tree: finding mpscale's states inside an optimizer state."""
 
 import jax
 import jax.numpy as jnp

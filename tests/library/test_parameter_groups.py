@@ -75,7 +75,7 @@ def test_adamw_groups_equal_separate_adamw_with_masks():
                             weight_decay=0.5)
   got, _ = _run(tx, params)
   mask = jax.tree_util.tree_map_with_path(
-      lambda path, _: mpscale.norms.path_str(path).rsplit("/", 1)[-1] not in (
+      lambda path, _: mpscale._tree.path_str(path).rsplit("/", 1)[-1] not in (
           "bias", "scale"), params)
   want, _ = _run(optax.adamw(1e-2, weight_decay=0.5, mask=mask), params)
   jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)

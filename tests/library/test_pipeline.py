@@ -1,4 +1,4 @@
-"""Tests for mpscale.pipeline: GPipe and 1F1B against the unpipelined model."""
+"""Tests for mpscale.parallel.pipeline: GPipe and 1F1B against the unpipelined model."""
 
 import operator
 import re
@@ -14,7 +14,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 import mpscale
 from tests import helpers
 from mpscale import _tree
-from mpscale.parallel.pipeline import _pipeline as pl
+from mpscale.parallel import pipeline as pl
+from mpscale.parallel.pipeline import _run as run_lib
+from mpscale.parallel.pipeline import _ticked as ticked_lib
 
 LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
 
@@ -110,7 +112,7 @@ def test_nan_filled_bubbles_never_reach_gradients(schedule, monkeypatch):
   mesh = mesh_of(2, 4)
 
   def run(fill):
-    monkeypatch.setattr(pl, "_BUBBLE_FILL", fill)
+    monkeypatch.setattr(run_lib, "BUBBLE_FILL", fill)
     return model.value_and_grad(params, batch, mesh=mesh, per_token_loss=True)
 
   clean, poisoned = run(0.0), run(float("nan"))
@@ -184,7 +186,7 @@ def test_paired_1f1b_compiles_to_gpipes_matrix_flops(recompute, virtual):
 @pytest.mark.parametrize("recompute", pl.RECOMPUTE)
 def test_zb_h1_compiles_to_gpipes_matrix_flops(recompute):
   """ZB-H1 runs one of F, B and W a tick, and W is the weight side of each matrix
-  product alone (`mpscale.backward_split`), so each costs about a forward: within
+  product alone (`mpscale.parallel.pipeline`), so each costs about a forward: within
   10% of GPipe's work on layers of two products (1.02x; a W that took the layer's
   whole pullback redid the second's input side to reach the first: 1.17x). Under
   full recomputation B also recomputes the forward, and a lock-step tick lasts as
@@ -205,9 +207,9 @@ def test_recompute_policies_keep_what_they_say():
     shapes = {}
 
     def capture(run, params):
-      ops = pl._Ticks(run, params)  # pylint: disable=protected-access
+      ops = ticked_lib.Ticks(run, params)
       shapes["kept"] = ops.residual_shapes()
-      return pl._ticked(run, params)  # pylint: disable=protected-access
+      return ticked_lib.ticked(run, params)
     original = model._executor
     object.__setattr__(model, "_executor", lambda: capture)
     try:
@@ -1066,7 +1068,7 @@ def _fp8_stage_fn(recipe):
 
 
 def _fp8_pipeline(recipe, micro=1, **kwargs):
-  merge = lambda updates: mpscale.fp8.merge_stacked(updates, recipe)  # noqa: E731
+  merge = lambda updates: mpscale.precision.merge_stacked(updates, recipe)  # noqa: E731
   return pl.Pipeline(embed_fn, _fp8_stage_fn(recipe), head_fn, micro,
                      merge_state=merge, **kwargs)
 

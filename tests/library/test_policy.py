@@ -1,4 +1,4 @@
-"""Tests for mpscale.policy: parsing, presets, casts and the keep-float32 predicate."""
+"""Tests for mpscale.precision: parsing, presets, casts and the keep-float32 predicate."""
 
 from typing import Any
 

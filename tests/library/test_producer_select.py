@@ -1,4 +1,4 @@
-"""Tests for mpscale.producer_select: the fast path equals the plain select-at-end bit
+"""Tests for mpscale.scaling: the fast path equals the plain select-at-end bit
 for bit, is the one taken, keeps the inner optimizer's names, and falls back safely."""
 
 import re

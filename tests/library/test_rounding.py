@@ -1,4 +1,4 @@
-"""Tests for mpscale.rounding: stochastic rounding and Kahan summation of updates."""
+"""Tests for mpscale.optim: stochastic rounding and Kahan summation of updates."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""Tests for mpscale.schedules: Megatron-LM's formulas, validation, use in optimizers."""
+"""Tests for mpscale.optim: Megatron-LM's formulas, validation, use in optimizers."""
 
 import math
 

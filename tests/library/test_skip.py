@@ -1,4 +1,4 @@
-"""Tests for mpscale.skip: skip_nonfinite on its own."""
+"""Tests for mpscale.scaling: skip_nonfinite on its own."""
 
 import jax
 import jax.numpy as jnp

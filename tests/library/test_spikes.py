@@ -1,4 +1,4 @@
-"""Tests for mpscale.spikes: skip_spikes alone, under the loss-scale wrapper, in the
+"""Tests for mpscale.scaling: skip_spikes alone, under the loss-scale wrapper, in the
 train step, and over a long ordinary run."""
 
 import jax

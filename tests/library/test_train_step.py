@@ -1,4 +1,4 @@
-"""Tests for mpscale.train_step on 8 fake CPU devices (see conftest.py)."""
+"""Tests for mpscale.step on 8 fake CPU devices (see conftest.py)."""
 
 import warnings
 

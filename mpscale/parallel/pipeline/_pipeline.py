@@ -20,7 +20,7 @@ over a data axis (FSDP) stays a master shard: it is cast and all-gathered where 
 used, a layer at a time (each layer on its forward and again on its backward, in
 every schedule; the embedding and head around their calls), and its gradient is
 reduce-scattered back there in the masters' dtype (`StageFSDP`,
-`mpscale.sharding.gather_cast`), so a device never holds a whole stage's parameters.
+`mpscale.parallel.gather_cast`), so a device never holds a whole stage's parameters.
 
 Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
 
@@ -43,14 +43,14 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
            B: dx, dp = each layer's pullback rebuilt from kept[k], from ct[k] down
               grads += dp (+ the embedding's after virtual stage 0)
            y and dx land in the receivers' slots (item_slots)
-         (`mpscale.pipeline_schedules`: the warm-up ticks run F only, the cool-down
+         (`mpscale.parallel.pipeline`: the warm-up ticks run F only, the cool-down
          ticks B only, each phase its own scan, so a step costs GPipe's (v M + S - 1)
          (F + B); a stage keeps at most 2 S - 1 micro-batches' residuals, (v + 1) S
          - 1 interleaved, whatever M. ``recompute`` chooses what a layer keeps.)
 
   zb_h1: one op a tick (F, B or W), from chunk_table("zb_h1", S, M):
            B: dx, dp = the pullbacks with each weight product's weight held fixed
-              (`mpscale.backward_split`); cts[k] = those products' output
+              (`mpscale.parallel.pipeline`); cts[k] = those products' output
               cotangents; grads += dp; send dx down
            W: grads += each weight product's transpose, from its input (kept[k])
               and cts[k]
@@ -61,7 +61,7 @@ Schedules, per data replica (S stages, M micro-batches, v virtual stages)::
 The bubble fraction is (S - 1) / (v M + S - 1) for GPipe and 1F1B, and (S - 1) /
 (3 M + S - 1) for ZB-H1, each of whose ticks is one of F, B and W: with the three
 taken as equal, a 1F1B forward is one of them and its backward two, and the
-fractions compare as times (`mpscale.pipeline_schedules.pipeline_bubble_fraction`).
+fractions compare as times (`mpscale.parallel.pipeline.pipeline_bubble_fraction`).
 With ``v > 1`` (Megatron's
 interleaved schedule, ``num_layers_per_virtual_pipeline_stage``) device ``s`` holds
 chunks ``s, s + S, ...``, virtual stages ``c S + s``, and activations go round the
@@ -199,7 +199,7 @@ class Pipeline:
       ``model_state``) from several micro-batches and data replicas combine into
       one: ``merge_state(updates) -> state``, ``updates`` the state's tree with a
       leading axis of updates (FP8 scaling state:
-      ``functools.partial(mpscale.fp8.merge_stacked, recipe=recipe)``); ``None``:
+      ``functools.partial(mpscale.precision.merge_stacked, recipe=recipe)``); ``None``:
       the pipeline takes no model state.
   """
   embed_fn: Callable
@@ -374,9 +374,9 @@ class Pipeline:
            ) -> None:
     """Raises ``ValueError`` naming the problem for a layout that cannot pipeline.
 
-    ``data_axis`` (the mesh's data-parallel axis or axes, `mpscale.sharding.data_axes`)
+    ``data_axis`` (the mesh's data-parallel axis or axes, `mpscale.parallel.data_axes`)
     is read only with a ``batch``, whose rows must divide into the data replicas'
-    micro-batches (`mpscale.sharding.batch_rows`).
+    micro-batches (`mpscale.parallel.batch_rows`).
     """
     if mesh is None or self.stage_axis not in mesh.axis_names:
       raise ValueError(f"mesh has no stage axis {self.stage_axis!r}; its axes are "
@@ -493,7 +493,7 @@ class Pipeline:
         ``accumulate_allreduce_grads_in_fp32``).
       model_state: the layers' state, ``None`` or a pytree of float arrays stacked
         as ``params[stages_key]`` (leading axis the layers, in ``layer_order``) whose
-        cotangent is its update: FP8 products' scaling state (`mpscale.fp8`, an
+        cotangent is its update: FP8 products' scaling state (`mpscale.precision`, an
         ``_overwrite_with_gradient`` collection), whose products' custom VJPs give
         the updated state as the state's gradient. Layer ``l`` is called with
         ``state=`` its state. Every micro-batch of every data replica starts from

@@ -114,7 +114,7 @@ class Ticks:
   and the cotangent of the chunk's output. ``B(m, c)`` runs the chunk's layers
   backward from the kept residuals (1F1B: input and parameter gradients; ZB-H1: with
   each weight product's weight held fixed, keeping those products' output cotangents
-  for ``W``, `mpscale.backward_split`), then the embedding's backward on virtual stage
+  for ``W``, `mpscale.parallel.pipeline`), then the embedding's backward on virtual stage
   0. ``W(m)`` (ZB-H1) gives the weight products' gradients from their kept inputs and
   output cotangents. Every parameter is cast once, before the loop; its gradients are
   summed in float32.
@@ -206,7 +206,7 @@ class Ticks:
   def layer_forward(self, lp: Any, h: jax.Array, key: Any
                    ) -> tuple[jax.Array, list[jax.Array]]:
     """The layer's output and what its backward keeps: the pullback's residuals
-    (ZB-H1: then each weight product's input, `mpscale.backward_split`). ``lp``:
+    (ZB-H1: then each weight product's input, `mpscale.parallel.pipeline`). ``lp``:
     `layer_inputs`."""
     stateful = self.states is not None
     if not self.split:

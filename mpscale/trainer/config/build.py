@@ -43,11 +43,11 @@ import optax
 
 from mpscale import _tree
 from mpscale import gradients as gradients_lib
-from mpscale import optim
-from mpscale import parallel
-from mpscale import precision
-from mpscale import scaling
-from mpscale import step
+from mpscale import optim as optim_lib
+from mpscale import parallel as parallel_lib
+from mpscale import precision as precision_lib
+from mpscale import scaling as scaling_lib
+from mpscale import step as step_lib
 from mpscale import validation
 from mpscale.trainer.config import errors
 from mpscale.trainer.config import schema
@@ -62,10 +62,10 @@ TENSOR_AXIS = "tensor"
 MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, TENSOR_AXIS)
 
 
-def build_policy(cfg: schema.RunConfig) -> precision.Policy:
+def build_policy(cfg: schema.RunConfig) -> precision_lib.Policy:
   """The precision policy named by ``precision.policy``."""
   return errors.keyed("precision.policy",
-                      lambda: precision.make_policy(cfg.precision.policy))
+                      lambda: precision_lib.make_policy(cfg.precision.policy))
 
 
 def build_grad_reduce_dtype(cfg: schema.RunConfig) -> Any:
@@ -90,13 +90,13 @@ def build_update_rounding(cfg: schema.RunConfig
                            cfg.precision.update_rounding,
                            typing.get_args(schema.UpdateRounding))
   if kind == "stochastic":
-    return optim.stochastic_rounding(rounding_key(cfg))
+    return optim_lib.stochastic_rounding(rounding_key(cfg))
   if kind == "kahan":
-    return optim.kahan_summation()
+    return optim_lib.kahan_summation()
   return None
 
 
-def build_fp8(cfg: schema.RunConfig) -> Optional[precision.Fp8Recipe]:
+def build_fp8(cfg: schema.RunConfig) -> Optional[precision_lib.Fp8Recipe]:
   """The `mpscale.Fp8Recipe` of ``precision.fp8`` (``None`` where its ``recipe`` is
   null).
 
@@ -109,7 +109,7 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[precision.Fp8Recipe]:
   fp8 = cfg.precision.fp8
   if fp8.recipe is None:
     return None
-  recipe = errors.keyed("precision.fp8", lambda: precision.make_fp8_recipe(
+  recipe = errors.keyed("precision.fp8", lambda: precision_lib.make_fp8_recipe(
       fp8.recipe, history_len=fp8.history_len, margin=fp8.margin,
       amax_compute=fp8.amax_compute), errors.fields("precision.fp8", fp8))
   return recipe
@@ -118,7 +118,7 @@ def build_fp8(cfg: schema.RunConfig) -> Optional[precision.Fp8Recipe]:
 def check_user_fp8(cfg: schema.RunConfig, model: Any) -> None:
   """A user's model under ``precision.fp8``: it must keep FP8 scaling state (an
   ``_overwrite_with_gradient`` collection of `mpscale.Fp8State`, as
-  `mpscale.fp8_flax`'s layers make), which its provider builds from the config
+  `mpscale.precision.fp8_flax`'s layers make), which its provider builds from the config
   (`build_fp8`); a model without one would train without FP8 while the config says
   FP8.
 
@@ -128,16 +128,16 @@ def check_user_fp8(cfg: schema.RunConfig, model: Any) -> None:
   init_state = getattr(model, "init_state", None)
   state = None if init_state is None else jax.eval_shape(init_state,
                                                          jax.random.key(cfg.seed))
-  collection = (state.get(precision.OVERWRITE_WITH_GRADIENT)
+  collection = (state.get(precision_lib.OVERWRITE_WITH_GRADIENT)
                 if isinstance(state, Mapping) else None)
   found = [x for x in jax.tree_util.tree_leaves(
-      collection, is_leaf=lambda x: isinstance(x, precision.Fp8State))
-           if isinstance(x, precision.Fp8State)]
+      collection, is_leaf=lambda x: isinstance(x, precision_lib.Fp8State))
+           if isinstance(x, precision_lib.Fp8State)]
   if not found:
     raise validation.ArgumentError(
         ("precision.fp8.recipe", "model.provider"),
         f"{{0}} ({cfg.precision.fp8.recipe}) is set, but the user's model ({{1}}) "
-        "keeps no FP8 scaling state: build its layers with mpscale.fp8_flax's FP8 "
+        "keeps no FP8 scaling state: build its layers with mpscale.precision.fp8_flax's FP8 "
         "products (the provider gets the config: "
         "mpscale.trainer.config.build.build_fp8(config) is its recipe), or set "
         "{0}: null")
@@ -182,7 +182,7 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
   """The trainer's choice of the mesh axes the batch is split over: ``data``, and
   ``fsdp`` when present (taken from the mesh's own axes, so there is nothing to
-  check; `make_train_step` checks them with `mpscale.sharding.data_axes`);
+  check; `make_train_step` checks them with `mpscale.parallel.data_axes`);
   ``("data",)`` without a mesh."""
   if mesh is None:
     return (DATA_AXIS,)
@@ -191,9 +191,9 @@ def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
 
 def batch_sharding(mesh: Optional[Mesh]) -> Optional[NamedSharding]:
   """How a global batch lies on ``mesh``: its rows split over `data_axes`
-  (`mpscale.sharding.batch_sharding`); ``None`` without a mesh."""
+  (`mpscale.parallel.batch_sharding`); ``None`` without a mesh."""
   return (None if mesh is None
-          else parallel.batch_sharding(mesh, data_axes(mesh)))
+          else parallel_lib.batch_sharding(mesh, data_axes(mesh)))
 
 
 def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
@@ -288,7 +288,7 @@ def build_lr_schedule(cfg: schema.RunConfig) -> Optional[optax.Schedule]:
   """
   if cfg.optimizer.learning_rate is None:
     if cfg.optimizer.name == "came":
-      return None  # optim.came() checks that relative_step is on
+      return None  # optim_lib.came() checks that relative_step is on
     raise validation.ArgumentError(
         ("optimizer.learning_rate", "optimizer.name"),
         "{0} is null, which only CAME takes (with optimizer.came.relative_step: "
@@ -300,7 +300,7 @@ def build_lr_schedule(cfg: schema.RunConfig) -> Optional[optax.Schedule]:
   keys = errors.fields("schedule", s, peak="optimizer.learning_rate")
   if s.decay_steps is None:
     keys["decay_steps"] = "train.steps"
-  return errors.keyed("schedule", lambda: optim.lr_schedule(
+  return errors.keyed("schedule", lambda: optim_lib.lr_schedule(
       cfg.optimizer.learning_rate, warmup_steps=s.warmup_steps,
       warmup_fraction=s.warmup_fraction, decay_steps=decay_steps, style=s.style,
       min_lr=s.min_lr), keys)
@@ -319,7 +319,7 @@ def _sample_schedule(cfg: schema.RunConfig) -> optax.Schedule:
              else sizes.consumed_at(cfg.train.steps))
     keys["decay_steps"] = ("train.samples" if cfg.train.samples is not None
                            else "train.steps")
-  return errors.keyed("schedule", lambda: optim.lr_schedule(
+  return errors.keyed("schedule", lambda: optim_lib.lr_schedule(
       cfg.optimizer.learning_rate, warmup_steps=s.warmup_samples or 0,
       warmup_fraction=s.warmup_fraction, decay_steps=decay, style=s.style,
       min_lr=s.min_lr), keys)
@@ -340,7 +340,7 @@ def build_weight_decay(cfg: schema.RunConfig) -> Any:
     total = (cfg.train.samples if cfg.train.samples is not None
              else build_batch_sizes(cfg).consumed_at(cfg.train.steps))
     keys["steps"] = "train.samples" if cfg.train.samples is not None else "train.steps"
-  return errors.keyed("schedule", lambda: optim.weight_decay_schedule(
+  return errors.keyed("schedule", lambda: optim_lib.weight_decay_schedule(
       start, end, total, style=cfg.schedule.weight_decay_style), keys)
 
 
@@ -380,7 +380,7 @@ def optimizer_factory(cfg: schema.RunConfig) -> Callable[..., Any]:
     c = opt.came
 
     def make(learning_rate, weight_decay, mask):
-      return optim.came(
+      return optim_lib.came(
           learning_rate, eps=c.eps, clip_threshold=c.clip_threshold,
           decay_rate=c.decay_rate, beta1=c.beta1, beta2=c.beta2, beta3=c.beta3,
           weight_decay=weight_decay, scale_parameter=c.scale_parameter,
@@ -419,7 +419,7 @@ def optimizer_factory(cfg: schema.RunConfig) -> Callable[..., Any]:
   raise validation.fail("optimizer.name", f": unknown optimizer {opt.name!r}")
 
 
-def _param_groups(cfg: schema.RunConfig) -> list[optim.ParamGroup]:
+def _param_groups(cfg: schema.RunConfig) -> list[optim_lib.ParamGroup]:
   """``optimizer.groups`` as `mpscale.ParamGroup`s: a group that sets its weight
   decay applies it to every parameter it holds (no ``weight_decay_mask``)."""
   groups = []
@@ -427,7 +427,7 @@ def _param_groups(cfg: schema.RunConfig) -> list[optim.ParamGroup]:
     if not g.match:
       raise validation.fail(f"optimizer.groups[{i}].match", " is missing: each group "
                             "needs a regular expression of the parameters it holds")
-    groups.append(optim.ParamGroup(
+    groups.append(optim_lib.ParamGroup(
         g.match, lr_mult=g.lr_mult, weight_decay=g.weight_decay, name=g.name,
         options={} if g.weight_decay is None else {"mask": None}))
   return groups
@@ -450,10 +450,10 @@ def build_inner_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation
     inner = errors.keyed(section, lambda: make(lr, wd, mask), keys)
   else:
     groups = _param_groups(cfg)
-    inner = errors.keyed(section, lambda: optim.param_groups(
+    inner = errors.keyed(section, lambda: optim_lib.param_groups(
         make, groups, learning_rate=lr, weight_decay=wd, mask=mask), keys)
   # Megatron's scheduler steps by each applied step's samples.
-  return optim.count_samples(inner) if counts_samples(cfg) else inner
+  return optim_lib.count_samples(inner) if counts_samples(cfg) else inner
 
 
 def check_param_groups(cfg: schema.RunConfig, param_shapes: Any) -> None:
@@ -465,16 +465,16 @@ def check_param_groups(cfg: schema.RunConfig, param_shapes: Any) -> None:
   if cfg.optimizer.groups:
     groups = _param_groups(cfg)
     errors.keyed("optimizer.groups",
-                 lambda: optim.param_group_labels(param_shapes, groups),
+                 lambda: optim_lib.param_group_labels(param_shapes, groups),
                  {"groups": "optimizer.groups"})
 
 
-def build_groups(cfg: schema.RunConfig) -> scaling.NormGroups:
+def build_groups(cfg: schema.RunConfig) -> scaling_lib.NormGroups:
   """The groups of the logged norms: ``clip.groups`` depth, or per pipeline stage."""
   if cfg.clip.groups is not None:
     return cfg.clip.groups
   if cfg.mesh.stage > 1:  # one group per (virtual) stage, stored in device order
-    return parallel.stage_norm_groups(cfg.mesh.stage,
+    return parallel_lib.stage_norm_groups(cfg.mesh.stage,
                                      virtual_stages=cfg.mesh.virtual_stages,
                                      layer_order="device")
   return None
@@ -534,32 +534,32 @@ def build_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation:
   if rounding is not None:
     inner = optax.chain(inner, rounding)
   if cfg.clip.max_norm:  # null or 0: no clipping
-    inner = optax.chain(errors.keyed("clip", lambda: scaling.global_norm_clip(
+    inner = optax.chain(errors.keyed("clip", lambda: scaling_lib.global_norm_clip(
         cfg.clip.max_norm, norm_groups=groups), errors.fields("clip", cfg.clip)), inner)
   spikes = cfg.skip.spikes
   if spikes is not None:
-    inner = errors.keyed("skip.spikes", lambda: scaling.skip_spikes(
+    inner = errors.keyed("skip.spikes", lambda: scaling_lib.skip_spikes(
         inner, window=spikes.window, threshold=spikes.threshold,
         warmup=spikes.warmup, watch=spikes.watch, reset_after=spikes.reset_after),
                          errors.fields("skip.spikes", spikes))
-  scaling = cfg.loss_scale
-  if scaling.init_scale is None:  # the built-in model's, when no one resolved it
-    scaling = dataclasses.replace(scaling, init_scale=initial_scale(
+  loss_scale = cfg.loss_scale
+  if loss_scale.init_scale is None:  # the built-in model's, when no one resolved it
+    loss_scale = dataclasses.replace(loss_scale, init_scale=initial_scale(
         cfg, cfg.train.per_token_loss, micro_batch_tokens(cfg)))
-  keys = errors.fields("loss_scale", scaling, scale="loss_scale.init_scale")
-  if scaling.kind == "dynamic":
-    return errors.keyed("loss_scale", lambda: scaling.dynamic_loss_scale(
-        inner, init_scale=scaling.init_scale, growth_factor=scaling.growth_factor,
-        backoff_factor=scaling.backoff_factor,
-        growth_interval=scaling.growth_interval, hysteresis=scaling.hysteresis,
-        consecutive_hysteresis=scaling.consecutive_hysteresis,
-        refill_after_backoff=scaling.refill_after_backoff,
-        min_scale=scaling.min_scale, max_scale=scaling.max_scale, norm_groups=groups), keys)
-  if scaling.kind == "fixed":
-    return errors.keyed("loss_scale", lambda: scaling.fixed_loss_scale(
-        inner, scaling.init_scale, skip_nonfinite=scaling.skip_nonfinite,
+  keys = errors.fields("loss_scale", loss_scale, scale="loss_scale.init_scale")
+  if loss_scale.kind == "dynamic":
+    return errors.keyed("loss_scale", lambda: scaling_lib.dynamic_loss_scale(
+        inner, init_scale=loss_scale.init_scale, growth_factor=loss_scale.growth_factor,
+        backoff_factor=loss_scale.backoff_factor,
+        growth_interval=loss_scale.growth_interval, hysteresis=loss_scale.hysteresis,
+        consecutive_hysteresis=loss_scale.consecutive_hysteresis,
+        refill_after_backoff=loss_scale.refill_after_backoff,
+        min_scale=loss_scale.min_scale, max_scale=loss_scale.max_scale, norm_groups=groups), keys)
+  if loss_scale.kind == "fixed":
+    return errors.keyed("loss_scale", lambda: scaling_lib.fixed_loss_scale(
+        inner, loss_scale.init_scale, skip_nonfinite=loss_scale.skip_nonfinite,
         norm_groups=groups), keys)
-  return scaling.no_loss_scale(inner, norm_groups=groups)
+  return scaling_lib.no_loss_scale(inner, norm_groups=groups)
 
 
 def build_mesh(cfg: schema.RunConfig,
@@ -617,8 +617,8 @@ def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
                          recompute="train.recompute")
     # FP8 scaling state: each micro-batch's and replica's update merged (max amax).
     merge = (None if model.fp8 is None
-             else functools.partial(precision.merge_stacked, recipe=model.fp8))
-    return errors.keyed("mesh", lambda: parallel.Pipeline(
+             else functools.partial(precision_lib.merge_stacked, recipe=model.fp8))
+    return errors.keyed("mesh", lambda: parallel_lib.Pipeline(
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
@@ -659,13 +659,13 @@ def check_train_steps(cfg: schema.RunConfig) -> None:
 class Setup(NamedTuple):
   """Everything a training loop needs, built from one config."""
   model: Union[lm_lib.TinyLM, models_lib.Model]
-  policy: precision.Policy
+  policy: precision_lib.Policy
   optimizer: optax.GradientTransformation
   mesh: Optional[Mesh]
-  init: Callable[[Any], step.TrainState]
+  init: Callable[[Any], step_lib.TrainState]
   """``init(params) -> TrainState``, with the model's initial state and the run's key
   when it has them (`run_key`)."""
-  step: Callable[[step.TrainState, Any], tuple[Any, dict]]
+  step: Callable[[step_lib.TrainState, Any], tuple[Any, dict]]
   """The jitted ``step(state, batch) -> (state, metrics)``."""
   evaluate: Callable[[Any, Any], dict[str, tuple[jax.Array, jax.Array]]]
   """Jitted ``evaluate(state, batch) -> {"loss": (loss_sum, num_tokens), name: (sum,
@@ -691,7 +691,7 @@ def user_param_specs(cfg: schema.RunConfig, model: models_lib.Model,
     ArgumentError: naming ``mesh.tensor`` or ``mesh.stage`` when the model gives no
       layout for them, or ``mesh.stage`` when its loss is not a `mpscale.Pipeline`.
   """
-  pipelined = isinstance(model.loss_fn, parallel.Pipeline)
+  pipelined = isinstance(model.loss_fn, parallel_lib.Pipeline)
   if cfg.mesh.stage > 1 and not pipelined:
     raise validation.ArgumentError(
         ("mesh.stage", "model.provider"), f"{{0}} ({cfg.mesh.stage}) > 1 needs {{1}} "
@@ -717,7 +717,7 @@ def user_param_specs(cfg: schema.RunConfig, model: models_lib.Model,
         "model's layout: return an mpscale.trainer.Model with param_specs from {1}")
   if mesh is not None and cfg.mesh.fsdp > 1:
     shapes = jax.eval_shape(model.init, jax.random.key(cfg.seed))
-    specs = errors.keyed("mesh.fsdp", lambda: parallel.fsdp_specs(
+    specs = errors.keyed("mesh.fsdp", lambda: parallel_lib.fsdp_specs(
         shapes, mesh, FSDP_AXIS, specs))
   return specs
 
@@ -788,7 +788,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
     init_state = lambda key: model.init_model_state()  # noqa: E731
   fp8 = build_fp8(cfg)
   # FP8 scaling state from several replicas or micro-batches: merged (max amax).
-  merge = None if fp8 is None else functools.partial(precision.merge_stacked,
+  merge = None if fp8 is None else functools.partial(precision_lib.merge_stacked,
                                                      recipe=fp8)
   if (reduce_dtype is not None and init_state is not None and not pipelined
       and jnp.finfo(policy.compute_dtype).bits < 32):
@@ -797,7 +797,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
     # make_train_step's init would refuse the others: say so by key, now.
     state = jax.eval_shape(init_state, jax.random.key(cfg.seed))
     fp8_only = (isinstance(state, Mapping)
-                and set(state) == {precision.OVERWRITE_WITH_GRADIENT})
+                and set(state) == {precision_lib.OVERWRITE_WITH_GRADIENT})
     if fp8 is not None and fp8_only and cfg.mesh.fsdp > 1:
       raise validation.ArgumentError(
           ("precision.grad_reduce_dtype", "precision.fp8.recipe", "mesh.fsdp"),
@@ -810,7 +810,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
           "{0}: float32 sums each data replica's own gradient, but the model of {1} "
           "keeps a state (synchronized BatchNorm statistics), which makes every "
           "micro-batch's gradient span all replicas' rows; set {0}: null")
-  make_init, step = errors.keyed("train", lambda: step.make_train_step(
+  make_init, step = errors.keyed("train", lambda: step_lib.make_train_step(
       loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
       num_microbatches=1 if pipelined else cfg.train.num_microbatches,
       per_token_loss=per_token,
@@ -824,7 +824,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
 
   key = run_key(cfg)
 
-  pipeline = loss if isinstance(loss, parallel.Pipeline) else None
+  pipeline = loss if isinstance(loss, parallel_lib.Pipeline) else None
   to_model = _placed_alike(pipeline.to_model_order if pipeline else None)
   to_device = _placed_alike(pipeline.to_device_order if pipeline else None)
 
@@ -892,7 +892,7 @@ def init_params(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
 
 def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:
   """Bytes of ``optimizer``'s state for ``params`` (from shapes; nothing allocated)."""
-  return parallel.tree_bytes(jax.eval_shape(optimizer.init, params),
+  return parallel_lib.tree_bytes(jax.eval_shape(optimizer.init, params),
                                  per_device=False)
 
 

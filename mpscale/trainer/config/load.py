@@ -22,7 +22,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from mpscale import parallel
+from mpscale import parallel as parallel_lib
 from mpscale import validation
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import errors
@@ -113,7 +113,7 @@ def check(cfg: RunConfig) -> None:
                       "mesh.virtual_stages > 1",
                       ("train.num_microbatches", "mesh.stage", "mesh.virtual_stages"))
   try:
-    parallel.check_batch_size(data.batch_size, mesh.data * mesh.fsdp,
+    parallel_lib.check_batch_size(data.batch_size, mesh.data * mesh.fsdp,
                               train.num_microbatches)
   except validation.ArgumentError as e:
     keys = {"batch_size": "data.batch_size", "data_size": "mesh.data x mesh.fsdp",
@@ -130,14 +130,14 @@ def check(cfg: RunConfig) -> None:
 
 def _check_rampup_sizes(cfg: RunConfig) -> None:
   """Every batch size of ``data.rampup_batch_size``'s ramp-up splits over the data
-  replicas and micro-batches (`mpscale.sharding.check_batch_size`), as
+  replicas and micro-batches (`mpscale.parallel.check_batch_size`), as
   ``data.batch_size`` must; each process's rows then scale with it (a process holds
   a whole number of the ``mesh.data x mesh.fsdp`` shards)."""
   mesh, train = cfg.mesh, cfg.train
   sizes = errors.checked(builders.build_batch_sizes, cfg).sizes()
   for size in sizes[:-1]:
     try:
-      parallel.check_batch_size(size, mesh.data * mesh.fsdp, train.num_microbatches)
+      parallel_lib.check_batch_size(size, mesh.data * mesh.fsdp, train.num_microbatches)
     except validation.ArgumentError as e:
       keys = {"batch_size": "a batch size of data.rampup_batch_size",
               "data_size": "mesh.data x mesh.fsdp",

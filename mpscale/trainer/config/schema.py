@@ -175,7 +175,7 @@ UpdateRounding = Literal["nearest", "stochastic", "kahan"]
 class Fp8Config:
   """FP8 matrix products in the tiny LM's blocks (`mpscale.fp8_dot_general`; the
   scaling state is the model state, `mpscale.trainer.models.lm.TinyLM`), or in a
-  user's model, whose provider builds `mpscale.fp8_flax` layers with this recipe
+  user's model, whose provider builds `mpscale.precision.fp8_flax` layers with this recipe
   (`mpscale.trainer.config.build.build_fp8`)."""
   recipe: Optional[str] = None
   """``delayed`` (scales from the amax history, Transformer Engine's

@@ -12,7 +12,7 @@ the ones `mpscale.Pipeline` expects::
 
 Precision: activations follow the dtype of the parameters the train step hands in (the
 policy's compute dtype): each module computes in the dtype of its main weight matrix, so
-float32-kept norms and biases (`mpscale.policy.default_keep_fp32`) do not promote it.
+float32-kept norms and biases (`mpscale.precision.default_keep_fp32`) do not promote it.
 Layer-norm statistics, the attention softmax, the GELU and the loss are computed in
 float32.
 
@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
-from mpscale import parallel
+from mpscale import parallel as parallel_lib
 from mpscale import validation
-from mpscale import precision
+from mpscale import precision as precision_lib
 from mpscale import _tree
 
 Params = dict[str, Any]
@@ -159,7 +159,7 @@ def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   automatic = [a for a in getattr(mesh, "axis_names", ()) if a not in manual]
   if not manual or not automatic:
     return attend(q, k, v)
-  spec = parallel.only_axes(spec, automatic)
+  spec = parallel_lib.only_axes(spec, automatic)
   return jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec),
                        out_specs=spec, axis_names=set(automatic),
                        check_vma=False)(q, k, v)
@@ -184,12 +184,12 @@ class Block(nn.Module):
   attention: str = "xla"
   """``"xla"`` or ``"cudnn"`` (for 16-bit activations; float32 ones, as at
   initialization, take XLA's)."""
-  fp8: Optional[precision.Fp8Recipe] = None
+  fp8: Optional[precision_lib.Fp8Recipe] = None
   """The FP8 products' recipe, for the products ``fp8_states`` names."""
 
   @nn.compact
   def __call__(self, x: jax.Array,
-               fp8_states: Optional[dict[str, precision.Fp8State]] = None) -> jax.Array:
+               fp8_states: Optional[dict[str, precision_lib.Fp8State]] = None) -> jax.Array:
     """``x`` through the block; the products (``qkv``, ``out``, ``fc``, ``proj``)
     that ``fp8_states`` holds a state for multiply in FP8 (`mpscale.fp8_dot_general`
     with ``fp8``), the others in the activation dtype."""
@@ -232,7 +232,7 @@ FP8_PRODUCTS = ("qkv", "out", "fc", "proj")
 """The block's four matrix products, in `Block`'s names (``precision.fp8.products``)."""
 
 
-def fp8_block(states: dict[str, precision.Fp8State]) -> jax.Array:
+def fp8_block(states: dict[str, precision_lib.Fp8State]) -> jax.Array:
   """Whether a block with these FP8 states (one block's, from
   `TinyLM.init_model_state`) multiplies in FP8: its states are not the zeros that
   mark a block kept in the compute dtype (an update's scale is never 0)."""
@@ -240,7 +240,7 @@ def fp8_block(states: dict[str, precision.Fp8State]) -> jax.Array:
   return first.rhs.scale > 0
 
 
-def _dense(recipe: Optional[precision.Fp8Recipe], states: dict[str, precision.Fp8State],
+def _dense(recipe: Optional[precision_lib.Fp8Recipe], states: dict[str, precision_lib.Fp8State],
            *args: Any, name: str, **kwargs: Any) -> nn.Dense:
   """``nn.Dense(*args, name=name, **kwargs)``, its product in FP8 where ``states``
   holds one for ``name``."""
@@ -250,8 +250,8 @@ def _dense(recipe: Optional[precision.Fp8Recipe], states: dict[str, precision.Fp
 
   def dot_general(lhs, rhs, dimension_numbers, precision=None,
                   preferred_element_type=None):
-    return precision.fp8_dot_general(lhs, rhs, dimension_numbers, state, recipe,
-                                   precision, preferred_element_type)
+    return precision_lib.fp8_dot_general(lhs, rhs, dimension_numbers, state, recipe,
+                                         precision, preferred_element_type)
   return nn.Dense(*args, name=name, dot_general=dot_general, **kwargs)
 
 
@@ -305,7 +305,7 @@ class ActivationSharding:
   sequence_parallel: bool = False
 
   def __call__(self, x: jax.Array, kind: str) -> jax.Array:
-    return parallel.constrain(x, self.spec(kind), self.mesh)
+    return parallel_lib.constrain(x, self.spec(kind), self.mesh)
 
   def spec(self, kind: str) -> jax.sharding.PartitionSpec:
     """The layout of an activation of ``kind``."""
@@ -375,7 +375,7 @@ class TinyLM:
   remat: bool = False
   shard: Optional[ActivationSharding] = None
   attention: str = "xla"
-  fp8: Optional[precision.Fp8Recipe] = None
+  fp8: Optional[precision_lib.Fp8Recipe] = None
   fp8_products: tuple[str, ...] = FP8_PRODUCTS
   bf16_layers: int = 1
 
@@ -404,7 +404,7 @@ class TinyLM:
       self._check_fp8()
 
   def _check_fp8(self) -> None:
-    if not isinstance(self.fp8, precision.Fp8Recipe):
+    if not isinstance(self.fp8, precision_lib.Fp8Recipe):
       raise validation.fail("fp8", " must be an mpscale.Fp8Recipe (mpscale.make_fp8_recipe) "
                             f"or None; got {type(self.fp8).__name__}",
                             validation.ArgumentTypeError)
@@ -483,7 +483,7 @@ class TinyLM:
     """PartitionSpecs of the params on ``mesh``: `logical_axes` through ``rules``
     (rules naming an axis ``mesh`` lacks, or one of size 1, are dropped), then FSDP
     over ``fsdp_axis`` on each leaf's largest free dimension it divides
-    (`mpscale.sharding.fsdp_specs`).
+    (`mpscale.parallel.fsdp_specs`).
 
     Raises:
       ValueError: when ``tensor`` does not divide the heads, the MLP width or the
@@ -496,14 +496,14 @@ class TinyLM:
     sizes = {"heads": "num_heads", "mlp": "d_ff", "vocab": "vocab_size"}
     for name, axis in rules:
       if name in sizes:
-        n, size = getattr(self, sizes[name]), parallel.axis_size(mesh, axis)
+        n, size = getattr(self, sizes[name]), parallel_lib.axis_size(mesh, axis)
         if n % size:
           raise validation.fail(sizes[name], f" ({n}) is not divisible by mesh axis "
                                 f"{axis!r} (size {size})")
-    specs = parallel.logical_specs(self.logical_axes(), rules)
+    specs = parallel_lib.logical_specs(self.logical_axes(), rules)
     if fsdp_axis is not None and fsdp_axis in mesh.axis_names:
       shapes = jax.eval_shape(self._init, jax.random.key(0))
-      specs = parallel.fsdp_specs(shapes, mesh, fsdp_axis, specs)
+      specs = parallel_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs)
     return specs
 
   def embed_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
@@ -550,7 +550,7 @@ class TinyLM:
     ``fp8``."""
     if self.fp8 is None:
       return None
-    one = precision.fp8_state(self.fp8)
+    one = precision_lib.fp8_state(self.fp8)
     ends, n = self.bf16_layers, self.num_layers
     on = jnp.arange(n)
     on = (on >= ends) & (on < n - ends)
@@ -558,7 +558,7 @@ class TinyLM:
         lambda x: jnp.where(on.reshape((n,) + (1,) * x.ndim), x[None], 0.0).astype(
             x.dtype), one)
                for product in self.fp8_products}
-    return {precision.OVERWRITE_WITH_GRADIENT: {"stages": stacked}}
+    return {precision_lib.OVERWRITE_WITH_GRADIENT: {"stages": stacked}}
 
   def _fp8_states(self, model_state: Any) -> Optional[dict[str, Any]]:
     """The stacked per-product states of ``model_state`` (``None``: no FP8)."""
@@ -567,7 +567,7 @@ class TinyLM:
     if self.fp8 is None:
       raise validation.fail("model_state", ": the model has no FP8 products (fp8 is "
                             "None), so it keeps no state; pass none")
-    return model_state[precision.OVERWRITE_WITH_GRADIENT]["stages"]
+    return model_state[precision_lib.OVERWRITE_WITH_GRADIENT]["stages"]
 
   def _layers(self, params: Params, x: jax.Array, fp8_states: Any = None
              ) -> jax.Array:

@@ -44,8 +44,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from mpscale import validation
-from mpscale import parallel
-from mpscale import precision
+from mpscale import parallel as parallel_lib
+from mpscale import precision as precision_lib
 
 
 class Model(NamedTuple):
@@ -152,7 +152,7 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
   order; counts from 0), and returns the variables it updated as the new state.
   Evaluation and ``metrics`` run in ``module.eval()`` mode. ``export`` puts trained
   params and state into ``module`` and returns it in eval mode. FP8 products'
-  scaling state (`mpscale.fp8_flax.OverwriteWithGradient` variables) goes in the
+  scaling state (`mpscale.precision.fp8_flax.OverwriteWithGradient` variables) goes in the
   state's ``_overwrite_with_gradient`` collection, which the step overwrites with
   its gradient (`mpscale.make_train_step`); the loss returns it as given.
   """
@@ -165,13 +165,13 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
   has_fp8 = bool(jax.tree_util.tree_leaves(fp8_values))
   state_values = nnx.to_pure_dict(rest)
   if has_fp8:
-    state_values = {**state_values, precision.OVERWRITE_WITH_GRADIENT: fp8_values}
+    state_values = {**state_values, precision_lib.OVERWRITE_WITH_GRADIENT: fp8_values}
   stateful = bool(jax.tree_util.tree_leaves(state_values))
 
   def split_state(model_state):
     """``(the other variables' pure dict, the FP8 state's)``."""
     rest_values = dict(model_state)
-    return rest_values, rest_values.pop(precision.OVERWRITE_WITH_GRADIENT, None)
+    return rest_values, rest_values.pop(precision_lib.OVERWRITE_WITH_GRADIENT, None)
   stochastic = bool(jax.tree_util.tree_leaves(rngs))
 
   def fill(like, pure):
@@ -213,7 +213,7 @@ def from_nnx(module: Any, loss: Callable[[Any, Any], Any],
     new = nnx.to_pure_dict(nnx.split(m, nnx.Param, nnx.RngState,
                                      fp8_flax.OverwriteWithGradient, ...)[4])
     if has_fp8:  # as given: its gradient is its update
-      new[precision.OVERWRITE_WITH_GRADIENT] = split_state(model_state)[1]
+      new[precision_lib.OVERWRITE_WITH_GRADIENT] = split_state(model_state)[1]
     return out, new
 
   def evaluate(p, batch, model_state=None):
@@ -376,7 +376,7 @@ def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
       raise validation.fail(key, ": gave a Model, which has its own loss_fn, and a "
                             "loss as well; drop one", validation.ArgumentTypeError)
     stateful = obj.init_state is not None
-    if isinstance(obj.loss_fn, parallel.Pipeline):
+    if isinstance(obj.loss_fn, parallel_lib.Pipeline):
       if obj.evaluate is None:
         raise validation.fail(
             key, ": a Model whose loss_fn is an mpscale.Pipeline needs evaluate="

@@ -267,7 +267,7 @@ def bubble(layout: Layout) -> float:
 def live_items(layout: Layout) -> int:
   """The most micro-batches whose activations a device keeps at once: all ``M``
   unpipelined (accumulated one after another: 1), GPipe ``v M``, 1F1B ``min(v M,
-  (v + 1) S - 1)``, ZB-H1 ``min(M, S)`` (`mpscale.pipeline_schedules.live_slots`)."""
+  (v + 1) S - 1)``, ZB-H1 ``min(M, S)`` (`mpscale.parallel.pipeline.live_slots`)."""
   s, m, v = layout.stage, layout.microbatches, layout.virtual_stages
   if s == 1:
     return 1

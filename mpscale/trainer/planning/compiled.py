@@ -14,19 +14,19 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
   aliased (donated) bytes and temporaries, and from them the peak,
   ``arguments + outputs - aliased + temporaries``;
 - FLOPs of the matrix products of the partitioned per-device program, loops counted
-  by their trip counts (`mpscale.hlo.matmul_flops`; XLA's ``cost_analysis()``
+  by their trip counts (`mpscale.trainer.planning.hlo.matmul_flops`; XLA's ``cost_analysis()``
   counts a loop's body once, and is reported beside it);
 - each collective in the compiled HLO (all-reduce, all-gather, reduce-scatter,
   collective-permute, all-to-all) with its count and bytes per step, loops counted
   by their trip counts, a bfloat16 sum at bfloat16's bytes (the CPU compile widens
   it to float32; a GPU or TPU does not) and a float32 one at float32's (with
   ``precision.grad_reduce_dtype: float32``, twice a bfloat16 gradient sum's):
-  `mpscale.hlo.collectives`;
+  `mpscale.trainer.planning.hlo.collectives`;
 
 plus the pipeline bubble of the config's schedule and the tokens per step; for a step
-time on named hardware, the kernels (`mpscale.hlo.kernels`: each matrix product's
+time on named hardware, the kernels (`mpscale.trainer.planning.hlo.kernels`: each matrix product's
 FLOPs and bytes, every other kernel's bytes) and the collectives split by the mesh
-axes they span (`mpscale.hlo.collectives_over`), which
+axes they span (`mpscale.trainer.planning.hlo.collectives_over`), which
 `mpscale.trainer.planning.step_time.estimate` prices (``plan(cfg, hardware=...)``,
 ``mpscale plan --hardware a100-80g``). A pipelined
 config (``mesh.stage > 1``) also gets every schedule side by side for its stages,
@@ -64,7 +64,7 @@ import jax
 
 from mpscale.trainer.planning import hlo as hlo_lib
 from mpscale import _jaxprs as jaxprs
-from mpscale import parallel
+from mpscale import parallel as parallel_lib
 from mpscale import validation
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.models import lm as lm_lib
@@ -126,7 +126,7 @@ class Plan:
   user's model's, e.g. BatchNorm statistics; 0 without), ``batch``, ``arguments``,
   ``outputs``, ``aliased``, ``temporaries``, ``peak``."""
   flops_per_device: float
-  """The matrix products' FLOPs of one device's program per step (`mpscale.hlo.matmul_flops`),
+  """The matrix products' FLOPs of one device's program per step (`mpscale.trainer.planning.hlo.matmul_flops`),
   bubble ticks and recomputation included."""
   xla_flops_per_device: float
   """XLA's own count (``compiled.cost_analysis()``), which counts a loop's body
@@ -143,12 +143,12 @@ class Plan:
   device_memory: Optional[int] = None
   kernels: dict[str, Any] = dataclasses.field(
       default_factory=lambda: {"dots": [], "bytes": 0.0})
-  """`mpscale.hlo.kernels` of the compiled step: ``dots``, ``[flops, bytes, count]``
+  """`mpscale.trainer.planning.hlo.kernels` of the compiled step: ``dots``, ``[flops, bytes, count]``
   of each distinct matrix-product kernel, and ``bytes``, every other kernel's bytes
   per step; float32 at 16 bits under a 16-bit compute dtype (the CPU backend widens
   16-bit arithmetic to float32; a GPU or TPU does not)."""
   collectives_over: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
-  """`mpscale.hlo.collectives_over`: the collectives by the mesh axes they span."""
+  """`mpscale.trainer.planning.hlo.collectives_over`: the collectives by the mesh axes they span."""
   compute_dtype: str = "float32"
   """The policy's compute dtype: the peak the matrix products run at."""
   estimate: Optional[step_time_lib.Estimate] = None
@@ -172,20 +172,20 @@ class Plan:
   dtype); ``None`` otherwise, or for a pipeline."""
   largest_gather: int = 0
   """The largest single all-gather of the step, bytes a device
-  (`mpscale.hlo.largest_collective`): under FSDP, the most weights gathered at once
+  (`mpscale.trainer.planning.hlo.largest_collective`): under FSDP, the most weights gathered at once
   (one layer's where they are gathered where used)."""
   gathered_alive: int = 0
-  """The most all-gathered bytes a device holds at once (`mpscale.hlo.gathered_alive`):
+  """The most all-gathered bytes a device holds at once (`mpscale.trainer.planning.hlo.gathered_alive`):
   under FSDP that gathers where it uses, a layer's weights or two (the next one's
   prefetched), or the largest unsplit leaf; the whole model's where it is gathered
   when the step starts."""
   saved_activations: Optional[int] = None
   """The activations the compiled program hands from its forward layer loop to its
-  backward one, bytes a device (`mpscale.hlo.saved_for_backward`): read from the
+  backward one, bytes a device (`mpscale.trainer.planning.hlo.saved_for_backward`): read from the
   program, so split as the compiler split them (over the batch under FSDP, over the
   heads under tensor parallelism); ``None`` where the layers are unrolled."""
   fp8_flops: float = 0.0
-  """The part of ``flops_per_device`` in FP8 GEMMs (`mpscale.hlo.fp8_flops`): the
+  """The part of ``flops_per_device`` in FP8 GEMMs (`mpscale.trainer.planning.hlo.fp8_flops`): the
   estimate prices it at the profile's ``float8`` peak."""
   compiled_for: str = "fake CPU devices (XLA's CPU compiler)"
   """The devices and compiler the program was compiled for
@@ -194,7 +194,7 @@ class Plan:
   """Why the CPU's compiler stood in for the hardware's, and how to install it."""
   overlaps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   """The asynchronous collectives and the kernels scheduled while each transfers
-  (`mpscale.hlo.overlaps`, as dicts): the estimate hides each behind its window."""
+  (`mpscale.trainer.planning.hlo.overlaps`, as dicts): the estimate hides each behind its window."""
 
   @property
   def flops_per_step(self) -> float:
@@ -319,13 +319,13 @@ def schedule_rows(num_stages: int, num_microbatches: int, virtual_stages: int = 
   # pylint: disable=protected-access
   rows = []
   for v in sorted({1, virtual_stages}):
-    for name in parallel.SCHEDULES:
+    for name in parallel_lib.SCHEDULES:
       if name == "zb_h1" and v > 1:
         continue  # one chunk per stage
-      table = parallel.pipeline_schedule_table(name, num_stages, num_microbatches, v)
+      table = parallel_lib.pipeline_schedule_table(name, num_stages, num_microbatches, v)
       rows.append({"schedule": name, "virtual_stages": v,
-                   "bubble": parallel.pipeline_bubble_fraction(table),
-                   "inputs_alive": int(parallel.live_slots(table)),
+                   "bubble": parallel_lib.pipeline_bubble_fraction(table),
+                   "inputs_alive": int(parallel_lib.live_slots(table)),
                    "config": name == schedule and v == virtual_stages})
   return rows
 
@@ -390,7 +390,7 @@ def activation_bytes(loss_fn: Any, params: Any, batch: Any, rows: int,
 
   Returns:
     ``(bytes, forward)``: the bytes, and the traced forward (a closed jaxpr, e.g.
-    for `mpscale.jaxprs.matmul_flops`): one trace serves both.
+    for `mpscale._jaxprs.matmul_flops`): one trace serves both.
   """
   local = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype), batch)
@@ -538,7 +538,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
   peak = arguments + outputs - aliased + temporaries
   num_params = lm_lib.num_params(params)
   hlo = hlo_lib.parse(compiled.as_text())  # once, for the FLOPs and the collectives
-  param_bytes = parallel.tree_bytes(state.params)
+  param_bytes = parallel_lib.tree_bytes(state.params)
   devices = 1 if mesh is None else mesh.devices.size
   if provided:
     loss = setup.model.loss_fn
@@ -546,17 +546,17 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
     loss = builders.build_loss(cfg, setup.model)
   bubble = loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0
   schedules, residuals = [], None
-  if cfg.mesh.stage > 1 and isinstance(loss, parallel.Pipeline):
+  if cfg.mesh.stage > 1 and isinstance(loss, parallel_lib.Pipeline):
     schedules = schedule_rows(cfg.mesh.stage, loss.num_microbatches,
                               loss.virtual_stages, loss.schedule)
-    if not isinstance(loss, parallel.SplitPipeline):
+    if not isinstance(loss, parallel_lib.SplitPipeline):
       residuals = loss.residual_bytes(
           state.params, batch, mesh=mesh, data_axis=builders.data_axes(mesh),
           per_token_loss=provided or cfg.train.per_token_loss,
           cast=setup.policy.cast_to_compute)
   activations = float32_share = None
-  if not isinstance(loss, parallel.Pipeline):
-    replicas = 1 if mesh is None else parallel.axis_size(
+  if not isinstance(loss, parallel_lib.Pipeline):
+    replicas = 1 if mesh is None else parallel_lib.axis_size(
         mesh, builders.data_axes(mesh))
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0] // (
         replicas * cfg.train.num_microbatches)
@@ -577,10 +577,10 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
       mesh={} if mesh is None else dict(mesh.shape),
       params=num_params, tokens_per_step=tokens,
       bytes={"params": param_bytes,
-             "optimizer_state": parallel.tree_bytes(state.opt_state),
+             "optimizer_state": parallel_lib.tree_bytes(state.opt_state),
              "gradients": param_bytes,
-             "model_state": parallel.tree_bytes(state.model_state),
-             "batch": parallel.tree_bytes(batch),
+             "model_state": parallel_lib.tree_bytes(state.model_state),
+             "batch": parallel_lib.tree_bytes(batch),
              "arguments": arguments, "outputs": outputs, "aliased": aliased,
              "temporaries": temporaries, "peak": int(peak)},
       flops_per_device=hlo_lib.matmul_flops(hlo), fp8_flops=hlo_lib.fp8_flops(hlo),

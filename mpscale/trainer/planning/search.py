@@ -63,7 +63,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 
-from mpscale import parallel
+from mpscale import parallel as parallel_lib
 from mpscale import validation
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import load as config_lib
@@ -199,8 +199,8 @@ def static_bytes(cfg: config_lib.RunConfig) -> int:
   setup = builders.build(cfg)
   params = jax.eval_shape(setup.init_params)
   state = setup.init(params)
-  param_bytes = parallel.tree_bytes(state.params)
-  return 2 * param_bytes + parallel.tree_bytes(state.opt_state)
+  param_bytes = parallel_lib.tree_bytes(state.params)
+  return 2 * param_bytes + parallel_lib.tree_bytes(state.opt_state)
 
 
 @functools.lru_cache(maxsize=None)

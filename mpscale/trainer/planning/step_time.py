@@ -3,8 +3,8 @@
 `estimate` prices what `mpscale.trainer.planning.compiled.plan` read from the compiled step
 (per device, per step) on a `mpscale.trainer.planning.hardware.Hardware` profile:
 
-- **compute**: each matrix-product kernel (`mpscale.hlo.kernels`) at the peak of the
-  compute dtype (FP8 GEMMs, `mpscale.hlo.fp8_flops`, at the ``float8`` peak) times
+- **compute**: each matrix-product kernel (`mpscale.trainer.planning.hlo.kernels`) at the peak of the
+  compute dtype (FP8 GEMMs, `mpscale.trainer.planning.hlo.fp8_flops`, at the ``float8`` peak) times
   the profile's ``matmul_efficiency`` (the measured share of the
   peak a large product reaches; the built-in GPU profiles cite theirs). A product
   whose bytes take longer at the memory rate than its FLOPs at this rate (a roofline,
@@ -15,7 +15,7 @@
   16-bit compute dtype the plan counts float32 arrays at 16 bits, as a GPU holds
   them. It also fuses less than a GPU backend: the term is an upper bound.
 - **collectives**: each collective over the mesh axes it spans
-  (`mpscale.hlo.collectives_over`), priced on the link level its group needs, with
+  (`mpscale.trainer.planning.hlo.collectives_over`), priced on the link level its group needs, with
   the ring formulas of Thakur et al. (``n`` devices in a group, ``B`` the bytes per
   device, ``b`` the link's one-way bandwidth, ``a`` its latency)::
 
@@ -49,7 +49,7 @@ at the slower link's per-device bandwidth (each GPU of a DGX has its own adapter
 **Overlap: what the compiled program schedules.** A GPU program's collectives are
 asynchronous (``<kind>-start`` ... ``<kind>-done``), and XLA's scheduler places
 kernels between the two halves; those kernels run while the collective transfers
-(`mpscale.hlo.overlaps`). Each such collective hides behind its window, at most its
+(`mpscale.trainer.planning.hlo.overlaps`). Each such collective hides behind its window, at most its
 own time: ``hidden = sum(count * min(collective, window))``, the window priced as the
 kernels are. The step time is ``compute + memory + collectives - hidden``. A CPU
 compile's collectives are synchronous, so a plan on it hides nothing: an upper bound,
@@ -119,7 +119,7 @@ class Estimate:
   assumptions: dict[str, Any]
   hidden: float = 0.0
   """Seconds of collectives hidden behind the kernels the compiled program schedules
-  while they transfer (`mpscale.hlo.overlaps`; 0 for a program without asynchronous
+  while they transfer (`mpscale.trainer.planning.hlo.overlaps`; 0 for a program without asynchronous
   collectives, such as the CPU backend's)."""
 
   def text(self) -> str:
@@ -221,7 +221,7 @@ def peak_for(hardware: Hardware, dtype: str) -> float:
 
 def _kernel_seconds(kernels: Any, flop_rate: float, byte_rate: float
                     ) -> tuple[float, float]:
-  """``(compute, memory)`` seconds of kernels (`mpscale.hlo.Kernels`, or its dict
+  """``(compute, memory)`` seconds of kernels (`mpscale.trainer.planning.hlo.Kernels`, or its dict
   form): each matrix product at ``flop_rate``, with the excess of its bytes at
   ``byte_rate`` over its FLOPs counted as memory (a roofline, kernel by kernel), and
   every other kernel's bytes at ``byte_rate``."""

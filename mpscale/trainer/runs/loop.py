@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from rich.console import Console
 from rich.progress import TaskID
 
-from mpscale import parallel
+from mpscale import parallel as parallel_lib
 from mpscale import validation
 from mpscale.step import TrainState
 from mpscale.trainer.config import build as builders
@@ -243,7 +243,7 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
                          f"{type(e).__name__}: {str(e)[:500]}"))
   return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes, eval_names,
               num_params=lm_lib.num_params(params),
-              opt_bytes=parallel.tree_bytes(state.opt_state, per_device=False),
+              opt_bytes=parallel_lib.tree_bytes(state.opt_state, per_device=False),
               main_process=jax.process_index() == 0)
 
 

@@ -1,7 +1,7 @@
 """A run's metrics log: ``metrics.csv`` and TensorBoard events, one row per log point.
 
 A row sums up one log interval (`Interval`: the steps since the previous row, with
-their metrics, `mpscale.metrics.StepMetrics`' names and ``loss``): `COLUMNS` says how
+their metrics, `mpscale.step.StepMetrics`' names and ``loss``): `COLUMNS` says how
 each fixed column is computed from it, and `csv_row` builds the row, the model's
 evaluation metrics (``eval_<name>``) and the group norms (``norm/<group>``) after
 them.
@@ -34,7 +34,7 @@ class Interval(NamedTuple):
   """The last step done: the row's step."""
   metrics: list[dict[str, Any]]
   """Each step's metrics as host values, in order (the train step's: ``loss``,
-  ``num_tokens`` and `mpscale.metrics.StepMetrics`' names)."""
+  ``num_tokens`` and `mpscale.step.StepMetrics`' names)."""
   evaluation: Optional[dict[str, float]]
   """The evaluation at ``step`` (``"loss"`` and the model's metrics by name), or
   ``None`` when this row does not evaluate."""

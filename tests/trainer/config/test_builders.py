@@ -93,7 +93,7 @@ def test_update_rounding_ends_the_optimizer_chain_inside_the_skip(rounding, kind
   state = builders.build_optimizer(cfg).init({"w": jnp.ones((4, 4), jnp.bfloat16)})
   chain = state.skip_state.inner_state  # no_loss_scale(chain(clip, chain(opt, ..)))
   found = [s for s in (mpscale.StochasticRoundingState, mpscale.KahanSummationState)
-           if mpscale.opt_state.find(state, s)]
+           if mpscale._tree.find(state, s)]
   assert found == ([] if kind is None else [kind])
   if kind is not None:
     assert isinstance(chain[-1][-1], kind)
@@ -123,7 +123,7 @@ def test_bf16_pure_with_stochastic_rounding_trains_with_its_state_in_bfloat16():
   state = setup.init(setup.init_params())
   dtypes = lambda s: [x.dtype for x in jax.tree_util.tree_leaves(s)]
   before = dtypes(state)
-  adam = mpscale.opt_state.find(state.opt_state, optax.ScaleByAdamState)[0]
+  adam = mpscale._tree.find(state.opt_state, optax.ScaleByAdamState)[0]
   assert {x.dtype for x in jax.tree_util.tree_leaves((adam.mu, adam.nu))} == {
       jnp.dtype(jnp.bfloat16)}
   rng = np.random.default_rng(0)
@@ -136,7 +136,7 @@ def test_bf16_pure_with_stochastic_rounding_trains_with_its_state_in_bfloat16():
     losses.append(float(metrics["loss"]))
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
   assert dtypes(state) == before
-  rounding = mpscale.opt_state.find(state.opt_state, mpscale.StochasticRoundingState)
+  rounding = mpscale._tree.find(state.opt_state, mpscale.StochasticRoundingState)
   assert int(rounding[0].count) == 4
 
 
@@ -212,7 +212,7 @@ def test_config_groups_do_what_the_weight_decay_mask_does(name):
         got.params, want.params)
   else:
     jax.tree_util.tree_map(np.testing.assert_array_equal, got.params, want.params)
-  found = mpscale.opt_state.find(got.opt_state, mpscale.ParamGroupsState)
+  found = mpscale._tree.find(got.opt_state, mpscale.ParamGroupsState)
   assert set(found[0].inner_states) == {"default", "no_decay"}
   assert set(metrics["group_learning_rates"]) == {"no_decay"}
   # Without the group, "all" decays the norm scales too: a different result.
@@ -267,7 +267,7 @@ def test_skip_spikes_goes_inside_the_loss_scale_and_outside_the_clip():
   state = tx.init(params)
   spikes = state.skip_state.inner_state  # dynamic_loss_scale(skip_spikes(...))
   assert isinstance(spikes, mpscale.SkipSpikesState) and spikes.losses.shape == (16,)
-  assert mpscale.opt_state.find(spikes.inner_state, mpscale.GlobalNormClipState)
+  assert mpscale._tree.find(spikes.inner_state, mpscale.GlobalNormClipState)
   _, state = tx.update(params, state, params, loss=jnp.float32(2.0))
   metrics = mpscale.step_metrics(state)
   assert not bool(metrics["spike"]) and int(metrics["spikes"]) == 0
@@ -275,7 +275,7 @@ def test_skip_spikes_goes_inside_the_loss_scale_and_outside_the_clip():
   # Off by default: no state, no metrics.
   state = builders.build_optimizer(config_lib.config_from_dict(SMALL)).init(
       {"w": jnp.ones((4, 4))})
-  assert not mpscale.opt_state.find(state, mpscale.SkipSpikesState)
+  assert not mpscale._tree.find(state, mpscale.SkipSpikesState)
 
 
 @pytest.mark.parametrize("spikes, key", [

@@ -306,7 +306,7 @@ def _fp8_user_config(tmp_path, flavour, name):
 
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
 def test_a_config_named_flax_model_trains_its_fp8_layers(tmp_path, flavour):
-  """precision.fp8 with a user's model: its provider builds mpscale.fp8_flax layers
+  """precision.fp8 with a user's model: its provider builds mpscale.precision.fp8_flax layers
   from the config's recipe; their state is the run's model state, overwritten with
   its gradient each step (linen's _overwrite_with_gradient collection; NNX's
   OverwriteWithGradient variables, which the trainer puts in that collection) and

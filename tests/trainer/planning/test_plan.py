@@ -103,7 +103,7 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
   """Interleaved 1F1B (S = 4, M = 8, v = 2): the plan lists GPipe and 1F1B, plain and
   interleaved, with each table's bubble and stage inputs alive, its own marked, in the
   text and the dict."""
-  from mpscale.parallel.pipeline import _pipeline as pl
+  from mpscale.parallel import pipeline as pl
   S, M, v = 4, 8, 2
   planned = plan_lib.plan(_cfg("mesh.data=2", f"mesh.stage={S}", "model.num_layers=8",
                                f"train.num_microbatches={M}", "train.per_token_loss=true",
