@@ -1,9 +1,16 @@
-"""The library does not depend on the trainer built on it.
+"""What may import what: the library's rooms, the trainer's rooms, and the two layers.
 
-``mpscale/*.py`` (the Optax transforms, policy, norms, CAME, pipeline, train step) never
-imports ``mpscale.trainer``; only ``mpscale/__main__.py``, the ``python -m mpscale``
-shell, does. Checked twice: statically over every import statement, and by importing
-the library in a fresh interpreter.
+- The library (``mpscale/`` outside ``trainer/``) never imports ``mpscale.trainer``;
+  only ``mpscale/__main__.py``, the ``python -m mpscale`` shell, does. Checked twice:
+  statically over every import statement, and by importing the library in a fresh
+  interpreter.
+- The library's rooms (``precision``, ``scaling``, ``optim``, ``parallel``, ``step``)
+  sit on a core of small modules, and each imports only the rooms below it
+  (`LIBRARY_ROOM_IMPORTS`); the trainer imports a room only through its public
+  package, never its private modules.
+- The trainer's rooms (``config``, ``models``, ``data``, ``runs``, ``planning``) import
+  as their ``__init__`` says, in layers (`TRAINER_LAYERS`).
+- No module is in an import cycle, and none uses another module's private names.
 """
 
 import ast
@@ -12,7 +19,8 @@ import subprocess
 import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mpscale"
-LIBRARY = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__main__.py")
+LIBRARY = sorted(p for p in PACKAGE.rglob("*.py")
+                 if p.name != "__main__.py" and "trainer" not in p.relative_to(PACKAGE).parts)
 TRAINER_ONLY = ("mpscale.trainer", "yaml", "orbax", "grain", "tensorboardX", "rich",
                 "matplotlib", "tokenizers")
 """The trainer and the libraries only it uses."""
@@ -48,8 +56,8 @@ def test_the_check_sees_imports_of_the_trainer(tmp_path):
 
 
 def test_no_library_module_imports_the_trainer():
-  assert len(LIBRARY) > 10  # the glob found the library
-  offending = {p.name: [n for n in _imported(p) if _is_trainer_only(n)]
+  assert len(LIBRARY) > 30  # the glob found the library, its rooms included
+  offending = {str(p.relative_to(PACKAGE)): [n for n in _imported(p) if _is_trainer_only(n)]
                for p in LIBRARY}
   offending = {k: v for k, v in offending.items() if v}
   assert not offending, f"library modules import the trainer: {offending}"
@@ -80,13 +88,13 @@ ROOM_IMPORTS = {
 """What each room may import from the others (a room, or one module of it), as its
 ``__init__`` says: the modules that import nothing of the trainer (``config.schema``,
 ``config.errors``, ``runs.progress``) may be imported from anywhere."""
-BOTTOM = ("config.errors", "runs.progress", "planning.targets", "runs.devices",
-          "models.lm", "models.user")
+BOTTOM = ("config.errors", "runs.progress", "planning.targets", "planning.hlo",
+          "runs.devices", "models.lm", "models.user")
 """Modules that import nothing of the trainer."""
 TRAINER_LAYERS = (
     ("config.errors", "runs.devices", "runs.progress", "runs.metrics_log",
      "runs.checkpoints", "data.text", "data.token_files", "data.batch_sizes", "models.lm",
-     "models.user", "planning.targets"),
+     "models.user", "planning.targets", "planning.hlo"),
     ("config.schema",),
     ("data.loader", "runs.plots", "data.token_datasets", "data.tokenizing",
      "planning.hardware"),
@@ -119,19 +127,29 @@ def _module_graph(package_dir, package):
   """``{module: {modules of package it imports}}`` over every ``.py`` file under
   ``package_dir`` (dotted names relative to it), counting imports anywhere (inside
   functions too); ``from pkg import name`` counts as importing the module
-  ``pkg.name`` when there is one, else ``pkg``."""
+  ``pkg.name`` when there is one, else ``pkg`` (a subpackage: its ``__init__``)."""
   modules = _modules(package_dir)
+
+  def resolve(dotted):
+    if not dotted.startswith(package + "."):
+      return None
+    rel = dotted[len(package) + 1:]
+    return rel if rel in modules else (rel + ".__init__" if rel + ".__init__" in modules
+                                       else None)
+
   graph = {}
   for name, path in modules.items():
     found = set()
-    for imported in _imported(path):
-      for candidate in (imported, imported.rpartition(".")[0]):
-        if candidate.startswith(package + "."):
-          rel = candidate[len(package) + 1:]
-          if rel in modules:
-            found.add(rel)
-            break
-    graph[name] = found - {name}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        found |= {resolve(a.name) for a in node.names}
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: from the package
+          base = package + ("." + base if base else "")
+        for alias in node.names:
+          found.add(resolve(f"{base}.{alias.name}") or resolve(base))
+    graph[name] = found - {name, None}
   return graph
 
 
@@ -192,20 +210,29 @@ def test_trainer_modules_import_only_from_layers_below():
   assert not upward, f"imports that do not run downward: {upward}"
 
 
+def _room_violations(graph, room_of, allowed):
+  """``"module -> other"`` for each import ``graph`` holds from one room into another
+  that ``allowed[room]`` (rooms, or single modules) does not list; ``room_of(module)``
+  names a module's room (``None``: the module is under no rule, e.g. an ``__init__``
+  that re-exports)."""
+  bad = []
+  for module, imported in graph.items():
+    room = room_of(module)
+    if room is None:
+      continue
+    for other in imported:
+      if room_of(other) == room:
+        continue
+      if room_of(other) not in allowed[room] and other not in allowed[room]:
+        bad.append(f"{module} -> {other}")
+  return bad
+
+
 def test_each_room_imports_only_what_its_init_allows():
   graph = _trainer_graph()
   assert {_room(m) for m in graph} - {"__init__", "cli"} == set(ROOMS)
-  bad = []
-  for module, imported in graph.items():
-    room = _room(module)
-    if module == "__init__":
-      continue
-    for other in imported:
-      if _room(other) == room:
-        continue
-      allowed = ROOM_IMPORTS[room]
-      if _room(other) not in allowed and other not in allowed:
-        bad.append(f"{module} -> {other}")
+  bad = _room_violations(graph, lambda m: None if m == "__init__" else _room(m),
+                         ROOM_IMPORTS)
   assert not bad, f"imports a room's __init__ does not allow: {bad}"
 
 
@@ -224,6 +251,150 @@ def test_each_room_init_says_what_it_holds_and_may_import():
 def test_the_bottom_modules_import_nothing_of_the_trainer():
   graph = _trainer_graph()
   assert {m: graph[m] for m in BOTTOM if graph[m]} == {}
+
+
+# ------------------------------------------------------------------ the library's rooms
+LIBRARY_ROOMS = ("precision", "scaling", "optim", "parallel", "step")
+"""The library's subpackages, each one concern (``parallel.pipeline`` is part of
+``parallel``)."""
+CORE = ("_deprecated", "_jaxprs", "_tree", "_versions", "gradients", "keys",
+        "validation")
+"""The modules at the top of ``mpscale/`` under the rooms: argument checks, keys,
+what gradient sources return, and the private tree and jaxpr helpers."""
+LIBRARY_ROOM_IMPORTS = {
+    "core": set(),
+    "precision": {"core"},
+    "scaling": {"core"},
+    "optim": {"core"},
+    "parallel": {"core"},
+    "step": {"core", "precision", "scaling", "optim", "parallel"},
+}
+"""What each room may import besides itself, as its ``__init__``'s ``May import:``
+line says: the four concerns stand side by side on the core, and the step, which
+puts them together, is on top of all of them."""
+
+
+def _library_graph():
+  graph = _module_graph(PACKAGE, "mpscale")
+  return {m: {n for n in imported if _library_room(n) != "trainer"}
+          for m, imported in graph.items() if _library_room(m) not in ("trainer", None)}
+
+
+def _library_room(module):
+  """The room of a library module (``core`` for `CORE`), ``trainer``, or ``None``
+  for the top package's ``__init__`` and ``__main__`` (they import every room)."""
+  first = module.split(".")[0]
+  if first in CORE:
+    return "core"
+  if first in ("__init__", "__main__"):
+    return None
+  return first
+
+
+def test_the_room_check_fails_when_a_lower_room_imports_a_higher_one(tmp_path):
+  # mpscale's own rules on a package where the scaling room imports the step: the
+  # check names the import, and the same package without it passes.
+  pkg = tmp_path / "pkg"
+  for room in ("scaling", "step"):
+    (pkg / room).mkdir(parents=True)
+    (pkg / room / "__init__.py").write_text("")
+  (pkg / "validation.py").write_text("")
+  (pkg / "step" / "_train_step.py").write_text("from pkg.scaling import _loss_scale\n")
+  (pkg / "scaling" / "_loss_scale.py").write_text(
+      "from pkg import validation\n\ndef f():\n  from pkg.step import _train_step\n")
+  room_of = lambda m: _library_room(m) if m.split(".")[-1] != "__init__" else None
+  graph = _module_graph(pkg, "pkg")
+  assert _room_violations(graph, room_of, LIBRARY_ROOM_IMPORTS) == [
+      "scaling._loss_scale -> step._train_step"]
+  assert _cycles(graph) == [["scaling._loss_scale", "step._train_step",
+                             "scaling._loss_scale"]]
+  (pkg / "scaling" / "_loss_scale.py").write_text("from pkg import validation\n")
+  graph = _module_graph(pkg, "pkg")
+  assert _room_violations(graph, room_of, LIBRARY_ROOM_IMPORTS) == []
+  assert _cycles(graph) == []
+
+
+def test_the_library_is_its_rooms_on_the_core():
+  graph = _library_graph()
+  rooms = {_library_room(m) for m in graph} - {None}
+  assert rooms == set(LIBRARY_ROOMS) | {"core"}, rooms
+  on_top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
+  assert on_top == set(CORE), on_top
+
+
+def test_each_library_room_imports_only_the_rooms_below_it():
+  graph = _library_graph()
+  room_of = lambda m: None if m.split(".")[-1] == "__init__" else _library_room(m)
+  bad = _room_violations(graph, room_of, LIBRARY_ROOM_IMPORTS)
+  assert not bad, f"imports a library room's rules do not allow: {bad}"
+  # An __init__ re-exports its own room only.
+  inits = [f"{m} -> {n}" for m, imported in graph.items()
+           if m.endswith("__init__") and m != "__init__"
+           for n in imported if _library_room(n) not in (_library_room(m), "core")]
+  assert not inits, inits
+
+
+def test_no_library_module_is_in_an_import_cycle():
+  graph = _module_graph(PACKAGE, "mpscale")
+  graph = {m: set(v) for m, v in graph.items() if not m.startswith("trainer")}
+  assert {"scaling._loss_scale", "step._train_step", "parallel.pipeline._ticked"} <= set(
+      graph)
+  assert not _cycles(graph), f"import cycles in mpscale: {_cycles(graph)}"
+
+
+def test_each_library_room_init_says_what_it_holds_and_may_import():
+  for init in sorted(PACKAGE.glob("*/__init__.py")) + sorted(PACKAGE.glob("*/*/__init__.py")):
+    if "trainer" in init.parts:
+      continue
+    doc = ast.get_docstring(ast.parse(init.read_text()))
+    assert doc and "May import:" in doc, f"{init}: no 'May import:' line"
+    holds = {p.stem for p in init.parent.glob("*.py")} - {"__init__"}
+    holds |= {p.parent.name for p in init.parent.glob("*/__init__.py")}
+    missing = [m for m in holds if f"``{m}``" not in doc and f"`{m}`" not in doc
+               and f"`mpscale.{init.parent.name}.{m}`" not in doc]
+    assert not missing, f"{init}'s docstring does not name {missing}"
+
+
+def test_the_trainer_imports_the_library_through_its_rooms_public_names():
+  """A trainer module imports a library room's package (``from mpscale import
+  parallel``), never one of its private modules; the core's private helpers
+  (``_tree``, ``_jaxprs``, ``_versions``) are shared plumbing and may be imported."""
+  bad = {}
+  for path in sorted(TRAINER.rglob("*.py")):
+    names = [n for n in _imported(path) if n.startswith("mpscale.")
+             and not n.startswith("mpscale.trainer")]
+    private = [n for n in names if any(
+        part.startswith("_") for part in n.split(".")[2:])
+        and n.split(".")[1] in LIBRARY_ROOMS]
+    if private:
+      bad[str(path.relative_to(PACKAGE))] = private
+  assert not bad, f"trainer modules import a library room's private modules: {bad}"
+
+
+FLAX_MODULES = ("precision.fp8_flax",)
+"""The library's modules written against Flax (which ``pip install mpscale`` does
+not install: the extra ``flax`` does); no room's ``__init__`` imports them."""
+
+
+def test_only_the_flax_modules_import_flax_at_the_top():
+  top_level = {}
+  for path in LIBRARY:
+    tree = ast.parse(path.read_text())
+    names = [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
+    names += [node.module or "" for node in tree.body if isinstance(node, ast.ImportFrom)]
+    if any(n == "flax" or n.startswith("flax.") for n in names):
+      top_level[".".join(path.relative_to(PACKAGE).with_suffix("").parts)] = names
+  assert set(top_level) == set(FLAX_MODULES), top_level
+
+
+def test_importing_the_library_and_its_rooms_loads_no_flax():
+  code = ("import sys, mpscale\n"
+          "from mpscale import optim, parallel, precision, scaling, step\n"
+          "from mpscale.parallel import pipeline\n"
+          "bad = [m for m in sys.modules if m.split('.')[0] == 'flax']\n"
+          "print(bad); assert not bad, bad")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert result.returncode == 0, result.stdout + result.stderr
 
 
 # -------------------------------------------------------------- private names stay home
@@ -266,7 +437,7 @@ def test_the_private_name_check_sees_both_spellings(tmp_path):
   path.write_text("from mpscale.trainer.config import build as b\n"
                   "from mpscale.scaling._norms import _leafwise\nx = b._keyed\ny = b.keyed\n")
   assert sorted(_private_uses(path, "mpscale")) == [
-      "mpscale.norms._leafwise", "mpscale.trainer.config.build._keyed"]
+      "mpscale.scaling._norms._leafwise", "mpscale.trainer.config.build._keyed"]
 
 
 def test_no_module_uses_another_modules_private_names():

@@ -235,93 +235,16 @@ def param_groups(optimizer: Callable[..., optax.GradientTransformation],
     (parameter groups with their own ``lr`` and ``weight_decay``); optax.partition.
   """
   optimizer = validation.function("optimizer", optimizer)
-  if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Sequence):
-    raise validation.fail("groups", " must be a sequence of mpscale.ParamGroup or "
-                          f"mappings; got {type(groups).__name__}",
-                          validation.ArgumentTypeError)
-  groups = [_group(i, g) for i, g in enumerate(groups)]
-  names = [g.name for g in groups]
-  for i, name in enumerate(names):
-    if name == DEFAULT or name in names[:i]:
-      raise validation.fail(f"groups[{i}].name", f": {name!r} is taken (by "
-                            f"{'the unmatched leaves' if name == DEFAULT else 'an earlier group'}); "
-                            "give the group a name of its own")
-  if learning_rate is not None:
-    learning_rate = validation.scalar_or_schedule(
-        "learning_rate", learning_rate, validation.non_negative_float)
-  else:
-    for i, g in enumerate(groups):
-      if g.learning_rate is not None or g.lr_mult != 1.0:
-        key = "learning_rate" if g.learning_rate is not None else "lr_mult"
-        raise validation.ArgumentError(
-            (f"groups[{i}].{key}", "learning_rate"),
-            "{0} needs a default {1}: the optimizer finds its own rate when it is None")
-  if weight_decay is not None:
-    weight_decay = validation.scalar_or_schedule(
-        "weight_decay", weight_decay, validation.non_negative_float)
-
-  def rate(g: Optional[ParamGroup]) -> Optional[ScalarOrSchedule]:
-    if g is None:
-      return learning_rate
-    if g.learning_rate is not None:
-      return g.learning_rate
-    return None if learning_rate is None else _scaled(learning_rate, g.lr_mult)
-
-  def frozen(g: ParamGroup) -> bool:
-    lr = rate(g)
-    return not callable(lr) and lr is not None and float(lr) == 0.0
-
-  def build(g: Optional[ParamGroup]) -> optax.GradientTransformation:
-    if g is not None and frozen(g):
-      return optax.set_to_zero()
-    kwargs = dict(options)
-    if g is not None:
-      kwargs.update(g.options)
-    wd = weight_decay if g is None or g.weight_decay is None else g.weight_decay
-    if wd is not None:
-      kwargs["weight_decay"] = wd
-    return optimizer(learning_rate=rate(g), **kwargs)
-
-  where = lambda g: "optimizer" if g is None else f"groups[{groups.index(g)}]"
-  transforms = {}
-  for g in [None] + groups:
-    try:
-      tx = build(g)
-    except validation.ArgumentError as e:
-      if g is None:
-        raise
-      raise e.renamed(functools.partial(_group_argument, where(g), g)) from None
-    except (ValueError, TypeError) as e:
-      if g is None:
-        raise
-      raise validation.fail(where(g), f": {e}", validation.ArgumentTypeError
-                            if isinstance(e, TypeError) else validation.ArgumentError
-                           ) from None
-    if not isinstance(tx, optax.GradientTransformation):
-      raise validation.fail("optimizer", " must return an optax.GradientTransformation;"
-                            f" got {type(tx).__name__}", validation.ArgumentTypeError)
-    transforms[DEFAULT if g is None else g.name] = tx
+  groups = _checked_groups(groups)
+  settings = _Defaults.checked(learning_rate, weight_decay, options, groups)
+  transforms = {DEFAULT if g is None else g.name: _group_transform(optimizer, settings, g, groups)
+                for g in [None] + groups}
   partition = optax.partition(transforms, lambda tree: param_group_labels(tree, groups))
-
-  def learning_rates(count, inner_states):
-    found = lambda name: _tree.learning_rate(inner_states[name])
-    default = _at(learning_rate, count)
-    if default is None:  # the optimizer's own rate (CAME's relative step)
-      default = found(DEFAULT)
-    per_group = {}
-    for g in groups:
-      lr = jnp.zeros((), jnp.float32) if frozen(g) else _at(rate(g), count)
-      if lr is None:
-        lr = found(g.name)
-      per_group[g.name] = lr
-    nan = jnp.full((), jnp.nan, jnp.float32)
-    return (nan if default is None else default,
-            {k: nan if v is None else v for k, v in per_group.items()})
 
   def init_fn(params):
     state = partition.init(params)
     count = jnp.zeros((), jnp.int32)
-    lr, per_group = learning_rates(count, state.inner_states)
+    lr, per_group = settings.learning_rates(groups, count, state.inner_states)
     return ParamGroupsState(state.inner_states, count, lr, per_group)
 
   def update_fn(updates, state, params=None, *, leaf_squares=None, **extra_args):
@@ -330,8 +253,117 @@ def param_groups(optimizer: Callable[..., optax.GradientTransformation],
     updates, inner = partition.update(
         updates, optax.transforms.PartitionState(state.inner_states), params,
         **extra_args)
-    lr, per_group = learning_rates(state.count, inner.inner_states)
+    lr, per_group = settings.learning_rates(groups, state.count, inner.inner_states)
     count = optax.safe_int32_increment(state.count)
     return updates, ParamGroupsState(inner.inner_states, count, lr, per_group)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_groups(groups: Any) -> list[ParamGroup]:
+  """``groups`` as `ParamGroup`s, checked (`_group`), their names unique."""
+  if isinstance(groups, (str, bytes, Mapping)) or not isinstance(groups, Sequence):
+    raise validation.fail("groups", " must be a sequence of mpscale.ParamGroup or "
+                          f"mappings; got {type(groups).__name__}",
+                          validation.ArgumentTypeError)
+  groups = [_group(i, g) for i, g in enumerate(groups)]
+  names = [g.name for g in groups]
+  for i, name in enumerate(names):
+    if name == DEFAULT or name in names[:i]:
+      taken = "the unmatched leaves" if name == DEFAULT else "an earlier group"
+      raise validation.fail(f"groups[{i}].name", f": {name!r} is taken (by {taken}); "
+                            "give the group a name of its own")
+  return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class _Defaults:
+  """`param_groups`' own settings, which a group without its own takes."""
+  learning_rate: Optional[ScalarOrSchedule]
+  weight_decay: Optional[ScalarOrSchedule]
+  options: Mapping[str, Any]
+
+  @classmethod
+  def checked(cls, learning_rate: Any, weight_decay: Any, options: Mapping[str, Any],
+              groups: Sequence[ParamGroup]) -> "_Defaults":
+    if learning_rate is not None:
+      learning_rate = validation.scalar_or_schedule(
+          "learning_rate", learning_rate, validation.non_negative_float)
+    else:
+      for i, g in enumerate(groups):
+        if g.learning_rate is not None or g.lr_mult != 1.0:
+          key = "learning_rate" if g.learning_rate is not None else "lr_mult"
+          raise validation.ArgumentError(
+              (f"groups[{i}].{key}", "learning_rate"),
+              "{0} needs a default {1}: the optimizer finds its own rate when it is "
+              "None")
+    if weight_decay is not None:
+      weight_decay = validation.scalar_or_schedule(
+          "weight_decay", weight_decay, validation.non_negative_float)
+    return cls(learning_rate, weight_decay, dict(options))
+
+  def rate(self, g: Optional[ParamGroup]) -> Optional[ScalarOrSchedule]:
+    """The learning rate of group ``g`` (``None``: the unmatched leaves)."""
+    if g is None:
+      return self.learning_rate
+    if g.learning_rate is not None:
+      return g.learning_rate
+    return None if self.learning_rate is None else _scaled(self.learning_rate, g.lr_mult)
+
+  def frozen(self, g: ParamGroup) -> bool:
+    """Whether group ``g``'s learning rate is a constant 0."""
+    lr = self.rate(g)
+    return not callable(lr) and lr is not None and float(lr) == 0.0
+
+  def kwargs(self, g: Optional[ParamGroup]) -> dict[str, Any]:
+    """The keywords of group ``g``'s factory call."""
+    kwargs = dict(self.options)
+    if g is not None:
+      kwargs.update(g.options)
+    wd = self.weight_decay if g is None or g.weight_decay is None else g.weight_decay
+    if wd is not None:
+      kwargs["weight_decay"] = wd
+    return {"learning_rate": self.rate(g), **kwargs}
+
+  def learning_rates(self, groups: Sequence[ParamGroup], count: jax.Array,
+                     inner_states: Mapping[str, Any]
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The step's default learning rate and each group's (a rate the optimizer
+    finds itself, as CAME's relative step, read from its state; NaN where none)."""
+    found = lambda name: _tree.learning_rate(inner_states[name])  # noqa: E731
+    default = _at(self.learning_rate, count)
+    if default is None:  # the optimizer's own rate (CAME's relative step)
+      default = found(DEFAULT)
+    per_group = {}
+    for g in groups:
+      lr = jnp.zeros((), jnp.float32) if self.frozen(g) else _at(self.rate(g), count)
+      per_group[g.name] = found(g.name) if lr is None else lr
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    return (nan if default is None else default,
+            {k: nan if v is None else v for k, v in per_group.items()})
+
+
+def _group_transform(optimizer: Callable[..., optax.GradientTransformation],
+                     settings: _Defaults, g: Optional[ParamGroup],
+                     groups: Sequence[ParamGroup]) -> optax.GradientTransformation:
+  """Group ``g``'s optimizer (``None``: the unmatched leaves'); a frozen group's is
+  ``optax.set_to_zero``. The factory's errors name the group's setting."""
+  if g is not None and settings.frozen(g):
+    return optax.set_to_zero()
+  where = "optimizer" if g is None else f"groups[{groups.index(g)}]"
+  try:
+    tx = optimizer(**settings.kwargs(g))
+  except validation.ArgumentError as e:
+    if g is None:
+      raise
+    raise e.renamed(functools.partial(_group_argument, where, g)) from None
+  except (ValueError, TypeError) as e:
+    if g is None:
+      raise
+    raise validation.fail(where, f": {e}", validation.ArgumentTypeError
+                          if isinstance(e, TypeError) else validation.ArgumentError
+                         ) from None
+  if not isinstance(tx, optax.GradientTransformation):
+    raise validation.fail("optimizer", " must return an optax.GradientTransformation;"
+                          f" got {type(tx).__name__}", validation.ArgumentTypeError)
+  return tx

@@ -765,68 +765,22 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
         models_lib.load_object(getattr(cfg.model, key), f"model.{key}")
     return None
   mesh = abstract_mesh(cfg) if abstract else build_mesh(cfg, devices)
-  if model is None:
-    if cfg.mesh.pipeline_split is not None:
-      raise validation.ArgumentError(
-          ("mesh.pipeline_split", "model.provider"), "{0} splits an encoder-decoder; "
-          "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
-          "model (examples/t5_split)")
-    model = build_model(cfg, mesh, () if abstract else devices)
-    loss, evaluate_fn = build_loss(cfg, model), model.evaluate
-    per_token = cfg.train.per_token_loss
-    specs = build_param_specs(cfg, model, mesh)
-    init_params_fn = functools.partial(init_params, cfg, model)
-  else:
-    loss, evaluate_fn, per_token = model.loss_fn, model.evaluate, True
-    specs = user_param_specs(cfg, model, mesh)
-    init_params_fn = functools.partial(model.init, jax.random.key(cfg.seed))
+  pieces = _model_pieces(cfg, model, mesh, () if abstract else devices)
   if cfg.optimizer.groups:
-    check_param_groups(cfg, jax.eval_shape(init_params_fn))
-  pipelined = cfg.mesh.stage > 1
-  init_state = getattr(model, "init_state", None)
-  if isinstance(model, lm_lib.TinyLM) and model.fp8 is not None:
-    init_state = lambda key: model.init_model_state()  # noqa: E731
-  fp8 = build_fp8(cfg)
-  # FP8 scaling state from several replicas or micro-batches: merged (max amax).
-  merge = None if fp8 is None else functools.partial(precision_lib.merge_stacked,
-                                                     recipe=fp8)
-  if (reduce_dtype is not None and init_state is not None and not pipelined
-      and jnp.finfo(policy.compute_dtype).bits < 32):
-    # (A pipeline sums in float32 itself and carries the FP8 state.) Each replica
-    # then differentiates its own rows: only FP8 scaling state can follow, merged.
-    # make_train_step's init would refuse the others: say so by key, now.
-    state = jax.eval_shape(init_state, jax.random.key(cfg.seed))
-    fp8_only = (isinstance(state, Mapping)
-                and set(state) == {precision_lib.OVERWRITE_WITH_GRADIENT})
-    if fp8 is not None and fp8_only and cfg.mesh.fsdp > 1:
-      raise validation.ArgumentError(
-          ("precision.grad_reduce_dtype", "precision.fp8.recipe", "mesh.fsdp"),
-          "{0}: float32 with FP8 ({1}) and FSDP ({2} > 1) is not supported yet (the "
-          "FP8 products' custom VJPs would be replayed on gathered weights); set "
-          "{0}: null or {2}: 1")
-    if not (fp8 is not None and fp8_only):
-      raise validation.ArgumentError(
-          ("precision.grad_reduce_dtype", "model.provider"),
-          "{0}: float32 sums each data replica's own gradient, but the model of {1} "
-          "keeps a state (synchronized BatchNorm statistics), which makes every "
-          "micro-batch's gradient span all replicas' rows; set {0}: null")
+    check_param_groups(cfg, jax.eval_shape(pieces.init_params))
+  init_state, merge = build_model_state(cfg, pieces.model, policy, reduce_dtype)
   make_init, step = errors.keyed("train", lambda: step_lib.make_train_step(
-      loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
-      num_microbatches=1 if pipelined else cfg.train.num_microbatches,
-      per_token_loss=per_token,
+      pieces.loss, optimizer, policy=policy, mesh=mesh, data_axis=data_axes(mesh),
+      num_microbatches=1 if cfg.mesh.stage > 1 else cfg.train.num_microbatches,
+      per_token_loss=pieces.per_token,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
-      param_specs=specs, grad_reduce_dtype=reduce_dtype, merge_state=merge),
+      param_specs=pieces.specs, grad_reduce_dtype=reduce_dtype, merge_state=merge),
       {"grad_reduce_dtype": "precision.grad_reduce_dtype"})
   if abstract:
     return None
-  stochastic = getattr(model, "stochastic", False)
-  metrics_fn = getattr(model, "metrics", None)
-
+  pipeline = pieces.loss if isinstance(pieces.loss, parallel_lib.Pipeline) else None
   key = run_key(cfg)
-
-  pipeline = loss if isinstance(loss, parallel_lib.Pipeline) else None
-  to_model = _placed_alike(pipeline.to_model_order if pipeline else None)
-  to_device = _placed_alike(pipeline.to_device_order if pipeline else None)
+  stochastic = getattr(pieces.model, "stochastic", False)
 
   def init(params):
     model_state = None if init_state is None else init_state(key)
@@ -835,6 +789,93 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
           jax.eval_shape(pipeline.to_device_order, (params, model_state))
           if _is_abstract(params) else pipeline.to_device_order((params, model_state)))
     return make_init(params, model_state=model_state, rng=key if stochastic else None)
+
+  return Setup(pieces.model, policy, optimizer, mesh, init, step,
+               build_evaluate(pieces.model, pieces.evaluate, policy, pipeline),
+               pieces.init_params,
+               _placed_alike(pipeline.to_model_order if pipeline else None),
+               _placed_alike(pipeline.to_device_order if pipeline else None))
+
+
+class _ModelPieces(NamedTuple):
+  """What `build` takes from the model: its loss (a `mpscale.Pipeline` under
+  ``mesh.stage > 1``), evaluation, layout and initial parameters."""
+  model: Any
+  loss: Any
+  evaluate: Callable
+  per_token: bool
+  """The loss is ``(loss_sum, num_tokens)``."""
+  specs: Any
+  init_params: Callable[[], Any]
+
+
+def _model_pieces(cfg: schema.RunConfig, model: Optional[models_lib.Model],
+                  mesh: Any, devices: Optional[Sequence[Any]]) -> _ModelPieces:
+  """The built-in tiny LM's pieces (``model`` ``None``), or a user's model's (whose
+  loss is per token: ``(loss_sum, num_tokens)``, a mean counting as one token)."""
+  if model is not None:
+    return _ModelPieces(model, model.loss_fn, model.evaluate, True,
+                        user_param_specs(cfg, model, mesh),
+                        functools.partial(model.init, jax.random.key(cfg.seed)))
+  if cfg.mesh.pipeline_split is not None:
+    raise validation.ArgumentError(
+        ("mesh.pipeline_split", "model.provider"), "{0} splits an encoder-decoder; "
+        "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
+        "model (examples/t5_split)")
+  model = build_model(cfg, mesh, devices)
+  return _ModelPieces(model, build_loss(cfg, model), model.evaluate,
+                      cfg.train.per_token_loss, build_param_specs(cfg, model, mesh),
+                      functools.partial(init_params, cfg, model))
+
+
+def build_model_state(cfg: schema.RunConfig, model: Any, policy: Any,
+                      reduce_dtype: Any) -> tuple[Optional[Callable], Optional[Callable]]:
+  """``(init_state, merge_state)``: the model state's initializer (``None`` for a
+  model without one; the tiny LM's FP8 scaling state under ``precision.fp8``) and
+  how replicas' or micro-batches' updates of FP8 state merge (max amax; ``None``
+  without FP8).
+
+  Raises:
+    ArgumentError: naming ``precision.grad_reduce_dtype`` (float32 sums, in which
+      each data replica differentiates its own rows) with a model state other than
+      FP8 scaling state alone, or with FP8 under FSDP.
+  """
+  init_state = getattr(model, "init_state", None)
+  if isinstance(model, lm_lib.TinyLM) and model.fp8 is not None:
+    init_state = lambda key: model.init_model_state()  # noqa: E731
+  fp8 = build_fp8(cfg)
+  merge = None if fp8 is None else functools.partial(precision_lib.merge_stacked,
+                                                     recipe=fp8)
+  if (reduce_dtype is None or init_state is None or cfg.mesh.stage > 1
+      or jnp.finfo(policy.compute_dtype).bits >= 32):
+    # (A pipeline sums in float32 itself and carries the FP8 state.)
+    return init_state, merge
+  # Each replica differentiates its own rows: only FP8 scaling state can follow,
+  # merged. make_train_step's init would refuse the others: say so by key, now.
+  state = jax.eval_shape(init_state, jax.random.key(cfg.seed))
+  fp8_only = (isinstance(state, Mapping)
+              and set(state) == {precision_lib.OVERWRITE_WITH_GRADIENT})
+  if fp8 is not None and fp8_only and cfg.mesh.fsdp > 1:
+    raise validation.ArgumentError(
+        ("precision.grad_reduce_dtype", "precision.fp8.recipe", "mesh.fsdp"),
+        "{0}: float32 with FP8 ({1}) and FSDP ({2} > 1) is not supported yet (the "
+        "FP8 products' custom VJPs would be replayed on gathered weights); set "
+        "{0}: null or {2}: 1")
+  if not (fp8 is not None and fp8_only):
+    raise validation.ArgumentError(
+        ("precision.grad_reduce_dtype", "model.provider"),
+        "{0}: float32 sums each data replica's own gradient, but the model of {1} "
+        "keeps a state (synchronized BatchNorm statistics), which makes every "
+        "micro-batch's gradient span all replicas' rows; set {0}: null")
+  return init_state, merge
+
+
+def build_evaluate(model: Any, evaluate_fn: Callable, policy: Any,
+                   pipeline: Optional[parallel_lib.Pipeline]) -> Callable:
+  """The jitted evaluation of a `mpscale.TrainState` on a batch: the model's loss
+  (and its metrics, where it has them) on the parameters in model order, cast to
+  the compute dtype."""
+  metrics_fn = getattr(model, "metrics", None)
 
   @jax.jit
   def evaluate(state, batch):
@@ -847,8 +888,7 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
       out.update(metrics_fn(params, batch, **kw))
     return out
 
-  return Setup(model, policy, optimizer, mesh, init, step, evaluate, init_params_fn,
-               to_model, to_device)
+  return evaluate
 
 
 def _is_abstract(tree: Any) -> bool:

@@ -66,7 +66,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, NamedTuple
 
 import jax

@@ -58,7 +58,7 @@ import json
 import math
 import re
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 
@@ -212,6 +212,60 @@ class Plan:
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2)
+
+  @classmethod
+  def from_compiled(cls, built: Any, compiled: Any, seconds: float) -> "Plan":
+    """The plan of a compiled step: its memory and cost analyses, what its HLO says
+    (FLOPs, collectives, kernels, overlaps, gathers alive), and the sizes of the
+    state and batch it was built from (``built``: `plan`'s setup)."""
+    cfg, state, batch, mesh = built.cfg, built.state, built.batch, built.setup.mesh
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    # JAX leaves its structure open: a dict, or a list of one dict per program, or
+    # None (a compile-only GPU program has no cost analysis).
+    if isinstance(cost, (list, tuple)):
+      cost = cost[0] if cost else {}
+    cost = cost or {}
+    arguments, outputs = mem.argument_size_in_bytes, mem.output_size_in_bytes
+    aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+    hlo = hlo_lib.parse(compiled.as_text())  # once, for the FLOPs and the collectives
+    param_bytes = parallel_lib.tree_bytes(state.params)
+    axes = {} if mesh is None else dict(mesh.shape)
+    compute_dtype = jax.numpy.dtype(built.setup.policy.compute_dtype).name
+    # The CPU compile widens 16-bit arrays to float32; the target's keeps their dtypes.
+    narrow = (compute_dtype in ("bfloat16", "float16")
+              and built.target.compiler == "cpu")
+    float32_bytes = 2 if narrow else 4
+    work = hlo_lib.kernels(hlo, float32_bytes=float32_bytes)
+    return cls(
+        name=cfg.name, devices=1 if mesh is None else mesh.devices.size, mesh=axes,
+        params=lm_lib.num_params(built.params), tokens_per_step=built.tokens,
+        bytes={"params": param_bytes,
+               "optimizer_state": parallel_lib.tree_bytes(state.opt_state),
+               "gradients": param_bytes,
+               "model_state": parallel_lib.tree_bytes(state.model_state),
+               "batch": parallel_lib.tree_bytes(batch),
+               "arguments": arguments, "outputs": outputs, "aliased": aliased,
+               "temporaries": temporaries,
+               "peak": int(arguments + outputs - aliased + temporaries)},
+        flops_per_device=hlo_lib.matmul_flops(hlo), fp8_flops=hlo_lib.fp8_flops(hlo),
+        xla_flops_per_device=float(cost.get("flops", math.nan)),
+        model_flops=(None if built.provided
+                     else _model_flops(cfg, built.params, built.tokens)),
+        collectives=hlo_lib.collectives(hlo), compile_seconds=seconds,
+        device_memory=built.memory,
+        kernels={"dots": [list(d) for d in work.dots], "bytes": work.bytes},
+        collectives_over=hlo_lib.collectives_over(hlo, axes),
+        compute_dtype=compute_dtype,
+        largest_gather=hlo_lib.largest_collective(hlo, "all-gather"),
+        gathered_alive=hlo_lib.gathered_alive(hlo),
+        saved_activations=hlo_lib.saved_for_backward(hlo),
+        compiled_for=built.target.description, compile_note=built.target.note,
+        overlaps=[{"collective": o.collective, "bytes": o.bytes, "count": o.count,
+                   "window": {"dots": [list(d) for d in o.window.dots],
+                              "bytes": o.window.bytes}}
+                  for o in hlo_lib.overlaps(hlo, axes, float32_bytes=float32_bytes)],
+        **_loss_readings(built))
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "Plan":
@@ -476,6 +530,40 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
       (a mesh that needs more devices than exist, indivisible dimensions, a provider
       that fails or a batch its model cannot take, ...).
   """
+  built = _setup(cfg, device_memory, hardware, compiler)
+  compiled, seconds = _compiled_step(built)
+  planned = Plan.from_compiled(built, compiled, seconds)
+  if built.hardware is not None:
+    planned.estimate = step_time_lib.estimate(planned, built.hardware)
+  return planned
+
+
+class _Built(NamedTuple):
+  """What `plan` compiles, and what it reads besides the program: the run's pieces
+  built from shapes on the target's devices (`_setup`)."""
+  cfg: Any
+  setup: Any
+  """The run's pieces (`mpscale.trainer.config.build.Setup`)."""
+  params: Any
+  """The parameters' shapes."""
+  state: Any
+  """The `mpscale.TrainState`'s shapes, with their shardings."""
+  batch: Any
+  """A global batch's shapes, with its sharding."""
+  tokens: int
+  target: targets.Target
+  hardware: Optional[Hardware]
+  memory: Optional[int]
+  """A device's memory in bytes, or ``None``."""
+  provided: bool
+  """A user's model (``model.provider``)."""
+  data_key: str
+  """The config key naming the data, for errors."""
+
+
+def _setup(cfg: Any, device_memory: Any, hardware: Any, compiler: str) -> _Built:
+  """`plan`'s arguments checked, and the run built from shapes on the devices of the
+  compiler it reads (`targets.choose`)."""
   if hardware is not None and not isinstance(hardware, Hardware):
     hardware = load_hardware(hardware)
   if device_memory is None and hardware is not None:
@@ -491,6 +579,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
   except ValueError as e:
     raise validation.fail("hardware", f": {e}") from None
   provided = cfg.model.provider is not None
+  data_key = "the built-in data"
   if provided:
     user_model, batch, tokens, data_key = _provided_model(cfg)
     cfg = builders.with_initial_scale(cfg, True,
@@ -505,56 +594,57 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
     tokens = bs * seq
   params = jax.eval_shape(setup.init_params)
   state = setup.init(params)
-  mesh = setup.mesh
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                   sharding=builders.batch_sharding(mesh))
+                                   sharding=builders.batch_sharding(setup.mesh))
            for k, v in batch.items()}
-  if mesh is None and target.devices is not None:  # one device of the target's
+  if setup.mesh is None and target.devices is not None:  # one device of the target's
     state, batch = _on_device((state, batch), target.devices[0])
+  return _Built(cfg, setup, params, state, batch, tokens, target, hardware, memory,
+                provided, data_key)
+
+
+def _compiled_step(built: _Built) -> tuple[Any, float]:
+  """The step compiled from shapes for the target, and the seconds it took.
+
+  Raises:
+    ValueError, TypeError: naming ``mesh`` (the built-in model) or
+      ``model.provider`` (a user's, whose loss may raise anything on its batch).
+  """
   start = time.perf_counter()
   try:
-    compiled = _compile(setup.step.lower(state, batch), target)
+    compiled = _compile(built.setup.step.lower(built.state, built.batch), built.target)
   except Exception as e:  # a user's loss on a user's batch may raise anything
-    if not provided:
+    if not built.provided:
       if isinstance(e, (ValueError, TypeError)):
         cls = (validation.ArgumentTypeError if isinstance(e, TypeError)
                else validation.ArgumentError)
         raise validation.fail("mesh", f": {e}", cls) from None
       raise
-    shapes = {k: (v.shape, str(v.dtype)) for k, v in batch.items()}
+    shapes = {k: (v.shape, str(v.dtype)) for k, v in built.batch.items()}
     raise validation.fail("model.provider", f": compiling its step on the first batch "
-                          f"of {data_key} {shapes} raised {type(e).__name__}: "
+                          f"of {built.data_key} {shapes} raised {type(e).__name__}: "
                           f"{str(e)[:500]}") from None
-  seconds = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  # JAX leaves its structure open: a dict, or a list of one dict per program, or
-  # None (a compile-only GPU program has no cost analysis).
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  cost = cost or {}
-  arguments, outputs = mem.argument_size_in_bytes, mem.output_size_in_bytes
-  aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
-  peak = arguments + outputs - aliased + temporaries
-  num_params = lm_lib.num_params(params)
-  hlo = hlo_lib.parse(compiled.as_text())  # once, for the FLOPs and the collectives
-  param_bytes = parallel_lib.tree_bytes(state.params)
-  devices = 1 if mesh is None else mesh.devices.size
-  if provided:
-    loss = setup.model.loss_fn
-  else:
-    loss = builders.build_loss(cfg, setup.model)
-  bubble = loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0
-  schedules, residuals = [], None
+  return compiled, time.perf_counter() - start
+
+
+def _loss_readings(built: _Built) -> dict[str, Any]:
+  """What the plan reads from the loss besides the program: a pipeline's bubble,
+  schedules and residuals, or an unpipelined loss's activations and float32 share of
+  its matrix FLOPs (`Plan`'s fields of those names)."""
+  cfg, setup, state, batch = built.cfg, built.setup, built.state, built.batch
+  mesh = setup.mesh
+  loss = setup.model.loss_fn if built.provided else builders.build_loss(cfg, setup.model)
+  out = {"bubble": loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0,
+         "schedules": [], "residuals": None, "activations": None,
+         "float32_share": None}
   if cfg.mesh.stage > 1 and isinstance(loss, parallel_lib.Pipeline):
-    schedules = schedule_rows(cfg.mesh.stage, loss.num_microbatches,
-                              loss.virtual_stages, loss.schedule)
+    out["schedules"] = schedule_rows(cfg.mesh.stage, loss.num_microbatches,
+                                     loss.virtual_stages, loss.schedule)
     if not isinstance(loss, parallel_lib.SplitPipeline):
-      residuals = loss.residual_bytes(
+      out["residuals"] = loss.residual_bytes(
           state.params, batch, mesh=mesh, data_axis=builders.data_axes(mesh),
-          per_token_loss=provided or cfg.train.per_token_loss,
+          per_token_loss=built.provided or cfg.train.per_token_loss,
           cast=setup.policy.cast_to_compute)
-  activations = float32_share = None
   if not isinstance(loss, parallel_lib.Pipeline):
     replicas = 1 if mesh is None else parallel_lib.axis_size(
         mesh, builders.data_axes(mesh))
@@ -565,43 +655,7 @@ def plan(cfg: Any, device_memory: Any = None, hardware: Any = None,
       kwargs["rng"] = jax.random.key(0)
     if state.model_state is not None:
       kwargs["model_state"] = state.model_state
-    activations, forward = activation_bytes(loss, state.params, batch, rows,
-                                            setup.policy.cast_to_compute, **kwargs)
-    float32_share = setup.policy.wide_share(jaxprs.matmul_flops(forward))
-  compute_dtype = jax.numpy.dtype(setup.policy.compute_dtype).name
-  # The CPU compile widens 16-bit arrays to float32; the target's keeps their dtypes.
-  narrow = compute_dtype in ("bfloat16", "float16") and target.compiler == "cpu"
-  work = hlo_lib.kernels(hlo, float32_bytes=2 if narrow else 4)
-  planned = Plan(
-      name=cfg.name, devices=devices,
-      mesh={} if mesh is None else dict(mesh.shape),
-      params=num_params, tokens_per_step=tokens,
-      bytes={"params": param_bytes,
-             "optimizer_state": parallel_lib.tree_bytes(state.opt_state),
-             "gradients": param_bytes,
-             "model_state": parallel_lib.tree_bytes(state.model_state),
-             "batch": parallel_lib.tree_bytes(batch),
-             "arguments": arguments, "outputs": outputs, "aliased": aliased,
-             "temporaries": temporaries, "peak": int(peak)},
-      flops_per_device=hlo_lib.matmul_flops(hlo), fp8_flops=hlo_lib.fp8_flops(hlo),
-      xla_flops_per_device=float(cost.get("flops", math.nan)),
-      model_flops=None if provided else _model_flops(cfg, params, tokens),
-      collectives=hlo_lib.collectives(hlo), bubble=bubble,
-      compile_seconds=seconds, device_memory=memory,
-      kernels={"dots": [list(d) for d in work.dots], "bytes": work.bytes},
-      collectives_over=hlo_lib.collectives_over(hlo, dict(mesh.shape) if mesh is not
-                                                None else {}),
-      compute_dtype=compute_dtype, schedules=schedules, residuals=residuals,
-      activations=activations, float32_share=float32_share,
-      largest_gather=hlo_lib.largest_collective(hlo, "all-gather"),
-      gathered_alive=hlo_lib.gathered_alive(hlo),
-      saved_activations=hlo_lib.saved_for_backward(hlo),
-      compiled_for=target.description, compile_note=target.note,
-      overlaps=[{"collective": o.collective, "bytes": o.bytes, "count": o.count,
-                 "window": {"dots": [list(d) for d in o.window.dots],
-                            "bytes": o.window.bytes}}
-                for o in hlo_lib.overlaps(hlo, {} if mesh is None else dict(mesh.shape),
-                                          float32_bytes=2 if narrow else 4)])
-  if hardware is not None:
-    planned.estimate = step_time_lib.estimate(planned, hardware)
-  return planned
+    out["activations"], forward = activation_bytes(
+        loss, state.params, batch, rows, setup.policy.cast_to_compute, **kwargs)
+    out["float32_share"] = setup.policy.wide_share(jaxprs.matmul_flops(forward))
+  return out

@@ -307,15 +307,14 @@ def test_the_check_is_the_build_on_shapes(monkeypatch):
   """Loading a config builds its train step once, on an abstract mesh of the
   config's sizes (no devices, nothing allocated); `build` builds the same step on
   devices. One sequence: a rule only the step's builder knows is a config error."""
-  from mpscale.step import _train_step as train_step_lib
   seen = []
-  real = train_step_lib.make_train_step
+  real = mpscale.step.make_train_step
 
   def recording(*args, **kwargs):
     seen.append(kwargs["mesh"])
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(train_step_lib, "make_train_step", recording)
+  monkeypatch.setattr(mpscale.step, "make_train_step", recording)
   raw = {**SMALL, "mesh": {"data": 2, "fsdp": 2}}
   cfg = config_lib.config_from_dict(raw)
   assert len(seen) == 1
@@ -325,7 +324,7 @@ def test_the_check_is_the_build_on_shapes(monkeypatch):
   assert isinstance(seen[1], jax.sharding.Mesh)
   assert dict(seen[1].shape) == dict(seen[0].shape)
   # The step's own rule (a model state with float32 gradient sums), found at load.
-  monkeypatch.setattr(train_step_lib, "make_train_step",
+  monkeypatch.setattr(mpscale.step, "make_train_step",
                       lambda *a, **k: (_ for _ in ()).throw(ValueError("nope")))
   with pytest.raises(config_lib.ConfigError, match=r"^<dict>: train: nope") as err:
     config_lib.config_from_dict(raw)
