@@ -6,7 +6,9 @@ Build (``-W``: every warning is an error; tests/integration/test_docs.py runs th
   sphinx-build -W --keep-going -b html docs /tmp/mpscale-docs
 """
 
+import importlib
 import os
+import pkgutil
 import re
 import sys
 
@@ -169,7 +171,34 @@ def _short_defaults(app, what, name, obj, options, signature, return_annotation)
   return signature, return_annotation
 
 
+# A room re-exports its data from the private module that defines them
+# (``mpscale.parallel.AVERAGED_DIMS`` is ``mpscale.parallel._optimizer_state``'s);
+# the attribute docstring is there, so autodoc would show the value's type's own
+# docstring (a dict's, a tuple's). Take the defining module's.
+def _reexported_data_doc(app, what, name, obj, options, lines):
+  if what != "data":
+    return
+  module_name, _, attr = name.rpartition(".")
+  from sphinx.pycode import ModuleAnalyzer  # pylint: disable=import-outside-toplevel
+  try:
+    if ("", attr) in ModuleAnalyzer.for_module(module_name).find_attr_docs():
+      return
+    module = importlib.import_module(module_name)
+  except Exception:  # noqa: BLE001 - not a module of ours: leave it
+    return
+  for info in pkgutil.walk_packages(getattr(module, "__path__", []), module_name + "."):
+    try:
+      docs = ModuleAnalyzer.for_module(info.name).find_attr_docs()
+    except Exception:  # noqa: BLE001
+      continue
+    if ("", attr) in docs and getattr(importlib.import_module(info.name), attr,
+                                      None) is obj:
+      lines[:] = list(docs[("", attr)])
+      return
+
+
 def setup(app):
+  app.connect("autodoc-process-docstring", _reexported_data_doc, priority=50)
   app.connect("autodoc-process-signature", _short_defaults)
   app.connect("missing-reference", _resolve_public_name)
   app.connect("autodoc-process-docstring", _save_prose, priority=100)

@@ -59,6 +59,12 @@ updates, state = step(bad, state, params)
 assert float(jnp.abs(updates["w"]).max()) == 0.0  # the overflowed step is skipped
 assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED]
 try:
+  import mpscale.precision.fp8_flax
+except ImportError as e:
+  assert 'pip install "mpscale[flax]"' in str(e), e
+else:
+  raise AssertionError("the Flax layers imported without Flax")
+try:
   import mpscale.trainer
 except ImportError as e:
   print("TRAINER:", e)

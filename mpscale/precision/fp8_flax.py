@@ -19,8 +19,9 @@ TrainState.apply_gradients`` already routes); NNX in `OverwriteWithGradient`
 variables: differentiate with respect to them too (``nnx.DiffState(0, (nnx.Param,
 OverwriteWithGradient))``) and ``nnx.update`` the model with their gradients.
 
-This module needs Flax (``pip install "mpscale[trainer]"``, or flax alone);
-``import mpscale`` does not import it.
+This module needs Flax (``pip install "mpscale[flax]"``; the extra ``trainer`` has
+it too); ``import mpscale`` does not import it, and importing it without Flax says
+which extra to install.
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax.numpy as jnp
-from flax import linen as nn
-from flax import nnx
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax import lax
 
-from mpscale.precision import _fp8 as fp8_lib
+try:
+  from flax import linen as nn
+  from flax import nnx
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+except ImportError as e:  # the library's install has no Flax
+  raise ImportError(
+      f"mpscale.precision.fp8_flax needs Flax ({e}): pip install \"mpscale[flax]\" "
+      "(in a clone: pip install -e \".[flax]\")") from e
+
 from mpscale import validation
+from mpscale.precision import _fp8 as fp8_lib
 
 _DEFAULT = fp8_lib.make_fp8_recipe()
 

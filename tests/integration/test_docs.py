@@ -6,6 +6,7 @@ skipped when Sphinx or myst-parser is not installed (``pip install -e ".[docs]"`
 The pages' code blocks are run by tests/integration/test_readme.py.
 """
 
+import importlib
 import os
 import pathlib
 import re
@@ -53,17 +54,57 @@ def test_docs_build_and_api_page_names_key_functions(built_docs):
 
 
 def test_every_public_name_is_documented(built_docs):
+  """Each room's names where they import from: ``mpscale.<name>`` for those the top
+  level exports, else ``mpscale.<room>.<name>`` (a pipeline name the parallel room
+  exports too may be documented there)."""
   api = (built_docs / "api.html").read_text(encoding="utf-8")
-  undocumented = [name for name in mpscale.__all__
-                  if not re.search(rf'id="mpscale\.(\w+\.)?{re.escape(name)}"', api)]
+  documented = lambda dotted: f'id="{dotted}"' in api  # noqa: E731
+  undocumented = [name for name in mpscale.__all__ if not documented(f"mpscale.{name}")]
   assert not undocumented, (
       f"exported by mpscale/__init__.py but missing from docs/api.rst: {undocumented}")
+  rooms = {"scaling": mpscale.scaling, "optim": mpscale.optim,
+           "precision": mpscale.precision, "parallel": mpscale.parallel,
+           "parallel.pipeline": mpscale.parallel.pipeline, "step": mpscale.step}
+  for room, module in rooms.items():
+    homes = [f"mpscale.{room}", "mpscale.parallel"] if "." in room else [f"mpscale.{room}"]
+    missing = [name for name in module.__all__
+               if not (name in mpscale.__all__ or any(documented(f"{h}.{name}")
+                                                      for h in homes))]
+    assert not missing, f"exported by mpscale.{room} but missing from docs/api.rst: {missing}"
+    # A name the top level exports is documented there only, not twice.
+    twice = [name for name in module.__all__
+             if name in mpscale.__all__ and documented(f"mpscale.{room}.{name}")]
+    assert not twice, f"documented twice: {twice}"
   undocumented = [name for name in mpscale.trainer.__all__
                   if not re.search(rf'id="mpscale\.trainer\.(\w+\.)?{re.escape(name)}"',
                                    api)]
   assert not undocumented, (
       f"exported by mpscale/trainer/__init__.py but missing from docs/api.rst: "
       f"{undocumented}")
+
+
+def test_the_api_page_says_where_each_name_imports_from(built_docs):
+  # What index.rst and api.rst promise: every name documented as mpscale.<name>
+  # imports from the top level, every mpscale.<room>.<name> from its room.
+  api = (built_docs / "api.html").read_text(encoding="utf-8")
+  ids = set(re.findall(r'id="(mpscale\.[\w.]+)"', api))
+  rooms = ("scaling", "optim", "precision", "parallel", "step")
+
+  def home_and_name(dotted):  # members (a class's fields, methods) are left out
+    parts = dotted.split(".")
+    if parts[1:3] == ["parallel", "pipeline"] and len(parts) == 4:
+      return "mpscale.parallel.pipeline", parts[3]
+    if parts[1] in rooms and len(parts) == 3:
+      return f"mpscale.{parts[1]}", parts[2]
+    if len(parts) == 2 and parts[1] not in rooms:
+      return "mpscale", parts[1]
+    return None
+
+  names = [found for dotted in ids if (found := home_and_name(dotted))]
+  assert len(names) > 100, len(names)
+  wrong = [f"{home}.{name}" for home, name in names
+           if not hasattr(importlib.import_module(home), name)]
+  assert not wrong, f"documented names that do not import from where they say: {wrong}"
 
 
 def test_every_markdown_page_is_built(built_docs):
