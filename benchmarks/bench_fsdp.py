@@ -47,9 +47,9 @@ from mpscale.trainer.planning import hlo as hlo
 from mpscale import parallel
 from mpscale.trainer.models.lm import TinyLM  # noqa: E402
 
-# The user's linen LM and the HLO reading are the tests' own (tests/library/test_batch_split.py).
+# The user's linen LM and the HLO reading are the tests' own (tests/library/parallel/test_batch_split.py).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.library.test_batch_split import (LM, global_batch_ops, nnx_lm,  # noqa: E402
+from tests.library.parallel.test_batch_split import (LM, global_batch_ops, nnx_lm,  # noqa: E402
                                     nnx_loss)
 
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpscale",

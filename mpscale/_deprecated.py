@@ -37,7 +37,7 @@ MODULES = {
     "mpscale.backward_split": "mpscale.parallel.pipeline._backward_split",
     "mpscale.batch_split": "mpscale.parallel._batch_split",
     "mpscale.came": "mpscale.optim._came",
-    "mpscale.fp8": "mpscale.precision._fp8",
+    "mpscale.fp8": ("mpscale.precision._fp8", "mpscale.precision._fp8_state"),
     "mpscale.fp8_flax": "mpscale.precision.fp8_flax",
     "mpscale.hlo": "mpscale.trainer.planning.hlo",
     "mpscale.jaxprs": "mpscale._jaxprs",
@@ -46,7 +46,7 @@ MODULES = {
     "mpscale.norms": "mpscale.scaling._norms",
     "mpscale.opt_state": "mpscale._tree",
     "mpscale.parameter_groups": "mpscale.optim._param_groups",
-    "mpscale.pipeline": "mpscale.parallel",
+    "mpscale.pipeline": ("mpscale.parallel", "mpscale.parallel.pipeline"),
     "mpscale.pipeline_schedules": "mpscale.parallel.pipeline._schedules",
     "mpscale.policy": "mpscale.precision._policy",
     "mpscale.producer_select": "mpscale.scaling._producer_select",
@@ -57,9 +57,10 @@ MODULES = {
     "mpscale.spikes": "mpscale.scaling._spikes",
     "mpscale.train_step": "mpscale.step",
 }
-"""Old module path -> the module that holds its code now (``mpscale.sharding``,
-``mpscale.pipeline`` and ``mpscale.train_step``, each split by concern, answer
-through their room, which exports every public name they had)."""
+"""Old module path -> the module that holds its code now, or the modules, the
+first first (``mpscale.sharding``, ``mpscale.pipeline`` and ``mpscale.train_step``, each
+split by concern, answer through their room, which exports every public name they
+had; ``mpscale.fp8`` through the two modules it became)."""
 
 RENAMED = {
     "bubble_fraction": "pipeline_bubble_fraction",
@@ -76,10 +77,11 @@ RENAMED = {
 }
 """Old name -> new name, wherever the old one was defined."""
 
-NAMES = {old: ("mpscale", new) for old, new in RENAMED.items()
-         if old not in ("labels",)}
+NAMES = {old: ("mpscale", RENAMED[old])
+         for old in ("bubble_fraction", "ClipByGlobalNormState", "clip_by_global_norm",
+                     "fp8_recipe", "get_policy", "loss_scale_for", "schedule_chunks",
+                     "schedule_table", "stage_groups")}
 """Old top-level name -> ``(module, new name)``: what ``mpscale.<old>`` answers."""
-NAMES["labels"] = ("mpscale.optim", "param_group_labels")
 
 
 def _warn(old: str, new: str, stacklevel: int = 3) -> None:
@@ -91,6 +93,8 @@ def _public(dotted: str) -> str:
   """The public home of a module: ``mpscale.scaling._norms`` -> ``mpscale.scaling``."""
   parts = dotted.split(".")
   cut = next((i for i, p in enumerate(parts) if p.startswith("_")), len(parts))
+  if cut < 2:  # a core helper (mpscale._tree): no public home
+    return f"{dotted} (internal: mpscale's own helpers)"
   return ".".join(parts[:cut])
 
 
@@ -107,22 +111,26 @@ def name(old: str) -> Any:
 
 
 class _Alias(types.ModuleType):
-  """An old module path: every attribute of the module now holding its code, and the
-  renamed ones under their old names too (each warns)."""
+  """An old module path: every attribute of the modules now holding its code (the
+  first that has it), and the renamed ones under their old names too (each warns)."""
 
-  def __init__(self, old: str, target: types.ModuleType):
-    super().__init__(old, target.__doc__)
-    self.__dict__["_target"] = target
+  def __init__(self, old: str, targets: tuple[types.ModuleType, ...]):
+    super().__init__(old, targets[0].__doc__)
+    self.__dict__["_targets"] = targets
 
   def __getattr__(self, attr: str) -> Any:
-    target = self.__dict__["_target"]
-    if attr in RENAMED and not hasattr(target, attr):
-      _warn(f"{self.__name__}.{attr}", f"{_public(target.__name__)}.{RENAMED[attr]}")
-      return getattr(target, RENAMED[attr])
-    return getattr(target, attr)
+    targets = self.__dict__["_targets"]
+    for name in (attr, RENAMED.get(attr)):
+      for target in targets:
+        if name is not None and hasattr(target, name):
+          if name != attr:
+            _warn(f"{self.__name__}.{attr}", f"{_public(target.__name__)}.{name}")
+          return getattr(target, name)
+    raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r}")
 
   def __dir__(self) -> list[str]:
-    return sorted(set(dir(self.__dict__["_target"])) | set(RENAMED))
+    names = {n for target in self.__dict__["_targets"] for n in dir(target)}
+    return sorted(names | set(RENAMED))
 
 
 def module(old: str, stacklevel: int = 4) -> types.ModuleType:
@@ -130,8 +138,9 @@ def module(old: str, stacklevel: int = 4) -> types.ModuleType:
   if old in sys.modules:
     return sys.modules[old]
   new = MODULES[old]
-  _warn(f"the module {old}", _public(new), stacklevel=stacklevel)
-  alias = _Alias(old, importlib.import_module(new))
+  new = (new,) if isinstance(new, str) else new
+  _warn(f"the module {old}", _public(new[0]), stacklevel=stacklevel)
+  alias = _Alias(old, tuple(importlib.import_module(n) for n in new))
   sys.modules[old] = alias
   return alias
 

@@ -9,7 +9,7 @@ top of conftest.py (pytest imports it before any test module).
 ``MPSCALE_TEST_PLATFORM=gpu`` (or ``tpu``) runs the suite on that backend instead, with
 the devices it has: there the tests that build meshes of several devices need that
 many, so on one accelerator run the single-device and numerical files, e.g.
-``tests/library/test_loss_scale.py tests/library/test_came.py tests/library/test_producer_select.py``.
+``tests/library/scaling/test_loss_scale.py tests/library/optim/test_came.py tests/library/scaling/test_producer_select.py``.
 
 JAX's persistent compilation cache is on for the session, in a fresh temporary folder
 (removed at exit), so nothing carries over from one test run to the next. It is set

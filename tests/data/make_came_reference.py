@@ -7,7 +7,7 @@ Needs the optional extra ``reference`` (CPU torch first)::
   python tests/data/make_came_reference.py
 
 The params and the gradients are not stored: both are drawn with NumPy from fixed
-seeds by `initial_params` and `gradient`, which tests/library/test_came.py imports from this
+seeds by `initial_params` and `gradient`, which tests/library/optim/test_came.py imports from this
 file (importing it needs no torch). The gradients are random at every step and never
 derived from the params. What is stored, per variant and dtype, is the parameter
 trajectory at a few checkpoint steps: every small leaf in full, the (256, 512) leaf

@@ -24,7 +24,7 @@ from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import loader
 from mpscale.trainer.data import text as data_lib
 from mpscale.trainer.data.batch_sizes import BatchSizes
-from tests.library.test_schedules import megatron_lr
+from tests.library.optim.test_lr_schedules import megatron_lr
 
 RAMP = {"train": {"samples": 2000}, "data": {"batch_size": 32,
                                              "rampup_batch_size": [8, 8, 480]}}

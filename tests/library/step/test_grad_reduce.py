@@ -14,7 +14,7 @@ from mpscale.trainer.planning import hlo as hlo
 from mpscale.parallel import pipeline as pl
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import compiled as planning
-from tests.library import test_pipeline as tp
+from tests.library.parallel import test_pipeline as tp
 
 IN, HIDDEN, OUT, ROWS = 32, 64, 16, 256
 PARAM_BYTES = 4 * (IN * HIDDEN + HIDDEN * OUT)

@@ -556,7 +556,7 @@ def test_the_three_hysteresis_modes_on_the_seeds_example():
 
 # ------------------------------------------------------------- the compiled program
 
-_H100_SPEC = (Path(__file__).resolve().parent.parent.parent / "mpscale" / "trainer" /
+_H100_SPEC = (Path(__file__).resolve().parents[3] / "mpscale" / "trainer" /
               "planning" / "target_specs" / "h100_sxm.txtpb")
 
 

@@ -17,7 +17,7 @@ import mpscale
 from mpscale.optim._came import compression_dtype
 from tests.helpers import load_script
 
-_DATA = os.path.join(os.path.dirname(__file__), "..", "data")
+_DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data")
 
 
 def _load_recipe():
