@@ -57,8 +57,8 @@ MODULES = {
     "mpscale.spikes": "mpscale.scaling._spikes",
     "mpscale.train_step": "mpscale.step",
 }
-"""Old module path -> the module that holds its code now, or the modules, the
-first first (``mpscale.sharding``, ``mpscale.pipeline`` and ``mpscale.train_step``, each
+"""Old module path -> the module that holds its code now, or the modules, asked in
+order (``mpscale.sharding``, ``mpscale.pipeline`` and ``mpscale.train_step``, each
 split by concern, answer through their room, which exports every public name they
 had; ``mpscale.fp8`` through the two modules it became)."""
 
