@@ -11,6 +11,8 @@ import pytest
 
 from mpscale import _jaxprs
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _eqn(get_bind_params):
   primitive = types.SimpleNamespace(get_bind_params=get_bind_params, name="p")

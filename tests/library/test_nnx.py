@@ -10,6 +10,8 @@ from flax import nnx
 
 import mpscale
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 class MLP(nnx.Module):
   def __init__(self, rngs):

@@ -3,9 +3,12 @@
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 import mpscale
 from mpscale import _tree as opt_state
+
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
 
 
 def _nested():

@@ -9,6 +9,8 @@ import pytest
 
 from mpscale import _versions
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 _ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 

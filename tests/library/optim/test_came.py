@@ -17,6 +17,8 @@ import mpscale
 from mpscale.optim._came import compression_dtype
 from tests.helpers import load_script
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 _DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data")
 
 

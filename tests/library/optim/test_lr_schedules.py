@@ -10,6 +10,8 @@ import pytest
 
 import mpscale
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def megatron_lr(n, *, peak, warmup, decay_steps, style, min_lr=0.0, init_lr=0.0):
   """Megatron-LM's OptimizerParamScheduler.get_lr, with num_steps = n."""

@@ -12,6 +12,8 @@ import mpscale
 from mpscale.optim import _param_groups as param_groups_lib
 from mpscale.optim._came import relative_step_size
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _params():
   rng = np.random.default_rng(0)

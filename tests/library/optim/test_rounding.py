@@ -13,6 +13,8 @@ import mpscale
 from mpscale import keys as keys_lib
 from tests import helpers
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 
 

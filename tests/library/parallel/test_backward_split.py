@@ -9,6 +9,8 @@ from jax import lax
 
 from mpscale.parallel.pipeline import _backward_split as bs
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _params(dtype=jnp.float32):
   rng = np.random.default_rng(0)

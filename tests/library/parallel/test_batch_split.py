@@ -16,6 +16,8 @@ from mpscale.parallel import _batch_split as batch_split
 from mpscale.trainer.planning import hlo as hlo
 from mpscale import parallel
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def fsdp_mesh(data=1, fsdp=8):
   return Mesh(np.array(jax.devices()[:data * fsdp]).reshape(data, fsdp),

@@ -22,6 +22,8 @@ from mpscale.trainer.models import lm as lm_lib
 from mpscale import parallel
 from mpscale.trainer.config.load import ModelConfig
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 AXES = ("data", "fsdp", "stage", "tensor")
 CONFIG = ModelConfig(d_model=32, num_heads=8, num_layers=4, d_ff=64, seq_len=16)
 BATCH, STEPS, MICRO = 16, 5, 2

@@ -18,6 +18,8 @@ from mpscale.parallel import pipeline as pl
 from mpscale.parallel.pipeline import _run as run_lib
 from mpscale.parallel.pipeline import _ticked as ticked_lib
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
 
 

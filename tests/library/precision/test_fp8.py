@@ -27,6 +27,8 @@ from mpscale.precision import _fp8_state as fp8_state
 from mpscale.precision.fp8_flax import (Fp8DotGeneral, NnxFp8DotGeneral, NnxFp8Einsum,
                               OverwriteWithGradient)
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FORMATS = [(E4M3, 448.0, 3, 2.0**-9), (E5M2, 57344.0, 2, 2.0**-16)]
 """(dtype, largest finite, mantissa bits, smallest subnormal)."""

@@ -13,6 +13,8 @@ import pytest
 import mpscale
 from mpscale.precision import _policy as policy_lib
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 F32, F16, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)
 
 

@@ -15,6 +15,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import mpscale
 from tests import helpers
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _params():
   rng = np.random.default_rng(0)

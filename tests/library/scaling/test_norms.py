@@ -9,6 +9,8 @@ import pytest
 import mpscale
 from mpscale.scaling import _norms as norms
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _tree(seed=0):
   rng = np.random.default_rng(seed)

@@ -15,6 +15,8 @@ from tests import helpers
 from mpscale import _jaxprs
 from mpscale.scaling import _producer_select as producer_select
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 
 def _params():

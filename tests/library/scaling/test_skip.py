@@ -9,6 +9,8 @@ import pytest
 import mpscale
 from tests import helpers
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _params():
   return {"a": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.ones((4,))}}

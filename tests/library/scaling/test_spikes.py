@@ -12,6 +12,8 @@ import mpscale
 from mpscale.parallel import cast_varying
 from tests import helpers
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 STEPS = 200
 GRAD_SPIKES = (80, 81, 130, 150)
 """Steps whose gradients are multiplied by 100 (81: two in a row)."""

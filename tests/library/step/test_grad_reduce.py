@@ -16,6 +16,8 @@ from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import compiled as planning
 from tests.library.parallel import test_pipeline as tp
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 IN, HIDDEN, OUT, ROWS = 32, 64, 16, 256
 PARAM_BYTES = 4 * (IN * HIDDEN + HIDDEN * OUT)
 FSDP = {"w1": P("data", None), "w2": P(None, "data")}

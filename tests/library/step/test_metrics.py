@@ -8,6 +8,8 @@ import pytest
 
 import mpscale
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 KEYS = {"loss_scale", "next_loss_scale", "overflow", "nan", "inf", "skipped", "consecutive_skipped",
         "global_norm", "group_norms", "group_sizes"}
 

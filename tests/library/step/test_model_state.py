@@ -15,6 +15,8 @@ import mpscale
 from mpscale import keys
 from mpscale.trainer.models import user as models
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _mesh(shape, names):
   return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)

@@ -16,6 +16,8 @@ import pytest
 import mpscale
 from tests import helpers
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 BATCH = 32
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from mpscale.trainer.config import load as config
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 # Every run config shipped; configs/published/runs.yaml lists published measurements
 # (docs/published_table.py), not a run.

@@ -3,12 +3,13 @@ against a step-by-step simulation of its rule and against Megatron-Core's own
 calculator when installed."""
 
 import jax
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import mpscale
 from mpscale.trainer.data.batch_sizes import BatchSizes
+
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
 
 
 def _simulate(batch_size, rampup, steps):

@@ -5,6 +5,8 @@ import pytest
 
 from mpscale.trainer.data import text as data
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 @pytest.fixture(scope="module")
 def corpus():

@@ -19,6 +19,8 @@ from mpscale.trainer.data.token_files import (FlatTokens, IndexedDataset,
                                          IndexedDatasetWriter, open_corpus,
                                          token_dtype, write_indexed)
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _documents(rng, count, high, max_len=40, empty=(1,)):
   docs = [rng.integers(0, high, rng.integers(1, max_len)) for _ in range(count)]

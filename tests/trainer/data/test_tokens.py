@@ -17,6 +17,8 @@ from mpscale.trainer.data.token_files import FlatTokens, IndexedDataset, write_i
 from mpscale.trainer.data.token_datasets import (BlendedSamples, GPTSamples, blend,
                                     blending_indices)
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 
 def _numbered(tmp_path, lengths, name="c", first=0):
   """An indexed corpus whose tokens are ``first, first + 1, ...`` in document order,

@@ -13,6 +13,8 @@ from mpscale.trainer.config import load as config
 from mpscale.trainer.models import lm
 from tests import helpers
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 CFG = config.ModelConfig(d_model=32, num_heads=4, num_layers=3, d_ff=64, seq_len=16)
 
 

@@ -16,6 +16,8 @@ import mpscale.trainer
 from mpscale.trainer.runs import loop
 from mpscale.trainer.runs.metrics_log import read_rows
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 DIGITS = os.path.join(ROOT, "examples", "digits_cnn", "config.yaml")
 FP32 = ["precision.policy=O0", "loss_scale.kind=none"]

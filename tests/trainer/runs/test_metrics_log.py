@@ -4,8 +4,11 @@ log interval's step metrics, by hand, and the header the rows are written under.
 import math
 
 import numpy as np
+import pytest
 
 from mpscale.trainer.runs import metrics_log
+
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
 
 
 def _step(loss, overflow, skipped, scale, norm, groups, **more):

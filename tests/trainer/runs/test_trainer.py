@@ -20,6 +20,8 @@ from mpscale.trainer import cli
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import loader
 
+pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 EXAMPLE = os.path.join(ROOT, "examples", "nnx_transformer")
 EXAMPLE_CONFIG = os.path.join(EXAMPLE, "config.yaml")
