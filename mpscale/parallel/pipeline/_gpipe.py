@@ -1,17 +1,10 @@
 """GPipe, interleaved over virtual stages: the forward loop, run backward by autodiff.
 
-Per data replica (S stages, M micro-batches, v virtual stages)::
-
-  for t in range(v * M + S - 1):       # forward; autodiff runs it backward
-    i = t - s                          # stage s's work item, if 0 <= i < v * M
-    c = i % (S * v) // S               # its chunk: virtual stage c * S + s
-    m = i // (S * v) * S + i % S       # its micro-batch
-    x = embed(m) if s == 0 and c == 0 else what stage s - 1 (mod S) sent
-    y = layers of chunk c (x); head(y) if s == S - 1 and c == v - 1
-    send y to stage s + 1 (mod S)      # one ppermute per tick
-
-A bubble tick's input is replaced by zeros before any arithmetic touches it, so
-nothing from a bubble reaches a gradient.
+`gpipe` is the ``gpipe`` schedule of the pseudocode in ``_pipeline``'s docstring: a
+``lax.scan`` over ``v M + S - 1`` ticks, each running one chunk of layers on one
+micro-batch (`layers_of_chunk`) and sending its output up with one ``ppermute``, and
+``jax.grad`` of that loop. A bubble tick's input is replaced by zeros before any
+arithmetic touches it, so nothing from a bubble reaches a gradient.
 """
 
 from __future__ import annotations

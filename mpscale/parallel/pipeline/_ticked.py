@@ -1,30 +1,12 @@
 """1F1B (interleaved over virtual stages) and ZB-H1, tick by tick from their tables.
 
-Per data replica, from `mpscale.parallel.pipeline_schedule_table`'s rows::
-
-  1f1b:  for t, row in enumerate(chunk_table("1f1b", S, M, v)):   # paired ticks
-           the dx of tick t - 1 leaves down (it lands after F: F hides it)
-           op, m, c = row[s, 0]             # slot 0: F of chunk c of micro-batch m
-           F: x = embed(m) if (s, c) == (0, 0) else inbox[k]
-              y, kept[k] = chunk c's layers (x), each layer's vjp residuals
-              on the last virtual stage: loss, ct[k] = head and its backward
-           send y up (B hides it); the dx of tick t - 1 lands in ct
-           op, m, c = row[s, 1]             # slot 1: B of another micro-batch
-           B: dx, dp = each layer's pullback rebuilt from kept[k], from ct[k] down
-              grads += dp (+ the embedding's after virtual stage 0)
-           y and dx land in the receivers' slots (item_slots)
-
-  zb_h1: one op a tick (F, B or W), from chunk_table("zb_h1", S, M):
-           B: dx, dp = the pullbacks with each weight product's weight held fixed
-              (``_backward_split``); cts[k] = those products' output
-              cotangents; grads += dp; send dx down
-           W: grads += each weight product's transpose, from its input (kept[k])
-              and cts[k]
-
-The code reads the same way: `ticked` runs one ``lax.scan`` per phase of the table
-(`phases`), its carry a `Carry` of the ``K`` item slots (`item_slots`) and the
-gradient sums; each tick runs the ops of its slots (`Ticks.forward`, `.backward`,
-`.weights`) through a switch, and one ``ppermute`` up and one down.
+`ticked` runs the ``1f1b`` and ``zb_h1`` schedules of the pseudocode in
+``_pipeline``'s docstring with their own backward: one ``lax.scan`` per phase of the
+table (`_phases`: a warm-up that only forwards pays for no backward), its carry a
+`Carry` of the ``K`` item slots (`item_slots`) and the gradient sums; each tick runs
+the ops of its slots (`Ticks.forward`, `.backward`, `.weights`) through a switch, and
+one ``ppermute`` up and one down. ZB-H1's ``B`` and ``W`` are a layer's backward split
+in two (``_backward_split``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ it by its trip count, so a pipeline's ticks and a scan over layers are all there
 
 Example:
 
-  >>> from mpscale import hlo
+  >>> from mpscale.trainer.planning import hlo
   >>> text = '''HloModule m
   ... ENTRY %main (a: f32[64,128]) -> f32[64,128] {
   ...   %a = f32[64,128]{1,0} parameter(0)
@@ -310,7 +310,7 @@ def largest_collective(hlo: Union[str, Module], kind: str) -> int:
 
   Example:
 
-    >>> from mpscale import hlo
+    >>> from mpscale.trainer.planning import hlo
     >>> text = '''HloModule m
     ... ENTRY %main (a: f32[8,128]) -> f32[32,128] {
     ...   %a = f32[8,128]{1,0} parameter(0)
@@ -340,7 +340,7 @@ def gathered_alive(hlo: Union[str, Module]) -> int:
 
   Example:
 
-    >>> from mpscale import hlo
+    >>> from mpscale.trainer.planning import hlo
     >>> text = '''HloModule m
     ... ENTRY %main (a: f32[8,128], b: f32[8,128]) -> f32[32,128] {
     ...   %a = f32[8,128]{1,0} parameter(0)
@@ -592,7 +592,7 @@ def collectives_over(hlo: Union[str, Module], mesh_shape: dict[str, int]
 
   Example:
 
-    >>> from mpscale import hlo
+    >>> from mpscale.trainer.planning import hlo
     >>> text = '''HloModule m
     ... ENTRY %main (a: f32[64,128]) -> f32[64,128] {
     ...   %a = f32[64,128]{1,0} parameter(0)
@@ -777,7 +777,7 @@ def launches(hlo: Union[str, Module]) -> int:
 
   Example:
 
-    >>> from mpscale import hlo
+    >>> from mpscale.trainer.planning import hlo
     >>> text = '''HloModule m
     ... ENTRY %main (a: f32[8]) -> f32[8] {
     ...   %a = f32[8]{0} parameter(0)
@@ -937,7 +937,7 @@ def kernels(hlo: Union[str, Module], float32_bytes: int = 4) -> Kernels:
 
   Example:
 
-    >>> from mpscale import hlo
+    >>> from mpscale.trainer.planning import hlo
     >>> text = '''HloModule m
     ... ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
     ...   %a = f32[64,128]{1,0} parameter(0)
@@ -1041,7 +1041,7 @@ def overlaps(hlo: Union[str, Module], mesh_shape: dict[str, int],
 
   Example:
 
-    >>> from mpscale import hlo
+    >>> from mpscale.trainer.planning import hlo
     >>> text = '''HloModule m, is_scheduled=true
     ... ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
     ...   %a = f32[64,128]{1,0} parameter(0)
