@@ -43,7 +43,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import mpscale  # noqa: E402
 from mpscale.parallel import _batch_split as batch_split  # noqa: E402
-from mpscale.trainer.planning import hlo as hlo
+from mpscale.trainer.planning import hlo
 from mpscale import parallel
 from mpscale.trainer.models.lm import TinyLM  # noqa: E402
 

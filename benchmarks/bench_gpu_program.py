@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
 
 import mpscale  # noqa: E402
-from mpscale.trainer.planning import hlo as hlo  # noqa: E402
+from mpscale.trainer.planning import hlo  # noqa: E402
 
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpscale",
                     "trainer", "planning", "target_specs", "h100_sxm.txtpb")

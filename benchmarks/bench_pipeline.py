@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from mpscale.trainer.planning import hlo as hlo  # noqa: E402
+from mpscale.trainer.planning import hlo  # noqa: E402
 from mpscale.parallel import pipeline as pl  # noqa: E402
 
 

@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_fsdp  # noqa: E402
 from mpscale.parallel import _batch_split as batch_split  # noqa: E402
-from mpscale.trainer.planning import hlo as hlo
+from mpscale.trainer.planning import hlo
 from mpscale import _jaxprs as jaxprs
 from mpscale import parallel
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mpscale
 from mpscale.parallel import _batch_split as batch_split
-from mpscale.trainer.planning import hlo as hlo
+from mpscale.trainer.planning import hlo
 from mpscale import parallel
 
 pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)

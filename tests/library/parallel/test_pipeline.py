@@ -162,7 +162,7 @@ def mlp_stage_fn(lp, x):
 
 
 def _matmul_flops(schedule, micro, virtual, recompute, stages=4, mlp=False):
-  from mpscale.trainer.planning import hlo as hlo
+  from mpscale.trainer.planning import hlo
   params = make_params()
   if mlp:
     params["stages"]["w2"] = jnp.swapaxes(params["stages"]["w"], 1, 2)

@@ -590,7 +590,7 @@ def _gpt2_like(layers=12, d=64):
 def _compiled_step(tx, device, step=None):
   """``step(params, opt_state, grads)`` (an optimizer step, params and state
   donated) compiled for ``device`` from shapes, as a parsed module."""
-  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo  # noqa: PLC0415
   sharding = jax.sharding.SingleDeviceSharding(device)
   on = lambda t: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), t)
@@ -607,7 +607,7 @@ def _compiled_step(tx, device, step=None):
 
 def _leaf_copies(module, params):
   """The entry's copies at least as large as the smallest parameter leaf."""
-  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo  # noqa: PLC0415
   smallest = min(x.size * 4 for x in jax.tree.leaves(params))
   return [ins.result for ins in module.computations[module.entry]
           if ins.op == "copy" and hlo._shape_bytes(ins.result) >= smallest]
@@ -629,7 +629,7 @@ def test_dynamic_loss_scale_step_copies_no_donated_leaf(target):
   params and state in place: no whole-leaf copy on the CPU program nor on the one
   XLA compiles for an H100; and there, the wrapper launches at most 1.2x AdamW's
   kernels (one reduction per bucket of like leaves, not one per leaf)."""
-  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo  # noqa: PLC0415
   device = jax.devices("cpu")[0] if target == "cpu" else _h100()
   adamw = optax.adamw(1e-3)
   module, params = _compiled_step(mpscale.dynamic_loss_scale(adamw), device)

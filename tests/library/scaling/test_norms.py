@@ -195,7 +195,7 @@ def test_per_stage_norms_of_a_tensor_parallel_stack_gather_nothing():
   device sums its own block, and only the sums move (an all-reduce of a few floats);
   flattening the leaf would have gathered every layer over tensor."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
-  from mpscale.trainer.planning import hlo as hlo  # noqa: PLC0415
+  from mpscale.trainer.planning import hlo  # noqa: PLC0415
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "stage", "tensor"))
   stack = jax.device_put(jnp.ones((4, 64, 192)),
                          NamedSharding(mesh, P("stage", None, "tensor")))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import mpscale
-from mpscale.trainer.planning import hlo as hlo
+from mpscale.trainer.planning import hlo
 from mpscale.parallel import pipeline as pl
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import compiled as planning

@@ -9,7 +9,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import numpy as np
 import pytest
 
-from mpscale.trainer.planning import hlo as hlo
+from mpscale.trainer.planning import hlo
 
 ROWS, COLS = 16, 32
 """Each device's block of the ``(8 * ROWS, COLS)`` float32 input: 2048 bytes."""
