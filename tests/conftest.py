@@ -21,11 +21,14 @@ not compiled again, by the next test, worker or process that builds the same one
 jax/jaxlib versions, so a hit is the same executable). ``MPSCALE_TEST_COMPILATION_CACHE``
 names a folder to use instead, or ``off`` turns the cache off.
 
-On the CPU the tests compile with LLVM's optimizations off
+On the CPU the tests' own process compiles with LLVM's optimizations off
 (``--xla_backend_optimization_level=0``): most of a test's time is XLA compiling
 small programs, about 30% less this way. The HLO XLA optimizes, and so every
-fusion, collective and memory figure the tests read, is the same; programs two tests
-compare are both compiled so. ``MPSCALE_TEST_XLA_OPT=default`` keeps XLA's level.
+fusion, collective and memory figure the tests read, is the same, and programs a
+test compares are compiled alike. The processes the tests start (a run of ``mpscale
+train``, a notebook's kernel) train for many steps and compile at XLA's own level,
+where the code runs faster. ``MPSCALE_TEST_XLA_OPT=default`` keeps XLA's level
+everywhere (CI's floors job, for the tests marked ``codegen_exact``).
 """
 import atexit
 import os
@@ -33,13 +36,16 @@ import shutil
 import tempfile
 
 PLATFORM = os.environ.get("MPSCALE_TEST_PLATFORM", "cpu")
-_FLAGS = ["--xla_force_host_platform_device_count=8"]
-if os.environ.get("MPSCALE_TEST_XLA_OPT", "") != "default":
-  _FLAGS.append("--xla_backend_optimization_level=0")
+_DEVICES = "--xla_force_host_platform_device_count=8"
+_NO_LLVM_OPT = "--xla_backend_optimization_level=0"
+_FLAGS_BEFORE = os.environ.get("XLA_FLAGS", "")
 if PLATFORM == "cpu":
-  for _flag in _FLAGS:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+  if _DEVICES not in _FLAGS_BEFORE:
+    _FLAGS_BEFORE = (_FLAGS_BEFORE + " " + _DEVICES).strip()
+  os.environ["XLA_FLAGS"] = _FLAGS_BEFORE
+  if (os.environ.get("MPSCALE_TEST_XLA_OPT", "") != "default"
+      and "xla_backend_optimization_level" not in _FLAGS_BEFORE):
+    os.environ["XLA_FLAGS"] = f"{_FLAGS_BEFORE} {_NO_LLVM_OPT}"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:
   os.environ["JAX_PLATFORMS"] = PLATFORM
@@ -65,3 +71,28 @@ import jax  # noqa: E402  (after the flag on purpose)
 
 if PLATFORM == "cpu":
   assert jax.device_count() == 8, "tests expect 8 fake CPU devices"
+  # XLA has read its flags (the CPU client is up): the processes the tests start
+  # get the device count without the optimization level.
+  os.environ["XLA_FLAGS"] = _FLAGS_BEFORE
+
+
+_LONGEST_FIRST = (
+    "tests/trainer/planning/test_search.py",
+    "tests/trainer/runs/test_distributed.py",
+    "tests/trainer/runs/test_resume.py",
+    "tests/library/parallel/test_pipeline.py",
+    "tests/trainer/config/test_builders.py",
+    "tests/library/parallel/test_layouts.py",
+    "tests/trainer/planning/test_plan.py",
+    "tests/trainer/test_cli.py",
+    "tests/integration/test_notebooks.py",
+)
+"""The test files that take longest (``--durations``), started first: with one worker
+per core a long file started last would keep one core busy after the other ran out
+of work."""
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

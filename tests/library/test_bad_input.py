@@ -29,7 +29,7 @@ CATALOGUE = [
     (mpscale.fixed_loss_scale, dict(inner=sgd, scale=0.0), ValueError, "scale"),
     (mpscale.fixed_loss_scale, dict(inner=sgd, scale=2.0, skip_nonfinite=None), TypeError, "skip_nonfinite"),
     (mpscale.no_loss_scale, dict(inner=None), TypeError, "inner"),
-    (mpscale.skip_nonfinite, dict(inner=sgd, groups=0), ValueError, "groups"),
+    (mpscale.skip_nonfinite, dict(inner=sgd, norm_groups=0), ValueError, "norm_groups"),
     (mpscale.global_norm_clip, dict(max_norm=0.0), ValueError, "max_norm"),
     (mpscale.global_norm_clip, dict(max_norm="1"), TypeError, "max_norm"),
     (mpscale.came, dict(learning_rate=None), ValueError, "learning_rate"),

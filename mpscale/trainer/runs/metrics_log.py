@@ -12,9 +12,8 @@ from __future__ import annotations
 import csv
 import math
 import os
+import sys
 from typing import Any, Callable, NamedTuple, Optional, Sequence
-
-from tensorboardX import SummaryWriter
 
 EVAL_PREFIX = "eval_"
 """Names the column of a model's evaluation metric: ``eval_<name>``."""
@@ -170,8 +169,8 @@ class MetricsLog:
     self.writer.writerows(kept)
     self.file.flush()
     # purge_step drops the events of steps a resumed run will log again.
-    self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
-                            purge_step=start_step + 1 if start_step else None)
+    self.tb = _summary_writer()(os.path.join(out_dir, "tb"),
+                                purge_step=start_step + 1 if start_step else None)
 
   def write(self, row: dict[str, Any]) -> None:
     if not self.enabled:
@@ -196,3 +195,22 @@ class MetricsLog:
     if self.enabled:
       self.file.close()
       self.tb.close()
+
+
+def _summary_writer() -> type:
+  """tensorboardX's ``SummaryWriter``, imported when a run first writes events.
+
+  tensorboardX's writer imports torch when torch is installed (about 2 s, to accept
+  torch tensors); the log writes floats, so torch is kept out of that import where
+  the process has not imported it already. A process that writes no events (an
+  evaluation, a plan) imports neither.
+  """
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415 - see the docstring
+    return SummaryWriter
+  sys.modules["torch"] = None  # an import of torch fails at once, as if absent
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter

@@ -18,7 +18,10 @@ from mpscale.parallel import pipeline as pl
 from mpscale.parallel.pipeline import _run as run_lib
 from mpscale.parallel.pipeline import _ticked as ticked_lib
 
-pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
+FLOORS = pytest.mark.floors
+"""The tests CI runs on the declared floors too (.ci/run): one of each schedule and
+layout family, the FP8 state through every schedule, and the errors. The others
+exercise the same JAX calls on other shapes, on the newest releases only."""
 
 LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
 
@@ -78,9 +81,36 @@ def assert_close(a, b, tol=1e-5):
   helpers.assert_close(a, b, tol)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])  # zb_h1: its own test
-@pytest.mark.parametrize("data, stage", [(1, 8), (2, 4), (4, 2), (8, 1)])
-@pytest.mark.parametrize("micro", [1, 2, 4, 8])
+LAYOUTS = [(1, 8), (2, 4), (4, 2), (8, 1)]
+MICROS = [1, 2, 4, 8]
+
+
+def _pairwise_schedules():
+  """Every (data x stage) layout with every micro-batch count, each pair once, with
+  GPipe and 1F1B alternating so that every schedule meets every layout and every
+  micro-batch count twice (all pairs of the three, half of the 32 triples). What a
+  triple alone could break, the tables of each (schedule, stages, micro-batches),
+  is checked for every triple by `test_schedule_table_is_a_valid_pipeline`."""
+  cases = []
+  for i, (data, stage) in enumerate(LAYOUTS):
+    for j, micro in enumerate(MICROS):
+      schedule = ("gpipe", "1f1b")[(i + j) % 2]
+      marks = [FLOORS] if (data, stage, micro) == (2, 4, 4) else []
+      cases.append(pytest.param(schedule, data, stage, micro, marks=marks))
+  return cases
+
+
+def test_the_pairwise_cases_meet_every_pair():
+  cases = [c.values for c in _pairwise_schedules()]
+  assert {(d, s, m) for _, d, s, m in cases} == {(d, s, m) for d, s in LAYOUTS
+                                                for m in MICROS}
+  assert {(k, d, s) for k, d, s, _ in cases} == {(k, d, s) for k in ("gpipe", "1f1b")
+                                                for d, s in LAYOUTS}
+  assert {(k, m) for k, _, _, m in cases} == {(k, m) for k in ("gpipe", "1f1b")
+                                             for m in MICROS}
+
+
+@pytest.mark.parametrize("schedule, data, stage, micro", _pairwise_schedules())
 def test_loss_and_grads_equal_unpipelined(schedule, data, stage, micro):
   params, batch = make_params(), make_batch()
   want_loss, want_grads = reference(params, batch)
@@ -139,13 +169,36 @@ def test_remat_gives_the_same_gradients():
   assert tanh_count(True) > tanh_count(False) >= 1
 
 
-@pytest.mark.parametrize("schedule", pl.SCHEDULES)
-@pytest.mark.parametrize("recompute", pl.RECOMPUTE)
-@pytest.mark.parametrize("data, stage, micro, virtual", [(2, 4, 4, 1), (1, 2, 4, 2)])
+def _schedule_policy_cases():
+  """Every schedule under every recompute policy (the pairs that decide what a
+  layer keeps and how its backward is rebuilt), each on one of two layouts: data x
+  stages with one chunk, and interleaved stages. GPipe and 1F1B meet both layouts
+  under two policies of three, and every policy meets both layouts (ZB-H1 runs one
+  chunk per stage, so only the first)."""
+  plain, interleaved = (2, 4, 4, 1), (1, 2, 4, 2)
+  cases = []
+  for i, schedule in enumerate(pl.SCHEDULES):
+    for j, recompute in enumerate(pl.RECOMPUTE):
+      layout = plain if schedule == "zb_h1" or (i + j) % 2 else interleaved
+      marks = [FLOORS] if (schedule, recompute) == ("zb_h1", "none") else []
+      cases.append(pytest.param(schedule, recompute, *layout, marks=marks))
+  return cases
+
+
+def test_the_policy_cases_meet_every_pair():
+  cases = [c.values for c in _schedule_policy_cases()]
+  assert {(s, r) for s, r, *_ in cases} == {(s, r) for s in pl.SCHEDULES
+                                            for r in pl.RECOMPUTE}
+  for schedule in ("gpipe", "1f1b"):
+    assert {v for s, _, _, _, _, v in cases if s == schedule} == {1, 2}
+  for recompute in pl.RECOMPUTE:
+    assert {v for _, r, _, _, _, v in cases if r == recompute} == {1, 2}
+
+
+@pytest.mark.parametrize("schedule, recompute, data, stage, micro, virtual",
+                         _schedule_policy_cases())
 def test_every_schedule_and_recompute_policy_equals_unpipelined(
     schedule, recompute, data, stage, micro, virtual):
-  if schedule == "zb_h1" and virtual > 1:
-    pytest.skip("zb_h1 runs one chunk per stage")
   params, batch = make_params(), make_batch()
   want_loss, want_grads = reference(params, batch)
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, micro, schedule=schedule,
@@ -260,6 +313,7 @@ def test_residual_bytes_follow_the_schedule_and_the_policy():
   assert zb["items"] == 4                              # min(S, M)
 
 
+@FLOORS
 def test_bad_recompute_names_the_argument():
   with pytest.raises(ValueError, match="recompute"):
     pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute="some")
@@ -329,6 +383,7 @@ def test_five_steps_match_unpipelined(schedule, data, stage, micro):
                                                                       WIDTH)
 
 
+@FLOORS
 def test_overflow_in_one_stage_makes_every_stage_and_replica_skip():
   params, batch = make_params(), make_batch()
   mesh = mesh_of(2, 4)
@@ -379,6 +434,7 @@ def _loop_bodies(hlo: str) -> dict[str, str]:
   return seen
 
 
+@FLOORS
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_no_all_reduce_inside_the_pipeline_loop(schedule):
   params, batch = make_params(), make_batch()
@@ -475,6 +531,7 @@ def test_interleaved_1f1b_keeps_its_inputs_bounded_as_m_grows():
     assert pl.live_slots(pl.pipeline_schedule_table("gpipe", S, 8 * S, v)) == 8 * S * v
 
 
+@FLOORS
 def test_clear_errors():
   params, batch = make_params(), make_batch()
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4)
@@ -496,6 +553,7 @@ def test_clear_errors():
         params, batch, mesh=mesh_of(2, 4), per_token_loss=True)
 
 
+@FLOORS
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_make_train_step_with_a_pipeline_matches_the_plain_step(schedule):
   params, batch = make_params(), make_batch()
@@ -520,6 +578,7 @@ def test_make_train_step_with_a_pipeline_matches_the_plain_step(schedule):
   assert step._cache_size() == 1
 
 
+@FLOORS
 def test_make_train_step_pipeline_errors():
   model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4)
   tx = optax.sgd(0.1)
@@ -613,6 +672,7 @@ def test_interleaved_bubble_is_megatrons(stages, virtual, micro):
     assert (counts == S * v).all()
 
 
+@FLOORS
 def test_interleaved_clear_errors():
   params, batch = make_params(), make_batch()
   with pytest.raises(ValueError, match="virtual_stages must be"):
@@ -690,6 +750,7 @@ def test_device_order_round_trips_a_state_and_names_its_groups():
   assert_close(by_device, by_model)
 
 
+@FLOORS
 def test_layer_order_errors_name_the_argument():
   with pytest.raises(mpscale.ArgumentError, match="layer_order='device' needs "
                      "num_stages") as err:
@@ -753,6 +814,7 @@ def test_zb_h1_equals_unpipelined(data, stage, micro):
   assert_close(grads, want_grads)
 
 
+@FLOORS
 def test_zb_h1_runs_one_chunk_per_stage():
   with pytest.raises(mpscale.ArgumentError, match="zb_h1.* virtual_stages must be 1"
                      ) as err:
@@ -882,6 +944,7 @@ def test_an_encoder_decoder_split_equals_its_unpipelined_model(data, stages, spl
   chex.assert_trees_all_equal(model.to_model_order(stored), params)
 
 
+@FLOORS
 def test_an_encoder_decoder_split_trains_as_the_unpipelined_step():
   params, batch = seq2seq_params(2, 6), seq2seq_batch()
   model = split_model(1, 4, 2)
@@ -899,6 +962,7 @@ def test_an_encoder_decoder_split_trains_as_the_unpipelined_step():
   assert float(metrics["loss"]) < float(seq2seq_reference(params, batch)[0])
 
 
+@FLOORS
 @pytest.mark.parametrize("kwargs, names, message", [
     (dict(split=4, num_stages=4), ("split", "num_stages"),
      "split=4 leaves the decoder no stage"),
@@ -1030,6 +1094,7 @@ def _all_gather_sizes(hlo: str) -> list[int]:
   return sizes
 
 
+@FLOORS
 @pytest.mark.parametrize("schedule", pl.SCHEDULES)
 def test_fsdp_stages_gather_a_layer_at_a_time(schedule):
   """Under FSDP a stage's parameters are gathered one layer at a time, where the
@@ -1086,6 +1151,8 @@ def _pipelined_fp8(model, params, batch, states, data, stage):
       p, b, mesh=mesh, per_token_loss=True, model_state=s))(params, batch, states)
 
 
+@FLOORS
+@pytest.mark.codegen_exact
 @pytest.mark.parametrize("schedule, data, stage, micro, virtual", [
     ("gpipe", 2, 4, 4, 1), ("1f1b", 2, 4, 4, 1), ("zb_h1", 2, 4, 4, 1),
     ("gpipe", 1, 2, 4, 2), ("1f1b", 1, 2, 4, 2), ("1f1b", 8, 1, 1, 1)])
@@ -1136,6 +1203,8 @@ def test_fp8_recipes_record_the_same_state_on_every_schedule(recipe):
     np.testing.assert_array_equal(a, b)
 
 
+@FLOORS
+@pytest.mark.codegen_exact
 def test_fp8_pipeline_step_skips_an_overflow_with_identical_state_everywhere():
   """make_train_step over a pipeline with FP8 state: clean steps update the state
   (as the unpipelined step with one micro-batch does), an injected overflow leaves
@@ -1174,6 +1243,7 @@ def test_fp8_pipeline_step_skips_an_overflow_with_identical_state_everywhere():
       np.testing.assert_array_equal(copy, copies[0])
 
 
+@FLOORS
 def test_layer_state_errors_name_the_argument():
   recipe = mpscale.make_fp8_recipe("delayed", history_len=4)
   params, batch = make_params(), make_batch()

@@ -322,7 +322,7 @@ def test_loss_scale_of_finds_the_scale_inside_a_chain():
     ({"max_scale": float("inf")}, ValueError, "max_scale"),
     ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 2.0}, ValueError, "min_scale"),
     ({"axis_name": 3}, TypeError, "axis_name"),
-    ({"groups": "x"}, TypeError, "groups"),
+    ({"norm_groups": "x"}, TypeError, "norm_groups"),
 ])
 def test_dynamic_validates_arguments(kwargs, exc, name):
   with pytest.raises(exc, match=name):
