@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -131,17 +132,24 @@ def _as_module(hlo: Union[str, Module]) -> Module:
   return parse(hlo) if isinstance(hlo, str) else hlo
 
 
-def _callees(ins: Instruction) -> list[tuple[str, str]]:
+def _callees(ins: Instruction) -> tuple[tuple[str, str], ...]:
   """``(role, computation)`` for each computation ``ins`` calls: ``body`` and
   ``condition`` of a while, ``branch`` of a conditional, ``call`` otherwise."""
+  return _callees_of(ins.rest)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _callees_of(rest: str) -> tuple[tuple[str, str], ...]:
+  """`_callees` of an instruction's text after its op (memoised: a plan's readings
+  walk each instruction several times)."""
   out = [(role if role in ("body", "condition") else
           "branch" if role.endswith("_computation") else "call", name)
          for role, name in re.findall(
              r"\b(body|condition|to_apply|calls|true_computation|false_computation)"
-             r"=%?([\w.\-]+)", ins.rest)]
-  for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.rest):
+             r"=%?([\w.\-]+)", rest)]
+  for group in re.findall(r"branch_computations=\{([^}]*)\}", rest):
     out += [("branch", c) for c in re.findall(r"%?([\w.\-]+)", group)]
-  return out
+  return tuple(out)
 
 
 _Cost = Callable[[str, Instruction], dict[str, float]]

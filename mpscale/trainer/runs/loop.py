@@ -108,9 +108,11 @@ class _Run:
   data_state: Optional[Mapping[str, Any]]
   """The data iterator's state to start from (``None``: the first batch)."""
   metric_shapes: dict[str, Any]
-  """What the step returns as metrics (``jax.ShapeDtypeStruct``s)."""
+  """What the step returns as metrics (``jax.ShapeDtypeStruct``s); empty for a run
+  loaded to evaluate or sample (`load_run`), whose step is not traced."""
   eval_names: list[str]
-  """The model's evaluation metrics beside the loss (logged as ``eval_<name>``)."""
+  """The model's evaluation metrics beside the loss (logged as ``eval_<name>``);
+  empty for a loaded run."""
   num_params: int
   opt_bytes: int
   main_process: bool
@@ -192,11 +194,15 @@ def open_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: An
 
 
 def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
-             model: Any = None, data: Any = None, loss: Any = None) -> _Run:
+             model: Any = None, data: Any = None, loss: Any = None,
+             trace_step: bool = True) -> _Run:
   """Loads the data and builds the model, step and initial state. Everything that can
   fail on the config or on the user's pieces happens here, before the first write:
   a provider that cannot be imported or returns the wrong type, and batches the model
-  cannot take (the step is traced on the first batch with ``jax.eval_shape``).
+  cannot take (the step is traced on the first batch with ``jax.eval_shape``; the
+  trace is jit's, so the first step does not trace it again). ``trace_step=False``
+  (a trained run loaded to evaluate or sample, `load_run`) skips that trace: the
+  step is not run, and tracing a pipelined one takes seconds.
 
   Raises:
     config_lib.ConfigError: naming ``source`` and the key.
@@ -221,26 +227,28 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
   except (ValueError, TypeError) as e:
     fail(e)
   batch_shapes = global_batch_shapes(run_data, first_batch)
-  try:
-    metric_shapes = jax.eval_shape(setup.step, state, batch_shapes)[1]
-    eval_names = sorted(set(jax.eval_shape(setup.evaluate, state, batch_shapes))
-                        - {"loss"})
-  except Exception as e:  # the user's loss on the user's batch may raise anything
-    if user_model is None and cfg.data.provider is None and data is None:
-      if isinstance(e, (ValueError, TypeError)):
-        fail(e)
-      raise
-    data_key = "data (argument)" if data is not None else (
-        "data.provider" if cfg.data.provider else "the built-in data")
-    if models.unbound_axis_name(e) is not None:  # the model's own collectives
-      fail(validation.fail(model_key, f": {e}: the model names an axis no "
-                           "transformation binds (a collective such as lax.pmean over "
-                           "it); mpscale binds those of Flax modules (axis_name=...) "
-                           "as the batch axis", validation.ArgumentTypeError))
-    shapes = {k: (v.shape, str(v.dtype)) for k, v in batch_shapes.items()}
-    fail(validation.fail(data_key, f": its batches do not fit {model_key}: "
-                         f"training on the first batch {shapes} raised "
-                         f"{type(e).__name__}: {str(e)[:500]}"))
+  metric_shapes, eval_names = {}, []
+  if trace_step:
+    try:
+      metric_shapes = jax.eval_shape(setup.step, state, batch_shapes)[1]
+      eval_names = sorted(set(jax.eval_shape(setup.evaluate, state, batch_shapes))
+                          - {"loss"})
+    except Exception as e:  # the user's loss on the user's batch may raise anything
+      if user_model is None and cfg.data.provider is None and data is None:
+        if isinstance(e, (ValueError, TypeError)):
+          fail(e)
+        raise
+      data_key = "data (argument)" if data is not None else (
+          "data.provider" if cfg.data.provider else "the built-in data")
+      if models.unbound_axis_name(e) is not None:  # the model's own collectives
+        fail(validation.fail(model_key, f": {e}: the model names an axis no "
+                             "transformation binds (a collective such as lax.pmean over "
+                             "it); mpscale binds those of Flax modules (axis_name=...) "
+                             "as the batch axis", validation.ArgumentTypeError))
+      shapes = {k: (v.shape, str(v.dtype)) for k, v in batch_shapes.items()}
+      fail(validation.fail(data_key, f": its batches do not fit {model_key}: "
+                           f"training on the first batch {shapes} raised "
+                           f"{type(e).__name__}: {str(e)[:500]}"))
   return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes, eval_names,
               num_params=lm_lib.num_params(params),
               opt_bytes=parallel_lib.tree_bytes(state.opt_state, per_device=False),
@@ -729,7 +737,7 @@ def load_run(out_dir: str, devices: Optional[int] = None,
   own_mesh = saved.mesh.num_devices <= available
   cfg = saved if own_mesh else dataclasses.replace(saved, mesh=config_lib.MeshConfig())
   try:
-    run = _prepare(cfg, out_dir, path)
+    run = _prepare(cfg, out_dir, path, trace_step=False)
   except config_lib.ConfigError as e:
     if own_mesh:
       raise

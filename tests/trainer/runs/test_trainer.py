@@ -92,6 +92,28 @@ def test_the_command_trains_a_user_nnx_model_from_its_config(example_run):
   run, step = mpscale.trainer.runs.loop.load_run(example_run)
   assert step == 16 and run.data_state == {"next_index": 16}
 
+def test_loading_a_run_does_not_trace_its_train_step(example_run):
+  """Loading a run to evaluate or sample builds its step but does not trace it (a
+  pipelined step takes seconds to trace); training traces it before the first
+  write, to check the model takes the batches."""
+  traced = []
+  def record(event, seconds, **kwargs):
+    del seconds
+    if event.endswith("jaxpr_trace_duration"):
+      traced.append(kwargs.get("fun_name"))
+  jax.monitoring.register_event_duration_secs_listener(record)
+  try:
+    run, _ = mpscale.trainer.runs.loop.load_run(example_run)
+    assert "step_fn" not in traced and run.metric_shapes == {}
+    jax.eval_shape(run.setup.step, run.state, mpscale.trainer.runs.loop
+                   .global_batch_shapes(run.data, run.data.train[0]))
+    assert "step_fn" in traced  # what training's check would have traced
+  finally:
+    traced.clear()
+    unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+    if unregister is not None:  # jax >= 0.8; before, the listener stays, recording
+      unregister(record)          # into a list nothing reads
+
 
 def test_python_run_with_objects_equals_the_command(example_run, tmp_path):
   train_py = runpy.run_path(os.path.join(EXAMPLE, "train.py"))
