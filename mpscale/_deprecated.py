@@ -77,10 +77,12 @@ RENAMED = {
 }
 """Old name -> new name, wherever the old one was defined."""
 
-NAMES = {old: ("mpscale", RENAMED[old])
-         for old in ("bubble_fraction", "ClipByGlobalNormState", "clip_by_global_norm",
-                     "fp8_recipe", "get_policy", "loss_scale_for", "schedule_chunks",
-                     "schedule_table", "stage_groups")}
+_MODULE_ONLY = ("Groups", "labels")
+"""Old names that were attributes of their modules only (``mpscale.norms.Groups``,
+``mpscale.parameter_groups.labels``), never of ``mpscale``."""
+
+NAMES = {old: ("mpscale", new) for old, new in RENAMED.items()
+         if old not in _MODULE_ONLY}
 """Old top-level name -> ``(module, new name)``: what ``mpscale.<old>`` answers."""
 
 
@@ -119,10 +121,9 @@ class _Alias(types.ModuleType):
     self.__dict__["_targets"] = targets
 
   def __getattr__(self, attr: str) -> Any:
-    targets = self.__dict__["_targets"]
-    for name in (attr, RENAMED.get(attr)):
-      for target in targets:
-        if name is not None and hasattr(target, name):
+    for name in filter(None, (attr, RENAMED.get(attr))):
+      for target in self.__dict__["_targets"]:
+        if hasattr(target, name):
           if name != attr:
             _warn(f"{self.__name__}.{attr}", f"{_public(target.__name__)}.{name}")
           return getattr(target, name)
@@ -133,12 +134,17 @@ class _Alias(types.ModuleType):
     return sorted(names | set(RENAMED))
 
 
+def homes(old: str) -> tuple[str, ...]:
+  """The modules an old path (`MODULES`) answers from, in the order asked."""
+  new = MODULES[old]
+  return (new,) if isinstance(new, str) else new
+
+
 def module(old: str, stacklevel: int = 4) -> types.ModuleType:
   """The alias module of an old path (`MODULES`), made once; warns."""
   if old in sys.modules:
     return sys.modules[old]
-  new = MODULES[old]
-  new = (new,) if isinstance(new, str) else new
+  new = homes(old)
   _warn(f"the module {old}", _public(new[0]), stacklevel=stacklevel)
   alias = _Alias(old, tuple(importlib.import_module(n) for n in new))
   sys.modules[old] = alias

@@ -14,12 +14,6 @@ import mpscale
 from mpscale import _deprecated
 
 
-def _home(old):
-  """The module an old path answers from first."""
-  new = _deprecated.MODULES[old]
-  return new if isinstance(new, str) else new[0]
-
-
 @pytest.mark.parametrize("old", sorted(_deprecated.MODULES))
 def test_an_old_module_path_imports_with_a_warning(old):
   # In a fresh interpreter: the warning is given once per path and process.
@@ -27,7 +21,7 @@ def test_an_old_module_path_imports_with_a_warning(old):
           f"try:\n  import {old}\nexcept DeprecationWarning as e:\n  print(e)\n"
           f"else:\n  raise SystemExit('no warning')\n"
           f"warnings.simplefilter('ignore')\nimport {old} as m\n"
-          f"import importlib\nnew = importlib.import_module({_home(old)!r})\n"
+          f"import importlib\nnew = importlib.import_module({_deprecated.homes(old)[0]!r})\n"
           f"assert all(getattr(m, n) is getattr(new, n) for n in dir(new)\n"
           f"           if not n.startswith('__')), {old!r}\n")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,7 +1,10 @@
 """The rows of metrics.csv (mpscale.trainer.runs.metrics_log): each column computed from a
 log interval's step metrics, by hand, and the header the rows are written under."""
 
+import importlib.util
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -94,3 +97,19 @@ def test_parameter_groups_learning_rates_are_columns_after_the_norms():
   fields = metrics_log.csv_fields([], ["a", "b"], ["embed", "no_decay"])
   assert fields[-4:] == ["norm/a", "norm/b", "lr/embed", "lr/no_decay"]
   assert list(row) == fields
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not installed: there is no import of it to avoid")
+def test_writing_events_does_not_import_torch(tmp_path):
+  """tensorboardX's writer imports torch when it is installed (about 2 s a process);
+  the log writes floats and keeps torch out, in a process that had not imported it,
+  and the writer still writes its events."""
+  code = ("import sys\nfrom mpscale.trainer.runs import metrics_log\n"
+          f"log = metrics_log.MetricsLog({str(tmp_path)!r}, ['a'], 0)\n"
+          "log.tb.add_scalar('loss', 1.5, 1)\nlog.close()\n"
+          "assert 'torch' not in sys.modules, 'torch was imported'\n"
+          "import torch  # still importable afterwards\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
