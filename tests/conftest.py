@@ -25,9 +25,10 @@ On the CPU the tests' own process compiles with LLVM's optimizations off
 (``--xla_backend_optimization_level=0``) and XLA's older, LLVM-IR fusion emitters
 instead of its MLIR ones (``--xla_cpu_use_fusion_emitters=false``): most of a test's
 time is XLA compiling small programs, about 30% less with the first and half again
-with the second. The HLO XLA optimizes, and so every fusion, collective and memory
-figure the tests read, is the same, and programs a test compares are compiled
-alike. The processes the tests start (a run of ``mpscale
+with the second. The partitioned HLO, and so every collective a test reads, is the
+same; the fusions are the older emitters' (fewer, larger: a CPU program's fusion
+count and temporaries differ from XLA's defaults), and programs a test compares are
+compiled alike. The GPU-compile tier compiles for the GPU as a user's run does. The processes the tests start (a run of ``mpscale
 train``, a notebook's kernel) train for many steps and compile at XLA's own level,
 where the code runs faster. ``MPSCALE_TEST_XLA_OPT=default`` keeps XLA's level
 everywhere (CI's floors job, for the tests marked ``codegen_exact``).
