@@ -47,6 +47,23 @@ def megatron_flops(cfg: dict) -> float:
   return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
 
+UNITS = {"megatron": "TFLOP/s", "tokens": "tokens/s"}
+"""What a run's published figure per GPU counts, by its ``flops``: ``megatron``,
+TFLOP/s by Eq. 3 (``tflops_per_gpu``); ``tokens``, tokens a second
+(``tokens_per_gpu``: the batch's tokens over the step time, whatever the model)."""
+
+
+def measure(run: dict, cfg: dict, seconds: float) -> tuple[float, float]:
+  """``(published, estimate)`` per GPU in the run's unit (`UNITS`), the estimate
+  from a step of ``seconds``."""
+  if run["flops"] == "megatron":
+    return run["tflops_per_gpu"], megatron_flops(cfg) / seconds / run["devices"] / 1e12
+  if run["flops"] == "tokens":
+    tokens = cfg["data"]["batch_size"] * cfg["model"]["seq_len"]
+    return run["tokens_per_gpu"], tokens / seconds / run["devices"]
+  raise ValueError(f"{run['config']}: unknown flops {run['flops']!r}")
+
+
 def yaml_file() -> dict:
   """configs/published/runs.yaml: its ``sources`` and ``runs``."""
   with open(RUNS) as f:
@@ -72,11 +89,8 @@ def plan_row(run: dict, compiler: str = "auto") -> dict:
   with open(path) as f:
     cfg = yaml.safe_load(f)
   cfg, _ = schema.apply_overrides(cfg, run.get("set", []))  # as the plan ran it
-  if run["flops"] != "megatron":
-    raise ValueError(f"{run['config']}: unknown flops {run['flops']!r}")
-  flops = megatron_flops(cfg)
   est = planned["estimate"]
-  tflops = flops / est["seconds"] / run["devices"] / 1e12
+  published, estimate = measure(run, cfg, est["seconds"])
   return {"config": run["config"], "set": run.get("set", []),
           "source": run["source"],
           "devices": run["devices"], "in_band": run.get("in_band", True),
@@ -85,8 +99,9 @@ def plan_row(run: dict, compiler: str = "auto") -> dict:
           "peak_gib": round(planned["bytes"]["peak"] / 2**30, 1),
           "schedule": next((r["schedule"] for r in planned["schedules"]
                             if r["config"]), ""),
-          "published": run["tflops_per_gpu"], "estimate": round(tflops, 1),
-          "ratio": round(tflops / run["tflops_per_gpu"], 2),
+          "published": published, "estimate": round(estimate, 1),
+          "unit": UNITS[run["flops"]],
+          "ratio": round(estimate / published, 2),
           "step_seconds": round(est["seconds"], 3),
           "compute": round(est["compute"], 3), "memory": round(est["memory"], 3),
           "collectives": round(est["collectives"], 3),
@@ -101,7 +116,8 @@ def row_name(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| run | GPUs | mesh | published TFLOP/s/GPU | estimate | ratio | step (s): "
+  lines = ["| run | GPUs | mesh | published a GPU (TFLOP/s unless said) | estimate | "
+           "ratio | step (s): "
            "compute + memory + collectives - hidden | dominant | peak GiB | ratio on "
            "the CPU's compile | source |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -109,7 +125,8 @@ def table(rows: list[dict]) -> str:
   for r in rows:
     mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
     lines.append(
-        f"| {row_name(r)} | {r['devices']} | {mesh} | {r['published']} | "
+        f"| {row_name(r)} | {r['devices']} | {mesh} | {r['published']}"
+        f"{'' if r.get('unit', 'TFLOP/s') == 'TFLOP/s' else ' ' + r['unit']} | "
         f"{r['estimate']:.1f} | {r['ratio']:.2f} | {r['step_seconds']:.2f}: "
         f"{r['compute']:.2f} + {r['memory']:.2f} + {r['collectives']:.2f} - "
         f"{r.get('hidden', 0.0):.2f} | "

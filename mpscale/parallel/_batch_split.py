@@ -135,16 +135,20 @@ class _Split:
     self.previous: Optional[list] = None
     """The last product's inputs and a token of its gathered weight, in the body
     being evaluated: what the next product's gather waits on (`product`)."""
+    self.recomputed = False
+    """Whether the body being evaluated is a ``jax.checkpoint``'s (`remat`)."""
 
   @contextlib.contextmanager
-  def body(self):
+  def body(self, recomputed: Optional[bool] = None):
     """A scan or checkpoint body (a trace of its own): its products look ahead
-    among themselves only, and none of its values leaves it."""
-    self.previous = None
+    among themselves only, and none of its values leaves it; ``recomputed``: it is
+    a ``jax.checkpoint``'s (``None``: as the body around it)."""
+    self.previous, outer = None, self.recomputed
+    self.recomputed = outer if recomputed is None else recomputed
     try:
       yield
     finally:
-      self.previous = None
+      self.previous, self.recomputed = None, outer
 
   def pin(self, x: Any, dim: Dim) -> Any:
     """``x`` constrained to the batch split along ``dim`` (when it divides)."""
@@ -213,7 +217,11 @@ class _Split:
     """A product with its weights gathered over the data axes, under
     ``jax.checkpoint``: the backward gathers them again rather than keeping every
     layer's gathered weights from the forward (PyTorch FSDP's default,
-    ``reshard_after_forward``).
+    ``reshard_after_forward``). Inside a recomputed body (the user's or the
+    model's ``jax.checkpoint`` of a layer) the product is not checkpointed again:
+    the backward's recompute of the layer gathers the weight once more, and its
+    products' backward uses that gather; a checkpoint of the product would gather
+    it a third time.
 
     Optimization barriers place the gathers. In the forward a weight is gathered
     once the *previous* product's input is there (and a one-element token of the
@@ -240,7 +248,8 @@ class _Split:
       token = lax.slice(first, (0,) * first.ndim, (1,) * first.ndim)
       return [*jaxprs.bind(eqn, own), token]
 
-    *outs, token = jax.checkpoint(gathered)(*values, *tie)
+    run = gathered if self.recomputed else jax.checkpoint(gathered)
+    *outs, token = run(*values, *tie)
     self.previous = inputs + [token]
     return outs
 
@@ -278,7 +287,7 @@ class _Split:
     inner = dict(zip(p["jaxpr"].invars, specs))
 
     def body(*args):
-      with self.body():
+      with self.body(recomputed=True):
         outs, seen["dims"] = self.run(p["jaxpr"], (), args, dims, inner)
       return outs
 

@@ -59,11 +59,12 @@ from mpscale.trainer.data import corpora
 from mpscale.trainer.data import tokenizing
 from mpscale.trainer.planning import targets
 from mpscale.trainer.runs.checkpoints import CheckpointError
+from mpscale.trainer.hf.tensors import HFCheckpointError
 from mpscale.trainer.runs.compare import compare
 from mpscale.trainer.runs import distributed
 from mpscale.trainer.runs.devices import set_host_device_count, start_on_cpu
 from mpscale.trainer.runs.loop import (RunDirError, evaluate_run, evaluate_run_metrics,
-                                  existing_run_files, sample_run, train)
+                                  existing_run_files, export_run, sample_run, train)
 
 
 def default_out_dir(name: str, overrides: Sequence[str], root: str = "runs") -> str:
@@ -269,7 +270,15 @@ def _run_commands(sub: Any) -> None:
   sample_cmd.add_argument("--temperature", type=float, default=0.8,
                           help="sampling temperature; 0 picks the likeliest token")
   sample_cmd.add_argument("--seed", type=int, default=0)
-  for command in (evaluate_cmd, sample_cmd):
+  export_cmd = sub.add_parser("export", help=(
+      "write a run's latest checkpoint as a Hugging Face checkpoint folder"))
+  export_cmd.add_argument("run", help="the run's folder")
+  export_cmd.add_argument("--hf", required=True, metavar="OUT", help=(
+      "the folder to write (config.json, safetensors sharded at 5 GB, the "
+      "tokenizer's files when the run had them); it must not hold a checkpoint"))
+  export_cmd.add_argument("--dtype", choices=("float32", "bfloat16"),
+                          default="float32", help="the stored weights' dtype")
+  for command in (evaluate_cmd, sample_cmd, export_cmd):
     command.add_argument("--step", type=int, metavar="N", help=(
         "use the checkpoint of step N (default: the latest)"))
     command.add_argument("--devices", type=int, metavar="N", help=(
@@ -291,7 +300,8 @@ def _tokenize_command(sub: Any) -> None:
       "the indexed dataset's prefix (PREFIX.bin + PREFIX.idx), or the flat file"))
   vocabulary = tokenize_cmd.add_mutually_exclusive_group(required=True)
   vocabulary.add_argument("--tokenizer", metavar="JSON",
-                          help="encode with this Hugging Face tokenizer.json")
+                          help=("encode with this Hugging Face tokenizer.json, or "
+                                "a checkpoint folder's"))
   vocabulary.add_argument("--vocab-size", type=int, metavar="N", help=(
       "train a byte-level BPE of N ids on the input, saved as tokenizer.json beside "
       "the output"))
@@ -426,6 +436,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"{args.run}: {', '.join(said)} at step {step}")
     elif args.command == "tokenize":
       _tokenize(args)
+    elif args.command == "export":
+      written = export_run(args.run, args.hf, dtype=args.dtype, devices=args.devices,
+                           step=args.step)
+      print(f"{args.hf}: {', '.join(written)}")
     elif args.command == "sample":
       if args.tokens < 1 or args.temperature < 0:
         raise config_lib.ConfigError("--tokens must be >= 1 and --temperature >= 0")
@@ -440,7 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               overrides=args.set, data_path=args.data,
               resume=args.resume, overwrite=args.overwrite, progress=args.progress,
               plot_path=args.plot, verbose=not args.quiet)
-  except (config_lib.ConfigError, RunDirError, CheckpointError) as e:
+  except (config_lib.ConfigError, RunDirError, CheckpointError, HFCheckpointError) as e:
     print(f"mpscale: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:

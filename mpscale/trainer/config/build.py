@@ -52,6 +52,7 @@ from mpscale import validation
 from mpscale.trainer.config import errors
 from mpscale.trainer.config import schema
 from mpscale.trainer.data import batch_sizes as batch_sizes_lib
+from mpscale.trainer.hf import checkpoint as hf
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.models import user as models_lib
 
@@ -159,7 +160,8 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
     device = next(iter(jax.devices() if devices is None else devices), None)
   else:
     device = None
-  head_dim = cfg.model.d_model // cfg.model.num_heads if cfg.model.num_heads else 0
+  head_dim = cfg.model.head_dim or (cfg.model.d_model // cfg.model.num_heads
+                                    if cfg.model.num_heads else 0)
   attention = errors.keyed("model", lambda: lm_lib.attention_for(
       cfg.model.attention, device, policy.compute_dtype, head_dim),
                            {"attention": "model.attention"})
@@ -823,9 +825,10 @@ def _model_pieces(cfg: schema.RunConfig, model: Optional[models_lib.Model],
         "the built-in tiny LM is decoder-only: give {1} an mpscale.SplitPipeline "
         "model (examples/t5_split)")
   model = build_model(cfg, mesh, devices)
+  specs = build_param_specs(cfg, model, mesh)
   return _ModelPieces(model, build_loss(cfg, model), model.evaluate,
-                      cfg.train.per_token_loss, build_param_specs(cfg, model, mesh),
-                      functools.partial(init_params, cfg, model))
+                      cfg.train.per_token_loss, specs,
+                      functools.partial(init_params, cfg, model, mesh, specs))
 
 
 def build_model_state(cfg: schema.RunConfig, model: Any, policy: Any,
@@ -925,9 +928,19 @@ def rounding_key(cfg: schema.RunConfig) -> jax.Array:
   return jax.random.fold_in(jax.random.key(cfg.seed), 2)
 
 
-def init_params(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
-  """The model's float32 initial parameters, from ``seed``."""
-  return model.init(jax.random.key(cfg.seed))
+def init_params(cfg: schema.RunConfig, model: lm_lib.TinyLM, mesh: Any = None,
+                specs: Any = None) -> Any:
+  """The model's float32 initial parameters: from ``seed``, or read from
+  ``model.init_from`` (`mpscale.trainer.hf.load_params`), each straight into its
+  layout on ``mesh`` (``specs``) when it is a concrete one."""
+  if cfg.model.init_from is None or isinstance(jnp.zeros(()), jax.core.Tracer):
+    # under jax.eval_shape (a config checked, a step planned): the same shapes,
+    # and nothing of the checkpoint read
+    return model.init(jax.random.key(cfg.seed))
+  concrete = isinstance(mesh, Mesh)
+  return errors.keyed("model", lambda: hf.load_params(
+      cfg.model.init_from, model, mesh if concrete else None,
+      specs if concrete else None), {"init_from": "model.init_from"})
 
 
 def optimizer_state_bytes(optimizer: optax.GradientTransformation, params: Any) -> int:

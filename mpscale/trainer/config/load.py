@@ -28,6 +28,7 @@ from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import errors
 from mpscale.trainer.config.errors import as_config_error  # noqa: F401 (re-exported)
 from mpscale.trainer.data import corpora
+from mpscale.trainer.hf import checkpoint as hf
 from mpscale.trainer.config.schema import (  # noqa: F401 (re-exported)
     AdafactorConfig, AdamWConfig, BlendConfig, CameConfig, ClipConfig, ConfigError,
     ConfigTypeError, DataConfig, Fp8Config, LossScaleConfig, MeshConfig, ModelConfig,
@@ -201,6 +202,45 @@ def _check_model_sizes(cfg: RunConfig) -> None:
                       ("model.seq_len", "mesh.tensor", "mesh.sequence_parallel"))
 
 
+_CHECKPOINT_SIZES = ("family", "vocab_size", "d_model", "num_heads", "num_layers",
+                     "d_ff", "num_kv_heads", "head_dim", "rope_theta", "rope_scaling",
+                     "norm_eps", "tie_embeddings", "sliding_window", "init_std")
+
+
+def with_checkpoint_sizes(cfg: RunConfig) -> RunConfig:
+  """``cfg`` with ``model.family`` and the model's sizes read from the
+  ``config.json`` of ``model.init_from`` (when set); ``model.seq_len`` stays.
+
+  Raises:
+    ConfigError: naming ``model.init_from`` for a checkpoint mpscale cannot load
+      (`mpscale.trainer.hf.HFCheckpointError`), or a size key the config sets to
+      another value than the checkpoint's.
+  """
+  path = cfg.model.init_from
+  if path is None:
+    return cfg
+  if cfg.model.provider is not None:
+    raise ConfigError("model.init_from: starts the built-in model from a checkpoint; "
+                      "a user's model (model.provider) loads its own",
+                      ("model.init_from", "model.provider"))
+  try:
+    found = hf.model_fields(path, cfg.model.seq_len)
+  except hf.HFCheckpointError as e:
+    raise ConfigError(f"model.init_from: {e}", ("model.init_from",)) from None
+  found = {k: v for k, v in found.items() if k != "seq_len"}
+  if found.get("rope_scaling") is not None:
+    found["rope_scaling"] = found["rope_scaling"].to_dict()
+  default = type(cfg.model)()
+  for key in _CHECKPOINT_SIZES:
+    ours, theirs = getattr(cfg.model, key), found.get(key, getattr(default, key))
+    if ours != getattr(default, key) and ours != theirs:
+      raise ConfigError(f"model.{key}: {ours!r} is set, and model.init_from's "
+                        f"config.json makes it {theirs!r}; remove it",
+                        (f"model.{key}", "model.init_from"))
+  return dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, **{k: found.get(k, getattr(default, k)) for k in _CHECKPOINT_SIZES}))
+
+
 def check_user_model(cfg: RunConfig) -> None:
   """Refuses the keys that act on the built-in model only, for a run of a user's
   model: what mpscale does to the built-in model's blocks it cannot do to a user's.
@@ -240,6 +280,10 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
       ``source`` and the key, with ``(set by --set)`` for an overridden key.
   """
   cfg, touched = read_config(raw, source, overrides, default_name, base_dir)
+  try:
+    cfg = with_checkpoint_sizes(cfg)
+  except ConfigError as e:
+    raise e.located(source, touched) from None
   train = (raw or {}).get("train") if isinstance(raw, Mapping) else None
   explicit_steps = "train.steps" in touched or (isinstance(train, Mapping)
                                                and "steps" in train)

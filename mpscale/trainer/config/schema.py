@@ -71,6 +71,34 @@ class ModelConfig:
   """Tokens per training sequence (the context length)."""
   init_std: float = 0.02
   """Standard deviation of the normal initialization of weight matrices (GPT-2's)."""
+  family: Literal["gpt", "llama", "mistral", "qwen2", "qwen3"] = "gpt"
+  """The block (`mpscale.trainer.models.families`): ``gpt``, GPT-2's (LayerNorm,
+  learned positions, GELU, biases); ``llama``, RMSNorm, RoPE, grouped-query
+  attention and SwiGLU; ``mistral``, Llama's with a sliding window; ``qwen2``, with
+  q, k, v biases; ``qwen3``, with RMSNorms of each head's q and k."""
+  num_kv_heads: Optional[int] = None
+  """K/V heads of grouped-query attention (``null``: ``num_heads``); they divide
+  ``num_heads``. Not ``gpt``."""
+  head_dim: Optional[int] = None
+  """Each head's width (``null``: ``d_model / num_heads``). Not ``gpt``."""
+  rope_theta: float = 10000.0
+  """The rotary embedding's base. Not ``gpt``."""
+  rope_scaling: Optional[dict] = None
+  """Llama 3.1's RoPE scaling, as its ``config.json`` writes it: ``{rope_type:
+  llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0,
+  original_max_position_embeddings: 8192}``, or ``{rope_type: linear, factor: F}``."""
+  norm_eps: float = 1e-5
+  """The RMSNorms' epsilon. Not ``gpt``."""
+  tie_embeddings: bool = False
+  """Logits from the token embedding's transpose (no head matrix)."""
+  sliding_window: Optional[int] = None
+  """Each query attends the latest ``sliding_window`` keys (``mistral``)."""
+  init_from: Optional[str] = None
+  """A Hugging Face checkpoint folder (``config.json`` and safetensors; relative to
+  the config file) to start from: its ``config.json`` sets ``family`` and every
+  size above but ``seq_len`` (the training length), and its weights the initial
+  parameters, each read straight into the run's layout
+  (`mpscale.trainer.hf`)."""
   attention: Literal["auto", "xla", "cudnn"] = "auto"
   """How attention is computed (`jax.nn.dot_product_attention`): ``cudnn``, cuDNN's
   fused (flash) attention, which needs NVIDIA GPUs, a 16-bit compute dtype and a head
@@ -159,9 +187,9 @@ class DataConfig:
   """Add ``segment_ids`` that change after each end of document to the batches (a
   user's model may mask attention with them; the tiny LM refuses it)."""
   tokenizer: Optional[str] = None
-  """A Hugging Face ``tokenizer.json`` (relative to the config file): ``mpscale
-  sample``/``eval`` decode with it, and ``model.vocab_size`` must hold its
-  vocabulary."""
+  """A Hugging Face ``tokenizer.json``, or a checkpoint folder holding one (relative
+  to the config file): ``mpscale sample``/``eval`` decode with it, and
+  ``model.vocab_size`` must hold its vocabulary."""
   tokenize: Optional[TokenizeConfig] = None
   """Tokenize the text (``path``, or the embedded corpus) once into a cache and train
   on the tokens, e.g. ``{vocab_size: 1024}``; ``null``: bytes."""
@@ -768,6 +796,9 @@ def _absolute_providers(cfg: RunConfig, base_dir: Optional[str]) -> RunConfig:
       cfg.model, provider=_absolute_file(cfg.model.provider, base_dir),
       loss=_absolute_file(cfg.model.loss, base_dir),
       metrics=_absolute_file(cfg.model.metrics, base_dir))
+  if model.init_from is not None:
+    model = dataclasses.replace(model, init_from=os.path.abspath(os.path.join(
+        base_dir or os.getcwd(), os.path.expanduser(model.init_from))))
   data = dataclasses.replace(cfg.data,
                              provider=_absolute_file(cfg.data.provider, base_dir))
   return dataclasses.replace(cfg, model=model, data=_absolute_token_paths(data,
@@ -782,6 +813,14 @@ def _absolute_path(path: Optional[str], base_dir: Optional[str]) -> Optional[str
                                       os.path.expanduser(path)))
 
 
+def tokenizer_file(path: Optional[str]) -> Optional[str]:
+  """A tokenizer's file: ``path``, or the ``tokenizer.json`` of a folder (a Hugging
+  Face checkpoint's)."""
+  if path is not None and os.path.isdir(path):
+    return os.path.join(path, "tokenizer.json")
+  return path
+
+
 def _absolute_token_paths(data: DataConfig, base_dir: Optional[str]) -> DataConfig:
   """The token corpora's, tokenizer's and cache's paths made absolute (relative to
   ``base_dir``), as the providers' are."""
@@ -791,7 +830,8 @@ def _absolute_token_paths(data: DataConfig, base_dir: Optional[str]) -> DataConf
         tokenize, cache_dir=_absolute_path(tokenize.cache_dir, base_dir))
   return dataclasses.replace(
       data, tokens=_absolute_path(data.tokens, base_dir),
-      tokenizer=_absolute_path(data.tokenizer, base_dir), tokenize=tokenize,
+      tokenizer=tokenizer_file(_absolute_path(data.tokenizer, base_dir)),
+      tokenize=tokenize,
       blend=tuple(dataclasses.replace(b, path=_absolute_path(b.path, base_dir))
                   for b in data.blend))
 

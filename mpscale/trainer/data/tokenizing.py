@@ -52,6 +52,7 @@ import tokenizers
 from rich.console import Console
 
 from mpscale import validation
+from mpscale.trainer.config import schema
 from mpscale.trainer.data import text as data_lib
 from mpscale.trainer.runs import progress as progress_lib
 from mpscale.trainer.data import token_files
@@ -167,12 +168,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eod_token: str = EOD_TOKEN,
 
 
 def load_tokenizer(path: str, name: str = "tokenizer") -> tokenizers.Tokenizer:
-  """The Hugging Face tokenizer saved at ``path`` (a ``tokenizer.json``).
+  """The Hugging Face tokenizer saved at ``path`` (a ``tokenizer.json``, or a
+  checkpoint folder holding one).
 
   Raises:
     ValueError: naming ``name`` for a missing or unreadable file.
   """
-  path = os.fspath(path)
+  path = schema.tokenizer_file(os.fspath(path))
   if not os.path.isfile(path):
     raise validation.fail(name, f": no file {path!r} (a Hugging Face tokenizer.json)")
   try:

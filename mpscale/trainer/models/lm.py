@@ -39,26 +39,31 @@ from mpscale import parallel as parallel_lib
 from mpscale import validation
 from mpscale import precision as precision_lib
 from mpscale import _tree
+from mpscale.trainer.models import families
 
 Params = dict[str, Any]
 
 
 class Embed(nn.Module):
-  """Token and learned position embeddings."""
+  """Token embeddings, and learned position embeddings (GPT-2's; the other
+  families rotate their queries and keys instead)."""
   vocab_size: int
   d_model: int
   seq_len: int
   init_std: float
+  positions: bool = True
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     init = nn.initializers.normal(self.init_std)
     token = self.param("token", init, (self.vocab_size, self.d_model))
-    position = self.param("position", init, (self.seq_len, self.d_model))
     if tokens.shape[-1] > self.seq_len:
       raise ValueError(f"sequence of {tokens.shape[-1]} tokens is longer than the "
                        f"model's seq_len {self.seq_len}")
     x = jnp.take(token, tokens, axis=0)
+    if not self.positions:
+      return x
+    position = self.param("position", init, (self.seq_len, self.d_model))
     return x + position[:tokens.shape[-1]].astype(token.dtype)
 
 
@@ -124,25 +129,30 @@ def attention_for(choice: str, device: Any, compute_dtype: Any, head_dim: int
   return "xla"
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     window: Optional[int] = None) -> jax.Array:
   """Causal softmax attention as `jax.nn.dot_product_attention`'s XLA implementation
   computes it (``[batch, length, heads, head_dim]`` in and out): the scores in
   float32, scaled by ``1/sqrt(head_dim)``, the softmax in float32, the weights cast to
   ``v``'s dtype. Written here because that implementation asks float16 products for
   a float32 result with a dot algorithm (``F16_F16_F32``) that XLA's CPU and TPU
   compilers refuse; this one asks for a float32 result alone, which every backend
-  compiles."""
+  compiles. With ``window``, a query attends the ``window`` latest keys only, its own
+  included (Mistral's sliding window)."""
   length, head_dim = q.shape[1], q.shape[-1]
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
   scores = scores * jnp.float32(1 / math.sqrt(head_dim))
   causal = jnp.tril(jnp.ones((length, length), bool))
+  if window is not None and window < length:
+    causal = causal & jnp.triu(jnp.ones((length, length), bool), 1 - window)
   scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     spec: jax.sharding.PartitionSpec) -> jax.Array:
+                     spec: jax.sharding.PartitionSpec,
+                     window: Optional[int] = None) -> jax.Array:
   """cuDNN's causal attention of ``q, k, v`` laid out as ``spec``.
 
   Inside a ``shard_map`` that is manual over some mesh axes and automatic over others
@@ -152,8 +162,9 @@ def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   axes instead, each device attending its own rows and heads: attention mixes
   neither rows nor heads, so nothing moves but what ``spec`` lays out.
   """
+  local = None if window is None or window >= q.shape[1] else (window - 1, 0)
   attend = functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                             implementation="cudnn")
+                             implementation="cudnn", local_window_size=local)
   mesh = jax.sharding.get_abstract_mesh()
   manual = set(getattr(mesh, "manual_axes", ()))
   automatic = [a for a in getattr(mesh, "axis_names", ()) if a not in manual]
@@ -168,6 +179,20 @@ def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 def _unconstrained(x: jax.Array, kind: str) -> jax.Array:
   del kind
   return x
+
+
+def _attend(attention: str, shard: Callable, dtype: Any, q: jax.Array, k: jax.Array,
+            v: jax.Array, window: Optional[int] = None) -> jax.Array:
+  """Causal attention of ``[batch, length, heads, head_dim]`` heads: cuDNN's fused
+  for ``attention == "cudnn"`` and 16-bit activations, else XLA's
+  (`causal_attention`), laid out as ``shard`` lays out ``"heads"``."""
+  if attention == "cudnn" and jnp.dtype(dtype).name in _CUDNN_DTYPES:
+    spec = (shard.spec("heads") if isinstance(shard, ActivationSharding)
+            else jax.sharding.PartitionSpec())
+    out = _fused_attention(q, k, v, spec, window)
+  else:
+    out = causal_attention(q, k, v, window)
+  return shard(out.astype(dtype), "heads")
 
 
 class Block(nn.Module):
@@ -207,13 +232,7 @@ class Block(nn.Module):
                    kernel_init=_heads_major(init, self.num_heads))(h)
     qkv = qkv.reshape(batch, length, self.num_heads, 3, head_dim)
     q, k, v = (self.shard(qkv[:, :, :, i], "heads") for i in range(3))
-    if self.attention == "cudnn" and jnp.dtype(dtype).name in _CUDNN_DTYPES:
-      spec = (self.shard.spec("heads") if isinstance(self.shard, ActivationSharding)
-              else jax.sharding.PartitionSpec())
-      attn = _fused_attention(q, k, v, spec)
-    else:
-      attn = causal_attention(q, k, v)
-    attn = self.shard(attn.astype(dtype), "heads")
+    attn = _attend(self.attention, self.shard, dtype, q, k, v)
     attn = attn.reshape(batch, length, d_model)
     x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
     x = self.shard(x, "residual")
@@ -225,6 +244,67 @@ class Block(nn.Module):
     # then inf * 0 = NaN.
     h = nn.gelu(h.astype(jnp.float32)).astype(dtype)
     x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h)
+    return self.shard(x, "residual")
+
+
+class LlamaBlock(nn.Module):
+  """One Llama block, or Mistral's or Qwen's (`families.Traits`): RMSNorm,
+  grouped-query attention with the rotary embedding, RMSNorm, SwiGLU MLP
+  (`mpscale.trainer.models.families`). Its matrices: ``q``, ``k``, ``v``, ``o``,
+  ``gate``, ``up``, ``down``; its norms ``attn_norm``, ``mlp_norm`` (and Qwen3's
+  ``q_norm``, ``k_norm``)."""
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_ff: int
+  init_std: float
+  family: str = "llama"
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[families.RopeScaling] = None
+  norm_eps: float = 1e-5
+  sliding_window: Optional[int] = None
+  dtype: Optional[Any] = None
+  shard: Callable[[jax.Array, str], jax.Array] = _unconstrained
+  attention: str = "xla"
+  fp8: Optional[precision_lib.Fp8Recipe] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array,
+               fp8_states: Optional[dict[str, precision_lib.Fp8State]] = None) -> jax.Array:
+    """``x`` through the block; the matrices ``fp8_states`` holds a state for
+    multiply in FP8, the others in the activation dtype."""
+    traits = families.TRAITS[self.family]
+    dtype = self.dtype or x.dtype
+    x = self.shard(x.astype(dtype), "residual")
+    batch, length, d_model = x.shape
+    dense = functools.partial(_dense, self.fp8, fp8_states or {}, dtype=dtype,
+                              kernel_init=nn.initializers.normal(self.init_std))
+    norm = functools.partial(families.RMSNorm, self.norm_eps, dtype)
+
+    h = norm(name="attn_norm")(x)
+    heads = {"q": self.num_heads, "k": self.num_kv_heads, "v": self.num_kv_heads}
+    q, k, v = (dense(n * self.head_dim, use_bias=traits.qkv_bias, name=name)(h)
+               .reshape(batch, length, n, self.head_dim)
+               for name, n in heads.items())
+    if traits.qk_norm:
+      q, k = norm(name="q_norm")(q), norm(name="k_norm")(k)
+    inv_freq = families.rope_frequencies(self.head_dim, self.rope_theta,
+                                         self.rope_scaling)
+    q, k = families.apply_rope(q, inv_freq), families.apply_rope(k, inv_freq)
+    groups = self.num_heads // self.num_kv_heads
+    if groups > 1:  # each K/V head serves `groups` query heads, in order
+      k, v = (jnp.repeat(t, groups, axis=2) for t in (k, v))
+    q, k, v = (self.shard(t, "heads") for t in (q, k, v))
+    attn = _attend(self.attention, self.shard, dtype, q, k, v, self.sliding_window)
+    attn = attn.reshape(batch, length, self.num_heads * self.head_dim)
+    x = self.shard(x + dense(d_model, use_bias=False, name="o")(attn), "residual")
+
+    h = norm(name="mlp_norm")(x)
+    gate = self.shard(dense(self.d_ff, use_bias=False, name="gate")(h), "mlp")
+    up = self.shard(dense(self.d_ff, use_bias=False, name="up")(h), "mlp")
+    # float32, as the GELU is: the SiLU's exp, and the product, stay finite
+    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    x = x + dense(d_model, use_bias=False, name="down")(h)
     return self.shard(x, "residual")
 
 
@@ -256,15 +336,26 @@ def _dense(recipe: Optional[precision_lib.Fp8Recipe], states: dict[str, precisio
 
 
 class Head(nn.Module):
-  """Final layer norm and the output projection to byte logits."""
+  """The final norm (GPT-2's LayerNorm, the other families' RMSNorm) and the output
+  projection to logits: its own matrix, or the token embedding's transpose
+  (``tied``, passed in as ``token``)."""
   vocab_size: int
   init_std: float
   dtype: Optional[Any] = None
+  rms_eps: Optional[float] = None
+  """An RMSNorm with this epsilon; ``None``: GPT-2's LayerNorm."""
+  tied: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, token: Optional[jax.Array] = None) -> jax.Array:
     dtype = self.dtype or x.dtype
-    x = nn.LayerNorm(dtype=dtype, name="ln_final")(x.astype(dtype))
+    x = x.astype(dtype)
+    if self.rms_eps is None:
+      x = nn.LayerNorm(dtype=dtype, name="ln_final")(x)
+    else:
+      x = families.RMSNorm(self.rms_eps, dtype, name="norm")(x)
+    if self.tied:
+      return jnp.einsum("btd,vd->btv", x, token.astype(dtype))
     return nn.Dense(self.vocab_size, dtype=dtype, use_bias=False,
                     kernel_init=nn.initializers.normal(self.init_std), name="out")(x)
 
@@ -279,11 +370,12 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array
 
 
 LOGICAL_RULES = (("layers", "stage"), ("vocab", "tensor"), ("heads", "tensor"),
-                 ("mlp", "tensor"))
+                 ("kv_heads", "tensor"), ("mlp", "tensor"))
 """The default rules from `TinyLM.logical_axes` names to mesh axes: stacked layers
-over ``stage``; attention heads, MLP hidden units and the vocabulary over ``tensor``
-(Megatron's column- and row-parallel split). FSDP is added on top by
-`TinyLM.param_specs`."""
+over ``stage``; attention heads, grouped K/V heads, MLP hidden units and the
+vocabulary over ``tensor`` (Megatron's column- and row-parallel split; K/V heads
+fewer than, or not divisible by, the tensor axis are replicated over it, as
+Megatron does). FSDP is added on top by `TinyLM.param_specs`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +423,18 @@ class TinyLM:
     vocab_size, d_model, num_heads, num_layers, d_ff, seq_len, init_std: the sizes
       (`SIZES`; the config's ``model`` section holds the same names, with defaults,
       and `from_sizes` reads them from it). ``init_std`` defaults to GPT-2's 0.02.
+    family: ``gpt`` (GPT-2's block, `Block`) or ``llama``, ``mistral``, ``qwen2``,
+      ``qwen3`` (`LlamaBlock`; `mpscale.trainer.models.families`).
+    num_kv_heads: K/V heads of grouped-query attention (``None``: ``num_heads``);
+      must divide ``num_heads``. Llama block only.
+    head_dim: each head's width (``None``: ``d_model / num_heads``). Llama block
+      only.
+    rope_theta, rope_scaling: the rotary embedding's base and its scaling
+      (`families.RopeScaling`, or its ``config.json`` mapping). Llama block only.
+    norm_eps: the RMSNorms' epsilon (Llama block).
+    tie_embeddings: logits from the token embedding's transpose, no head matrix.
+    sliding_window: each query attends this many latest keys (Mistral; ``None``:
+      all earlier ones).
     remat: recompute each block in the backward pass (``loss_fn`` only; a pipeline
       takes its own ``remat``).
     shard: activation layout for tensor and sequence parallelism; ``None``: GSPMD's
@@ -372,6 +476,14 @@ class TinyLM:
   d_ff: int
   seq_len: int
   init_std: float = 0.02
+  family: str = "gpt"
+  num_kv_heads: Optional[int] = None
+  head_dim: Optional[int] = None
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[families.RopeScaling] = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  sliding_window: Optional[int] = None
   remat: bool = False
   shard: Optional[ActivationSharding] = None
   attention: str = "xla"
@@ -379,29 +491,82 @@ class TinyLM:
   fp8_products: tuple[str, ...] = FP8_PRODUCTS
   bf16_layers: int = 1
 
-  SIZES: ClassVar[tuple[str, ...]] = ("vocab_size", "d_model", "num_heads",
-                                      "num_layers", "d_ff", "seq_len", "init_std")
-  """The fields that size the model."""
+  SIZES: ClassVar[tuple[str, ...]] = (
+      "vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len",
+      "init_std", "family", "num_kv_heads", "head_dim", "rope_theta", "rope_scaling",
+      "norm_eps", "tie_embeddings", "sliding_window")
+  """The fields that shape the model (and name the family)."""
 
   @classmethod
   def from_sizes(cls, sizes: Any, **kwargs: Any) -> "TinyLM":
     """A model with the `SIZES` read off ``sizes`` (any object with those
     attributes, e.g. the config's ``model`` section); ``kwargs``: ``remat``,
     ``shard``, ``attention``, ``fp8``, ``fp8_products``, ``bf16_layers``."""
-    return cls(**{name: getattr(sizes, name) for name in cls.SIZES}, **kwargs)
+    fields = {name: getattr(sizes, name) for name in cls.SIZES}
+    fields["rope_scaling"] = families.RopeScaling.from_dict(fields["rope_scaling"])
+    return cls(**fields, **kwargs)
+
+  @property
+  def kv_heads(self) -> int:
+    """K/V heads (``num_kv_heads``, or ``num_heads``)."""
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def dims_per_head(self) -> int:
+    """Each head's width (``head_dim``, or ``d_model / num_heads``)."""
+    return self.head_dim or self.d_model // self.num_heads
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
       validation.positive_int(name, getattr(self, name))
     validation.positive_float("init_std", self.init_std)
-    if self.d_model % self.num_heads:
-      raise validation.ArgumentError(
-          ("d_model", "num_heads"),
-          f"{{0}} ({self.d_model}) must be divisible by {{1}} ({self.num_heads})")
+    self._check_family()
     validation.boolean("remat", self.remat)
     validation.one_of("attention", self.attention, ATTENTION[1:])
     if self.fp8 is not None:
       self._check_fp8()
+
+  def _check_family(self) -> None:
+    validation.one_of("family", self.family, families.FAMILIES)
+    gpt = self.family == "gpt"
+    if self.head_dim is None and self.d_model % self.num_heads:
+      raise validation.ArgumentError(
+          ("d_model", "num_heads"),
+          f"{{0}} ({self.d_model}) must be divisible by {{1}} ({self.num_heads})")
+    for name in ("num_kv_heads", "head_dim", "sliding_window"):
+      if getattr(self, name) is not None:
+        validation.positive_int(name, getattr(self, name))
+    validation.positive_float("rope_theta", self.rope_theta)
+    validation.positive_float("norm_eps", self.norm_eps)
+    validation.boolean("tie_embeddings", self.tie_embeddings)
+    if self.num_heads % self.kv_heads:
+      raise validation.ArgumentError(
+          ("num_heads", "num_kv_heads"),
+          f"{{0}} ({self.num_heads}) must be a multiple of {{1}} ({self.kv_heads})")
+    if gpt:
+      for name, ok in (("num_kv_heads", self.kv_heads == self.num_heads),
+                       ("head_dim", self.dims_per_head * self.num_heads == self.d_model),
+                       ("rope_scaling", self.rope_scaling is None)):
+        if not ok:
+          raise validation.fail(name, " is not a setting of the gpt family (GPT-2's "
+                                "block); choose a family that has it, e.g. llama")
+    if self.sliding_window is not None and not (
+        not gpt and families.TRAITS[self.family].sliding_window):
+      raise validation.fail("sliding_window", f" is not a setting of the "
+                            f"{self.family} family; only mistral's")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling,
+                                                        families.RopeScaling):
+      raise validation.fail("rope_scaling", " must be a families.RopeScaling; "
+                            "TinyLM.from_sizes reads a mapping",
+                            validation.ArgumentTypeError)
+
+  @property
+  def products(self) -> tuple[str, ...]:
+    """The block's matrices that multiply in FP8 (``fp8_products`` in this
+    family's names, `families.products`); ``()`` without ``fp8``."""
+    if self.fp8 is None:
+      return ()
+    return families.products(self.family, tuple(self.fp8_products))
 
   def _check_fp8(self) -> None:
     if not isinstance(self.fp8, precision_lib.Fp8Recipe):
@@ -428,15 +593,24 @@ class TinyLM:
           f"lower {{0}} below {self.num_layers / 2:g}")
 
   def _embed(self) -> Embed:
-    return Embed(self.vocab_size, self.d_model, self.seq_len, self.init_std)
+    return Embed(self.vocab_size, self.d_model, self.seq_len, self.init_std,
+                 positions=self.family == "gpt")
 
-  def _block(self, dtype: Any = None) -> Block:
-    return Block(self.num_heads, self.d_ff, self.init_std, self.num_layers, dtype=dtype,
-                 shard=self.shard or _unconstrained, attention=self.attention,
-                 fp8=self.fp8)
+  def _block(self, dtype: Any = None) -> nn.Module:
+    shard = self.shard or _unconstrained
+    if self.family == "gpt":
+      return Block(self.num_heads, self.d_ff, self.init_std, self.num_layers,
+                   dtype=dtype, shard=shard, attention=self.attention, fp8=self.fp8)
+    return LlamaBlock(self.num_heads, self.kv_heads, self.dims_per_head, self.d_ff,
+                      self.init_std, family=self.family, rope_theta=self.rope_theta,
+                      rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
+                      sliding_window=self.sliding_window, dtype=dtype, shard=shard,
+                      attention=self.attention, fp8=self.fp8)
 
   def _head(self, dtype: Any = None) -> Head:
-    return Head(self.vocab_size, self.init_std, dtype=dtype)
+    return Head(self.vocab_size, self.init_std, dtype=dtype,
+                rms_eps=None if self.family == "gpt" else self.norm_eps,
+                tied=self.tie_embeddings)
 
   def init(self, rng: jax.Array) -> Params:
     """Float32 parameters ``{"embed", "stages", "head"}``; ``stages`` leaves have a
@@ -452,14 +626,22 @@ class TinyLM:
         "embed": self._embed().init(k_embed, tokens)["params"],
         "stages": jax.vmap(lambda k: block.init(k, x)["params"])(
             jax.random.split(k_stages, self.num_layers)),
-        "head": self._head().init(k_head, x)["params"],
+        "head": self._head().init(k_head, x, self._dummy_token())["params"],
     }
+
+  def _dummy_token(self) -> Optional[jax.Array]:
+    """What a tied head's initialization multiplies by (it makes no parameter of
+    it)."""
+    if not self.tie_embeddings:
+      return None
+    return jnp.zeros((self.vocab_size, self.d_model), jnp.float32)
 
   def logical_axes(self) -> Any:
     """A logical name per dimension of every parameter, in the structure of
     `init`'s params: ``layers`` (the stacked blocks), ``embed`` (model width),
-    ``heads`` (the qkv and out-projection columns and rows, head by head), ``mlp``,
-    ``vocab``, and ``None`` for dimensions never split (positions)."""
+    ``heads`` (the qkv and out-projection columns and rows, head by head),
+    ``kv_heads`` (grouped K/V heads), ``mlp``, ``vocab``, and ``None`` for
+    dimensions never split (positions, a head's width)."""
     names = {
         "embed/token": ("vocab", "embed"), "embed/position": (None, "embed"),
         "qkv/kernel": ("embed", "heads"), "qkv/bias": ("heads",),
@@ -467,6 +649,12 @@ class TinyLM:
         "fc/kernel": ("embed", "mlp"), "fc/bias": ("mlp",),
         "proj/kernel": ("mlp", "embed"), "proj/bias": ("embed",),
         "head/out/kernel": ("embed", "vocab"),
+        "q/kernel": ("embed", "heads"), "q/bias": ("heads",),
+        "k/kernel": ("embed", "kv_heads"), "k/bias": ("kv_heads",),
+        "v/kernel": ("embed", "kv_heads"), "v/bias": ("kv_heads",),
+        "o/kernel": ("heads", "embed"), "q_norm/scale": (None,),
+        "k_norm/scale": (None,), "gate/kernel": ("embed", "mlp"),
+        "up/kernel": ("embed", "mlp"), "down/kernel": ("mlp", "embed"),
     }
 
     def name(path, _):
@@ -493,6 +681,8 @@ class TinyLM:
                   if axis is not None and all(
                       a in mesh.axis_names and mesh.shape[a] > 1
                       for a in ((axis,) if isinstance(axis, str) else axis)))
+    rules = tuple((name, axis) for name, axis in rules if name != "kv_heads"
+                  or self.kv_heads % parallel_lib.axis_size(mesh, axis) == 0)
     sizes = {"heads": "num_heads", "mlp": "d_ff", "vocab": "vocab_size"}
     for name, axis in rules:
       if name in sizes:
@@ -517,7 +707,7 @@ class TinyLM:
     it) the block's FP8 products multiply in FP8 where `fp8_block` says the block
     is an FP8 one (a ``lax.cond``: a pipeline's stage scans over its blocks; with
     ``bf16_layers`` 0 every block is, and there is no cond)."""
-    dtype = layer_params["qkv"]["kernel"].dtype
+    dtype = _compute_dtype(layer_params)
     block = lambda states: self._block(dtype).apply(  # noqa: E731
         {"params": layer_params}, x, states)
     if state is None:
@@ -528,8 +718,15 @@ class TinyLM:
 
   def logits_fn(self, params: Params, x: jax.Array) -> jax.Array:
     """Float32 logits ``[B, T, vocab]`` of the last hidden states ``x``."""
-    dtype = params["head"]["out"]["kernel"].dtype
-    return self._head(dtype).apply({"params": params["head"]}, x).astype(jnp.float32)
+    token = params["embed"]["token"] if self.tie_embeddings else None
+    dtype = (token if self.tie_embeddings else params["head"]["out"]["kernel"]).dtype
+    return self._head(dtype).apply({"params": params["head"]}, x, token).astype(
+        jnp.float32)
+
+  def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
+    """Float32 logits ``[batch, length, vocab]`` of integer ``tokens`` ``[batch,
+    length]``: the whole model, in the dtype of ``params``."""
+    return self.logits_fn(params, self.hidden_fn(params, {"inputs": tokens}))
 
   def head_fn(self, params: Params, x: jax.Array, batch: dict[str, jax.Array]
              ) -> tuple[jax.Array, jax.Array]:
@@ -557,7 +754,7 @@ class TinyLM:
     stacked = {product: jax.tree_util.tree_map(
         lambda x: jnp.where(on.reshape((n,) + (1,) * x.ndim), x[None], 0.0).astype(
             x.dtype), one)
-               for product in self.fp8_products}
+               for product in self.products}
     return {precision_lib.OVERWRITE_WITH_GRADIENT: {"stages": stacked}}
 
   def _fp8_states(self, model_state: Any) -> Optional[dict[str, Any]]:
@@ -574,7 +771,7 @@ class TinyLM:
     """``x`` through the blocks of ``params["stages"]`` (a ``lax.scan``), the
     products of ``fp8_states`` (stacked alike) in FP8."""
     def block(layer_params, x, states):
-      dtype = layer_params["qkv"]["kernel"].dtype
+      dtype = _compute_dtype(layer_params)
       return self._block(dtype).apply({"params": layer_params}, x, states)
     stage = jax.checkpoint(block) if self.remat else block
 
@@ -673,6 +870,11 @@ class TinyLM:
     loss_sum, num_tokens = self.evaluate(params, batch, model_state)
     mean = loss_sum / jnp.maximum(num_tokens, 1.0)
     return mean if model_state is None else (mean, model_state)
+
+
+def _compute_dtype(layer_params: Params) -> Any:
+  """The dtype a block computes in: its attention input projection's."""
+  return layer_params["qkv" if "qkv" in layer_params else "q"]["kernel"].dtype
 
 
 def num_params(params: Any) -> int:

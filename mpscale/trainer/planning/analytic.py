@@ -71,6 +71,7 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import numpy as np
 from mpscale.trainer.config import build as builders
+from mpscale.trainer.models import families
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.planning import step_time as step_time_lib
 from mpscale.trainer.planning.hardware import Hardware
@@ -216,18 +217,33 @@ class Params(NamedTuple):
 
 
 def param_counts(model: Model) -> Params:
-  """The LM's parameters (`mpscale.trainer.models.lm.TinyLM`): a layer's (its qkv,
-  out, fc and proj kernels and biases, two layer norms), the embeddings' (tokens
-  and positions) and the head's (a layer norm and the vocabulary projection).
+  """The LM's parameters (`mpscale.trainer.models.lm.TinyLM`): a layer's (its
+  attention's and MLP's matrices, biases and norms: GPT-2's qkv, out, fc and proj
+  with biases and two LayerNorms, or the Llama block's q, k, v, o, gate, up and
+  down with two RMSNorms, Qwen2's q, k, v biases and Qwen3's q/k norms), the
+  embeddings' (tokens, and GPT-2's positions) and the head's (a norm and, untied,
+  the vocabulary projection). Grouped K/V heads count as split over ``tensor``
+  (replicated when it does not divide them, a small share of a layer).
 
   Returns:
     `Params`, each a count (the whole model: ``embed + head + num_layers *
     layer``)."""
-  d, f, v, t = model.lm.d_model, model.lm.d_ff, model.lm.vocab_size, model.lm.seq_len
-  split = 3 * d * d + 3 * d + d * d + d * f + f + f * d  # qkv, out kernel, fc, proj
-  return Params(layer=split + 4 * d + 2 * d, layer_split=split,
-                embed=v * d + t * d, embed_split=v * d, head=2 * d + d * v,
-                head_split=d * v)
+  lm = model.lm
+  d, f, v, t = lm.d_model, lm.d_ff, lm.vocab_size, lm.seq_len
+  q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
+  gpt = lm.family == "gpt"
+  attention = 2 * d * q + 2 * d * kv  # q (or qkv) and o kernels, k and v
+  mlp = (2 if gpt else 3) * d * f
+  split_biases = (q + 2 * kv + f if gpt
+                  else q + 2 * kv if families.TRAITS[lm.family].qkv_bias else 0)
+  split = attention + mlp + split_biases
+  norms = 4 * d if gpt else 2 * d + (2 * lm.dims_per_head
+                                     if families.TRAITS[lm.family].qk_norm else 0)
+  other_biases = 2 * d if gpt else 0  # out and proj biases
+  head = 0 if lm.tie_embeddings else d * v
+  return Params(layer=split + norms + other_biases, layer_split=split,
+                embed=v * d + (t * d if gpt else 0), embed_split=v * d,
+                head=(2 * d if gpt else d) + head, head_split=head)
 
 
 def params_per_device(model: Model, layout: Layout) -> float:
@@ -284,9 +300,12 @@ def rows(model: Model, layout: Layout) -> float:
 
 def matmul_flops(model: Model, layout: Layout) -> float:
   """Matrix-product FLOPs one device runs a step (module docstring)."""
-  d, f, t = model.lm.d_model, model.lm.d_ff, layout.tensor
-  tokens = model.batch_size * model.lm.seq_len / layout.replicas
-  layer = (2 * (4 * d * d + 2 * d * f) + 4 * model.lm.seq_len * d) / t
+  lm, t = model.lm, layout.tensor
+  d, f = lm.d_model, lm.d_ff
+  q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
+  tokens = model.batch_size * lm.seq_len / layout.replicas
+  products = 2 * d * q + 2 * d * kv + (2 if lm.family == "gpt" else 3) * d * f
+  layer = (2 * products + 4 * lm.seq_len * q) / t
   passes = 3 + (1 - 2 * d * f / t / layer if layout.remat else 0)
   layers = model.lm.num_layers / layout.stage * layer * passes / (1 - bubble(layout))
   head = 3 * 2 * d * model.lm.vocab_size / t

@@ -34,6 +34,8 @@ from mpscale.trainer.data import loader
 from mpscale.trainer.runs import metrics_log
 from mpscale.trainer.models import user as models
 from mpscale.trainer.data import tokenizing
+from mpscale.trainer.hf import checkpoint as hf
+from mpscale.trainer.hf import names as hf_names
 from mpscale.trainer.runs.metrics_log import MetricsLog, read_rows, to_float
 from mpscale.trainer.runs.plots import plot_runs
 from mpscale.trainer.runs.progress import fmt, make_progress, progress_info, scale_text
@@ -732,6 +734,9 @@ def load_run(out_dir: str, devices: Optional[int] = None,
   if devices is not None and devices < 1:
     raise ValueError(f"devices must be >= 1; got {devices}")
   saved = config_lib.load_config(path)
+  # The checkpoint holds the weights: a Hugging Face start is not read again.
+  saved = dataclasses.replace(saved, model=dataclasses.replace(saved.model,
+                                                               init_from=None))
   available = jax.device_count() if devices is None else min(devices,
                                                               jax.device_count())
   own_mesh = saved.mesh.num_devices <= available
@@ -767,6 +772,40 @@ def evaluate_run_metrics(out_dir: str, devices: Optional[int] = None,
   ``accuracy``): ``({"loss": ..., name: ...}, step)``."""
   run, step = load_run(out_dir, devices, step)
   return evaluate_metrics(run.setup, run.state, run.data), step
+
+
+def export_run(out_dir: str, hf_dir: str, *, dtype: str = "float32",
+               devices: Optional[int] = None, step: Optional[int] = None) -> list[str]:
+  """Write a run's latest checkpoint (or ``step``'s) as a Hugging Face checkpoint
+  folder ``hf_dir`` (`mpscale.trainer.hf.save`: ``dtype`` float32 or bfloat16),
+  with the tokenizer files of its ``model.init_from`` folder, or its
+  ``data.tokenizer``, when it had them. Returns the files written.
+
+  Raises:
+    RunDirError: for a run of a user's model, or of the ``gpt`` family (no Hugging
+      Face form here), naming the run; nothing is written.
+  """
+  path = os.path.join(out_dir, "config.yaml")
+  if not os.path.exists(path):
+    raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
+  saved = config_lib.load_config(path)
+  if saved.model.provider is not None:
+    raise RunDirError(f"{out_dir}: export writes the built-in model's families; this "
+                      "run trained a user's model (model.provider)")
+  if saved.model.family not in hf_names.ARCHITECTURES:
+    raise RunDirError(f"{out_dir}: model.family {saved.model.family!r} has no Hugging "
+                      f"Face form here; {', '.join(hf_names.ARCHITECTURES)} do")
+  if os.path.exists(os.path.join(hf_dir, "config.json")):
+    raise RunDirError(f"{hf_dir} holds a checkpoint already; choose a new folder")
+  run, _ = load_run(out_dir, devices, step)
+  params = run.setup.to_model_order(run.state.params)
+  written = hf.save(run.setup.model, params, hf_dir, dtype=dtype,
+                    source=saved.model.init_from)
+  tokenizer = saved.data.tokenizer
+  if "tokenizer.json" not in written and tokenizer and os.path.exists(tokenizer):
+    shutil.copy(tokenizer, os.path.join(hf_dir, "tokenizer.json"))
+    written.append("tokenizer.json")
+  return written
 
 
 def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float = 1.0,

@@ -226,6 +226,39 @@ def test_a_transposed_or_reshaped_weight_is_gathered_where_it_is_used():
   assert gathered == pytest.approx(5 * weight, rel=0.02), gathered / weight
 
 
+def test_a_recomputed_layer_gathers_each_weight_at_most_twice():
+  """Under a ``jax.checkpoint`` of the layers (recompute), each weight is gathered
+  for the forward and once more for the backward's recompute, whose gathers the
+  products' backward uses: 6 weights' bytes for the three of the test above (the
+  first's too: the recompute needs it). With a checkpoint of each product inside
+  the recomputed layers (as before) the products' backward gathered again: 7
+  weights' bytes here, where MaxText gathers twice."""
+  rng = np.random.default_rng(1)
+  width, rows, seq = 256, 16, 64
+  f32 = lambda *s: jnp.asarray(rng.normal(size=s) * 0.05, jnp.float32)  # noqa: E731
+  params = {"w0": f32(width, 4 * width), "w1": f32(4 * width, width),
+            "w2": f32(width, 4 * width)}
+
+  @jax.checkpoint
+  def layers(p, x):
+    h = jnp.tanh(x @ p["w0"])
+    h = jnp.tanh(h @ p["w1"])
+    return h @ p["w2"]
+
+  def loss(p, batch):
+    return jnp.mean(jnp.square(layers(p, batch["x"])))
+
+  mesh = fsdp_mesh(1, 8)
+  init, step = mpscale.make_train_step(
+      loss, optax.sgd(0.1), mesh=mesh, data_axis=("data", "fsdp"),
+      param_specs=parallel.fsdp_specs(params, mesh))
+  batch = {"x": jax.ShapeDtypeStruct((rows, seq, width), jnp.float32)}
+  text = step.lower(init(params), batch).compile().as_text()
+  weight = 4 * width * width * 4
+  gathered = hlo.collectives(text)["all-gather"]["bytes"]
+  assert gathered == pytest.approx(6 * weight, rel=0.02), gathered / weight
+
+
 def test_fsdp_user_model_matches_one_device():
   """Three SGD steps of the user's LM under FSDP (data 2 x fsdp 4) equal one
   device's: loss and params, float32. (Not Adam: the key bias's gradient is zero but

@@ -444,6 +444,24 @@ def test_a_corpus_a_tokenizer_cannot_decode_is_refused_at_start(tmp_path):
   assert info.value.names == ("data.tokenizer", "data.tokens")
 
 
+def test_a_checkpoint_folder_gives_its_tokenizer(tmp_path):
+  """``data.tokenizer`` and ``mpscale tokenize --tokenizer`` take a Hugging Face
+  checkpoint's folder for the ``tokenizer.json`` in it: the same ids as the file,
+  and a corpus beyond its vocabulary refused as with the file."""
+  folder = tmp_path / "checkpoint"
+  folder.mkdir()
+  bpe = tokenizing.train_bpe(TEXTS, 300)
+  bpe.save(str(folder / "tokenizer.json"))
+  from_folder = tokenizing.load_tokenizer(str(folder))
+  assert from_folder.encode(TEXTS[0]).ids == bpe.encode(TEXTS[0]).ids
+  size = tokenizing.vocabulary_size(bpe)
+  prefix = _indexed(tmp_path / "c", _documents(3, vocab=size + 50))
+  cfg = _cfg({"tokens": prefix, "tokenizer": str(folder)}, model={"vocab_size": 512})
+  assert cfg.data.tokenizer == str(folder / "tokenizer.json")
+  with pytest.raises(mpscale.ArgumentError, match="another tokenizer"):
+    corpora.token_data(cfg)
+
+
 def test_tokenize_output_is_plain_without_a_terminal(tmp_path):
   text = tmp_path / "t.txt"
   text.write_text(" ".join(TEXTS))

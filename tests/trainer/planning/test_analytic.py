@@ -37,6 +37,21 @@ def test_parameter_counts_are_the_models():
   assert lm_lib.num_params(shapes) == p.embed + p.head + 2 * p.layer
 
 
+@pytest.mark.parametrize("family, sizes", [
+    ("llama", dict(num_kv_heads=1)), ("mistral", dict(tie_embeddings=True)),
+    ("qwen2", dict(num_kv_heads=1)), ("qwen3", dict(head_dim=6, num_kv_heads=1))])
+def test_parameter_counts_are_each_familys(family, sizes):
+  lm = lm_lib.TinyLM(vocab_size=16, d_model=4, num_heads=2, num_layers=2, d_ff=8,
+                     seq_len=4, family=family, **sizes)
+  p = analytic.param_counts(SMALL._replace(lm=lm))
+  shapes = jax.eval_shape(lm.init, jax.random.key(0))
+  assert lm_lib.num_params(shapes) == p.embed + p.head + 2 * p.layer
+  split = sum(x.size // 2 for k, v in shapes["stages"].items()
+              if k in ("q", "k", "v", "o", "gate", "up", "down")
+              for x in jax.tree_util.tree_leaves(v))
+  assert p.layer_split == split
+
+
 def test_parameters_a_device_and_its_state():
   p = analytic.param_counts(SMALL)
   whole = p.embed + p.head + 2 * p.layer
@@ -187,10 +202,13 @@ def test_more_memory_saving_costs_less_memory():
   assert analytic.fits(SMALL, base, 1e9) and not analytic.fits(SMALL, base, 1e3)
 
 
-@pytest.mark.slow  # one compile: 10-40 s on 2 busy cores
-def test_matmul_flops_are_the_compiled_plans():
+@pytest.mark.slow  # one compile each: 10-40 s on 2 busy cores
+@pytest.mark.parametrize("family", [{}, {"model.family": "llama",
+                                         "model.num_kv_heads": 2}],
+                         ids=["gpt", "llama_gqa"])
+def test_matmul_flops_are_the_compiled_plans(family):
   overrides = {"mesh.data": 2, "mesh.stage": 1, "mesh.tensor": 2, "mesh.fsdp": 1,
-               "train.num_microbatches": 1, "train.remat": True}
+               "train.num_microbatches": 1, "train.remat": True, **family}
   cfg = config_lib.load_config(CONFIG, search_lib._overrides(overrides))  # noqa: SLF001
   plan = planning.plan(cfg)
   model = analytic.Model.from_config(cfg)

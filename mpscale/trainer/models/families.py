@@ -1,0 +1,173 @@
+"""The model families of the built-in LM: GPT-2's block, and the Llama block that
+Llama, Mistral and Qwen share, with each family's variations.
+
+============  =========  =================  ==========  ===========  ============
+family        norm       positions          attention   MLP          extras
+============  =========  =================  ==========  ===========  ============
+``gpt``       LayerNorm  learned            fused qkv   GELU         biases
+``llama``     RMSNorm    RoPE (+ Llama 3.1  q, k, v     SwiGLU       none
+                         scaling)           (grouped)
+``mistral``   RMSNorm    RoPE               q, k, v     SwiGLU       sliding window
+``qwen2``     RMSNorm    RoPE               q, k, v     SwiGLU       q, k, v biases
+``qwen3``     RMSNorm    RoPE               q, k, v     SwiGLU       q and k RMSNorms
+============  =========  =================  ==========  ===========  ============
+
+The Llama block computes what Hugging Face's ``LlamaDecoderLayer`` (and
+``MistralDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``) compute:
+``x + o(attention(rope(q_norm(q(n(x)))), rope(k_norm(k(n(x)))), v(n(x))))``, then
+``x + down(silu(gate(n(x))) * up(n(x)))``, where ``n`` is an RMSNorm of its own; grouped
+K/V heads serve ``num_heads / num_kv_heads`` query heads each (query head ``i`` reads
+K/V head ``i // (num_heads / num_kv_heads)``, as ``repeat_kv`` does). Norm statistics,
+the rotary embedding, the SiLU and the attention softmax are computed in float32.
+
+References:
+  Touvron et al., "Llama 2" (2023) and Grattafiori et al., "The Llama 3 Herd of
+  Models" (2024), https://arxiv.org/abs/2407.21783 (RoPE scaling: Meta's Llama 3.1
+  release); Su et al., "RoFormer" (2021), https://arxiv.org/abs/2104.09864;
+  Shazeer, "GLU Variants Improve Transformer" (2020); Ainslie et al., "GQA" (2023);
+  Jiang et al., "Mistral 7B" (2023); Qwen team, "Qwen2 / Qwen3 Technical Report".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mpscale import validation
+
+FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
+"""``model.family``'s choices; ``gpt`` is GPT-2's block (`mpscale.trainer.models.lm.Block`),
+the others the Llama block (`mpscale.trainer.models.lm.LlamaBlock`)."""
+
+ROLES = {"qkv": ("q", "k", "v"), "out": ("o",), "fc": ("gate", "up"), "proj": ("down",)}
+"""The FP8 products of ``precision.fp8.products`` (GPT-2's four: the attention's input
+and output projections, the MLP's two) as the Llama block names its matrices."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+  """What a family changes in the Llama block."""
+  qkv_bias: bool = False
+  """Biases on the q, k and v projections (Qwen2)."""
+  qk_norm: bool = False
+  """An RMSNorm over each head's q and k, before the rotary embedding (Qwen3)."""
+  sliding_window: bool = False
+  """Whether ``sliding_window`` may be set (Mistral)."""
+
+
+TRAITS = {"llama": Traits(), "mistral": Traits(sliding_window=True),
+          "qwen2": Traits(qkv_bias=True), "qwen3": Traits(qk_norm=True)}
+
+
+def products(family: str, roles: tuple[str, ...]) -> tuple[str, ...]:
+  """The matrices of ``family``'s block that multiply in FP8 for these ``roles``
+  (`ROLES`' keys, the names ``precision.fp8.products`` takes)."""
+  if family == "gpt":
+    return tuple(roles)
+  return tuple(name for role in roles for name in ROLES[role])
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama 3.1's rotary-frequency scaling (Hugging Face's ``rope_scaling`` with
+  ``rope_type: llama3``): wavelengths longer than ``original_max_position_embeddings
+  / low_freq_factor`` are stretched by ``factor``, those shorter than ``... /
+  high_freq_factor`` kept, and those between interpolated; ``rope_type: linear``
+  divides every frequency by ``factor``."""
+  rope_type: str = "llama3"
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  TYPES = ("llama3", "linear")
+
+  @classmethod
+  def from_dict(cls, value: Any) -> Optional["RopeScaling"]:
+    """A `RopeScaling` of a config's (or ``config.json``'s) ``rope_scaling``
+    mapping (``None``: none).
+
+    Raises:
+      ArgumentError: naming ``rope_scaling.<key>`` for a type not in `TYPES` or a
+        key of none of the fields.
+    """
+    if value is None or isinstance(value, cls):
+      return value
+    if not isinstance(value, dict):
+      raise validation.fail("rope_scaling", f" must be a mapping; got {value!r}",
+                            validation.ArgumentTypeError)
+    value = dict(value)
+    kind = value.pop("rope_type", value.pop("type", "llama3"))
+    if kind not in cls.TYPES:
+      raise validation.fail("rope_scaling.rope_type", f" {kind!r} is not supported; "
+                            f"choose from {', '.join(cls.TYPES)}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in value:
+      if key not in fields:
+        raise validation.fail(f"rope_scaling.{key}", " is not a setting of the "
+                              f"{kind!r} scaling; it takes "
+                              f"{', '.join(sorted(fields - {'rope_type'}))}")
+    return cls(rope_type=kind, **value)
+
+  def to_dict(self) -> dict[str, Any]:
+    """The ``rope_scaling`` mapping Hugging Face's ``config.json`` holds."""
+    if self.rope_type == "linear":
+      return {"rope_type": "linear", "factor": self.factor}
+    return dataclasses.asdict(self)
+
+  def apply(self, inv_freq: jax.Array) -> jax.Array:
+    """The scaled inverse frequencies."""
+    if self.rope_type == "linear":
+      return inv_freq / self.factor
+    old = self.original_max_position_embeddings
+    low_wavelen = old / self.low_freq_factor
+    high_wavelen = old / self.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    stretched = jnp.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+    smooth = ((old / wavelen - self.low_freq_factor)
+              / (self.high_freq_factor - self.low_freq_factor))
+    between = (1 - smooth) * stretched / self.factor + smooth * stretched
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, between, stretched)
+
+
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: Optional[RopeScaling] = None) -> jax.Array:
+  """The ``head_dim / 2`` inverse frequencies of the rotary embedding, float32."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32)
+                              / head_dim))
+  return inv_freq if scaling is None else scaling.apply(inv_freq)
+
+
+def apply_rope(x: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """``x`` (``[batch, length, heads, head_dim]``) rotated by its positions
+  ``0..length-1``, the two halves of each head as the pairs (Hugging Face's
+  ``rotate_half`` layout), in float32, returned in ``x``'s dtype."""
+  length = x.shape[1]
+  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x32 = x.astype(jnp.float32)
+  first, second = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-second, first], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm over the last axis: the statistics in float32, the
+  normalized input cast back to its dtype, then times ``scale`` (Llama's order)."""
+  eps: float = 1e-6
+  dtype: Optional[Any] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dtype = self.dtype or x.dtype
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return scale.astype(dtype) * x32.astype(dtype)
