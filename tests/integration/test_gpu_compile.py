@@ -1,8 +1,8 @@
 """The train steps compiled for 8 H100s without a GPU: the program the GPUs would run.
 
 With JAX's CUDA plugin installed, XLA's CUDA compiler builds each layout's real train
-step (`LAYOUTS`: data, FSDP, tensor, every pipeline schedule, float16 with the dynamic
-loss scale) for the compile-only topology of 8 H100s
+step (`LAYOUTS`: data, FSDP, tensor, every pipeline schedule, the Llama block under
+FSDP, float16 with the dynamic loss scale) for the compile-only topology of 8 H100s
 (`mpscale.trainer.planning.targets`), and the tests read the program:
 
 - 16-bit collectives stay 16-bit (`widened_collectives`): XLA's CPU compiler sums
@@ -63,6 +63,12 @@ LAYOUTS = {
         "mesh.pipeline_schedule=1f1b", "mesh.virtual_stages=2")),
     "zb_h1": ("tiny_lm_dp_pp.yaml", _PIPELINE + ("mesh.pipeline_schedule=zb_h1",)),
     "fp16_dynamic_fsdp": ("tiny_lm_fp16.yaml", _SPLIT + ("mesh.fsdp=8",)),
+    # the Llama block: RoPE, grouped K/V heads (2 for 4 query heads), SwiGLU,
+    # RMSNorm, under FSDP. (Under FSDP 4 x tensor 2 its program holds one float32
+    # collective-permute of a kernel's gradient, 8 KB a step, where GPT-2's block
+    # has none: not yet found.)
+    "llama_fsdp": ("tiny_lm_bf16.yaml", _SPLIT + (
+        "model.family=llama", "model.num_kv_heads=2", "mesh.fsdp=8")),
 }
 """Each layout compiled for the 8 H100s: a config file of configs/ and its
 ``--set`` overrides, on 8 devices."""

@@ -18,7 +18,8 @@ The Llama block computes what Hugging Face's ``LlamaDecoderLayer`` (and
 ``x + down(silu(gate(n(x))) * up(n(x)))``, where ``n`` is an RMSNorm of its own; grouped
 K/V heads serve ``num_heads / num_kv_heads`` query heads each (query head ``i`` reads
 K/V head ``i // (num_heads / num_kv_heads)``, as ``repeat_kv`` does). Norm statistics,
-the rotary embedding, the SiLU and the attention softmax are computed in float32.
+the SiLU, the attention softmax and the rotary embedding's angles are computed in
+float32, the rotation itself in the activations' dtype (as transformers rotates).
 
 References:
   Touvron et al., "Llama 2" (2023) and Grattafiori et al., "The Llama 3 Herd of
@@ -147,15 +148,17 @@ def rope_frequencies(head_dim: int, theta: float,
 def apply_rope(x: jax.Array, inv_freq: jax.Array) -> jax.Array:
   """``x`` (``[batch, length, heads, head_dim]``) rotated by its positions
   ``0..length-1``, the two halves of each head as the pairs (Hugging Face's
-  ``rotate_half`` layout), in float32, returned in ``x``'s dtype."""
+  ``rotate_half`` layout). The angles' cosines and sines are computed in float32
+  and cast to ``x``'s dtype, and the rotation is done in that dtype, as
+  transformers does (a 16-bit rotation keeps its values, and so any collective
+  GSPMD places on them, 16-bit)."""
   length = x.shape[1]
   angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  x32 = x.astype(jnp.float32)
-  first, second = jnp.split(x32, 2, axis=-1)
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  first, second = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-second, first], axis=-1)
-  return (x32 * cos + rotated * sin).astype(x.dtype)
+  return x * cos + rotated * sin
 
 
 class RMSNorm(nn.Module):

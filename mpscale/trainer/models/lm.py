@@ -138,16 +138,22 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   a float32 result with a dot algorithm (``F16_F16_F32``) that XLA's CPU and TPU
   compilers refuse; this one asks for a float32 result alone, which every backend
   compiles. With ``window``, a query attends the ``window`` latest keys only, its own
-  included (Mistral's sliding window)."""
-  length, head_dim = q.shape[1], q.shape[-1]
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  included (Mistral's sliding window). ``k`` and ``v`` may hold fewer heads than
+  ``q`` (grouped-query attention), a divisor of its: query head ``i`` reads K/V head
+  ``i // (q heads / k heads)``, with no copy of K and V per query head."""
+  batch, length, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  # grouped-query attention: query head i reads K/V head i // (heads / kv_heads)
+  q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
   scores = scores * jnp.float32(1 / math.sqrt(head_dim))
   causal = jnp.tril(jnp.ones((length, length), bool))
   if window is not None and window < length:
     causal = causal & jnp.triu(jnp.ones((length, length), bool), 1 - window)
   scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
+  return out.reshape(batch, length, heads, head_dim)
 
 
 def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -181,6 +187,14 @@ def _unconstrained(x: jax.Array, kind: str) -> jax.Array:
   return x
 
 
+def _tensor_divides(shard: Callable, n: int) -> bool:
+  """Whether ``shard``'s tensor axis splits ``n`` heads evenly (no split: yes)."""
+  if not isinstance(shard, ActivationSharding):
+    return True
+  axis = shard.tensor_axis
+  return axis not in shard.mesh.axis_names or n % shard.mesh.shape[axis] == 0
+
+
 def _attend(attention: str, shard: Callable, dtype: Any, q: jax.Array, k: jax.Array,
             v: jax.Array, window: Optional[int] = None) -> jax.Array:
   """Causal attention of ``[batch, length, heads, head_dim]`` heads: cuDNN's fused
@@ -189,6 +203,10 @@ def _attend(attention: str, shard: Callable, dtype: Any, q: jax.Array, k: jax.Ar
   if attention == "cudnn" and jnp.dtype(dtype).name in _CUDNN_DTYPES:
     spec = (shard.spec("heads") if isinstance(shard, ActivationSharding)
             else jax.sharding.PartitionSpec())
+    if k.shape[2] != q.shape[2] and not _tensor_divides(shard, k.shape[2]):
+      # K/V heads the tensor axis does not split: one per query head, so that
+      # each device's heads are whole groups
+      k, v = (jnp.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
     out = _fused_attention(q, k, v, spec, window)
   else:
     out = causal_attention(q, k, v, window)
@@ -291,10 +309,11 @@ class LlamaBlock(nn.Module):
     inv_freq = families.rope_frequencies(self.head_dim, self.rope_theta,
                                          self.rope_scaling)
     q, k = families.apply_rope(q, inv_freq), families.apply_rope(k, inv_freq)
-    groups = self.num_heads // self.num_kv_heads
-    if groups > 1:  # each K/V head serves `groups` query heads, in order
-      k, v = (jnp.repeat(t, groups, axis=2) for t in (k, v))
-    q, k, v = (self.shard(t, "heads") for t in (q, k, v))
+    # K/V heads stay as many as they are (grouped-query attention), split over the
+    # tensor axis as their kernels are when it divides them
+    q = self.shard(q, "heads")
+    if _tensor_divides(self.shard, self.num_kv_heads):
+      k, v = self.shard(k, "heads"), self.shard(v, "heads")
     attn = _attend(self.attention, self.shard, dtype, q, k, v, self.sliding_window)
     attn = attn.reshape(batch, length, self.num_heads * self.head_dim)
     x = self.shard(x + dense(d_model, use_bias=False, name="o")(attn), "residual")
