@@ -94,8 +94,8 @@ class RopeScaling:
     mapping (``None``: none).
 
     Raises:
-      ArgumentError: naming ``rope_scaling.<key>`` for a type not in `TYPES` or a
-        key of none of the fields.
+      ArgumentError: naming ``rope_scaling`` (and in its message the key) for a
+        type not in `TYPES` or a key of none of the fields.
     """
     if value is None or isinstance(value, cls):
       return value
@@ -105,12 +105,12 @@ class RopeScaling:
     value = dict(value)
     kind = value.pop("rope_type", value.pop("type", "llama3"))
     if kind not in cls.TYPES:
-      raise validation.fail("rope_scaling.rope_type", f" {kind!r} is not supported; "
+      raise validation.fail("rope_scaling", f": rope_type {kind!r} is not supported; "
                             f"choose from {', '.join(cls.TYPES)}")
     fields = {f.name for f in dataclasses.fields(cls)}
     for key in value:
       if key not in fields:
-        raise validation.fail(f"rope_scaling.{key}", " is not a setting of the "
+        raise validation.fail("rope_scaling", f": {key!r} is not a setting of the "
                               f"{kind!r} scaling; it takes "
                               f"{', '.join(sorted(fields - {'rope_type'}))}")
     return cls(rope_type=kind, **value)
