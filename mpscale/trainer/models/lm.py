@@ -143,17 +143,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   ``i // (q heads / k heads)``, with no copy of K and V per query head."""
   batch, length, heads, head_dim = q.shape
   kv_heads = k.shape[2]
-  # grouped-query attention: query head i reads K/V head i // (heads / kv_heads)
-  q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+  grouped = kv_heads != heads
+  if grouped:  # query head i reads K/V head i // (heads / kv_heads)
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+  spec = ("bqkgd,bskd->bkgqs", "bkgqs,bskd->bqkgd") if grouped else (
+      "bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd")
+  scores = jnp.einsum(spec[0], q, k, preferred_element_type=jnp.float32)
   scores = scores * jnp.float32(1 / math.sqrt(head_dim))
   causal = jnp.tril(jnp.ones((length, length), bool))
   if window is not None and window < length:
     causal = causal & jnp.triu(jnp.ones((length, length), bool), 1 - window)
   scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
-  return out.reshape(batch, length, heads, head_dim)
+  return jnp.einsum(spec[1], weights, v).reshape(batch, length, heads, head_dim)
 
 
 def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
