@@ -71,6 +71,8 @@ def figures(plan, hardware) -> dict:
           b * n for _, b, n in plan.kernels["dots"]),
       "all-gathered": collectives.get("all-gather", {}).get("bytes", 0),
       "reduce-scattered": collectives.get("reduce-scatter", {}).get("bytes", 0),
+      "all-to-all": collectives.get("all-to-all", {}).get("bytes", 0),
+      "all collectives": sum(v.get("bytes", 0) for v in collectives.values()),
       "planned step (s)": step_time.estimate(plan, hardware).seconds}
 
 
