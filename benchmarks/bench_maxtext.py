@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

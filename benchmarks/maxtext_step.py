@@ -25,7 +25,6 @@ def main() -> None:
   parser.add_argument("overrides", nargs="*")
   args = parser.parse_args()
 
-  import jax  # noqa: PLC0415
   from jax.experimental import topologies  # noqa: PLC0415
   from jax.sharding import AxisType, Mesh  # noqa: PLC0415
   import maxtext  # noqa: PLC0415
