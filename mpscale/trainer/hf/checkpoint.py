@@ -99,7 +99,7 @@ def load_params(path: str, model: lm_lib.TinyLM, mesh: Optional[jax.sharding.Mes
     specs = model.param_specs(mesh)
 
   def leaf(key_path, shape, spec=None):
-    path_ = tuple(_tree.path_str(key_path).split("/"))
+    path_ = _param_path(key_path)
     read = names.reader(tensors, path_, shape.shape, np.dtype(dtype))
     if mesh is None:
       return jnp.asarray(read(tuple(slice(None) for _ in shape.shape)))
@@ -111,12 +111,17 @@ def load_params(path: str, model: lm_lib.TinyLM, mesh: Optional[jax.sharding.Mes
   return jax.tree_util.tree_map_with_path(leaf, shapes, specs)
 
 
+def _param_path(key_path: Any) -> tuple[str, ...]:
+  """A parameter's path as its keys (``("stages", "q", "kernel")``)."""
+  return tuple(_tree.path_str(key_path).split("/"))
+
+
 def _check(model: lm_lib.TinyLM, tensors: Any, shapes: Any) -> set[str]:
   """The checkpoint's tensor names the model's parameters read, each checked to be
   there with its shape."""
   used = set()
   for key_path, shape in jax.tree_util.tree_leaves_with_path(shapes):
-    path = tuple(_tree.path_str(key_path).split("/"))
+    path = _param_path(key_path)
     layers = range(shape.shape[0]) if path[0] == "stages" else [None]
     want = shape.shape[1:] if path[0] == "stages" else shape.shape
     for layer in layers:
@@ -167,7 +172,7 @@ def save(model: lm_lib.TinyLM, params: Any, path: str, *, dtype: str = "float32"
 
   def arrays():
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
-      path_ = tuple(_tree.path_str(key_path).split("/"))
+      path_ = _param_path(key_path)
       array = np.asarray(jax.device_get(leaf))
       for layer, part in (enumerate(array) if path_[0] == "stages"
                           else [(None, array)]):

@@ -571,8 +571,8 @@ class TinyLM:
         if not ok:
           raise validation.fail(name, " is not a setting of the gpt family (GPT-2's "
                                 "block); choose a family that has it, e.g. llama")
-    if self.sliding_window is not None and not (
-        not gpt and families.TRAITS[self.family].sliding_window):
+    if self.sliding_window is not None and (
+        gpt or not families.TRAITS[self.family].sliding_window):
       raise validation.fail("sliding_window", f" is not a setting of the "
                             f"{self.family} family; only mistral's")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling,
