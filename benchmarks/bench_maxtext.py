@@ -4,7 +4,9 @@ The model is MaxText's ``llama2-7b`` with 4 decoder layers (1.07B parameters), F
 over 8 devices, 4 sequences of 4,096 tokens a device, each layer fully recomputed,
 float32 master weights and bf16 compute, AdamW after clipping at 1.0. MaxText's step
 is its own (``train_compile``'s, in MaxText's environment: `maxtext_step.py`);
-mpscale's is the built-in ``llama`` family (`mpscale.trainer.planning.compiled.plan`).
+mpscale's is the built-in ``llama`` family's and a user's linen Llama's
+(`linen_llama.py`, ``model.provider``), each planned by
+`mpscale.trainer.planning.compiled.plan`.
 Both programs are read with the planner's HLO reader and priced with its step-time
 estimate on the ``h100-80g`` profile. Printed: each figure and mpscale / MaxText, for
 XLA's attention and cuDNN's fused attention (MaxText's ``dot_product`` and
@@ -26,6 +28,9 @@ import subprocess
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A user's model opens its data on the run's mesh (`mpscale plan --devices 8`).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS, ROWS, SEQ, DEVICES = 4, 4, 4096, 8
@@ -57,6 +62,20 @@ def mpscale_config(attention: str) -> dict:
       "optimizer": {"name": "adamw", "learning_rate": 1e-4},
       "mesh": {"data": 1, "fsdp": DEVICES},
       "train": {"per_token_loss": True, "remat": True}}
+
+
+def linen_config(attention: str) -> dict:
+  """The same step on a user's linen Llama (`linen_llama.py`, ``model.provider``)."""
+  cfg = mpscale_config(attention)
+  path = os.path.join(HERE, "linen_llama.py")
+  cfg["name"] = f"linen_llama2_7b_{LAYERS}_layers"
+  cfg["model"] = {"provider": f"{path}:build", "loss": f"{path}:loss",
+                  "args": {"vocab": 32000, "d_model": 4096, "num_heads": 32,
+                           "num_layers": LAYERS, "d_ff": 11008, "seq_len": SEQ,
+                           "attention": attention}}
+  cfg["data"] = {**cfg["data"], "provider": f"{path}:source"}
+  cfg["train"] = {"per_token_loss": True}  # the model recomputes its layers itself
+  return cfg
 
 
 def figures(plan, hardware) -> dict:
@@ -119,18 +138,25 @@ def main() -> None:
   from mpscale.trainer.planning.hardware import load_hardware  # noqa: PLC0415
   hardware = load_hardware("h100-80g")
   for attention in args.attention:
-    cfg = config_lib.config_from_dict(mpscale_config(attention), "<bench>")
-    ours = compiled.plan(cfg, hardware=hardware, compiler="target")
-    if "H100" not in ours.compiled_for:
-      raise SystemExit(f"mpscale's step was not compiled for H100s: {ours.compile_note}")
-    theirs = maxtext_plan(ours, args.maxtext_python, attention)
-    a, b = figures(ours, hardware), figures(theirs, hardware)
-    print(f"\n{attention} attention ({ATTENTION[attention]} in MaxText), per device:")
-    print(f"  {'':20s} {'mpscale':>14s} {'MaxText':>14s} {'ratio':>7s}")
-    for key in a:
-      ratio = a[key] / b[key] if b[key] else float("nan")
-      print(f"  {key:20s} {a[key]:14.4g} {b[key]:14.4g} {ratio:7.2f}")
-
+    plans = {}
+    for name, make in (("built-in", mpscale_config), ("linen", linen_config)):
+      cfg = config_lib.config_from_dict(make(attention), "<bench>")
+      plans[name] = compiled.plan(cfg, hardware=hardware, compiler="target")
+      if "H100" not in plans[name].compiled_for:
+        raise SystemExit(f"mpscale's step was not compiled for H100s: "
+                         f"{plans[name].compile_note}")
+    theirs = figures(maxtext_plan(plans["built-in"], args.maxtext_python, attention),
+                     hardware)
+    ours = {name: figures(plan, hardware) for name, plan in plans.items()}
+    print(f"\n{attention} attention ({ATTENTION[attention]} in MaxText), per device; "
+          f"mpscale's built-in llama and a user's linen Llama, each over MaxText:")
+    print(f"  {'':18s} {'built-in':>10s} {'linen':>10s} {'MaxText':>10s} "
+          f"{'built-in/MT':>12s} {'linen/MT':>9s}")
+    for key, b in theirs.items():
+      a, u = ours["built-in"][key], ours["linen"][key]
+      ratio = lambda x: x / b if b else float("nan")  # noqa: E731
+      print(f"  {key:18s} {a:10.4g} {u:10.4g} {b:10.4g} {ratio(a):12.2f} "
+            f"{ratio(u):9.2f}")
 
 if __name__ == "__main__":
   main()

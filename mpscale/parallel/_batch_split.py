@@ -105,8 +105,9 @@ def keep_batch_split(fn: Callable[..., Any], mesh: Optional[Mesh],
     closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
     dims = [0 if num_params <= i < num_params + num_batch and jax.numpy.ndim(x) > 0
             else None for i, x in enumerate(leaves)]
-    weights = dict(zip(closed.jaxpr.invars, split.gathered(params, param_specs)))
+    weights = dict(zip(closed.jaxpr.invars, split.weight_specs(params, param_specs)))
     with split.body():
+      split.last = _last_use(closed.jaxpr, weights, split.axes)
       outs, _ = split.run(closed.jaxpr, closed.consts, leaves, dims, weights)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
@@ -137,6 +138,9 @@ class _Split:
     being evaluated: what the next product's gather waits on (`product`)."""
     self.recomputed = False
     """Whether the body being evaluated is a ``jax.checkpoint``'s (`remat`)."""
+    self.last: Any = None
+    """The loss's last equation that uses a weight (`_last_use`): a product there
+    keeps its gathered weight for its backward, which comes next."""
 
   @contextlib.contextmanager
   def body(self, recomputed: Optional[bool] = None):
@@ -158,19 +162,18 @@ class _Split:
     spec[dim] = self.axes if len(self.axes) > 1 else self.axes[0]
     return mesh_lib.constrain(x, PartitionSpec(*spec), self.mesh)
 
-  def gathered(self, params: Any, specs: Any) -> list[Optional[PartitionSpec]]:
-    """Each parameter leaf's spec without the data axes (``None`` without specs)."""
+  def weight_specs(self, params: Any, specs: Any) -> list[Optional[PartitionSpec]]:
+    """Each parameter leaf's spec (``None`` without specs)."""
     leaves = jax.tree_util.tree_leaves(params)
     if specs is None:
       return [None] * len(leaves)
-    specs = jax.tree_util.tree_leaves(specs, is_leaf=layouts_lib.is_spec)
-    return [layouts_lib.without_axes(spec, self.axes) for spec in specs]
+    return jax.tree_util.tree_leaves(specs, is_leaf=layouts_lib.is_spec)
 
   def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
           dims: Sequence[Dim], weights: Optional[dict] = None
          ) -> tuple[list, list[Dim]]:
     """Evaluates ``jaxpr``; ``dims``: the batch dimension of each argument;
-    ``weights``: the gathered spec of each argument variable that is a weight.
+    ``weights``: the spec of each argument variable that is a weight.
     Returns the outputs and their batch dimensions."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
@@ -188,7 +191,7 @@ class _Split:
       env.update(zip(eqn.outvars, outs))
       where.update((v, d) for v, d in zip(eqn.outvars, out_dims) if d is not None)
       if specs and specs[0] is not None:
-        moved = _weight_through(eqn, specs[0])
+        moved = _weight_through(eqn, specs[0], self.axes)
         if moved is not None:
           weights[eqn.outvars[0]] = moved
     out_dims = [jaxprs.lookup(where, v) for v in jaxpr.outvars]
@@ -210,7 +213,11 @@ class _Split:
     if name in _PRODUCTS:
       values = [self.pin(x, d) for x, d in zip(values, dims)]
       if any(s is not None for s in specs):
-        return self.product(eqn, values, specs), out_dims
+        used = [None if s is None else layouts_lib.without_axes(s, self.axes)
+                for s in specs]
+        if name == "gather" and specs[0] is not None:
+          used[0] = _looked_up(eqn, specs[0], self.axes, self.mesh)
+        return self.product(eqn, values, used), out_dims
     return jaxprs.bind(eqn, values), out_dims
 
   def product(self, eqn: Any, values: list, specs: list) -> list:
@@ -221,7 +228,8 @@ class _Split:
     model's ``jax.checkpoint`` of a layer) the product is not checkpointed again:
     the backward's recompute of the layer gathers the weight once more, and its
     products' backward uses that gather; a checkpoint of the product would gather
-    it a third time.
+    it a third time. Nor is the loss's last product (`_last_use`: a head), whose
+    backward follows at once.
 
     Optimization barriers place the gathers. In the forward a weight is gathered
     once the *previous* product's input is there (and a one-element token of the
@@ -248,7 +256,8 @@ class _Split:
       token = lax.slice(first, (0,) * first.ndim, (1,) * first.ndim)
       return [*jaxprs.bind(eqn, own), token]
 
-    run = gathered if self.recomputed else jax.checkpoint(gathered)
+    run = (gathered if self.recomputed or eqn is self.last
+           else jax.checkpoint(gathered))
     *outs, token = run(*values, *tie)
     self.previous = inputs + [token]
     return outs
@@ -296,20 +305,70 @@ class _Split:
     return list(outs), seen["dims"]
 
 
-def _weight_through(eqn: Any, spec: PartitionSpec) -> Optional[PartitionSpec]:
-  """The gathered spec of a weight after a one-operand equation that keeps it a
-  weight (a cast; a transpose, as Hugging Face's ``Conv1D`` applies to its kernel;
-  a reshape or the like of a weight left whole on the device), ``None`` for any
-  other."""
+def _last_use(jaxpr: Any, weights: dict, axes: tuple[str, ...]) -> Any:
+  """The last equation of ``jaxpr`` that uses one of the ``weights`` (their specs
+  by variable, followed through casts as `_Split.run` does), or ``None``.
+
+  Nothing after it uses a weight, so its backward is the first to: a product there
+  (a language model's head) keeps its gathered weight rather than gathering it again
+  a moment later, which costs no memory the backward would not hold anyway."""
+  weights = {v: s for v, s in weights.items() if s is not None}
+  last = None
+  for eqn in jaxpr.eqns:
+    specs = [jaxprs.lookup(weights, v) for v in eqn.invars]
+    if _uses_weight(eqn, specs):
+      last = eqn
+    if specs and specs[0] is not None:
+      moved = _weight_through(eqn, specs[0], axes)
+      if moved is not None:
+        weights[eqn.outvars[0]] = moved
+  return last
+
+
+def _weight_through(eqn: Any, spec: PartitionSpec, axes: tuple[str, ...]
+                   ) -> Optional[PartitionSpec]:
+  """The spec of a weight after a one-operand equation that keeps it a weight (a
+  cast; a transpose, as Hugging Face's ``Conv1D`` applies to its kernel; a reshape
+  or the like of a weight split over the data ``axes`` alone: it is then used
+  gathered), ``None`` for any other."""
   name = eqn.primitive.name
   if name in jaxprs.CASTS:
     return spec
   entries = layouts_lib.pad(spec, eqn.invars[0].aval.ndim)
   if name == "transpose":
     return layouts_lib.make_spec([entries[d] for d in eqn.params["permutation"]])
-  if name in _SHAPING and all(e is None for e in entries):
+  if name in _SHAPING and all(e is None for e in layouts_lib.pad(
+      layouts_lib.without_axes(spec, axes), len(entries))):
     return PartitionSpec()
   return None
+
+
+def _looked_up(eqn: Any, spec: PartitionSpec, axes: tuple[str, ...], mesh: Mesh
+               ) -> PartitionSpec:
+  """The layout a weight split by ``spec`` is looked up in (a ``gather`` from a
+  table: an embedding): gathered over the data ``axes``, except those it is split
+  over, which are kept on the largest dimension the lookup takes whole (the model
+  width) when they divide it.
+
+  Every device then looks up the whole batch's rows in its slice of the width, and
+  GSPMD exchanges the looked-up rows for the batch's split with one all-to-all (the
+  gradient's with another), where gathering the table would move and hold all of
+  it, forward and backward. A table split over its rows is first resplit over its
+  width: one all-to-all of the table's shards."""
+  numbers, shape = eqn.params["dimension_numbers"], eqn.invars[0].aval.shape
+  split = [a for a in axes if any(a in layouts_lib.entry_axes(e) for e in spec)]
+  entries = layouts_lib.pad(layouts_lib.without_axes(spec, axes), len(shape))
+  if not split:
+    return layouts_lib.make_spec(entries)
+  size = layouts_lib.axis_size(mesh, tuple(split))
+  sliced = (set(numbers.collapsed_slice_dims) | set(numbers.start_index_map)
+            | set(getattr(numbers, "operand_batching_dims", ())))
+  whole = [d for d in range(len(shape)) if d not in sliced and entries[d] is None
+           and eqn.params["slice_sizes"][d] == shape[d] and shape[d] % size == 0]
+  if whole:
+    entries[max(whole, key=lambda d: shape[d])] = (
+        tuple(split) if len(split) > 1 else split[0])
+  return layouts_lib.make_spec(entries)
 
 
 def _out_dims(eqn: Any, dims: list[Dim]) -> list[Dim]:

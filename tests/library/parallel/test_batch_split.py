@@ -200,23 +200,64 @@ def test_a_transposed_or_reshaped_weight_is_gathered_where_it_is_used():
   """Hugging Face's ``Conv1D`` keeps its kernel ``[out, in]`` and multiplies by its
   transpose; other models reshape a flat weight. Through either, the weight is still
   gathered at its product and again for the backward's input gradient, not gathered
-  once and kept from the forward to the backward. Three layers of equal weights:
-  the first is gathered once (its input needs no gradient), the transposed and the
-  reshaped one twice each: 5 weights' bytes (kept: 3)."""
+  once and kept from the forward to the backward. Four layers of equal weights: the
+  first is gathered once (its input needs no gradient), the transposed and the
+  reshaped one twice each, the last once (the loss's last product keeps its gathered
+  weight: its backward follows at once): 6 weights' bytes (all kept: 4; the last
+  gathered again: 7)."""
   rng = np.random.default_rng(0)
   width, rows, seq = 256, 16, 64
   f32 = lambda *s: jnp.asarray(rng.normal(size=s) * 0.05, jnp.float32)  # noqa: E731
   params = {"w0": f32(width, 4 * width), "w1": f32(width, 4 * width),
-            "w2": f32(4 * width * width)}
+            "w2": f32(4 * width * width), "w3": f32(4 * width, width)}
 
   def loss(p, batch):
     h = jnp.tanh(batch["x"] @ p["w0"])                    # [.., 4 width]
     h = jnp.tanh(h @ p["w1"].T)                           # [.., width]
-    y = h @ p["w2"].reshape(width, 4 * width)
-    return jnp.mean(jnp.square(y))
+    h = jnp.tanh(h @ p["w2"].reshape(width, 4 * width))   # [.., 4 width]
+    return jnp.mean(jnp.square(h @ p["w3"]))
 
   weights = _gathered_weights(loss, params, rows, seq, width)
-  assert weights == pytest.approx(5, rel=0.02)
+  assert weights == pytest.approx(6, rel=0.02)
+
+
+@pytest.mark.parametrize("split", ["rows", "width"])
+def test_an_embedding_is_looked_up_where_it_lies_not_gathered(split):
+  """A table split over FSDP, by rows or by width, is never all-gathered: each
+  device looks up the whole batch's rows in its slice of the width (a table split
+  by rows is resplit by width there), and all-to-alls exchange the looked-up rows
+  and their gradients. What is all-gathered is the head, once (the loss's last
+  product), and the tokens. The values and gradients are the unsplit function's."""
+  rng = np.random.default_rng(2)
+  vocab, width, rows, seq = 1024, 256, 16, 64
+  f32 = lambda *s: jnp.asarray(rng.normal(size=s) * 0.05, jnp.float32)  # noqa: E731
+  params = {"table": f32(vocab, width), "head": f32(width, vocab)}
+  tokens = jnp.asarray(rng.integers(0, vocab, (rows, seq)), jnp.int32)
+
+  def loss(p, batch):
+    x = jnp.take(p["table"], batch["tokens"], axis=0)
+    return jnp.mean(jnp.square(jnp.tanh(x) @ p["head"]))
+
+  mesh = fsdp_mesh(1, 8)
+  table = P("fsdp", None) if split == "rows" else P(None, "fsdp")
+  specs = {"table": table, "head": P(None, "fsdp")}
+  shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                     is_leaf=parallel.is_spec)
+  split_loss = batch_split.keep_batch_split(loss, mesh, ("fsdp",), specs)
+  grad = jax.jit(jax.value_and_grad(split_loss), in_shardings=(
+      shardings, {"tokens": NamedSharding(mesh, P("fsdp"))}), out_shardings=(
+          None, shardings))
+  batch = {"tokens": tokens}
+  text = grad.lower(params, batch).compile().as_text()
+  collectives = hlo.collectives(text)
+  head, ids = width * vocab * 4, rows * seq * 4
+  assert collectives["all-gather"]["bytes"] == pytest.approx(head + ids, rel=0.05)
+  assert "all-to-all" in collectives
+  value, grads = grad(params, batch)
+  want_value, want = jax.value_and_grad(loss)(params, batch)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  for key in params:
+    np.testing.assert_allclose(grads[key], want[key], rtol=1e-4, atol=1e-7)
 
 
 def _gathered_weights(loss, params, rows, seq, width):
@@ -374,14 +415,15 @@ def test_each_weight_is_gathered_one_product_ahead():
   previous product (benchmarks/fsdp_prefetch_study.py reads the H100 schedule: 16
   of 18 forward gathers overlap a matmul, none before). In the traced step each
   product's checkpoint takes the previous one's token (a one-element slice of its
-  gathered weight) among its inputs."""
+  gathered weight) among its inputs; the loss's last product is not checkpointed
+  (it keeps its gathered weight for its backward, which follows at once)."""
   rng = np.random.default_rng(0)
   params = {f"w{i}": jnp.asarray(rng.normal(size=(32, 32)) * 0.1, jnp.float32)
-            for i in range(3)}
+            for i in range(4)}
 
   def loss(p, b):
     h = b["x"]
-    for i in range(3):
+    for i in range(4):
       h = jnp.tanh(h @ p[f"w{i}"])
     return jnp.mean(h ** 2)
 

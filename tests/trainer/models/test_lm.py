@@ -189,6 +189,32 @@ def test_causal_attention_is_jax_s_own_xla_attention(dtype):
                              rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("window, kv_heads", [(None, 4), (5, 2)])
+def test_causal_attention_in_query_blocks_is_one_blocks(window, kv_heads):
+  """Query blocks (the last one short), each against the keys it can see, give the
+  values and gradients of the whole rows at once: with a sliding window, whose
+  first keys start past position 0, and grouped K/V heads too. Each block's
+  scores are recomputed in the backward (under ``jax.checkpoint``) and the keys
+  above the diagonal's blocks never multiplied: fewer FLOPs than one block."""
+  kq, kk, kv, kc = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(kq, (2, 19, 4, 8))
+  k, v = (jax.random.normal(key, (2, 19, kv_heads, 8)) for key in (kk, kv))
+  cotangent = jax.random.normal(kc, q.shape)
+
+  def loss(block, q, k, v):
+    return jnp.sum(lm.causal_attention(q, k, v, window, block=block) * cotangent)
+
+  blocks = functools.partial(loss, 4)
+  want = jax.value_and_grad(functools.partial(loss, 19), argnums=(0, 1, 2))(q, k, v)
+  got = jax.jit(jax.value_and_grad(blocks, argnums=(0, 1, 2)))(q, k, v)
+  for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  def flops(f):
+    cost = jax.jit(f).lower(q, k, v).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+  assert flops(blocks) < 0.8 * flops(functools.partial(loss, 19))
+
+
 class _Device:
   def __init__(self, platform, kind):
     self.platform, self.device_kind = platform, kind
