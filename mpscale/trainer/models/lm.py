@@ -17,7 +17,8 @@ Layer-norm statistics, the attention softmax, the GELU and the loss are computed
 float32.
 
 Attention is XLA's (`causal_attention`: `jax.nn.dot_product_attention`'s XLA
-implementation, the scores materialized in float32) or, on NVIDIA GPUs with 16-bit
+implementation, the scores materialized in float32 a block of queries at a time)
+or, on NVIDIA GPUs with 16-bit
 activations, cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`,
 which keeps no ``[T, T]`` scores in memory (``attention``; `attention_for` chooses
 for a config's ``model.attention: auto``).
