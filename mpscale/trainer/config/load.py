@@ -266,9 +266,13 @@ def check_user_model(cfg: RunConfig) -> None:
 def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
                      overrides: Sequence[str] = (), default_name: str = "run",
                      base_dir: Optional[str] = None,
-                     data_path: Optional[str] = None) -> RunConfig:
+                     data_path: Optional[str] = None,
+                     checkpoint_sizes: bool = True) -> RunConfig:
   """A checked `RunConfig` from a parsed mapping plus ``--set`` overrides: read by
-  `mpscale.trainer.config.schema.read_config` (same arguments), ``data.path``
+  `mpscale.trainer.config.schema.read_config` (same arguments), the model's sizes
+  read from ``model.init_from`` (`with_checkpoint_sizes`; not with
+  ``checkpoint_sizes=False``: a run folder's ``config.yaml``, which holds them since
+  its run started, and whose checkpoint folder may be gone), ``data.path``
   replaced by ``data_path`` when given (the command's ``--data``), ``train.steps``
   derived from ``train.samples`` (`steps_from_samples`), then `check`, once.
 
@@ -281,7 +285,7 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
   """
   cfg, touched = read_config(raw, source, overrides, default_name, base_dir)
   try:
-    cfg = with_checkpoint_sizes(cfg)
+    cfg = with_checkpoint_sizes(cfg) if checkpoint_sizes else cfg
   except ConfigError as e:
     raise e.located(source, touched) from None
   train = (raw or {}).get("train") if isinstance(raw, Mapping) else None
@@ -298,13 +302,16 @@ def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
 
 
 def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
-                data_path: Optional[str] = None) -> RunConfig:
+                data_path: Optional[str] = None,
+                checkpoint_sizes: bool = True) -> RunConfig:
   """The `RunConfig` in the YAML file ``path``, with ``--set`` overrides applied.
 
   Args:
     path: a YAML file.
     overrides: ``key.sub=value`` strings, values parsed as YAML scalars.
     data_path: replaces ``data.path`` (the command's ``--data``).
+    checkpoint_sizes: read the model's sizes from ``model.init_from``'s
+      ``config.json`` (`config_from_dict`); ``False`` for a run folder's own.
 
   Returns:
     The frozen, checked `RunConfig`; its ``name`` defaults to the file's stem.
@@ -329,5 +336,5 @@ def load_config(path: Union[str, os.PathLike], overrides: Sequence[str] = (),
   cfg = config_from_dict(parse_yaml(text, source=path), source=path,
                          overrides=overrides, default_name=stem,
                          base_dir=os.path.dirname(os.path.abspath(path)),
-                         data_path=data_path)
+                         data_path=data_path, checkpoint_sizes=checkpoint_sizes)
   return cfg

@@ -90,6 +90,15 @@ def consumed_samples(ckpt_dir: str, step: int) -> Optional[int]:
     return int(json.load(f)["consumed_samples"])
 
 
+def saved_steps(ckpt_dir: str) -> list[int]:
+  """The steps of the checkpoints in ``ckpt_dir``, in order (none: ``[]``)."""
+  import orbax.checkpoint as ocp
+  if not os.path.isdir(ckpt_dir):
+    return []
+  with ocp.CheckpointManager(ckpt_dir) as reader:
+    return sorted(reader.all_steps())
+
+
 def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True,
                    step: Optional[int] = None) -> tuple[Any, int, Any]:
   """``state`` restored from the latest checkpoint in ``ckpt_dir`` (or the one of

@@ -121,7 +121,7 @@ class _Run:
 
   @property
   def ckpt_dir(self) -> str:
-    return os.path.abspath(os.path.join(self.out_dir, "checkpoints"))
+    return checkpoint_dir(self.out_dir)
 
   @property
   def summary_path(self) -> str:
@@ -195,16 +195,23 @@ def open_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: An
                          metrics=metrics), key
 
 
+def checkpoint_dir(out_dir: str) -> str:
+  """A run folder's checkpoint folder."""
+  return os.path.abspath(os.path.join(out_dir, "checkpoints"))
+
+
 def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
              model: Any = None, data: Any = None, loss: Any = None,
-             trace_step: bool = True) -> _Run:
+             trace_step: bool = True, resuming: bool = False) -> _Run:
   """Loads the data and builds the model, step and initial state. Everything that can
   fail on the config or on the user's pieces happens here, before the first write:
   a provider that cannot be imported or returns the wrong type, and batches the model
   cannot take (the step is traced on the first batch with ``jax.eval_shape``; the
   trace is jit's, so the first step does not trace it again). ``trace_step=False``
   (a trained run loaded to evaluate or sample, `load_run`) skips that trace: the
-  step is not run, and tracing a pipelined one takes seconds.
+  step is not run, and tracing a pipelined one takes seconds. ``resuming``: a
+  checkpoint will replace the initial parameters, so ``model.init_from``'s weights
+  are not read (its sizes are in ``cfg`` already).
 
   Raises:
     config_lib.ConfigError: naming ``source`` and the key.
@@ -223,7 +230,9 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     cfg = builders.with_initial_scale(
         cfg, user or cfg.train.per_token_loss,
         builders.micro_batch_tokens(cfg, first_batch if user else None))
-    setup = builders.build(cfg, model=user_model)
+    built = cfg if not resuming else dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, init_from=None))
+    setup = builders.build(built, model=user_model)
     params = setup.init_params()
     state = setup.init(params)
   except (ValueError, TypeError) as e:
@@ -557,7 +566,9 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   check_out_dir(out_dir, resume, overwrite)
   if step is not None and not resume:
     raise RunDirError("--step picks the checkpoint to resume from: give --resume too")
-  run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss)
+  resuming = resume and bool(checkpoints.saved_steps(checkpoint_dir(out_dir)))
+  run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss,
+                 resuming=resuming)
   start = 0
   if resume:
     run.state, start, run.data_state = _restore(run, step=step)
@@ -728,12 +739,28 @@ def load_run(out_dir: str, devices: Optional[int] = None,
       rebuilt on one device (a user's pipelined model).
     ValueError: if ``devices`` < 1.
   """
+  if devices is not None and devices < 1:
+    raise ValueError(f"devices must be >= 1; got {devices}")
+  return _load_saved(out_dir, _saved_config(out_dir), devices, step)
+
+
+def _saved_config(out_dir: str) -> Any:
+  """A run folder's ``config.yaml``, as the run started: its sizes as saved, its
+  ``model.init_from`` checkpoint (which may be gone since) not read.
+
+  Raises:
+    RunDirError: if ``out_dir`` holds no run.
+  """
   path = os.path.join(out_dir, "config.yaml")
   if not os.path.exists(path):
     raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
-  if devices is not None and devices < 1:
-    raise ValueError(f"devices must be >= 1; got {devices}")
-  saved = config_lib.load_config(path)
+  return config_lib.load_config(path, checkpoint_sizes=False)
+
+
+def _load_saved(out_dir: str, saved: Any, devices: Optional[int],
+                step: Optional[int]) -> tuple[_Run, int]:
+  """`load_run` of the run whose config is ``saved`` (`_saved_config`)."""
+  path = os.path.join(out_dir, "config.yaml")
   # The checkpoint holds the weights: a Hugging Face start is not read again.
   saved = dataclasses.replace(saved, model=dataclasses.replace(saved.model,
                                                                init_from=None))
@@ -785,10 +812,7 @@ def export_run(out_dir: str, hf_dir: str, *, dtype: str = "float32",
     RunDirError: for a run of a user's model, or of the ``gpt`` family (no Hugging
       Face form here), naming the run; nothing is written.
   """
-  path = os.path.join(out_dir, "config.yaml")
-  if not os.path.exists(path):
-    raise RunDirError(f"{out_dir} holds no run (no config.yaml)")
-  saved = config_lib.load_config(path)
+  saved = _saved_config(out_dir)
   if saved.model.provider is not None:
     raise RunDirError(f"{out_dir}: export writes the built-in model's families; this "
                       "run trained a user's model (model.provider)")
@@ -797,7 +821,9 @@ def export_run(out_dir: str, hf_dir: str, *, dtype: str = "float32",
                       f"Face form here; {', '.join(hf_names.ARCHITECTURES)} do")
   if os.path.exists(os.path.join(hf_dir, "config.json")):
     raise RunDirError(f"{hf_dir} holds a checkpoint already; choose a new folder")
-  run, _ = load_run(out_dir, devices, step)
+  if devices is not None and devices < 1:
+    raise ValueError(f"devices must be >= 1; got {devices}")
+  run, _ = _load_saved(out_dir, saved, devices, step)
   params = run.setup.to_model_order(run.state.params)
   written = hf.save(run.setup.model, params, hf_dir, dtype=dtype,
                     source=saved.model.init_from)

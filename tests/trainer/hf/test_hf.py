@@ -225,13 +225,17 @@ def test_save_refuses_what_it_cannot_write_and_writes_nothing(tmp_path):
   assert sorted(os.listdir(tmp_path / "ok")) == before
 
 
-def test_import_train_on_data_fsdp_tensor_export_and_transformers_reads_it(tmp_path):
+def test_import_train_on_data_fsdp_tensor_export_and_transformers_reads_it(
+    tmp_path, monkeypatch):
   """``model.init_from`` starts a run from a Qwen2 checkpoint (byte-level: 256
   ids; 2 K/V heads for 4 query heads on tensor 2); it trains on data x FSDP x
   tensor from the checkpoint's weights (its first loss is the checkpoint's own, as
   transformers computes it); ``mpscale export`` writes what transformers reads, with
-  the run's logits."""
+  the run's logits. Resuming reads the run's checkpoint, not the Hugging Face
+  weights again; once the Hugging Face folder is gone, the run still loads and
+  exports from its own folder."""
   from mpscale.trainer import cli
+  from mpscale.trainer.config import build as builders
   from mpscale.trainer.runs import loop
   rng = np.random.default_rng(11)
   config = _config("qwen2", rng, vocab_size=256, num_attention_heads=4,
@@ -273,6 +277,17 @@ train: {{steps: 3, log_every: 1, eval_every: 3, checkpoint_every: 3}}
                           - _torch_logits(theirs, tokens)))
   assert trained > 1e-4  # the export holds the trained weights, not the start
   assert cli.main(["export", str(run), "--hf", str(tmp_path / "out")]) == 2
+  # --resume of the finished run: its checkpoint holds the weights
+  def read_again(*args, **kwargs):
+    raise AssertionError("the Hugging Face weights were read again")
+  monkeypatch.setattr(builders.hf, "load_params", read_again)
+  assert cli.main(["train", "--config", str(tmp_path / "run.yaml"), "--out", str(run),
+                   "--resume", "--quiet", "--no-progress"]) == 0
+  os.rename(tmp_path / "qwen", tmp_path / "moved")
+  again, _ = loop.load_run(str(run))
+  assert again.cfg.model.d_model == 64
+  assert cli.main(["export", str(run), "--hf", str(tmp_path / "out2")]) == 0
+  assert (tmp_path / "out2" / "config.json").exists()
 
 
 def test_a_config_reads_config_json_alone_and_refuses_a_conflicting_size(tmp_path):
