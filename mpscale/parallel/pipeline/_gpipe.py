@@ -104,8 +104,9 @@ def gpipe(run: run_lib.PipelineRun, params: Any) -> tuple[jax.Array, jax.Array, 
                                            gather or (lambda lp: lp), item_states))
       ends = valid & (stage == S - 1) & (chunk == v - 1)
       head = run.gathered(lambda p, y, mb: run.head_terms(p, y, mb, **head_kw))
-      l, c = lax.cond(ends, lambda: head(p, y, mb),
-                      lambda: (run.zero(), run.zero()))
+      with run_lib.runs_a_step(run.M):
+        l, c = lax.cond(ends, lambda: head(p, y, mb),
+                        lambda: (run.zero(), run.zero()))
       received = lax.ppermute(y, pipe.stage_axis, ring) if S > 1 else y
       return (received, loss + l, count + c), None
 

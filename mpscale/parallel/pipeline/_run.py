@@ -105,6 +105,14 @@ def _is_gather_cast(prim: Any, params: dict) -> bool:
   return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))
 
 
+def runs_a_step(count: int) -> Any:
+  """A name scope for a conditional whose costly branch runs ``count`` times a step
+  on a device though every tick reaches it: a pipeline's head, which the last stage
+  runs once a micro-batch. The planner's HLO reader (`mpscale.trainer.planning.hlo`)
+  counts its branch so, where it would count the costliest branch every tick."""
+  return jax.named_scope(f"mpscale_runs_{count}_a_step")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RunSpec:
   """One pipelined gradient's settings, resolved once from `Pipeline.value_and_grad`'s

@@ -242,8 +242,9 @@ def _gpipe_split(run: run_lib.PipelineRun, params: Any
           lambda: (x, _decoder_layers(pipe, decoder, y, x,
                                       run.gather_layer(pipe.decoder_key))))
       ends = valid & (stage == S - 1)
-      l, c = lax.cond(ends, lambda: head(p, y, mb),
-                      lambda: (run.zero(), run.zero()))
+      with run_lib.runs_a_step(run.M):
+        l, c = lax.cond(ends, lambda: head(p, y, mb),
+                        lambda: (run.zero(), run.zero()))
       sent = lax.ppermute((x, y), pipe.stage_axis, ring) if S > 1 else (x, y)
       return (sent, loss + l, count + c), None
 

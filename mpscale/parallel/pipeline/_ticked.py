@@ -238,8 +238,9 @@ class Ticks:
     def no_head():
       return (jnp.zeros_like(y), run_lib.float32_zeros(self.rest), run.zero(), run.zero())
 
-    dy, d_rest, loss, count = lax.cond(run.last(c), run_lib.varying(run, head),
-                                       run_lib.varying(run, no_head))
+    with run_lib.runs_a_step(run.M):
+      dy, d_rest, loss, count = lax.cond(run.last(c), run_lib.varying(run, head),
+                                         run_lib.varying(run, no_head))
     return y, kept, dy, d_rest, loss, count
 
   def backward(self, m: jax.Array, c: jax.Array, ct: jax.Array, kept: Any):

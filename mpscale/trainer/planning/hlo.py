@@ -23,6 +23,8 @@ How a step is summed, from the entry computation down::
                         cost(i)
                       + trips(i) * cost(body)      i a while (XLA's known_trip_count)
                       + max over branches cost(b)  i a conditional (one branch runs)
+                        (one named ``mpscale_runs_<n>_a_step``: its cheapest branch,
+                        and the costliest one's excess n times a step)
                       + cost(callee)               i calls it otherwise (a fusion,
                                                    a call, a reducer)
 
@@ -152,6 +154,18 @@ def _callees_of(rest: str) -> tuple[tuple[str, str], ...]:
   return tuple(out)
 
 
+_RUNS_A_STEP = re.compile(r'op_name="[^"]*\bmpscale_runs_(\d+)_a_step\b')
+"""The name scope a pipeline puts its head's conditional in
+(`mpscale.parallel.pipeline`'s ``runs_a_step``): reached every tick, its costly
+branch runs ``n`` times a step (once a micro-batch, on the last stage)."""
+
+
+def _runs_a_step(ins: Instruction) -> Optional[int]:
+  """``n`` for a conditional named to run its costly branch ``n`` times a step."""
+  found = _RUNS_A_STEP.search(ins.rest) if ins.op == "conditional" else None
+  return int(found.group(1)) if found else None
+
+
 _Cost = Callable[[str, Instruction], dict[str, float]]
 """``cost(computation, instruction) -> {key: value}``: what one instruction costs."""
 
@@ -161,13 +175,21 @@ class _Totals:
   while body its trip count times (XLA's ``known_trip_count``), a conditional its
   costliest branch (one runs; which one, the program decides; ``branch_key`` ranks
   them, by default the sum of their costs), any other called computation (fusions,
-  calls) once per call. Memoised per computation."""
+  calls) once per call. Memoised per computation.
+
+  A conditional named to run its costly branch ``n`` times a step (`_runs_a_step`: a
+  pipeline's head, which every tick reaches and the last stage runs once a
+  micro-batch) counts its cheapest branch where it is, and the costliest branch's
+  excess over it ``n`` times in the step (`extra`; copies of the conditional that
+  XLA made, of the same excess, together ``n`` times: `_per_step`)."""
 
   def __init__(self, module: Module, cost: _Cost,
                branch_key: Optional[Callable[[dict[str, float]], Any]] = None):
     self.module, self.cost = module, cost
     self.branch_key = branch_key or (lambda d: sum(d.values()))
     self.memo: dict[str, dict[str, float]] = {}
+    self.extra: dict[tuple[str, str], tuple[int, dict[str, float]]] = {}
+    """``(count, excess)`` by conditional: what the step adds ``count`` times."""
 
   def instruction(self, name: str, ins: Instruction) -> dict[str, float]:
     """What ``ins`` (of computation ``name``) runs: itself and its callees."""
@@ -179,7 +201,14 @@ class _Totals:
 
     callees = [(r, c) for r, c in _callees(ins) if c in self.module.computations]
     branches = [self.computation(c) for r, c in callees if r == "branch"]
-    if branches:
+    count = _runs_a_step(ins) if len(branches) > 1 else None
+    if count is not None:
+      cheap = min(branches, key=self.branch_key)
+      costly = max(branches, key=self.branch_key)
+      add(cheap)
+      self.extra[(name, ins.name)] = (count, {
+          k: costly.get(k, 0.0) - cheap.get(k, 0.0) for k in costly})
+    elif branches:
       add(max(branches, key=self.branch_key))
     for role, callee in callees:
       if role == "body":
@@ -204,8 +233,17 @@ def _per_step(module: Module, cost: _Cost,
               branch_key: Optional[Callable[[dict[str, float]], Any]] = None
               ) -> dict[str, float]:
   """The sum of ``cost`` over everything one step runs (`_Totals`, from the entry)."""
-  return (_Totals(module, cost, branch_key).computation(module.entry)
-          if module.entry in module.computations else {})
+  if module.entry not in module.computations:
+    return {}
+  totals = _Totals(module, cost, branch_key)
+  acc = dict(totals.computation(module.entry))
+  # XLA copies a loop body into the loops it peels off (a schedule's warm-up and
+  # cool-down): copies of one conditional cost the same and run n times together.
+  for count, excess in {(count, tuple(sorted(excess.items())))
+                        for count, excess in totals.extra.values()}:
+    for k, v in excess:
+      acc[k] = acc.get(k, 0.0) + count * v
+  return acc
 
 
 def _operands(ins: Instruction) -> list[str]:

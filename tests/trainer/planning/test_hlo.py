@@ -176,6 +176,70 @@ ENTRY %main (i: s32[], a: f32[8,16]) -> f32[8,4] {
                                                           "bytes": 8 * 4 * 4}}
 
 
+def test_a_conditional_named_to_run_n_times_a_step_counts_them():
+  """A pipeline's head: every tick reaches its conditional, the last stage runs the
+  head once a micro-batch. Named so (``mpscale_runs_<n>_a_step``), the cheap branch
+  counts where it is and the costly one's excess ``n`` times a step, copies of the
+  conditional in peeled loops (a schedule's warm-up) together ``n`` times."""
+  body = """%%small (p: f32[8,16]) -> f32[8,4] {
+  %%p = f32[8,16]{1,0} parameter(0)
+  %%w = f32[16,4]{1,0} constant({...})
+  ROOT %%d = f32[8,4]{1,0} dot(%%p, %%w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%%big (q: f32[8,16]) -> f32[8,4] {
+  %%q = f32[8,16]{1,0} parameter(0)
+  %%v = f32[16,64]{1,0} constant({...})
+  %%e = f32[8,64]{1,0} dot(%%q, %%v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %%u = f32[64,4]{1,0} constant({...})
+  ROOT %%f = f32[8,4]{1,0} dot(%%e, %%u), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+  loop = """%%NAME (t: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %%t = (s32[], f32[8,16]{1,0}) parameter(0)
+  %%i = s32[] get-tuple-element(%%t), index=0
+  %%a = f32[8,16]{1,0} get-tuple-element(%%t), index=1
+  %%c = f32[8,4]{1,0} conditional(%%i, %%a, %%a), branch_computations={%%small, %%big}, metadata={op_name="jit(step)/while/body/SCOPE/cond"}
+  ROOT %%r = (s32[], f32[8,16]{1,0}) tuple(%%i, %%a)
+}
+"""
+  entry = """ENTRY %%main (x: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %%x = (s32[], f32[8,16]{1,0}) parameter(0)
+  %%w1 = (s32[], f32[8,16]{1,0}) while(%%x), condition=%%cond, body=%%warm, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %%w2 = (s32[], f32[8,16]{1,0}) while(%%w1), condition=%%cond, body=%%steady, backend_config={"known_trip_count":{"n":"10"}}
+}
+"""
+  small, excess = 2 * 8 * 4 * 16, 2 * 8 * 64 * 16 + 2 * 8 * 4 * 64 - 2 * 8 * 4 * 16
+
+  def text(scope):
+    loops = [loop.replace("NAME", name).replace("SCOPE", scope)
+             for name in ("warm", "steady")]
+    return ("HloModule m\n\n" + body + "".join(loops) + entry).replace("%%", "%")
+
+  assert hlo.matmul_flops(text("mpscale_runs_4_a_step")) == 13 * small + 4 * excess
+  # unnamed: the costliest branch at each of the 13 ticks
+  assert hlo.matmul_flops(text("head")) == 13 * (small + excess)
+
+
+def test_a_compiled_pipeline_head_counts_once_a_micro_batch():
+  """The name scope the pipelines put their head's conditional in
+  (`runs_a_step`) reaches the compiled program: a loop of 10 ticks whose
+  conditional runs its product on 3 of them counts that product 3 times."""
+  from mpscale.parallel.pipeline import _run as run_lib
+  w_small, w_big = jnp.ones((16, 4)), jnp.ones((16, 256))
+
+  def step(x):
+    def tick(carry, i):
+      with run_lib.runs_a_step(3):
+        y = jax.lax.cond(i < 3, lambda: (x @ w_big)[:, :4], lambda: x @ w_small)
+      return carry + y, None
+    return jax.lax.scan(tick, jnp.zeros((8, 4)), jnp.arange(10))[0]
+
+  text = jax.jit(step).lower(jnp.ones((8, 16))).compile().as_text()
+  assert hlo.matmul_flops(text) == pytest.approx(
+      10 * 2 * 8 * 4 * 16 + 3 * (2 * 8 * 256 * 16 - 2 * 8 * 4 * 16))
+
+
 def test_fp8_flops_of_a_conditional_follow_the_branch_the_products_count():
   """A layer chosen at run time in FP8 or in bf16 (a cond whose branches' products
   tie): the plan cannot tell which runs, so it counts the slower, with no FP8
