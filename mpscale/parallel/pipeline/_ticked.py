@@ -209,11 +209,12 @@ class Ticks:
     return self._residuals.pullback(self.layer_inputs(c, l, m), kept, self.run.vary)
 
   # ---- the ops
-  def forward(self, m: jax.Array, c: jax.Array, x_in: jax.Array):
+  def forward(self, m: jax.Array, c: jax.Array, x_in: jax.Array, heads: int = 0):
     """``F(m, c)``: ``(y, kept, dy, d_rest, loss, count)``: the chunk's output (to
     send up), its layers' residuals (stacked ``[n, ...]``), and on the last virtual
     stage the cotangent of its output, the head's parameter gradients and the loss
-    terms (zeros elsewhere)."""
+    terms (zeros elsewhere). ``heads``: how many times a step this call runs the
+    head (its conditional's name scope, `runs_a_step`, for the planner)."""
     run = self.run
     x = lax.cond(run.first(c),
                  run_lib.varying(run, functools.partial(self.embed, m, self.rest)),
@@ -238,7 +239,7 @@ class Ticks:
     def no_head():
       return (jnp.zeros_like(y), run_lib.float32_zeros(self.rest), run.zero(), run.zero())
 
-    with run_lib.runs_a_step(run.M):
+    with run_lib.runs_a_step(heads):
       dy, d_rest, loss, count = lax.cond(run.last(c), run_lib.varying(run, head),
                                          run_lib.varying(run, no_head))
     return y, kept, dy, d_rest, loss, count
@@ -366,8 +367,13 @@ def ticked(run: run_lib.PipelineRun, params: Any) -> tuple[jax.Array, jax.Array,
     # A gradient may be on its way from the tick before once a backward ran.
     deliver = ticking.deferred and bool(
         (table[:stop - 1, :, ticking.bwd_slot, 0] == BWD).any())
-    carry, _ = lax.scan(functools.partial(_tick, ticking, slot_ops, deliver), carry,
-                        jnp.asarray(table[start:stop]))
+    # How many times each slot's forward runs the head in this phase: the last
+    # device's forwards of its last chunk (`Ticks.forward`'s `runs_a_step`).
+    last = table[start:stop, run.S - 1]
+    heads = tuple(int(((last[:, k, 0] == FWD) & (last[:, k, 2] == v - 1)).sum())
+                  for k in range(table.shape[2]))
+    carry, _ = lax.scan(functools.partial(_tick, ticking, slot_ops, deliver, heads),
+                        carry, jnp.asarray(table[start:stop]))
   grads = {**carry.d_rest, pipe.stages_key: carry.d_layers}
   updates = None if ops.states is None else jax.tree_util.tree_map(
       lambda u: u.reshape((v * ops.n,) + u.shape[2:]), carry.d_states)
@@ -396,9 +402,9 @@ def _first_carry(ticking: _Ticking, params: Any, K: int) -> Carry:
 
 
 def _tick(ticking: _Ticking, slot_ops: tuple[tuple[int, ...], ...], deliver: bool,
-          carry: Carry, row: jax.Array) -> tuple[Carry, None]:
-  """One tick: the ops of each used slot (`_run_slot`), then what they send
-  (`_sent`)."""
+          heads: tuple[int, ...], carry: Carry, row: jax.Array) -> tuple[Carry, None]:
+  """One tick: the ops of each used slot (`_run_slot`; ``heads``: how many times
+  its forward runs the head in this phase), then what they send (`_sent`)."""
   run = ticking.run
   S, v = run.S, run.pipeline.virtual_stages
   got = None
@@ -411,7 +417,7 @@ def _tick(ticking: _Ticking, slot_ops: tuple[tuple[int, ...], ...], deliver: boo
       carry = carry._replace(ct=_write(item, came, carry.ct, got))
     if not kinds:
       continue
-    carry, out = _run_slot(ticking, k, kinds, carry, row)
+    carry, out = _run_slot(ticking, k, kinds, carry, row, heads[k])
     if FWD in kinds and ticking.sends:
       # Sent as soon as it exists: the backward of slot 1 hides its transfer.
       y = lax.ppermute(out["y"], run.pipeline.stage_axis, _up_pairs(S, v))
@@ -421,9 +427,10 @@ def _tick(ticking: _Ticking, slot_ops: tuple[tuple[int, ...], ...], deliver: boo
 
 
 def _run_slot(ticking: _Ticking, k: int, kinds: tuple[int, ...], carry: Carry,
-              row: jax.Array) -> tuple[Carry, dict]:
+              row: jax.Array, heads: int) -> tuple[Carry, dict]:
   """Slot ``k``'s op of this tick (a switch over the ``kinds`` it runs in this
-  phase): its item's buffers read and written, its gradients and loss added."""
+  phase): its item's buffers read and written, its gradients and loss added
+  (``heads``: how many times its forward runs the head in this phase)."""
   run, ops = ticking.run, ticking.ops
   v = run.pipeline.virtual_stages
   stage = run.stage()
@@ -437,8 +444,9 @@ def _run_slot(ticking: _Ticking, k: int, kinds: tuple[int, ...], carry: Carry,
   reads = {name: jax.tree_util.tree_map(lambda b: b[item], getattr(carry, name))
            for name in _needs(kinds, _READS) if name in present}
   writes = [name for name in _needs(kinds, _WRITES) if name in present]
-  branches = [run_lib.varying(run, _OP_BRANCHES[kind](ops, reads, m, chunk, writes))
-              for kind in kinds]
+  branches = [run_lib.varying(run, (
+      functools.partial(_op_forward, heads=heads) if kind == FWD
+      else _OP_BRANCHES[kind])(ops, reads, m, chunk, writes)) for kind in kinds]
   index = jnp.asarray(np.searchsorted(kinds, np.arange(4)).clip(0, len(kinds) - 1),
                       jnp.int32)[op]
   out = lax.switch(index, branches)
@@ -541,9 +549,9 @@ def _op_idle(ops: Ticks, c: dict, m, chunk, writes) -> Callable:
   return run
 
 
-def _op_forward(ops: Ticks, c: dict, m, chunk, writes) -> Callable:
+def _op_forward(ops: Ticks, c: dict, m, chunk, writes, heads: int = 0) -> Callable:
   def run():
-    y, kept, dy, d_rest, loss, count = ops.forward(m, chunk, c["inbox"])
+    y, kept, dy, d_rest, loss, count = ops.forward(m, chunk, c["inbox"], heads)
     last = ops.run.last(chunk)
     return _op_out(ops, writes, y=jnp.where(last, jnp.zeros_like(y), y),
                    writes={"kept": (True, kept), "ct": (last, dy)},

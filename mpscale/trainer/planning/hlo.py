@@ -160,6 +160,10 @@ _RUNS_A_STEP = re.compile(r'op_name="[^"]*\bmpscale_runs_(\d+)_a_step\b')
 branch runs ``n`` times a step (once a micro-batch, on the last stage)."""
 
 
+_CLONE = re.compile(r"(\.clone(\.\d+)?)+$")
+"""The suffix XLA gives a computation it copies."""
+
+
 def _runs_a_step(ins: Instruction) -> Optional[int]:
   """``n`` for a conditional named to run its costly branch ``n`` times a step."""
   found = _RUNS_A_STEP.search(ins.rest) if ins.op == "conditional" else None
@@ -180,16 +184,17 @@ class _Totals:
   A conditional named to run its costly branch ``n`` times a step (`_runs_a_step`: a
   pipeline's head, which every tick reaches and the last stage runs once a
   micro-batch) counts its cheapest branch where it is, and the costliest branch's
-  excess over it ``n`` times in the step (`extra`; copies of the conditional that
-  XLA made, of the same excess, together ``n`` times: `_per_step`)."""
+  excess over it ``n`` times in the step (`extra`; the copies XLA makes of a
+  conditional, calling ``.clone``s of its branches, together ``n`` times)."""
 
   def __init__(self, module: Module, cost: _Cost,
                branch_key: Optional[Callable[[dict[str, float]], Any]] = None):
     self.module, self.cost = module, cost
     self.branch_key = branch_key or (lambda d: sum(d.values()))
     self.memo: dict[str, dict[str, float]] = {}
-    self.extra: dict[tuple[str, str], tuple[int, dict[str, float]]] = {}
-    """``(count, excess)`` by conditional: what the step adds ``count`` times."""
+    self.extra: dict[tuple[str, ...], tuple[int, dict[str, float]]] = {}
+    """``(count, excess)`` by conditional (its branches, copies as one): what the
+    step adds ``count`` times."""
 
   def instruction(self, name: str, ins: Instruction) -> dict[str, float]:
     """What ``ins`` (of computation ``name``) runs: itself and its callees."""
@@ -206,7 +211,10 @@ class _Totals:
       cheap = min(branches, key=self.branch_key)
       costly = max(branches, key=self.branch_key)
       add(cheap)
-      self.extra[(name, ins.name)] = (count, {
+      # A copy XLA made (a loop peeled off: a schedule's warm-up) calls copies of
+      # the same branches, named ``<branch>.clone``: together they run n times.
+      same = tuple(sorted(_CLONE.sub("", c) for r, c in callees if r == "branch"))
+      self.extra[same] = (count, {
           k: costly.get(k, 0.0) - cheap.get(k, 0.0) for k in costly})
     elif branches:
       add(max(branches, key=self.branch_key))
@@ -237,11 +245,8 @@ def _per_step(module: Module, cost: _Cost,
     return {}
   totals = _Totals(module, cost, branch_key)
   acc = dict(totals.computation(module.entry))
-  # XLA copies a loop body into the loops it peels off (a schedule's warm-up and
-  # cool-down): copies of one conditional cost the same and run n times together.
-  for count, excess in {(count, tuple(sorted(excess.items())))
-                        for count, excess in totals.extra.values()}:
-    for k, v in excess:
+  for count, excess in totals.extra.values():
+    for k, v in excess.items():
       acc[k] = acc.get(k, 0.0) + count * v
   return acc
 

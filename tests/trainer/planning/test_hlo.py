@@ -180,7 +180,8 @@ def test_a_conditional_named_to_run_n_times_a_step_counts_them():
   """A pipeline's head: every tick reaches its conditional, the last stage runs the
   head once a micro-batch. Named so (``mpscale_runs_<n>_a_step``), the cheap branch
   counts where it is and the costly one's excess ``n`` times a step, copies of the
-  conditional in peeled loops (a schedule's warm-up) together ``n`` times."""
+  conditional in peeled loops (a schedule's warm-up) together ``n`` times, and
+  another conditional of its own branches (a backward's recompute) ``n`` more."""
   body = """%%small (p: f32[8,16]) -> f32[8,4] {
   %%p = f32[8,16]{1,0} parameter(0)
   %%w = f32[16,4]{1,0} constant({...})
@@ -206,7 +207,8 @@ def test_a_conditional_named_to_run_n_times_a_step_counts_them():
   entry = """ENTRY %%main (x: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
   %%x = (s32[], f32[8,16]{1,0}) parameter(0)
   %%w1 = (s32[], f32[8,16]{1,0}) while(%%x), condition=%%cond, body=%%warm, backend_config={"known_trip_count":{"n":"3"}}
-  ROOT %%w2 = (s32[], f32[8,16]{1,0}) while(%%w1), condition=%%cond, body=%%steady, backend_config={"known_trip_count":{"n":"10"}}
+  %%w2 = (s32[], f32[8,16]{1,0}) while(%%w1), condition=%%cond, body=%%steady, backend_config={"known_trip_count":{"n":"10"}}
+  ROOT %%w3 = (s32[], f32[8,16]{1,0}) while(%%w2), condition=%%cond, body=%%again, backend_config={"known_trip_count":{"n":"5"}}
 }
 """
   small, excess = 2 * 8 * 4 * 16, 2 * 8 * 64 * 16 + 2 * 8 * 4 * 64 - 2 * 8 * 4 * 16
@@ -214,11 +216,18 @@ def test_a_conditional_named_to_run_n_times_a_step_counts_them():
   def text(scope):
     loops = [loop.replace("NAME", name).replace("SCOPE", scope)
              for name in ("warm", "steady")]
-    return ("HloModule m\n\n" + body + "".join(loops) + entry).replace("%%", "%")
+    # another conditional of the same cost (a backward's recompute of the head):
+    # branches of its own, not copies
+    again = (loop.replace("NAME", "again").replace("SCOPE", scope)
+             .replace("{%%small, %%big}", "{%%small.1, %%big.1}"))
+    other = body.replace("%%small (", "%%small.1 (").replace("%%big (", "%%big.1 (")
+    return ("HloModule m\n\n" + body + other + "".join(loops) + again
+            + entry).replace("%%", "%")
 
-  assert hlo.matmul_flops(text("mpscale_runs_4_a_step")) == 13 * small + 4 * excess
-  # unnamed: the costliest branch at each of the 13 ticks
-  assert hlo.matmul_flops(text("head")) == 13 * (small + excess)
+  assert hlo.matmul_flops(text("mpscale_runs_4_a_step")) == (
+      13 * small + 4 * excess + 5 * small + 4 * excess)
+  # unnamed: the costliest branch at each of the 18 ticks
+  assert hlo.matmul_flops(text("head")) == 18 * (small + excess)
 
 
 def test_a_compiled_pipeline_head_counts_once_a_micro_batch():
