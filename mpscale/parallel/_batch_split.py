@@ -190,10 +190,7 @@ class _Split:
         outs = [self.pin(x, d) for x, d in zip(outs, out_dims)]
       env.update(zip(eqn.outvars, outs))
       where.update((v, d) for v, d in zip(eqn.outvars, out_dims) if d is not None)
-      if specs and specs[0] is not None:
-        moved = _weight_through(eqn, specs[0], self.axes)
-        if moved is not None:
-          weights[eqn.outvars[0]] = moved
+      _follow_weight(eqn, specs, weights, self.axes)
     out_dims = [jaxprs.lookup(where, v) for v in jaxpr.outvars]
     return [jaxprs.read(env, v) for v in jaxpr.outvars], out_dims
 
@@ -318,11 +315,18 @@ def _last_use(jaxpr: Any, weights: dict, axes: tuple[str, ...]) -> Any:
     specs = [jaxprs.lookup(weights, v) for v in eqn.invars]
     if _uses_weight(eqn, specs):
       last = eqn
-    if specs and specs[0] is not None:
-      moved = _weight_through(eqn, specs[0], axes)
-      if moved is not None:
-        weights[eqn.outvars[0]] = moved
+    _follow_weight(eqn, specs, weights, axes)
   return last
+
+
+def _follow_weight(eqn: Any, specs: list, weights: dict, axes: tuple[str, ...]
+                  ) -> None:
+  """Adds ``eqn``'s output to ``weights`` when it is still its first operand's
+  weight (`_weight_through`); ``specs``: its operands' specs."""
+  if specs and specs[0] is not None:
+    moved = _weight_through(eqn, specs[0], axes)
+    if moved is not None:
+      weights[eqn.outvars[0]] = moved
 
 
 def _weight_through(eqn: Any, spec: PartitionSpec, axes: tuple[str, ...]
@@ -356,7 +360,7 @@ def _looked_up(eqn: Any, spec: PartitionSpec, axes: tuple[str, ...], mesh: Mesh
   it, forward and backward. A table split over its rows is first resplit over its
   width: one all-to-all of the table's shards."""
   numbers, shape = eqn.params["dimension_numbers"], eqn.invars[0].aval.shape
-  split = [a for a in axes if any(a in layouts_lib.entry_axes(e) for e in spec)]
+  split = [a for a in axes if a in layouts_lib.spec_axes(spec)]
   entries = layouts_lib.pad(layouts_lib.without_axes(spec, axes), len(shape))
   if not split:
     return layouts_lib.make_spec(entries)

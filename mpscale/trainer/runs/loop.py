@@ -195,6 +195,13 @@ def open_model(cfg: config_lib.RunConfig, given: Any, loss: Any, first_batch: An
                          metrics=metrics), key
 
 
+def _without_init_from(cfg: config_lib.RunConfig) -> config_lib.RunConfig:
+  """``cfg`` starting from its seed, not ``model.init_from``'s weights (a checkpoint
+  replaces them)."""
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                            init_from=None))
+
+
 def checkpoint_dir(out_dir: str) -> str:
   """A run folder's checkpoint folder."""
   return os.path.abspath(os.path.join(out_dir, "checkpoints"))
@@ -230,9 +237,8 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
     cfg = builders.with_initial_scale(
         cfg, user or cfg.train.per_token_loss,
         builders.micro_batch_tokens(cfg, first_batch if user else None))
-    built = cfg if not resuming else dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, init_from=None))
-    setup = builders.build(built, model=user_model)
+    setup = builders.build(_without_init_from(cfg) if resuming else cfg,
+                           model=user_model)
     params = setup.init_params()
     state = setup.init(params)
   except (ValueError, TypeError) as e:
@@ -739,8 +745,6 @@ def load_run(out_dir: str, devices: Optional[int] = None,
       rebuilt on one device (a user's pipelined model).
     ValueError: if ``devices`` < 1.
   """
-  if devices is not None and devices < 1:
-    raise ValueError(f"devices must be >= 1; got {devices}")
   return _load_saved(out_dir, _saved_config(out_dir), devices, step)
 
 
@@ -761,9 +765,10 @@ def _load_saved(out_dir: str, saved: Any, devices: Optional[int],
                 step: Optional[int]) -> tuple[_Run, int]:
   """`load_run` of the run whose config is ``saved`` (`_saved_config`)."""
   path = os.path.join(out_dir, "config.yaml")
+  if devices is not None and devices < 1:
+    raise ValueError(f"devices must be >= 1; got {devices}")
   # The checkpoint holds the weights: a Hugging Face start is not read again.
-  saved = dataclasses.replace(saved, model=dataclasses.replace(saved.model,
-                                                               init_from=None))
+  saved = _without_init_from(saved)
   available = jax.device_count() if devices is None else min(devices,
                                                               jax.device_count())
   own_mesh = saved.mesh.num_devices <= available
@@ -821,8 +826,6 @@ def export_run(out_dir: str, hf_dir: str, *, dtype: str = "float32",
                       f"Face form here; {', '.join(hf_names.ARCHITECTURES)} do")
   if os.path.exists(os.path.join(hf_dir, "config.json")):
     raise RunDirError(f"{hf_dir} holds a checkpoint already; choose a new folder")
-  if devices is not None and devices < 1:
-    raise ValueError(f"devices must be >= 1; got {devices}")
   run, _ = _load_saved(out_dir, saved, devices, step)
   params = run.setup.to_model_order(run.state.params)
   written = hf.save(run.setup.model, params, hf_dir, dtype=dtype,
