@@ -11,6 +11,8 @@
   and ZeRO-1 (`zero1_specs`);
 - ``_fsdp``: FSDP, parameters split over the data axes and gathered where used
   (`fsdp_specs`, `gather_cast`, `gather_where_used`, the pipeline's `StageFSDP`);
+- ``_context``: context parallelism, attention over a sequence split along a
+  ``context`` axis (`context_attention`, `context_order`);
 - ``_batch_split``: activations kept split over the batch, so GSPMD gathers weights,
   not activations (`keep_batch_split`);
 - `mpscale.parallel.pipeline`: pipeline stages (`Pipeline`, `SplitPipeline`, their
@@ -21,6 +23,16 @@ May import: the core (`mpscale.validation`, `mpscale.keys`, `mpscale.gradients`,
 """
 
 from mpscale.parallel._batch_split import keep_batch_split
+from mpscale.parallel._context import (
+    CONTEXT_AXIS,
+    CONTEXT_PARALLEL,
+    attention_over,
+    check_context_length,
+    context_attention,
+    context_order,
+    context_size,
+    split_sequence,
+)
 from mpscale.parallel._fsdp import (
     fsdp_specs,
     gather_cast,
@@ -46,6 +58,7 @@ from mpscale.parallel._layouts import (
     shardings,
     spec_axes,
     split_dims,
+    spec_entry,
     split_largest,
     tree_bytes,
     without_axes,
@@ -87,6 +100,8 @@ __all__ = [
     "AVERAGED_DIMS",
     "AxisNames",
     "BackwardSplit",
+    "CONTEXT_AXIS",
+    "CONTEXT_PARALLEL",
     "LAYER_ORDERS",
     "Pipeline",
     "RECOMPUTE",
@@ -94,6 +109,7 @@ __all__ = [
     "SCHEDULES",
     "SpecsLike",
     "SplitPipeline",
+    "attention_over",
     "averaged_dims",
     "axis_size",
     "batch_rows",
@@ -101,9 +117,13 @@ __all__ = [
     "bytes_per_device",
     "cast_varying",
     "check_batch_size",
+    "check_context_length",
     "check_schedule",
     "check_specs",
     "constrain",
+    "context_attention",
+    "context_order",
+    "context_size",
     "data_axes",
     "entry_axes",
     "flax_specs",
@@ -126,8 +146,10 @@ __all__ = [
     "resolve_specs",
     "scatter_dims",
     "shardings",
+    "spec_entry",
     "spec_axes",
     "split_dims",
+    "split_sequence",
     "split_largest",
     "stage_norm_groups",
     "state_specs",

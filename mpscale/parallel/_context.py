@@ -57,7 +57,7 @@ import numpy as np
 
 from mpscale import validation
 from mpscale.parallel._layouts import entry_axes, only_axes, pad, spec_entry
-from mpscale.parallel._mesh import _manual_axes
+from mpscale.parallel._mesh import manual_axes, cast_varying, varying_axes
 
 CONTEXT_AXIS = "context"
 """The mesh axis the sequence is split over."""
@@ -348,24 +348,39 @@ def _add_chunk(total, part, i, size):
       i * size, axis=1)
 
 
-@functools.lru_cache(maxsize=None)
-def _attention_fn(axis, size, mode, impl, balanced, window, scale):
-  """The local (inside ``shard_map``) attention, with its own backward."""
-  options = dict(axis=axis, size=size, mode=mode, impl=impl, balanced=balanced,
-                 window=window, scale=scale)
+def _attention_fn(mesh, specs, automatic, options):
+  """Attention over the split, with its own backward: each a ``shard_map`` of the
+  local computation (`_ring_forward`, `_ring_backward`), so autodiff never
+  transposes one."""
+  q_spec, lse_spec = specs
+  local = lambda fn, ins, outs: jax.shard_map(  # noqa: E731
+      functools.partial(fn, **options), mesh=mesh, in_specs=ins, out_specs=outs,
+      axis_names=set(automatic), check_vma=False)
+
+  def forward_local(q, k, v, **kw):
+    out, lse = _ring_forward(q, k, v, **kw)
+    return out.astype(q.dtype), lse
+
+  forward_map = local(forward_local, (q_spec,) * 3, (q_spec, lse_spec))
+  backward_map = local(_ring_backward, (q_spec,) * 4 + (lse_spec, q_spec),
+                       (q_spec,) * 3)
+
+  def outputs(q, k, v):
+    # varying over an enclosing shard_map's manual axes as the inputs are
+    axes = varying_axes(q) | varying_axes(k) | varying_axes(v)
+    return cast_varying(forward_map(q, k, v), tuple(axes))
 
   @jax.custom_vjp
   def attend(q, k, v):
-    return _ring_forward(q, k, v, **options)[0].astype(q.dtype)
+    return outputs(q, k, v)[0]
 
   def forward(q, k, v):
-    out, lse = _ring_forward(q, k, v, **options)
-    out = out.astype(q.dtype)
+    out, lse = outputs(q, k, v)
     return out, (q, k, v, out, lse)
 
   def backward(res, g):
-    q, k, v, out, lse = res
-    return _ring_backward(q, k, v, out, lse, g, **options)
+    grads = backward_map(*res, g)
+    return tuple(cast_varying(d, varying_axes(x)) for d, x in zip(grads, res))
 
   attend.defvjp(forward, backward)
   return attend
@@ -407,7 +422,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Any,
   if implementation == "cudnn" and window is not None:
     raise validation.fail("implementation", ": cuDNN's blocks take no sliding "
                           "window; use xla")
-  manual, abstract = _manual_axes()
+  manual, abstract = manual_axes()
   if manual:  # inside a shard_map (a pipeline's): nest in its abstract mesh
     mesh = abstract
   size = context_size(mesh, axis)
@@ -417,14 +432,98 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Any,
   entries = pad(spec, 4)
   entries[1] = spec_entry(tuple(a for a in entry_axes(entries[1]) if a != axis)
                           + (axis,))
-  q_spec = only_axes(PartitionSpec(*entries), automatic)
-  kv_spec = q_spec
+  q_spec = PartitionSpec(*pad(only_axes(PartitionSpec(*entries), automatic), 4))
   heads = entry_axes(entries[2])
   if heads and k.shape[2] % math.prod(mesh.shape[a] for a in heads):
     raise validation.fail("k", f": its {k.shape[2]} heads are not split as the "
                           f"queries' are (over {heads}); repeat them to the queries' "
                           "heads")
-  attend = _attention_fn(axis, size, mode, implementation, balanced, window, scale)
-  return jax.shard_map(attend, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
-                       out_specs=q_spec, axis_names=set(automatic),
-                       check_vma=False)(q, k, v)
+  for count in _SEEN:
+    count[0] += 1
+  lse_spec = PartitionSpec(q_spec[0], q_spec[2], q_spec[1])
+  options = dict(axis=axis, size=size, mode=mode, impl=implementation,
+                 balanced=balanced, window=window, scale=scale)
+  return _attention_fn(mesh, (q_spec, lse_spec), automatic, options)(q, k, v)
+
+
+# ------------------------------------------------------------------- a user's model
+_SEEN: list = []  # one counter per active `attention_over`, trace-time only
+
+
+def split_sequence(batch: Any, mesh: Any, data_axes: tuple[str, ...],
+                   axis: str = CONTEXT_AXIS) -> Any:
+  """``batch`` laid out for context parallelism: each leaf of two or more
+  dimensions whose second (the sequence) divides over ``axis`` split along it, its
+  rows over ``data_axes``; other leaves as they are."""
+  size = context_size(mesh, axis)
+
+  def split(x):
+    if size == 1 or np.ndim(x) < 2 or x.shape[1] % size:
+      return x
+    spec = PartitionSpec(spec_entry(data_axes), axis)
+    return lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+  return jax.tree_util.tree_map(split, batch)
+
+
+class attention_over:  # noqa: N801 (a context manager, used as a function)
+  """While tracing a user's model: its ``jax.nn.dot_product_attention`` calls become
+  `context_attention` over ``mesh``'s ``axis`` (the sequence in order, as the model
+  counts its positions; causal attention only), and `seen` counts the attentions
+  that crossed the split (these, and the built-in model's own).
+
+  A call the split cannot follow (not causal, a ``bias`` or ``mask``, sequence
+  lengths, inputs not ``[batch, length, heads, head_dim]``) raises a ``ValueError``
+  naming ``mesh.context`` and what to call instead.
+  """
+
+  def __init__(self, mesh: Any, data_axes: tuple[str, ...], mode: str = "ring",
+               axis: str = CONTEXT_AXIS):
+    validation.one_of("context_parallel", mode, CONTEXT_PARALLEL)
+    self.mesh, self.data_axes, self.mode, self.axis = mesh, data_axes, mode, axis
+    self.count = [0]
+
+  def seen(self) -> int:
+    return self.count[0]
+
+  def __enter__(self) -> "attention_over":
+    self._original = jax.nn.dot_product_attention
+    jax.nn.dot_product_attention = self._attention
+    _SEEN.append(self.count)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.nn.dot_product_attention = self._original
+    _SEEN.remove(self.count)
+
+  def _attention(self, query, key, value, bias=None, mask=None, *, scale=None,
+                 is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                 local_window_size=None, implementation=None, **unknown):
+    refused = [name for name, value in (
+        ("bias", bias), ("mask", mask), ("query_seq_lengths", query_seq_lengths),
+        ("key_value_seq_lengths", key_value_seq_lengths)) if value is not None]
+    refused += list(unknown)
+    if not is_causal:
+      refused.append("is_causal=False")
+    if query.ndim != 4:
+      refused.append(f"{query.ndim}-D inputs")
+    if refused:
+      raise ValueError(
+          f"mesh.context ({context_size(self.mesh, self.axis)}): the model's "
+          f"jax.nn.dot_product_attention call has {', '.join(refused)}, which "
+          "attention across a split sequence cannot follow; call it with "
+          "[batch, length, heads, head_dim] inputs and is_causal=True (and at most "
+          "local_window_size=(left, 0)), or set mesh.context: 1")
+    window = None
+    if local_window_size is not None:
+      left, right = ((local_window_size, 0) if isinstance(local_window_size, int)
+                     else local_window_size)
+      if right:
+        raise ValueError(f"mesh.context: local_window_size {local_window_size} "
+                         "looks ahead, which causal attention never does; pass "
+                         "(left, 0)")
+      window = left + 1
+    impl = "cudnn" if implementation == "cudnn" and window is None else "xla"
+    spec = PartitionSpec(spec_entry(self.data_axes), None, None, None)
+    return context_attention(query, key, value, mesh=self.mesh, spec=spec,
+                             axis=self.axis, mode=self.mode, implementation=impl,
+                             balanced=False, window=window, scale=scale)

@@ -135,7 +135,7 @@ def batch_rows(batch: Any, data_size: int = 1, num_microbatches: int = 1, *,
 
 
 # --------------------------------------------------------------------------- activations
-def _manual_axes() -> tuple[frozenset, Any]:
+def manual_axes() -> tuple[frozenset, Any]:
   """The manual axes of the enclosing ``shard_map`` (empty outside one) and the
   abstract mesh that names them."""
   get = getattr(jax.sharding, "get_abstract_mesh", None)
@@ -155,7 +155,7 @@ def constrain(x: jax.Array, spec: PartitionSpec, mesh: Optional[Mesh]) -> jax.Ar
   """
   if mesh is None:
     return x
-  manual, abstract = _manual_axes()
+  manual, abstract = manual_axes()
   target: Any = mesh
   if manual:
     spec = PartitionSpec(*(

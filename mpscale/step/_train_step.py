@@ -84,6 +84,7 @@ from mpscale import gradients as gradients_lib
 from mpscale import keys as keys_lib
 from mpscale import validation
 from mpscale.gradients import Gradients
+from mpscale.parallel import _context as context_lib
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
 from mpscale.parallel.pipeline import _pipeline as pipeline_lib
@@ -259,7 +260,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     param_specs: layouts_lib.SpecsLike = None, donate: bool = True,
                     model_state_dtype: Any = jnp.float32,
                     grad_reduce_dtype: Any = None,
-                    merge_state: Optional[Callable] = None
+                    merge_state: Optional[Callable] = None,
+                    context_parallel: str = "ring"
                    ) -> tuple[Callable[..., state_lib.TrainState],
                               Callable[[state_lib.TrainState, Any], tuple[state_lib.TrainState, dict]]]:
   """A jitted mixed-precision, data-parallel train step and its ``init``.
@@ -287,7 +289,13 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     policy: a `mpscale.Policy` or a name for `mpscale.make_policy`; default float32.
     mesh: a ``jax.sharding.Mesh``, or ``None`` for one device.
     data_axis: the mesh axis (or tuple of axes, e.g. ``("data", "fsdp")``) the batch
-      is sharded over.
+      is sharded over. A ``context`` axis on ``mesh`` (`mpscale.parallel.CONTEXT_AXIS`)
+      splits the sequence (each batch leaf's second dimension) over it: a model that
+      attends with ``jax.nn.dot_product_attention(..., is_causal=True)`` then attends
+      across the split with no change to its code, as ``context_parallel`` says
+      (`mpscale.parallel.attention_over`; the built-in LM lays its own sequence
+      out, balanced); a model that attends otherwise is refused when ``step``
+      traces.
     num_microbatches: gradient accumulation: the batch's leading dimension is split
       into this many micro-batches under one loss scale, with one optimizer update
       (a `Pipeline`'s are its own: 1 or the same number here).
@@ -311,6 +319,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       combine (`mpscale.accumulate_gradients`' ``merge_state``:
       ``functools.partial(mpscale.precision.merge_stacked, recipe=recipe)``). A
       `Pipeline` merges its own (its ``merge_state``).
+    context_parallel: ``"ring"`` or ``"all_gather"``
+      (`mpscale.parallel.context_attention`), with a ``context`` axis.
 
   Returns:
     ``(init, step)``: ``init(params | flax TrainState | TrainState, *,
@@ -354,6 +364,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   validation.boolean("shard_optimizer_state", shard_optimizer_state)
   validation.boolean("donate", donate)
   data_axes = mesh_lib.data_axes(mesh, data_axis)
+  validation.one_of("context_parallel", context_parallel, context_lib.CONTEXT_PARALLEL)
   if shard_optimizer_state and mesh is None:
     raise ValueError("shard_optimizer_state=True needs a mesh")
   if param_specs is not None and mesh is None:
@@ -368,6 +379,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
                                per_token_loss, reduce_dtype, merge_state)
   model = _pipeline_model(pipeline) if pipeline is not None else loss_fn
+  if context_lib.context_size(mesh) > 1:
+    gradients = _over_context(gradients, mesh, data_axes, context_parallel, model)
   data_size = layouts_lib.axis_size(mesh, data_axes)
 
   if model_state_dtype is not None:
@@ -419,3 +432,33 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   if mesh is not None:
     jit_kwargs["in_shardings"] = (None, layout.batch())
   return init, jax.jit(step_fn, **jit_kwargs)
+
+
+def _name(model: Any) -> str:
+  """How an error names the model: its function's qualified name."""
+  fn = getattr(model, "__func__", model)
+  return getattr(fn, "__qualname__", type(model).__name__)
+
+
+def _over_context(gradients: Callable, mesh: Mesh, data_axes: tuple[str, ...],
+                  mode: str, model: Any) -> Callable:
+  """``gradients`` with the batch's sequence split over the mesh's ``context`` axis
+  and the model's ``jax.nn.dot_product_attention`` attending across the split
+  (`mpscale.parallel.attention_over`).
+
+  Raises (when traced): ValueError naming ``mesh.context`` and the model, for a
+  model that attended without it.
+  """
+  def run(params, batch, *args):
+    batch = context_lib.split_sequence(batch, mesh, data_axes)
+    with context_lib.attention_over(mesh, data_axes, mode) as split:
+      out = gradients(params, batch, *args)
+    if not split.seen():
+      raise ValueError(
+          f"mesh.context ({context_lib.context_size(mesh)}): the model "
+          f"({_name(model)}) never called jax.nn.dot_product_attention, so its "
+          "attention cannot cross the split sequence; attend with "
+          "jax.nn.dot_product_attention(q, k, v, is_causal=True), or use a mesh "
+          "without a context axis")
+    return out
+  return run

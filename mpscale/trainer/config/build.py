@@ -59,8 +59,9 @@ from mpscale.trainer.models import user as models_lib
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 STAGE_AXIS = "stage"
+CONTEXT_AXIS = parallel_lib.CONTEXT_AXIS
 TENSOR_AXIS = "tensor"
-MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, TENSOR_AXIS)
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
 
 
 def build_policy(cfg: schema.RunConfig) -> precision_lib.Policy:
@@ -166,11 +167,13 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
       cfg.model.attention, device, policy.compute_dtype, head_dim),
                            {"attention": "model.attention"})
   shard = None
-  if mesh is not None and (FSDP_AXIS in mesh.axis_names
-                           or TENSOR_AXIS in mesh.axis_names):
-    shard = lm_lib.ActivationSharding(
+  if mesh is not None and any(a in mesh.axis_names
+                              for a in (FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS)):
+    shard = errors.keyed("model", lambda: lm_lib.ActivationSharding(
         mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
-        sequence_parallel=cfg.mesh.sequence_parallel)
+        sequence_parallel=cfg.mesh.sequence_parallel, context_axis=CONTEXT_AXIS,
+        context_parallel=cfg.model.context_parallel),
+                         {"context_parallel": "model.context_parallel"})
   fp8 = build_fp8(cfg)
   return errors.keyed("model", lambda: lm_lib.TinyLM.from_sizes(
       cfg.model, remat=cfg.train.remat, shard=shard, attention=attention, fp8=fp8,
@@ -566,16 +569,17 @@ def build_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation:
 
 def build_mesh(cfg: schema.RunConfig,
                devices: Optional[Sequence[Any]] = None) -> Optional[Mesh]:
-  """A mesh of ``mesh.data x fsdp x stage x tensor`` devices, or ``None`` for a single
-  device. Its axes are ``data`` and every other axis of size > 1, in the order
-  ``("data", "fsdp", "stage", "tensor")``: ``tensor`` innermost, on the devices
-  nearest each other.
+  """A mesh of ``mesh.data x fsdp x stage x context x tensor`` devices, or ``None``
+  for a single device. Its axes are ``data`` and every other axis of size > 1, in the
+  order ``("data", "fsdp", "stage", "context", "tensor")``: ``tensor`` innermost, on
+  the devices nearest each other, then ``context`` (whose ring passes a block a
+  layer).
 
   Raises:
     ArgumentError: naming ``mesh`` when there are too few devices.
   """
   mesh = cfg.mesh
-  sizes = dict(zip(MESH_AXES, (mesh.data, mesh.fsdp, mesh.stage, mesh.tensor)))
+  sizes = mesh_sizes(cfg)
   if mesh.num_devices == 1:
     return None
   axes = tuple(axis for axis in MESH_AXES if axis == DATA_AXIS or sizes[axis] > 1)
@@ -591,13 +595,17 @@ def build_mesh(cfg: schema.RunConfig,
               axes)
 
 
+def mesh_sizes(cfg: schema.RunConfig) -> dict[str, int]:
+  """Each of `MESH_AXES`' size, from ``mesh``."""
+  return {axis: getattr(cfg.mesh, axis) for axis in MESH_AXES}
+
+
 def abstract_mesh(cfg: schema.RunConfig) -> Optional[AbstractMesh]:
   """The mesh `build_mesh` makes, as a ``jax.sharding.AbstractMesh``: its axes and
   sizes, no devices (``None`` for a single device)."""
-  mesh = cfg.mesh
-  if mesh.num_devices == 1:
+  if cfg.mesh.num_devices == 1:
     return None
-  sizes = dict(zip(MESH_AXES, (mesh.data, mesh.fsdp, mesh.stage, mesh.tensor)))
+  sizes = mesh_sizes(cfg)
   axes = tuple(axis for axis in MESH_AXES if axis == DATA_AXIS or sizes[axis] > 1)
   return AbstractMesh(tuple(sizes[axis] for axis in axes), axes)
 
@@ -776,8 +784,10 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
       num_microbatches=1 if cfg.mesh.stage > 1 else cfg.train.num_microbatches,
       per_token_loss=pieces.per_token,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
-      param_specs=pieces.specs, grad_reduce_dtype=reduce_dtype, merge_state=merge),
-      {"grad_reduce_dtype": "precision.grad_reduce_dtype"})
+      param_specs=pieces.specs, grad_reduce_dtype=reduce_dtype, merge_state=merge,
+      context_parallel=cfg.model.context_parallel),
+      {"grad_reduce_dtype": "precision.grad_reduce_dtype",
+       "context_parallel": "model.context_parallel"})
   if abstract:
     return None
   pipeline = pieces.loss if isinstance(pieces.loss, parallel_lib.Pipeline) else None

@@ -67,7 +67,7 @@ def check(cfg: RunConfig) -> None:
                                        1.0, low_open=True, high_open=True))
   errors.checked(validation.positive_int, "data.batch_size", data.batch_size)
   errors.checked(validation.integer, "data.eval_batches", data.eval_batches, 0)
-  for key in ("data", "fsdp", "stage", "tensor"):
+  for key in ("data", "fsdp", "stage", "context", "tensor"):
     errors.checked(validation.positive_int, f"mesh.{key}", getattr(mesh, key))
   for key in ("steps", "num_microbatches", "log_every", "keep_checkpoints"):
     errors.checked(validation.positive_int, f"train.{key}", getattr(train, key))
@@ -87,6 +87,14 @@ def check(cfg: RunConfig) -> None:
     raise ConfigError("mesh.sequence_parallel needs mesh.tensor > 1 (it splits the "
                       "sequence over the tensor axis)",
                       ("mesh.sequence_parallel", "mesh.tensor"))
+  if (mesh.context > 1 and mesh.stage > 1 and mesh.pipeline_schedule != "gpipe"
+      and model.context_parallel == "ring"):
+    raise ConfigError(
+        f"model.context_parallel: ring passes K/V blocks between devices inside the "
+        f"{mesh.pipeline_schedule} schedule's per-stage branches, where the stages "
+        "run different code at a time and the transfers would not pair up; use "
+        "all_gather (or pipeline_schedule: gpipe)",
+        ("model.context_parallel", "mesh.pipeline_schedule", "mesh.context"))
   if mesh.shard_optimizer_state and mesh.data == 1:
     raise ConfigError("mesh.shard_optimizer_state needs mesh.data > 1",
                       ("mesh.shard_optimizer_state", "mesh.data"))
@@ -196,10 +204,13 @@ def _check_model_sizes(cfg: RunConfig) -> None:
     if size % mesh.tensor:
       raise ConfigError(f"model.{key} ({size}) must be divisible by mesh.tensor "
                         f"({mesh.tensor})", (f"model.{key}", "mesh.tensor"))
-  if mesh.sequence_parallel and model.seq_len % mesh.tensor:
+  if mesh.sequence_parallel and model.seq_len % (mesh.tensor * mesh.context):
     raise ConfigError(f"model.seq_len ({model.seq_len}) must be divisible by "
-                      f"mesh.tensor ({mesh.tensor}) with mesh.sequence_parallel",
+                      f"mesh.tensor ({mesh.tensor}) x mesh.context ({mesh.context}) "
+                      "with mesh.sequence_parallel",
                       ("model.seq_len", "mesh.tensor", "mesh.sequence_parallel"))
+  errors.checked(parallel_lib.check_context_length, model.seq_len, mesh.context, True,
+                 "model.seq_len")
 
 
 _CHECKPOINT_SIZES = ("family", "vocab_size", "d_model", "num_heads", "num_layers",

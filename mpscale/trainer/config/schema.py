@@ -106,6 +106,11 @@ class ModelConfig:
   scores in memory, anywhere; ``auto``, ``cudnn`` where it runs, else ``xla``
   (`mpscale.trainer.models.lm.attention_for`). A plan compiled for a GPU chooses as a
   run on that GPU does."""
+  context_parallel: Literal["ring", "all_gather"] = "ring"
+  """With ``mesh.context`` > 1, how attention crosses the split sequence
+  (`mpscale.parallel.context_attention`): ``ring``, the keys and values passed
+  around the context axis a block at a time, each transfer overlapping the previous
+  block's attention; ``all_gather``, gathered once a layer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,6 +429,11 @@ class MeshConfig:
   """Tensor parallelism: attention heads, MLP units and the vocabulary are split
   (Megatron's column- and row-parallel layers); must divide ``model.num_heads``,
   ``model.d_ff`` and ``model.vocab_size``."""
+  context: int = 1
+  """Context parallelism: every activation's sequence is split (``2 x context``
+  chunks, device ``c`` holding chunks ``c`` and ``2 context - 1 - c`` so that causal
+  attention's work is balanced), attention crossing the split as
+  ``model.context_parallel`` says; ``model.seq_len`` must divide into the chunks."""
   virtual_stages: int = 1
   """Layer chunks per pipeline stage (Megatron's interleaved schedule, with either
   ``pipeline_schedule``): a smaller bubble, ``(stage - 1) / (virtual_stages x
@@ -447,13 +457,14 @@ class MeshConfig:
 
   @property
   def num_devices(self) -> int:
-    return self.data * self.fsdp * self.stage * self.tensor
+    return self.data * self.fsdp * self.stage * self.context * self.tensor
 
   @property
   def shape_text(self) -> str:
     """``"2x1"``-style label: ``data x stage``, with fsdp and tensor when used."""
     parts = [f"{self.data}x{self.stage}"]
     parts += [f"fsdp{self.fsdp}"] if self.fsdp > 1 else []
+    parts += [f"cp{self.context}"] if self.context > 1 else []
     parts += [f"tp{self.tensor}"] if self.tensor > 1 else []
     parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
     return "-".join(parts)

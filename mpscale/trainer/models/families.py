@@ -145,15 +145,17 @@ def rope_frequencies(head_dim: int, theta: float,
   return inv_freq if scaling is None else scaling.apply(inv_freq)
 
 
-def apply_rope(x: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, inv_freq: jax.Array,
+               positions: Optional[Any] = None) -> jax.Array:
   """``x`` (``[batch, length, heads, head_dim]``) rotated by its positions
-  ``0..length-1``, the two halves of each head as the pairs (Hugging Face's
+  (``positions``, one per row; ``None``: ``0..length-1``), the two halves of each head as the pairs (Hugging Face's
   ``rotate_half`` layout). The angles' cosines and sines are computed in float32
   and cast to ``x``'s dtype, and the rotation is done in that dtype, as
   transformers does (a 16-bit rotation keeps its values, and so any collective
   GSPMD places on them, 16-bit)."""
-  length = x.shape[1]
-  angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  if positions is None:
+    positions = jnp.arange(x.shape[1])
+  angles = jnp.asarray(positions, jnp.float32)[:, None] * inv_freq[None, :]
   angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
   cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
   first, second = jnp.split(x, 2, axis=-1)

@@ -55,7 +55,9 @@ class Embed(nn.Module):
   positions: bool = True
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array,
+               positions: Optional[np.ndarray] = None) -> jax.Array:
+    """The embeddings of ``tokens``, at ``positions`` (``None``: in order)."""
     init = nn.initializers.normal(self.init_std)
     token = self.param("token", init, (self.vocab_size, self.d_model))
     if tokens.shape[-1] > self.seq_len:
@@ -65,7 +67,9 @@ class Embed(nn.Module):
     if not self.positions:
       return x
     position = self.param("position", init, (self.seq_len, self.d_model))
-    return x + position[:tokens.shape[-1]].astype(token.dtype)
+    position = (position[:tokens.shape[-1]] if positions is None
+                else jnp.take(position, positions, axis=0))
+    return x + position.astype(token.dtype)
 
 
 def _heads_major(init: Callable, num_heads: int) -> Callable:
@@ -241,8 +245,19 @@ def _attend(attention: str, shard: Callable, dtype: Any, q: jax.Array, k: jax.Ar
             v: jax.Array, window: Optional[int] = None) -> jax.Array:
   """Causal attention of ``[batch, length, heads, head_dim]`` heads: cuDNN's fused
   for ``attention == "cudnn"`` and 16-bit activations, else XLA's
-  (`causal_attention`), laid out as ``shard`` lays out ``"heads"``."""
-  if attention == "cudnn" and jnp.dtype(dtype).name in _CUDNN_DTYPES:
+  (`causal_attention`), laid out as ``shard`` lays out ``"heads"``; across a
+  ``context`` split, `mpscale.parallel.context_attention` with blocks of either."""
+  cudnn = attention == "cudnn" and jnp.dtype(dtype).name in _CUDNN_DTYPES
+  if isinstance(shard, ActivationSharding) and shard.context > 1:
+    if k.shape[2] != q.shape[2] and not _tensor_divides(shard, k.shape[2]):
+      k, v = (jnp.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
+    out = parallel_lib.context_attention(
+        q, k, v, mesh=shard.mesh, spec=shard.spec("heads"), axis=shard.context_axis,
+        mode=shard.context_parallel,
+        # cuDNN's blocks take no window: a sliding window's blocks are XLA's
+        implementation="cudnn" if cudnn and window is None else "xla", window=window)
+    return shard(out.astype(dtype), "heads")
+  if cudnn:
     spec = (shard.spec("heads") if isinstance(shard, ActivationSharding)
             else jax.sharding.PartitionSpec())
     if k.shape[2] != q.shape[2] and not _tensor_divides(shard, k.shape[2]):
@@ -350,7 +365,9 @@ class LlamaBlock(nn.Module):
       q, k = norm(name="q_norm")(q), norm(name="k_norm")(k)
     inv_freq = families.rope_frequencies(self.head_dim, self.rope_theta,
                                          self.rope_scaling)
-    q, k = families.apply_rope(q, inv_freq), families.apply_rope(k, inv_freq)
+    positions = (self.shard.order(length)
+                 if isinstance(self.shard, ActivationSharding) else None)
+    q, k = (families.apply_rope(t, inv_freq, positions) for t in (q, k))
     # K/V heads stay as many as they are (grouped-query attention), split over the
     # tensor axis as their kernels are when it divides them
     q = self.shard(q, "heads")
@@ -450,12 +467,35 @@ class ActivationSharding:
   the sequence (Megatron's sequence parallelism: layer norms and residual adds on a
   slice of the sequence, an all-gather before attention and MLP and a reduce-scatter
   after). The batch dimension is split over ``batch_axes`` (the data axes: with
-  FSDP, GSPMD then gathers parameters rather than activations).
+  FSDP, GSPMD then gathers parameters rather than activations). With a
+  ``context_axis`` on the mesh (context parallelism), every activation's sequence
+  dimension is split over it, in the balanced order of
+  `mpscale.parallel.context_order` (`order`), and attention crosses the split as
+  ``context_parallel`` says (`mpscale.parallel.context_attention`).
   """
   mesh: Any
   batch_axes: tuple[str, ...] = ("data", "fsdp")
   tensor_axis: str = "tensor"
   sequence_parallel: bool = False
+  context_axis: str = parallel_lib.CONTEXT_AXIS
+  context_parallel: str = "ring"
+  """``ring`` or ``all_gather`` (`mpscale.parallel.CONTEXT_PARALLEL`)."""
+
+  def __post_init__(self):
+    validation.one_of("context_parallel", self.context_parallel,
+                      parallel_lib.CONTEXT_PARALLEL)
+
+  @property
+  def context(self) -> int:
+    """The size of the context axis (1: none)."""
+    return parallel_lib.context_size(self.mesh, self.context_axis)
+
+  def order(self, length: int) -> Optional[np.ndarray]:
+    """The positions of a sequence of ``length`` in the order the activations hold
+    them (`mpscale.parallel.context_order`); ``None`` without a context split."""
+    if self.context == 1:
+      return None
+    return parallel_lib.context_order(length, self.context)
 
   def __call__(self, x: jax.Array, kind: str) -> jax.Array:
     return parallel_lib.constrain(x, self.spec(kind), self.mesh)
@@ -465,12 +505,15 @@ class ActivationSharding:
     batch = tuple(a for a in self.batch_axes if a in self.mesh.axis_names) or None
     free = batch
     tensor = self.tensor_axis if self.tensor_axis in self.mesh.axis_names else None
+    seq = (self.context_axis,) if self.context > 1 else ()
+    seq_entry = parallel_lib.spec_entry(seq)
     if kind == "residual":
-      spec = (free, tensor if self.sequence_parallel else None, None)
+      spec = (free, parallel_lib.spec_entry(
+          seq + ((tensor,) if self.sequence_parallel and tensor else ())), None)
     elif kind == "heads":
-      spec = (free, None, tensor, None)
+      spec = (free, seq_entry, tensor, None)
     elif kind == "mlp":
-      spec = (free, None, tensor)
+      spec = (free, seq_entry, tensor)
     else:
       raise ValueError(f"unknown activation kind {kind!r}")
     return jax.sharding.PartitionSpec(*spec)
@@ -657,8 +700,10 @@ class TinyLM:
     return Embed(self.vocab_size, self.d_model, self.seq_len, self.init_std,
                  positions=self.family == "gpt")
 
-  def _block(self, dtype: Any = None) -> nn.Module:
-    shard = self.shard or _unconstrained
+  def _block(self, dtype: Any = None, laid_out: bool = True) -> nn.Module:
+    """A block; ``laid_out=False``: without the activation layout (to make its
+    parameters, which do not depend on it, from a one-row dummy input)."""
+    shard = (self.shard if laid_out else None) or _unconstrained
     if self.family == "gpt":
       return Block(self.num_heads, self.d_ff, self.init_std, self.num_layers,
                    dtype=dtype, shard=shard, attention=self.attention, fp8=self.fp8)
@@ -682,7 +727,7 @@ class TinyLM:
     k_embed, k_stages, k_head = jax.random.split(rng, 3)
     tokens = jnp.zeros((1, self.seq_len), jnp.int32)
     x = jnp.zeros((1, self.seq_len, self.d_model), jnp.float32)
-    block = self._block()
+    block = self._block(laid_out=False)
     return {
         "embed": self._embed().init(k_embed, tokens)["params"],
         "stages": jax.vmap(lambda k: block.init(k, x)["params"])(
@@ -764,8 +809,18 @@ class TinyLM:
     return specs
 
   def embed_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
-    """Embeddings ``[B, T, d_model]`` of ``batch["inputs"]``, in the embedding's dtype."""
-    return self._embed().apply({"params": params["embed"]}, batch["inputs"])
+    """Embeddings ``[B, T, d_model]`` of ``batch["inputs"]``, in the embedding's
+    dtype; under context parallelism, in the order `ActivationSharding.order` lays
+    the sequence out (the head reorders the targets alike)."""
+    tokens = batch["inputs"]
+    order = self._order(tokens.shape[-1])
+    if order is not None:
+      tokens = jnp.take(tokens, order, axis=-1)
+    return self._embed().apply({"params": params["embed"]}, tokens, order)
+
+  def _order(self, length: int) -> Optional[np.ndarray]:
+    """The sequence's order under context parallelism (``None``: in order)."""
+    return None if self.shard is None else self.shard.order(length)
 
   def stage_fn(self, layer_params: Params, x: jax.Array, state: Any = None
               ) -> jax.Array:
@@ -793,17 +848,24 @@ class TinyLM:
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
     """Float32 logits ``[batch, length, vocab]`` of integer ``tokens`` ``[batch,
     length]``: the whole model, in the dtype of ``params``."""
-    return self.logits_fn(params, self.hidden_fn(params, {"inputs": tokens}))
+    logits = self.logits_fn(params, self.hidden_fn(params, {"inputs": tokens}))
+    order = self._order(tokens.shape[-1])
+    if order is not None:  # back in order
+      logits = jnp.take(logits, np.argsort(order), axis=1)
+    return logits
 
   def head_fn(self, params: Params, x: jax.Array, batch: dict[str, jax.Array]
              ) -> tuple[jax.Array, jax.Array]:
     """``(loss_sum, num_tokens)``: float32 cross-entropy of ``batch["targets"]``
     summed over the tokens where ``batch["mask"]`` is 1, and their count (float32)."""
     logits = self.logits_fn(params, x)
-    mask = batch.get("mask")
+    targets, mask = batch["targets"], batch.get("mask")
     if mask is None:
-      mask = jnp.ones(batch["targets"].shape, jnp.float32)
-    return cross_entropy_sum(logits, batch["targets"], mask)
+      mask = jnp.ones(targets.shape, jnp.float32)
+    order = self._order(targets.shape[-1])
+    if order is not None:  # as embed_fn laid the inputs out
+      targets, mask = (jnp.take(t, order, axis=-1) for t in (targets, mask))
+    return cross_entropy_sum(logits, targets, mask)
 
   def init_model_state(self) -> Optional[dict[str, Any]]:
     """The FP8 products' first scaling state (`mpscale.fp8_state` of the recipe, one
