@@ -380,6 +380,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                                per_token_loss, reduce_dtype, merge_state)
   model = _pipeline_model(pipeline) if pipeline is not None else loss_fn
   if context_lib.context_size(mesh) > 1:
+    if pipeline is not None:
+      _check_context_pipeline(pipeline, mesh, data_axes, context_parallel)
     gradients = _over_context(gradients, mesh, data_axes, context_parallel, model)
   data_size = layouts_lib.axis_size(mesh, data_axes)
 
@@ -462,3 +464,27 @@ def _over_context(gradients: Callable, mesh: Mesh, data_axes: tuple[str, ...],
           "without a context axis")
     return out
   return run
+
+
+def _check_context_pipeline(pipeline: Any, mesh: Mesh, data_axes: tuple[str, ...],
+                            mode: str) -> None:
+  """A `Pipeline` beside a context axis: the ring only under GPipe (1F1B's and
+  ZB-H1's stages run different branches at a tick, and the ring's transfers would
+  not pair up), and no other axis left to GSPMD inside the stages (XLA's SPMD
+  partitioner, jax 0.10, aborts on a stage split over context and, say, tensor).
+
+  Raises:
+    ValueError: naming ``context_parallel`` or the axes.
+  """
+  if mode == "ring" and pipeline.schedule != "gpipe":
+    raise validation.fail(
+        "context_parallel", f": ring passes K/V blocks inside the "
+        f"{pipeline.schedule} schedule's per-stage branches, where they would not "
+        "pair up; use all_gather, or the gpipe schedule")
+  manual = set(data_axes) | {pipeline.stage_axis, context_lib.CONTEXT_AXIS}
+  others = [a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1]
+  if others:
+    raise ValueError(
+        f"mesh: a Pipeline beside a context axis takes no other axis inside its "
+        f"stages, and {others} would be one (XLA's SPMD partitioner aborts on the "
+        "stage); make it a data axis, or drop the context or stage axis")

@@ -87,6 +87,13 @@ def check(cfg: RunConfig) -> None:
     raise ConfigError("mesh.sequence_parallel needs mesh.tensor > 1 (it splits the "
                       "sequence over the tensor axis)",
                       ("mesh.sequence_parallel", "mesh.tensor"))
+  if mesh.context > 1 and mesh.stage > 1 and mesh.tensor > 1:
+    raise ConfigError(
+        "mesh.context: with both mesh.stage and mesh.tensor > 1, XLA's SPMD "
+        "partitioner (jax 0.10) aborts compiling a stage whose sequence is split "
+        "over context and heads over tensor; drop one of the three, or take tensor's "
+        "devices as mesh.fsdp or mesh.data",
+        ("mesh.context", "mesh.stage", "mesh.tensor"))
   if (mesh.context > 1 and mesh.stage > 1 and mesh.pipeline_schedule != "gpipe"
       and model.context_parallel == "ring"):
     raise ConfigError(
