@@ -31,6 +31,11 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
               embedding and head
     stage     one permute of a micro-batch's [rows, T, d] activations a tick, each
               way; the embedding's and head's gradients summed over the stages
+    context   the gradient sum (the parameters are whole on each); per layer and
+              micro-batch, a ring's ``context - 1`` permutes of a device's K and V
+              forward, and as many of them with their float32 gradients back
+              (``context`` of those), or an all-gather of K and V forward and
+              backward and a reduce-scatter of their gradients (`context_kv_bytes`)
 
   priced with `mpscale.trainer.planning.step_time`'s own ring formulas and link
   levels (`step_time.collective_seconds`, `step_time.link_for`).
@@ -43,7 +48,9 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
   one layer's working set) and one layer's gathered weights under FSDP.
 
 The step is ``compute + memory + collectives``, nothing hidden (as the CPU compile the
-search reads). The constants are counts, not a fit to one machine; what they are for
+search reads) but the ring's K/V permutes, each behind its block's attention
+(`hidden_seconds`: up to the attention's FLOPs' time). Context parallelism divides a
+device's tokens by ``context``. The constants are counts, not a fit to one machine; what they are for
 is the order of layouts, not a step time to quote: the search compiles the leading
 ones and ranks those by their compiled estimate. tests/trainer/planning/test_analytic.py
 checks each formula by hand on tiny sizes and the order against compiled plans.
@@ -76,7 +83,7 @@ from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.planning import step_time as step_time_lib
 from mpscale.trainer.planning.hardware import Hardware
 
-AXES = ("data", "fsdp", "stage", "tensor")
+AXES = ("data", "fsdp", "stage", "context", "tensor")
 """The trainer's mesh axes, in its row-major order (`step_time.link_for`)."""
 
 ELEMENTWISE_PASSES = {"residual": 230, "mlp": 15, "scores": 15, "logits": 10}
@@ -133,6 +140,10 @@ class Layout(NamedTuple):
   """Pipeline stages (``mesh.stage``)."""
   tensor: int = 1
   """Megatron's split of heads, MLP units and vocabulary (``mesh.tensor``)."""
+  context: int = 1
+  """The sequence's split (``mesh.context``)."""
+  context_parallel: str = "ring"
+  """How attention crosses it (``model.context_parallel``)."""
   microbatches: int = 1
   """Micro-batches per data replica (``train.num_microbatches``)."""
   remat: bool = False
@@ -155,7 +166,8 @@ class Layout(NamedTuple):
             "train.remat": "remat", "mesh.shard_optimizer_state": "zero1",
             "mesh.sequence_parallel": "sequence_parallel",
             "mesh.pipeline_schedule": "schedule", "mesh.virtual_stages":
-            "virtual_stages"}
+            "virtual_stages", "mesh.context": "context",
+            "model.context_parallel": "context_parallel"}
     return cls(**{keys[k]: v for k, v in overrides.items() if k in keys})
 
   @property
@@ -298,12 +310,29 @@ def rows(model: Model, layout: Layout) -> float:
   return model.batch_size / (layout.replicas * layout.microbatches)
 
 
+def tokens_per_device(model: Model, layout: Layout) -> float:
+  """A device's tokens a step: its replica's share of the batch, its ``1 /
+  context`` of each sequence."""
+  return model.batch_size * model.lm.seq_len / (layout.replicas * layout.context)
+
+
+def context_kv_bytes(model: Model, layout: Layout) -> float:
+  """A device's K and V of one micro-batch and layer (its rows, its ``1 / context``
+  of the sequence, its K/V heads: split over ``tensor`` where it divides them), in
+  the compute dtype: what a ring step passes on."""
+  lm = model.lm
+  heads = lm.kv_heads / layout.tensor if lm.kv_heads % layout.tensor == 0 else (
+      lm.num_heads / layout.tensor)  # repeated to the query heads
+  return (2 * rows(model, layout) * lm.seq_len / layout.context * heads
+          * lm.dims_per_head * model.compute_bytes)
+
+
 def matmul_flops(model: Model, layout: Layout) -> float:
   """Matrix-product FLOPs one device runs a step (module docstring)."""
   lm, t = model.lm, layout.tensor
   d, f = lm.d_model, lm.d_ff
   q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
-  tokens = model.batch_size * lm.seq_len / layout.replicas
+  tokens = tokens_per_device(model, layout)
   products = 2 * d * q + 2 * d * kv + (2 if lm.family == "gpt" else 3) * d * f
   layer = (2 * products + 4 * lm.seq_len * q) / t
   passes = 3 + (1 - 2 * d * f / t / layer if layout.remat else 0)
@@ -316,7 +345,7 @@ def elementwise_bytes(model: Model, layout: Layout) -> float:
   """Bytes one device's memory-bound kernels move a step (`ELEMENTWISE_PASSES`,
   `UPDATE_BYTES`)."""
   t, cb = layout.tensor, model.compute_bytes
-  tokens = model.batch_size * model.lm.seq_len / layout.replicas
+  tokens = tokens_per_device(model, layout)
   residual = model.lm.d_model / (t if layout.sequence_parallel else 1)
   layer = (ELEMENTWISE_PASSES["residual"] * residual * cb
            + ELEMENTWISE_PASSES["mlp"] * model.lm.d_ff / t * 4
@@ -340,7 +369,7 @@ def activation_bytes(model: Model, layout: Layout) -> float:
   a layer's input only, and one layer's whole working set; and the micro-batch's
   float32 logits."""
   d, f, cb, t = model.lm.d_model, model.lm.d_ff, model.compute_bytes, layout.tensor
-  tokens = rows(model, layout) * model.lm.seq_len
+  tokens = rows(model, layout) * model.lm.seq_len / layout.context
   residual = 6 * d * cb / (t if layout.sequence_parallel else 1)
   split = (4 * d * cb + f * (2 * cb + 4)
            + model.lm.num_heads * model.lm.seq_len * (8 + cb)) / t
@@ -379,7 +408,9 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
   out = []
   p, cb = param_counts(model), model.compute_bytes
   n = params_per_device(model, layout)
-  replicas = tuple(a for a in ("data", "fsdp") if getattr(layout, a) > 1)
+  # the gradients are summed over the context axis too: each device's parameters
+  # are whole, its tokens a slice
+  replicas = tuple(a for a in ("data", "fsdp", "context") if getattr(layout, a) > 1)
   split = layout.zero1 and layout.data > 1 or layout.fsdp > 1
   pieces = PIECES * LEAVES if split else 1
   if replicas:
@@ -395,7 +426,9 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
     out.append(Collective("all-gather", ("fsdp",), weights / (
         LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES),
         passes * m * (LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES)))
-  activation = rows(model, layout) * model.lm.seq_len * model.lm.d_model * cb
+  activation = (rows(model, layout) * model.lm.seq_len / layout.context
+                * model.lm.d_model * cb)
+  out += _context_collectives(model, layout, m * layers, passes)
   if layout.tensor > 1:
     big = m * ((passes + 2) * layers + 2)  # two a layer a pass (the recompute's
     # second unused), the embedding's and the head's
@@ -420,6 +453,44 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
   return out
 
 
+def _context_collectives(model: Model, layout: Layout, layers: float,
+                         passes: int) -> list[Collective]:
+  """The K/V exchanges of ``layers`` layer runs (micro-batches times layers) with
+  ``passes`` forwards and backwards (3 with recomputation: the forward twice)."""
+  c = layout.context
+  if c == 1:
+    return []
+  kv = context_kv_bytes(model, layout)
+  forwards = passes - 1
+  if layout.context_parallel == "ring":
+    gradients = kv * 4 / model.compute_bytes
+    return [Collective("collective-permute", ("context",), kv,
+                       layers * (c - 1) * (forwards + 1)),
+            Collective("collective-permute", ("context",), gradients, layers * c)]
+  return [Collective("all-gather", ("context",), kv * c, layers * (forwards + 1)),
+          Collective("reduce-scatter", ("context",), kv * c * 4 / model.compute_bytes,
+                     layers)]
+
+
+def hidden_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
+  """The ring's K/V permutes that run behind attention: each step's transfer
+  overlaps the previous block's attention, so up to the attention FLOPs' time (a
+  device's tokens, ``4 T q / t`` a token and layer, three passes)."""
+  if layout.context == 1 or layout.context_parallel != "ring":
+    return 0.0
+  mesh, ring = layout.mesh, 0.0
+  for c in _context_collectives(model, layout, layout.microbatches
+                                * model.lm.num_layers / layout.stage,
+                                3 if layout.remat else 2):
+    link, _ = step_time_lib.link_for(c.axes, mesh, hardware)
+    ring += c.count * step_time_lib.collective_seconds(c.kind, c.nbytes, 2, link)
+  lm = model.lm
+  attention = (tokens_per_device(model, layout) * lm.num_layers / layout.stage * 3
+               * 4 * lm.seq_len * lm.num_heads * lm.dims_per_head / layout.tensor)
+  rate = step_time_lib.peak_for(hardware, model.compute_dtype) * hardware.matmul_efficiency
+  return min(ring, attention / rate)
+
+
 class Estimate(NamedTuple):
   """A layout's step from shapes (`estimate`), in seconds, and its peak bytes."""
   seconds: float
@@ -430,6 +501,9 @@ class Estimate(NamedTuple):
   """The bubble's share of ``compute + memory`` (in them, not added)."""
   peak_bytes: float
   """`memory_bytes`."""
+  hidden: float = 0.0
+  """Collective seconds behind compute (the ring's, `hidden_seconds`), already
+  taken out of ``collectives`` and ``seconds``."""
 
 
 def collective_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
@@ -462,10 +536,11 @@ def estimate(model: Model, layout: Layout, hardware: Hardware) -> Estimate:
   byte_rate = hardware.hbm_bandwidth * hardware.memory_efficiency
   compute = matmul_flops(model, layout) / flop_rate
   memory = elementwise_bytes(model, layout) / byte_rate
-  comms = collective_seconds(model, layout, hardware)
+  hidden = hidden_seconds(model, layout, hardware)
+  comms = collective_seconds(model, layout, hardware) - hidden
   return Estimate(seconds=compute + memory + comms, compute=compute, memory=memory,
                   collectives=comms, bubble=bubble(layout) * (compute + memory),
-                  peak_bytes=memory_bytes(model, layout))
+                  peak_bytes=memory_bytes(model, layout), hidden=hidden)
 
 
 def fits(model: Model, layout: Layout, memory: float, slack: float = 1.0) -> bool:
@@ -476,6 +551,7 @@ def fits(model: Model, layout: Layout, memory: float, slack: float = 1.0) -> boo
 __all__ = ["AXES", "Collective", "ELEMENTWISE_PASSES", "Estimate", "LAYER_LEAVES",
            "LEAVES", "Layout", "Model", "PIECES", "Params", "REMAT_BYTES",
            "UPDATE_BYTES", "activation_bytes", "bubble", "collectives",
+           "context_kv_bytes", "hidden_seconds", "tokens_per_device",
            "collective_seconds", "elementwise_bytes", "estimate", "fits",
            "live_items", "matmul_flops", "memory_bytes", "param_counts",
            "params_per_device", "rows", "state_bytes"]

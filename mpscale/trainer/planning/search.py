@@ -105,7 +105,7 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-AXES = ("data", "fsdp", "stage", "tensor")
+AXES = ("data", "fsdp", "stage", "context", "tensor")
 
 
 def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
@@ -132,10 +132,13 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
     if tensor > devices_per_node or m.num_heads % tensor or m.d_ff % tensor or (
         m.vocab_size % tensor):
       continue
-    for stage in sizes("stage", devices // tensor):
-      if m.num_layers % stage:
+    for stage, context in itertools.product(sizes("stage", devices // tensor),
+                                            sizes("context", devices // tensor)):
+      if (m.num_layers % stage or devices % (tensor * stage * context)
+          or m.seq_len % (2 * context)
+          or context > 1 and stage > 1 and tensor > 1):  # see config.load
         continue
-      rest = devices // (tensor * stage)
+      rest = devices // (tensor * stage * context)
       splits = [(d, f) for d, f in ((rest, 1), (1, rest)) if rest == 1 or (
           (d == 1 or "data" in axes) and (f == 1 or "fsdp" in axes))]
       for data, fsdp in dict.fromkeys(splits):
@@ -155,6 +158,10 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
             continue
           structure = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.stage": stage,
                        "mesh.tensor": tensor}
+          if context > 1:
+            # a ring where the schedule lets it (GPipe's stages run alike)
+            structure.update({"mesh.context": context, "model.context_parallel":
+                              "ring" if sched == "gpipe" else "all_gather"})
           if stage > 1:
             structure.update({"mesh.pipeline_schedule": sched,
                               "mesh.virtual_stages": v})
@@ -175,7 +182,8 @@ def _order(ladder: list[dict[str, Any]]) -> tuple:
   """Planning order of ladders: fewer stages, less tensor parallelism, no FSDP,
   fewer micro-batches, plainer options first."""
   layout = ladder[0]
-  return (layout["mesh.stage"], layout["mesh.tensor"], layout["mesh.fsdp"],
+  return (layout["mesh.stage"], layout.get("mesh.context", 1), layout["mesh.tensor"],
+          layout["mesh.fsdp"],
           layout["train.num_microbatches"], layout.get("mesh.virtual_stages", 1),
           layout.get("mesh.pipeline_schedule", ""),
           layout.get("mesh.sequence_parallel", False), layout["train.remat"],

@@ -215,3 +215,35 @@ def test_matmul_flops_are_the_compiled_plans(family):
   layout = analytic.Layout.from_overrides(overrides)
   assert analytic.matmul_flops(model, layout) == pytest.approx(plan.flops_per_device)
   assert analytic.params_per_device(model, layout) * 4 == plan.bytes["params"]
+
+
+@pytest.mark.parametrize("mode", ["ring", "all_gather"])
+def test_context_divides_a_devices_tokens_and_exchanges_kv_by_hand(mode):
+  """Context 2: a device's FLOPs, memory-bound bytes and activations are half its
+  replica's; the gradient sum runs over context too; the K/V exchange by hand (a
+  device's K and V: 2 x 4 rows x 2 of the 4 positions x 2 heads x 2 dims x 2 bytes
+  = 128 bytes); the ring's permutes hidden behind attention up to its FLOPs' time."""
+  whole, split = analytic.Layout(data=2), analytic.Layout(data=2, context=2,
+                                                          context_parallel=mode)
+  for fn in (analytic.matmul_flops, analytic.activation_bytes):
+    assert fn(SMALL, split) == pytest.approx(fn(SMALL, whole) / 2)
+  assert analytic.context_kv_bytes(SMALL, split) == 2 * 4 * 2 * 2 * 2 * 2 == 128
+  found = {(c.kind, c.axes): c for c in analytic.collectives(SMALL, split)}
+  assert ("all-reduce", ("data", "context")) in found
+  layers = 2  # one micro-batch, two layers
+  if mode == "ring":
+    permute = [c for c in analytic.collectives(SMALL, split)
+               if c.kind == "collective-permute"]
+    # forward and backward, context - 1 each; the float32 gradients, context
+    assert [(c.nbytes, c.count) for c in permute] == [(128, layers * 1 * 2),
+                                                      (256, layers * 2)]
+    hidden = analytic.hidden_seconds(SMALL, split, GPU)
+    assert 0 < hidden <= analytic.collective_seconds(SMALL, split, GPU)
+    estimate = analytic.estimate(SMALL, split, GPU)
+    assert estimate.hidden == hidden
+  else:
+    gather = found[("all-gather", ("context",))]
+    scatter = found[("reduce-scatter", ("context",))]
+    assert (gather.nbytes, gather.count) == (256, layers * 2)
+    assert (scatter.nbytes, scatter.count) == (512, layers)
+    assert analytic.hidden_seconds(SMALL, split, GPU) == 0

@@ -43,12 +43,20 @@ def test_every_layout_is_enumerated_within_the_stated_rules():
   cfg = config_lib.load_config(CONFIG)
   ladders = search_lib.layouts(cfg, 8, 8)
   meshes = {(l[0]["mesh.data"], l[0]["mesh.fsdp"], l[0]["mesh.stage"],
-             l[0]["mesh.tensor"]) for l in ladders}
-  for data, fsdp, stage, tensor in meshes:
-    assert data * fsdp * stage * tensor == 8
+             l[0].get("mesh.context", 1), l[0]["mesh.tensor"]) for l in ladders}
+  for data, fsdp, stage, context, tensor in meshes:
+    assert data * fsdp * stage * context * tensor == 8
     assert cfg.model.num_heads % tensor == 0 and cfg.model.num_layers % stage == 0
     assert data == 1 or fsdp == 1
-  assert (8, 1, 1, 1) in meshes and (1, 8, 1, 1) in meshes and (2, 1, 2, 2) in meshes
+    assert cfg.model.seq_len % (2 * context) == 0
+    assert context == 1 or stage == 1 or tensor == 1
+  assert (8, 1, 1, 1, 1) in meshes and (1, 8, 1, 1, 1) in meshes
+  assert (2, 1, 2, 1, 2) in meshes and (2, 1, 1, 2, 2) in meshes
+  for ladder in ladders:  # the ring where the schedule lets it: GPipe's
+    layout = ladder[0]
+    if layout.get("mesh.context", 1) > 1:
+      assert (layout["model.context_parallel"] == "ring") == (
+          layout.get("mesh.pipeline_schedule", "gpipe") == "gpipe")
   for ladder in ladders:
     # a ladder is one layout: without a pipeline, its micro-batch counts, fewest first
     rest = [{k: x for k, x in v.items() if k != "train.num_microbatches"}
