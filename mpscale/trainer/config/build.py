@@ -203,12 +203,17 @@ def batch_sharding(mesh: Optional[Mesh]) -> Optional[NamedSharding]:
 
 def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
                       mesh: Optional[Mesh]) -> Any:
-  """The params' PartitionSpecs (`TinyLM.param_specs`) when ``mesh.fsdp`` or
-  ``mesh.tensor`` split them; ``None`` (replicated, or split by stage only) else."""
-  if mesh is None or (cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1):
+  """The params' PartitionSpecs (`TinyLM.param_specs`) when ``mesh.fsdp``,
+  ``mesh.context`` or ``mesh.tensor`` split them; ``None`` (replicated, or split by
+  stage only) else. The context axis splits them as FSDP does (Megatron's
+  distributed optimizer spans its data and context groups alike): each device's
+  tokens are a slice of the sequences, so the weights, gathered a layer at a time,
+  need not be whole on each."""
+  if mesh is None or (cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1
+                      and cfg.mesh.context == 1):
     return None
-  return errors.keyed("mesh", lambda: model.param_specs(mesh),
-                      errors.fields("model", cfg.model))
+  return errors.keyed("mesh", lambda: model.param_specs(
+      mesh, fsdp_axis=(FSDP_AXIS, CONTEXT_AXIS)), errors.fields("model", cfg.model))
 
 
 def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:

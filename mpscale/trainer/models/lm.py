@@ -773,10 +773,11 @@ class TinyLM:
     return jax.tree_util.tree_map_with_path(name, shapes)
 
   def param_specs(self, mesh: Any, rules: Any = LOGICAL_RULES,
-                  fsdp_axis: Optional[str] = "fsdp") -> Any:
+                  fsdp_axis: parallel_lib.AxisNames = "fsdp") -> Any:
     """PartitionSpecs of the params on ``mesh``: `logical_axes` through ``rules``
     (rules naming an axis ``mesh`` lacks, or one of size 1, are dropped), then FSDP
-    over ``fsdp_axis`` on each leaf's largest free dimension it divides
+    over ``fsdp_axis`` (an axis, or several: those ``mesh`` has at sizes above 1)
+    on each leaf's largest free dimension it divides
     (`mpscale.parallel.fsdp_specs`), the token table's on its width.
 
     Raises:
@@ -797,7 +798,10 @@ class TinyLM:
           raise validation.fail(sizes[name], f" ({n}) is not divisible by mesh axis "
                                 f"{axis!r} (size {size})")
     specs = parallel_lib.logical_specs(self.logical_axes(), rules)
-    if fsdp_axis is not None and fsdp_axis in mesh.axis_names:
+    fsdp_axis = parallel_lib.spec_entry([
+        a for a in parallel_lib.entry_axes(fsdp_axis)
+        if a in mesh.axis_names and mesh.shape[a] > 1])
+    if fsdp_axis is not None:
       # The token table over its width: its lookup then exchanges the looked-up rows
       # (all-to-all) rather than gathering the table (`keep_batch_split`).
       table = parallel_lib.pad(specs["embed"]["token"], 2)
