@@ -483,6 +483,7 @@ class attention_over:  # noqa: N801 (a context manager, used as a function)
     self.count = [0]
 
   def seen(self) -> int:
+    """The attentions across the split traced so far (under this context)."""
     return self.count[0]
 
   def __enter__(self) -> "attention_over":
