@@ -69,6 +69,11 @@ LAYOUTS = {
     # has none: not yet found.)
     "llama_fsdp": ("tiny_lm_bf16.yaml", _SPLIT + (
         "model.family=llama", "model.num_kv_heads=2", "mesh.fsdp=8")),
+    # context parallelism: the ring of cuDNN blocks over context 4, beside data 2
+    "llama_context": ("tiny_lm_bf16.yaml", (
+        "data.batch_size=8", "model.seq_len=64", "model.num_layers=4",
+        "model.family=llama", "model.num_kv_heads=2", "mesh.data=2",
+        "mesh.context=4")),
 }
 """Each layout compiled for the 8 H100s: a config file of configs/ and its
 ``--set`` overrides, on 8 devices."""
@@ -313,6 +318,23 @@ def test_the_gpus_program_attends_with_cudnns_fused_attention(name):
   program = _programs(name)[name]
   assert '"__cudnn$fmhaSoftmax"' in program.text, name
   assert '"__cudnn$fmhaSoftmaxBackward"' in program.text, name
+
+
+@gpu_compile
+@needs_cuda
+def test_the_context_ring_attends_in_cudnn_blocks_with_asynchronous_transfers():
+  """Context 4: each layer's forward attends 3 cuDNN blocks on the diagonal step
+  and 2 on each of the 3 others (9), its backward as many (the 4 layers unrolled,
+  none recomputed); the K/V blocks pass as asynchronous collective-permutes (start,
+  done) over the context axis, some with kernels scheduled between the two."""
+  program = _programs("llama_context")["llama_context"]
+  blocks = 9 * program.cfg.model.num_layers
+  assert program.text.count('"__cudnn$fmhaSoftmax"') == blocks
+  assert program.text.count('"__cudnn$fmhaSoftmaxBackward"') == blocks
+  overlaps = [o for o in hlo_lib.overlaps(program.module, {"data": 2, "context": 4})
+              if o.collective == "collective-permute over context"]
+  assert overlaps, "no asynchronous transfer over the context axis"
+  assert any(o.window.dots or o.window.bytes for o in overlaps)
 
 
 # ------------------------------------------------------------------ the checks fail

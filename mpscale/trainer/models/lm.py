@@ -192,8 +192,10 @@ def _attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, start: int,
       "bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd")
   scores = jnp.einsum(spec[0], q, k, preferred_element_type=jnp.float32)
   scores = scores * jnp.float32(1 / math.sqrt(head_dim))
-  query = np.arange(start, start + rows)[:, None]
-  key = np.arange(first, first + k.shape[1])[None, :]
+  # traced (iota), not numpy constants: a long sequence's masks stay out of the
+  # program's constants and fuse into the softmax
+  query = start + lax.broadcasted_iota(jnp.int32, (rows, k.shape[1]), 0)
+  key = first + lax.broadcasted_iota(jnp.int32, (rows, k.shape[1]), 1)
   seen = key <= query
   if window is not None:
     seen &= query - key < window
@@ -725,8 +727,12 @@ class TinyLM:
 
   def _init(self, rng: jax.Array) -> Params:
     k_embed, k_stages, k_head = jax.random.split(rng, 3)
-    tokens = jnp.zeros((1, self.seq_len), jnp.int32)
-    x = jnp.zeros((1, self.seq_len, self.d_model), jnp.float32)
+    # A short dummy sequence: no parameter's shape depends on its length (GPT-2's
+    # position table is seq_len long whatever it embeds), and a long one would be
+    # attended for nothing.
+    length = min(self.seq_len, 8)
+    tokens = jnp.zeros((1, length), jnp.int32)
+    x = jnp.zeros((1, length, self.d_model), jnp.float32)
     block = self._block(laid_out=False)
     return {
         "embed": self._embed().init(k_embed, tokens)["params"],
@@ -976,11 +982,14 @@ class TinyLM:
     validation.positive_int("num_tokens", num_tokens)
     validation.non_negative_float("temperature", temperature)
     window = self.seq_len
+    # one sequence, in order: the training layout (its batch and context splits)
+    # left to GSPMD
+    model = dataclasses.replace(self, shard=None)
 
     @jax.jit
     def next_token(params, tokens, length, key):
-      x = self.hidden_fn(params, {"inputs": tokens[None]})
-      logits = self.logits_fn(params, x)[0, length - 1]
+      x = model.hidden_fn(params, {"inputs": tokens[None]})
+      logits = model.logits_fn(params, x)[0, length - 1]
       if temperature == 0:
         return jnp.argmax(logits)
       return jax.random.categorical(key, logits / temperature)

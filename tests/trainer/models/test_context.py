@@ -36,11 +36,15 @@ def _config(family, mesh=None, mode="ring", **sections):
   return config_lib.config_from_dict(raw, "<test>")
 
 
+def _tokens():
+  tokens = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
 def _step(cfg, steps=1):
   setup = builders.build(cfg)
   state = setup.init(setup.init_params())
-  tokens = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  batch = _tokens()
   if setup.mesh is not None:
     batch = jax.device_put(batch, builders.batch_sharding(setup.mesh))
   for _ in range(steps):
@@ -98,12 +102,18 @@ def test_loss_scaling_skip_fp8_float32_sums_and_recompute_compose():
                   train={"remat": True})
   runs = {}
   for mesh in ({"data": 1}, {"data": 2, "context": 2}):
-    cfg = _config("llama", mesh, "ring", **sections)
-    first, first_metrics = _step(cfg, steps=1)
-    assert int(first_metrics["skipped"]) == 1
-    init = jax.device_get(builders.build(cfg).init_params())
-    helpers.assert_close(first.params, init, 0.0)
-    runs[len(mesh)] = _step(cfg, steps=4)
+    setup = builders.build(_config("llama", mesh, "ring", **sections))
+    init = setup.init_params()
+    state = setup.init(init)
+    batch = _tokens()
+    if setup.mesh is not None:
+      batch = jax.device_put(batch, builders.batch_sharding(setup.mesh))
+    state, metrics = setup.step(state, batch)
+    assert int(metrics["skipped"]) == 1
+    helpers.assert_close(jax.device_get(state.params), jax.device_get(init), 0.0)
+    for _ in range(3):
+      state, metrics = setup.step(state, batch)
+    runs[len(mesh)] = jax.device_get((state, metrics))
   (one, one_metrics), (split, split_metrics) = runs[1], runs[2]
   assert int(split_metrics["skipped"]) == int(one_metrics["skipped"]) == 2
   assert abs(float(split_metrics["loss"]) - float(one_metrics["loss"])) < 2e-3
@@ -128,3 +138,15 @@ def test_bad_context_settings_are_refused_by_key(settings, keys):
          "train": {"num_microbatches": 2}}
   with pytest.raises(ConfigError, match=keys):
     config_lib.config_from_dict(raw, "<test>")
+
+
+def test_a_model_laid_out_for_context_samples_as_on_one_device():
+  """``generate`` writes one sequence in order, whatever the training layout."""
+  setup = builders.build(_config("llama", {"data": 2, "context": 4}))
+  params = jax.device_get(setup.init_params())
+  one = builders.build(_config("llama")).model
+  prompt = np.arange(5, dtype=np.int32)
+  written = setup.model.generate(params, prompt, 3, rng=jax.random.key(0),
+                                 temperature=0.0)
+  assert list(written) == list(one.generate(params, prompt, 3, rng=jax.random.key(0),
+                                            temperature=0.0))
