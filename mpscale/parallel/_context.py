@@ -259,6 +259,12 @@ def _ring_forward(q, k, v, *, axis, size, mode, impl, balanced, window, scale):
   for step in range(size):
     source = (layout.c - step) % size
     if mode == "ring" and step + 1 < size:
+      if step:
+        # The next transfer starts once the previous step's blocks are merged, so
+        # that it runs while this step's are attended: without the barrier XLA's
+        # GPU scheduler issues the ring's transfers together, ahead of the
+        # attention (about half of them then overlap nothing).
+        kv, acc = lax.optimization_barrier((kv, acc))
       incoming = lax.ppermute(kv, axis, shift)  # in flight while this step attends
     elif mode == "all_gather" and step:
       kv = tuple(lax.dynamic_slice_in_dim(t, source * k.shape[1], k.shape[1], axis=1)
