@@ -199,10 +199,6 @@ def _merge(acc, part):
   return o1 * w1 + o2 * w2, lse
 
 
-def _pick(flag, a, b):
-  return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
-
-
 class _Layout:
   """Which of a device's query chunks attend which chunks of a source device's
   block at a ring step, and their positions."""
@@ -237,11 +233,12 @@ class _Layout:
     return [(first_q, 0, False, True), (1, second_k, False, True)]
 
 
-def _chunk(x, i, size):
-  """Chunk ``i`` (static or traced) of ``x``'s rows (axis 1)."""
+def _chunk(x, i, size, axis=1):
+  """Chunk ``i`` (static or traced) of ``size`` rows of ``x`` along ``axis`` (the
+  rows; a log-sum-exp's are on axis 2)."""
   if isinstance(i, int):
-    return x[:, i * size:(i + 1) * size]
-  return lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+    return lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
+  return lax.dynamic_slice_in_dim(x, i * size, size, axis=axis)
 
 
 def _ring_forward(q, k, v, *, axis, size, mode, impl, balanced, window, scale):
@@ -267,8 +264,7 @@ def _ring_forward(q, k, v, *, axis, size, mode, impl, balanced, window, scale):
         kv, acc = lax.optimization_barrier((kv, acc))
       incoming = lax.ppermute(kv, axis, shift)  # in flight while this step attends
     elif mode == "all_gather" and step:
-      kv = tuple(lax.dynamic_slice_in_dim(t, source * k.shape[1], k.shape[1], axis=1)
-                 for t in gathered)
+      kv = tuple(_chunk(t, source, k.shape[1]) for t in gathered)
     kpos = layout.positions(source)
     for qi, ki, causal, keep in layout.pieces(step, source):
       piece = forward(_chunk(q, qi, s), _chunk(kv[0], ki, s), _chunk(kv[1], ki, s),
@@ -311,8 +307,7 @@ def _ring_backward(q, k, v, out, lse, g, *, axis, size, mode, impl, balanced, wi
   for step in range(size):
     source = (layout.c - step) % size
     if mode == "all_gather" and step:
-      kv = tuple(lax.dynamic_slice_in_dim(t, source * k.shape[1], k.shape[1], axis=1)
-                 for t in gathered)
+      kv = tuple(_chunk(t, source, k.shape[1]) for t in gathered)
       dkv = [jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)]
     if mode == "ring" and step + 1 < size:
       incoming = lax.ppermute(kv, axis, shift)
@@ -321,15 +316,15 @@ def _ring_backward(q, k, v, out, lse, g, *, axis, size, mode, impl, balanced, wi
       rows = lambda x, i=qi: _chunk(x, i, s)  # noqa: E731
       dqi, dki, dvi = backward(rows(q), _chunk(kv[0], ki, s), _chunk(kv[1], ki, s),
                                _select(qpos, qi), _select(kpos, ki), rows(out),
-                               _chunk_lse(lse, qi, s), rows(g), causal, window, scale)
+                               _chunk(lse, qi, s, axis=2), rows(g), causal, window,
+                               scale)
       if keep is not True:
         dqi, dki, dvi = (jnp.where(keep, t, 0.0) for t in (dqi, dki, dvi))
       dq = _add_chunk(dq, dqi, qi, s)
       dkv = [_add_chunk(dkv[0], dki, ki, s), _add_chunk(dkv[1], dvi, ki, s)]
     if mode == "all_gather":
-      dgathered = [lax.dynamic_update_slice_in_dim(
-          d, lax.dynamic_slice_in_dim(d, source * k.shape[1], k.shape[1], axis=1) + t,
-          source * k.shape[1], axis=1) for d, t in zip(dgathered, dkv)]
+      dgathered = [_add_chunk(d, t, source, k.shape[1])
+                   for d, t in zip(dgathered, dkv)]
     elif step + 1 < size:
       kv, dkv = incoming, list(lax.ppermute(tuple(dkv), axis, shift))
   if mode == "all_gather":
@@ -340,18 +335,12 @@ def _ring_backward(q, k, v, out, lse, g, *, axis, size, mode, impl, balanced, wi
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _chunk_lse(lse, i, size):
-  if isinstance(i, int):
-    return lse[:, :, i * size:(i + 1) * size]
-  return lax.dynamic_slice_in_dim(lse, i * size, size, axis=2)
-
-
 def _add_chunk(total, part, i, size):
+  """``total`` with ``part`` added to its chunk ``i`` (`_chunk`)."""
   if isinstance(i, int):
     return total.at[:, i * size:(i + 1) * size].add(part)
-  return lax.dynamic_update_slice_in_dim(
-      total, lax.dynamic_slice_in_dim(total, i * size, size, axis=1) + part,
-      i * size, axis=1)
+  return lax.dynamic_update_slice_in_dim(total, _chunk(total, i, size) + part,
+                                         i * size, axis=1)
 
 
 def _attention_fn(mesh, specs, automatic, options):

@@ -148,8 +148,8 @@ def rope_frequencies(head_dim: int, theta: float,
 def apply_rope(x: jax.Array, inv_freq: jax.Array,
                positions: Optional[Any] = None) -> jax.Array:
   """``x`` (``[batch, length, heads, head_dim]``) rotated by its positions
-  (``positions``, one per row; ``None``: ``0..length-1``), the two halves of each head as the pairs (Hugging Face's
-  ``rotate_half`` layout). The angles' cosines and sines are computed in float32
+  (``positions``, one per row; ``None``: ``0..length-1``), the two halves of each
+  head as the pairs (Hugging Face's ``rotate_half`` layout). The angles' cosines and sines are computed in float32
   and cast to ``x``'s dtype, and the rotation is done in that dtype, as
   transformers does (a 16-bit rotation keeps its values, and so any collective
   GSPMD places on them, 16-bit)."""

@@ -250,22 +250,22 @@ def _attend(attention: str, shard: Callable, dtype: Any, q: jax.Array, k: jax.Ar
   (`causal_attention`), laid out as ``shard`` lays out ``"heads"``; across a
   ``context`` split, `mpscale.parallel.context_attention` with blocks of either."""
   cudnn = attention == "cudnn" and jnp.dtype(dtype).name in _CUDNN_DTYPES
-  if isinstance(shard, ActivationSharding) and shard.context > 1:
-    if k.shape[2] != q.shape[2] and not _tensor_divides(shard, k.shape[2]):
-      k, v = (jnp.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
+  split = isinstance(shard, ActivationSharding) and shard.context > 1
+  if ((cudnn or split) and k.shape[2] != q.shape[2]
+      and not _tensor_divides(shard, k.shape[2])):
+    # K/V heads the tensor axis does not split: one per query head, so that
+    # each device's heads are whole groups (cuDNN's, and the context split's, run
+    # on each device's own heads)
+    k, v = (jnp.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
+  if split:
     out = parallel_lib.context_attention(
         q, k, v, mesh=shard.mesh, spec=shard.spec("heads"), axis=shard.context_axis,
         mode=shard.context_parallel,
         # cuDNN's blocks take no window: a sliding window's blocks are XLA's
         implementation="cudnn" if cudnn and window is None else "xla", window=window)
-    return shard(out.astype(dtype), "heads")
-  if cudnn:
+  elif cudnn:
     spec = (shard.spec("heads") if isinstance(shard, ActivationSharding)
             else jax.sharding.PartitionSpec())
-    if k.shape[2] != q.shape[2] and not _tensor_divides(shard, k.shape[2]):
-      # K/V heads the tensor axis does not split: one per query head, so that
-      # each device's heads are whole groups
-      k, v = (jnp.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
     out = _fused_attention(q, k, v, spec, window)
   else:
     out = causal_attention(q, k, v, window)
