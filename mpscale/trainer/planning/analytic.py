@@ -31,8 +31,8 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
               embedding and head
     stage     one permute of a micro-batch's [rows, T, d] activations a tick, each
               way; the embedding's and head's gradients summed over the stages
-    context   the gradient sum (the parameters are whole on each); per layer and
-              micro-batch, a ring's ``context - 1`` permutes of a device's K and V
+    context   as fsdp's, the parameters split over it too (as the trainer lays them
+              out) and the gradient sum; per layer and micro-batch, a ring's ``context - 1`` permutes of a device's K and V
               forward, and as many of them with their float32 gradients back
               (``context`` of those), or an all-gather of K and V forward and
               backward and a reduce-scatter of their gradients (`context_kv_bytes`)
@@ -180,6 +180,18 @@ class Layout(NamedTuple):
     """The data-parallel replicas (``data x fsdp``): the batch's split."""
     return self.data * self.fsdp
 
+  @property
+  def param_axes(self) -> tuple[str, ...]:
+    """The axes (of size > 1) the parameters and their state are split over as
+    FSDP splits them: ``fsdp``, and ``context`` (as the trainer lays them out,
+    `mpscale.trainer.config.build.build_param_specs`)."""
+    return tuple(a for a in ("fsdp", "context") if getattr(self, a) > 1)
+
+  @property
+  def param_split(self) -> int:
+    """The devices one parameter is split over (``fsdp x context``)."""
+    return self.fsdp * self.context
+
 
 class Model(NamedTuple):
   """The sizes of the built-in LM and of its step that the estimate reads."""
@@ -261,12 +273,12 @@ def param_counts(model: Model) -> Params:
 def params_per_device(model: Model, layout: Layout) -> float:
   """Parameters one device holds: a stage's layers and the embedding and head (on
   every stage), their heads, MLP units and vocabulary split over ``tensor``, and
-  everything over ``fsdp``."""
+  everything over ``fsdp`` and ``context`` (`Layout.param_split`)."""
   p, t = param_counts(model), layout.tensor
   per = lambda whole, split: whole - split + split / t  # noqa: E731
   layers = model.lm.num_layers / layout.stage * per(p.layer, p.layer_split)
   return (layers + per(p.embed, p.embed_split) + per(p.head, p.head_split)
-          ) / layout.fsdp
+          ) / layout.param_split
 
 
 def state_bytes(model: Model, layout: Layout) -> float:
@@ -382,11 +394,12 @@ def activation_bytes(model: Model, layout: Layout) -> float:
 
 
 def memory_bytes(model: Model, layout: Layout) -> float:
-  """A device's peak: `state_bytes`, `activation_bytes` and, under FSDP, one
-  layer's weights gathered (twice: the next one's gather overlaps)."""
+  """A device's peak: `state_bytes`, `activation_bytes` and, under FSDP (or
+  context), one layer's weights gathered (twice: the next one's gather
+  overlaps)."""
   p = param_counts(model)
   gathered = (2 * (p.layer - p.layer_split + p.layer_split / layout.tensor)
-              * model.compute_bytes if layout.fsdp > 1 else 0)
+              * model.compute_bytes if layout.param_split > 1 else 0)
   return state_bytes(model, layout) + activation_bytes(model, layout) + gathered
 
 
@@ -408,10 +421,10 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
   out = []
   p, cb = param_counts(model), model.compute_bytes
   n = params_per_device(model, layout)
-  # the gradients are summed over the context axis too: each device's parameters
-  # are whole, its tokens a slice
+  # the gradients are summed over the context axis too: each device's tokens are
+  # a slice of the sequences
   replicas = tuple(a for a in ("data", "fsdp", "context") if getattr(layout, a) > 1)
-  split = layout.zero1 and layout.data > 1 or layout.fsdp > 1
+  split = layout.zero1 and layout.data > 1 or layout.param_split > 1
   pieces = PIECES * LEAVES if split else 1
   if replicas:
     out.append(Collective("all-reduce", replicas, n * model.reduce_bytes / pieces,
@@ -421,9 +434,10 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
                           pieces))
   m, passes = layout.microbatches, 3 if layout.remat else 2
   layers = model.lm.num_layers / layout.stage
-  if layout.fsdp > 1:
-    weights = (params_per_device(model, layout) * layout.fsdp * model.param_bytes)
-    out.append(Collective("all-gather", ("fsdp",), weights / (
+  if layout.param_split > 1:
+    weights = (params_per_device(model, layout) * layout.param_split
+               * model.param_bytes)
+    out.append(Collective("all-gather", layout.param_axes, weights / (
         LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES),
         passes * m * (LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES)))
   activation = (rows(model, layout) * model.lm.seq_len / layout.context

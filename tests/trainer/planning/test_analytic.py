@@ -220,14 +220,24 @@ def test_matmul_flops_are_the_compiled_plans(family):
 @pytest.mark.parametrize("mode", ["ring", "all_gather"])
 def test_context_divides_a_devices_tokens_and_exchanges_kv_by_hand(mode):
   """Context 2: a device's FLOPs, memory-bound bytes and activations are half its
-  replica's; the gradient sum runs over context too; the K/V exchange by hand (a
+  replica's; its parameters and state are half too (split over context as FSDP
+  splits them, as the trainer lays them out), gathered over context; the gradient
+  sum runs over context too; the K/V exchange by hand (a
   device's K and V: 2 x 4 rows x 2 of the 4 positions x 2 heads x 2 dims x 2 bytes
   = 128 bytes); the ring's permutes hidden behind attention up to its FLOPs' time."""
   whole, split = analytic.Layout(data=2), analytic.Layout(data=2, context=2,
                                                           context_parallel=mode)
-  for fn in (analytic.matmul_flops, analytic.activation_bytes):
+  for fn in (analytic.matmul_flops, analytic.activation_bytes,
+             analytic.params_per_device):
     assert fn(SMALL, split) == pytest.approx(fn(SMALL, whole) / 2)
   assert analytic.context_kv_bytes(SMALL, split) == 2 * 4 * 2 * 2 * 2 * 2 == 128
+  # the weights gathered over context, forward and backward (the ring's layout
+  # has no other all-gather)
+  weights = analytic.params_per_device(SMALL, split) * 2 * SMALL.param_bytes
+  gathers = [c for c in analytic.collectives(SMALL, analytic.Layout(
+      data=2, context=2)) if c.kind == "all-gather"]
+  assert {c.axes for c in gathers} == {("context",)}
+  assert sum(c.nbytes * c.count for c in gathers) == pytest.approx(2 * weights)
   found = {(c.kind, c.axes): c for c in analytic.collectives(SMALL, split)}
   assert ("all-reduce", ("data", "context")) in found
   layers = 2  # one micro-batch, two layers
