@@ -492,12 +492,9 @@ def hidden_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
   device's tokens, ``4 T q / t`` a token and layer, three passes)."""
   if layout.context == 1 or layout.context_parallel != "ring":
     return 0.0
-  mesh, ring = layout.mesh, 0.0
-  for c in _context_collectives(model, layout, layout.microbatches
-                                * model.lm.num_layers / layout.stage,
-                                3 if layout.remat else 2):
-    link, _ = step_time_lib.link_for(c.axes, mesh, hardware)
-    ring += c.count * step_time_lib.collective_seconds(c.kind, c.nbytes, 2, link)
+  ring = _priced(_context_collectives(
+      model, layout, layout.microbatches * model.lm.num_layers / layout.stage,
+      3 if layout.remat else 2), layout, hardware)
   lm = model.lm
   attention = (tokens_per_device(model, layout) * lm.num_layers / layout.stage * 3
                * 4 * lm.seq_len * lm.num_heads * lm.dims_per_head / layout.tensor)
@@ -522,8 +519,13 @@ class Estimate(NamedTuple):
 
 def collective_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
   """`collectives`, priced on the links their groups need."""
+  return _priced(collectives(model, layout), layout, hardware)
+
+
+def _priced(found: list[Collective], layout: Layout, hardware: Hardware) -> float:
+  """The seconds of ``found`` on ``layout``'s mesh (a permute: one hop)."""
   mesh, total = layout.mesh, 0.0
-  for c in collectives(model, layout):
+  for c in found:
     link, n = step_time_lib.link_for(c.axes, mesh, hardware)
     if c.kind == "collective-permute":
       n = 2 if n > 1 else 1
