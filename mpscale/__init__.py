@@ -9,6 +9,8 @@ This package is the library. Its rooms, each one concern, from the bottom up:
   stochastic rounding;
 - `mpscale.parallel`: layouts on a mesh, FSDP, ZeRO-1, and pipeline stages
   (`mpscale.parallel.pipeline`);
+- `mpscale.experts`: mixtures of experts, their router, grouped products and expert
+  parallelism;
 - `mpscale.step`: `make_train_step`, gradient accumulation, the step's metrics.
 
 Under them the core: `mpscale.validation` (argument checks and their errors),
@@ -28,7 +30,7 @@ _versions.check()
 
 from mpscale import _deprecated  # noqa: E402
 from mpscale import gradients, keys, validation  # noqa: E402,F401
-from mpscale import optim, parallel, precision, scaling, step  # noqa: E402,F401
+from mpscale import experts, optim, parallel, precision, scaling, step  # noqa: E402,F401
 from mpscale.gradients import Gradients  # noqa: E402
 from mpscale.optim import (  # noqa: E402
     CameLearningRateState,

@@ -265,7 +265,7 @@ def test_the_bottom_modules_import_nothing_of_the_trainer():
 
 
 # ------------------------------------------------------------------ the library's rooms
-LIBRARY_ROOMS = ("precision", "scaling", "optim", "parallel", "step")
+LIBRARY_ROOMS = ("precision", "scaling", "optim", "parallel", "step", "experts")
 """The library's subpackages, each one concern (``parallel.pipeline`` is part of
 ``parallel``)."""
 CORE = ("_deprecated", "_jaxprs", "_tree", "_versions", "gradients", "keys",
@@ -279,6 +279,7 @@ LIBRARY_ROOM_IMPORTS = {
     "optim": {"core"},
     "parallel": {"core"},
     "step": {"core", "precision", "scaling", "optim", "parallel"},
+    "experts": {"core", "parallel"},
 }
 """What each room may import besides itself, as its ``__init__``'s ``May import:``
 line says: the four concerns stand side by side on the core, and the step, which
@@ -382,7 +383,7 @@ def test_the_trainer_imports_the_library_through_its_rooms_public_names():
   assert not bad, f"trainer modules import a library room's private modules: {bad}"
 
 
-FLAX_MODULES = ("precision.fp8_flax",)
+FLAX_MODULES = ("precision.fp8_flax", "experts.moe_flax")
 """The library's modules written against Flax (which ``pip install mpscale`` does
 not install: the extra ``flax`` does); no room's ``__init__`` imports them."""
 

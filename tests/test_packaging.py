@@ -58,12 +58,13 @@ assert float(jnp.abs(updates["w"]).max()) > 0
 updates, state = step(bad, state, params)
 assert float(jnp.abs(updates["w"]).max()) == 0.0  # the overflowed step is skipped
 assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED]
-try:
-  import mpscale.precision.fp8_flax
-except ImportError as e:
-  assert 'pip install "mpscale[flax]"' in str(e), e
-else:
-  raise AssertionError("the Flax layers imported without Flax")
+for flax_module in ("mpscale.precision.fp8_flax", "mpscale.experts.moe_flax"):
+  try:
+    __import__(flax_module)
+  except ImportError as e:
+    assert 'pip install "mpscale[flax]"' in str(e), e
+  else:
+    raise AssertionError(f"{{flax_module}} imported without Flax")
 try:
   import mpscale.trainer
 except ImportError as e:

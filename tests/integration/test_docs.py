@@ -64,7 +64,8 @@ def test_every_public_name_is_documented(built_docs):
       f"exported by mpscale/__init__.py but missing from docs/api.rst: {undocumented}")
   rooms = {"scaling": mpscale.scaling, "optim": mpscale.optim,
            "precision": mpscale.precision, "parallel": mpscale.parallel,
-           "parallel.pipeline": mpscale.parallel.pipeline, "step": mpscale.step}
+           "parallel.pipeline": mpscale.parallel.pipeline, "step": mpscale.step,
+           "experts": mpscale.experts}
   for room, module in rooms.items():
     homes = [f"mpscale.{room}", "mpscale.parallel"] if "." in room else [f"mpscale.{room}"]
     missing = [name for name in module.__all__
@@ -88,7 +89,7 @@ def test_the_api_page_says_where_each_name_imports_from(built_docs):
   # imports from the top level, every mpscale.<room>.<name> from its room.
   api = (built_docs / "api.html").read_text(encoding="utf-8")
   ids = set(re.findall(r'id="(mpscale\.[\w.]+)"', api))
-  rooms = ("scaling", "optim", "precision", "parallel", "step")
+  rooms = ("scaling", "optim", "precision", "parallel", "step", "experts")
 
   def home_and_name(dotted):  # members (a class's fields, methods) are left out
     parts = dotted.split(".")
