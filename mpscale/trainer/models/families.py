@@ -21,6 +21,13 @@ K/V head ``i // (num_heads / num_kv_heads)``, as ``repeat_kv`` does). Norm stati
 the SiLU, the attention softmax and the rotary embedding's angles are computed in
 float32, the rotation itself in the activations' dtype (as transformers rotates).
 
+The mixture-of-experts families replace the MLP by ``num_experts`` SwiGLU experts
+of which each token goes to ``experts_per_token`` (`mpscale.experts`), as
+transformers' ``MixtralSparseMoeBlock`` and ``Qwen3MoeSparseMoeBlock`` compute: the
+router's softmax over every expert, the top ``k`` chosen, their weights divided by
+their sum (Mixtral always, Qwen3-MoE with ``norm_topk_prob``), each chosen expert's
+output weighted and summed.
+
 References:
   Touvron et al., "Llama 2" (2023) and Grattafiori et al., "The Llama 3 Herd of
   Models" (2024), https://arxiv.org/abs/2407.21783 (RoPE scaling: Meta's Llama 3.1
@@ -41,7 +48,7 @@ import jax.numpy as jnp
 
 from mpscale import validation
 
-FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 """``model.family``'s choices; ``gpt`` is GPT-2's block (`mpscale.trainer.models.lm.Block`),
 the others the Llama block (`mpscale.trainer.models.lm.LlamaBlock`)."""
 
@@ -59,10 +66,14 @@ class Traits:
   """An RMSNorm over each head's q and k, before the rotary embedding (Qwen3)."""
   sliding_window: bool = False
   """Whether ``sliding_window`` may be set (Mistral)."""
+  experts: bool = False
+  """A mixture of experts for the MLP (``num_experts`` > 0)."""
 
 
 TRAITS = {"llama": Traits(), "mistral": Traits(sliding_window=True),
-          "qwen2": Traits(qkv_bias=True), "qwen3": Traits(qk_norm=True)}
+          "qwen2": Traits(qkv_bias=True), "qwen3": Traits(qk_norm=True),
+          "mixtral": Traits(sliding_window=True, experts=True),
+          "qwen3_moe": Traits(qk_norm=True, experts=True)}
 
 
 def products(family: str, roles: tuple[str, ...]) -> tuple[str, ...]:

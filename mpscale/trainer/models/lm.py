@@ -36,7 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
+from mpscale import experts as experts_lib
 from mpscale import parallel as parallel_lib
+from mpscale.experts import moe_flax
 from mpscale import validation
 from mpscale import precision as precision_lib
 from mpscale import _tree
@@ -344,12 +346,18 @@ class LlamaBlock(nn.Module):
   shard: Callable[[jax.Array, str], jax.Array] = _unconstrained
   attention: str = "xla"
   fp8: Optional[precision_lib.Fp8Recipe] = None
+  routing: Optional[experts_lib.Routing] = None
+  """A mixture of experts for the MLP (`mpscale.experts.moe_flax.MoeMLP`, named
+  ``moe``), each ``expert_d_ff`` wide, beside a shared MLP ``shared_d_ff`` wide."""
+  expert_d_ff: int = 0
+  shared_d_ff: int = 0
 
   @nn.compact
   def __call__(self, x: jax.Array,
-               fp8_states: Optional[dict[str, precision_lib.Fp8State]] = None) -> jax.Array:
+               fp8_states: Optional[dict[str, precision_lib.Fp8State]] = None) -> Any:
     """``x`` through the block; the matrices ``fp8_states`` holds a state for
-    multiply in FP8, the others in the activation dtype."""
+    multiply in FP8, the others in the activation dtype. With ``routing``, ``(x,
+    stats)``: the experts' `mpscale.experts.MoeStats`."""
     traits = families.TRAITS[self.family]
     dtype = self.dtype or x.dtype
     x = self.shard(x.astype(dtype), "residual")
@@ -380,12 +388,28 @@ class LlamaBlock(nn.Module):
     x = self.shard(x + dense(d_model, use_bias=False, name="o")(attn), "residual")
 
     h = norm(name="mlp_norm")(x)
+    if self.routing is not None:
+      y, stats = self._experts(h, dtype)
+      return self.shard(x + y, "residual"), stats
     gate = self.shard(dense(self.d_ff, use_bias=False, name="gate")(h), "mlp")
     up = self.shard(dense(self.d_ff, use_bias=False, name="up")(h), "mlp")
     # float32, as the GELU is: the SiLU's exp, and the product, stay finite
     h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
     x = x + dense(d_model, use_bias=False, name="down")(h)
     return self.shard(x, "residual")
+
+  def _experts(self, h: jax.Array, dtype: Any) -> tuple[jax.Array, Any]:
+    """The mixture of experts of ``h``, on the mesh of ``shard`` (each device
+    routing its own tokens, its experts those of its ``expert`` index)."""
+    laid_out = isinstance(self.shard, ActivationSharding)
+    tensor = (self.shard.tensor_axis if laid_out
+              and self.shard.tensor_axis in self.shard.mesh.axis_names else None)
+    return moe_flax.MoeMLP(
+        self.routing, self.expert_d_ff, shared_d_ff=self.shared_d_ff, dtype=dtype,
+        kernel_init=nn.initializers.normal(self.init_std),
+        mesh=self.shard.mesh if laid_out else None,
+        spec=self.shard.spec("tokens") if laid_out else None, tensor_axis=tensor,
+        name="moe")(h)
 
 
 FP8_PRODUCTS = ("qkv", "out", "fc", "proj")
@@ -450,12 +474,14 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, mask: jax.Array
 
 
 LOGICAL_RULES = (("layers", "stage"), ("vocab", "tensor"), ("heads", "tensor"),
-                 ("kv_heads", "tensor"), ("mlp", "tensor"))
+                 ("kv_heads", "tensor"), ("mlp", "tensor"), ("experts", "expert"),
+                 ("expert_mlp", "tensor"))
 """The default rules from `TinyLM.logical_axes` names to mesh axes: stacked layers
 over ``stage``; attention heads, grouped K/V heads, MLP hidden units and the
 vocabulary over ``tensor`` (Megatron's column- and row-parallel split; K/V heads
 fewer than, or not divisible by, the tensor axis are replicated over it, as
-Megatron does). FSDP is added on top by `TinyLM.param_specs`."""
+Megatron does); a mixture's experts over ``expert`` and each expert's hidden units
+over ``tensor``. FSDP is added on top by `TinyLM.param_specs`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,6 +542,8 @@ class ActivationSharding:
       spec = (free, seq_entry, tensor, None)
     elif kind == "mlp":
       spec = (free, seq_entry, tensor)
+    elif kind == "tokens":  # the residual as a mixture of experts routes it
+      spec = (free, seq_entry, None)
     else:
       raise ValueError(f"unknown activation kind {kind!r}")
     return jax.sharding.PartitionSpec(*spec)
@@ -562,6 +590,16 @@ class TinyLM:
     fp8_products: which of `FP8_PRODUCTS` multiply in FP8.
     bf16_layers: blocks at each end kept out of FP8; ``2 * bf16_layers <
       num_layers``.
+    num_experts, experts_per_token, expert_d_ff, router, router_normalize,
+      router_bias_rate, shared_d_ff, capacity_factor: the mixture of experts of
+      ``mixtral`` and ``qwen3_moe`` (`routing`; the config's keys of the same
+      names). Its balancing bias and each step's routing statistics are the model
+      state (`init_model_state`: ``{"moe": {"bias", "counts", "dropped",
+      "aux_loss", "z_loss"}}``, one row a block); ``loss_fn`` with it returns the
+      new state: the bias moved by ``router_bias_rate`` towards even loads, the
+      statistics of the micro-batch.
+    aux_loss_coef, z_loss_coef: the load-balancing and z-losses' weights in
+      ``loss_fn``'s loss (their mean over the blocks, per token).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -596,11 +634,24 @@ class TinyLM:
   fp8: Optional[precision_lib.Fp8Recipe] = None
   fp8_products: tuple[str, ...] = FP8_PRODUCTS
   bf16_layers: int = 1
+  num_experts: int = 0
+  experts_per_token: int = 2
+  expert_d_ff: Optional[int] = None
+  router: str = "softmax"
+  router_normalize: bool = True
+  router_bias_rate: float = 0.0
+  shared_d_ff: int = 0
+  aux_loss_coef: float = 0.0
+  z_loss_coef: float = 0.0
+  capacity_factor: Optional[float] = None
 
   SIZES: ClassVar[tuple[str, ...]] = (
       "vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len",
       "init_std", "family", "num_kv_heads", "head_dim", "rope_theta", "rope_scaling",
-      "norm_eps", "tie_embeddings", "sliding_window")
+      "norm_eps", "tie_embeddings", "sliding_window") + (
+          "num_experts", "experts_per_token", "expert_d_ff", "router",
+          "router_normalize", "router_bias_rate", "shared_d_ff", "aux_loss_coef",
+          "z_loss_coef", "capacity_factor")
   """The fields that shape the model (and name the family)."""
 
   @classmethod
@@ -627,6 +678,7 @@ class TinyLM:
       validation.positive_int(name, getattr(self, name))
     validation.positive_float("init_std", self.init_std)
     self._check_family()
+    self._check_experts()
     validation.boolean("remat", self.remat)
     validation.one_of("attention", self.attention, ATTENTION[1:])
     if self.fp8 is not None:
@@ -665,6 +717,44 @@ class TinyLM:
       raise validation.fail("rope_scaling", " must be a families.RopeScaling; "
                             "TinyLM.from_sizes reads a mapping",
                             validation.ArgumentTypeError)
+
+  @property
+  def routing(self) -> Optional[experts_lib.Routing]:
+    """The blocks' routing (`mpscale.experts.Routing`); ``None`` for a dense
+    family."""
+    if not self.num_experts:
+      return None
+    return experts_lib.Routing(
+        self.num_experts, self.experts_per_token, score=self.router,
+        normalize=self.router_normalize, bias_rate=self.router_bias_rate,
+        capacity_factor=self.capacity_factor)
+
+  @property
+  def expert_width(self) -> int:
+    """Each expert's hidden width (``expert_d_ff``, or ``d_ff``)."""
+    return self.expert_d_ff or self.d_ff
+
+  def _check_experts(self) -> None:
+    experts = self.family != "gpt" and families.TRAITS[self.family].experts
+    validation.integer("num_experts", self.num_experts, 0)
+    if experts and not self.num_experts:
+      raise validation.fail("num_experts", f" must be > 0 for the {self.family} "
+                            "family (a mixture of experts)")
+    if not experts:
+      if self.num_experts:
+        raise validation.fail("num_experts", f" is not a setting of the {self.family} "
+                              "family; choose mixtral or qwen3_moe")
+      return
+    self.routing  # checks num_experts, experts_per_token, router, the rates
+    for name in ("expert_d_ff",):
+      if getattr(self, name) is not None:
+        validation.positive_int(name, getattr(self, name))
+    validation.integer("shared_d_ff", self.shared_d_ff, 0)
+    validation.non_negative_float("aux_loss_coef", self.aux_loss_coef)
+    validation.non_negative_float("z_loss_coef", self.z_loss_coef)
+    if self.fp8 is not None:
+      raise validation.fail("fp8", ": the experts' products do not multiply in FP8 "
+                            "yet; turn precision.fp8 off for a mixture of experts")
 
   @property
   def products(self) -> tuple[str, ...]:
@@ -713,7 +803,8 @@ class TinyLM:
                       self.init_std, family=self.family, rope_theta=self.rope_theta,
                       rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
                       sliding_window=self.sliding_window, dtype=dtype, shard=shard,
-                      attention=self.attention, fp8=self.fp8)
+                      attention=self.attention, fp8=self.fp8, routing=self.routing,
+                      expert_d_ff=self.expert_width, shared_d_ff=self.shared_d_ff)
 
   def _head(self, dtype: Any = None) -> Head:
     return Head(self.vocab_size, self.init_std, dtype=dtype,
@@ -767,6 +858,12 @@ class TinyLM:
         "o/kernel": ("heads", "embed"), "q_norm/scale": (None,),
         "k_norm/scale": (None,), "gate/kernel": ("embed", "mlp"),
         "up/kernel": ("embed", "mlp"), "down/kernel": ("mlp", "embed"),
+        "moe/router": ("embed", None), "moe/gate": ("experts", "embed", "expert_mlp"),
+        "moe/up": ("experts", "embed", "expert_mlp"),
+        "moe/down": ("experts", "expert_mlp", "embed"),
+        "moe/shared_gate/kernel": ("embed", "mlp"),
+        "moe/shared_up/kernel": ("embed", "mlp"),
+        "moe/shared_down/kernel": ("mlp", "embed"),
     }
 
     def name(path, _):
@@ -796,7 +893,8 @@ class TinyLM:
                       for a in ((axis,) if isinstance(axis, str) else axis)))
     rules = tuple((name, axis) for name, axis in rules if name != "kv_heads"
                   or self.kv_heads % parallel_lib.axis_size(mesh, axis) == 0)
-    sizes = {"heads": "num_heads", "mlp": "d_ff", "vocab": "vocab_size"}
+    sizes = {"heads": "num_heads", "mlp": "d_ff", "vocab": "vocab_size",
+             "experts": "num_experts", "expert_mlp": "expert_width"}
     for name, axis in rules:
       if name in sizes:
         n, size = getattr(self, sizes[name]), parallel_lib.axis_size(mesh, axis)
@@ -839,6 +937,10 @@ class TinyLM:
     it) the block's FP8 products multiply in FP8 where `fp8_block` says the block
     is an FP8 one (a ``lax.cond``: a pipeline's stage scans over its blocks; with
     ``bf16_layers`` 0 every block is, and there is no cond)."""
+    if self.routing is not None:
+      raise validation.fail("num_experts", ": a mixture of experts does not run in "
+                            "a pipeline's stages yet (its losses and routing state "
+                            "would not reach the step)")
     dtype = _compute_dtype(layer_params)
     block = lambda states: self._block(dtype).apply(  # noqa: E731
         {"params": layer_params}, x, states)
@@ -884,6 +986,8 @@ class TinyLM:
     blocks' states are zeros (no scale is 0: `fp8_block` reads them as compute-dtype
     blocks, and a product that never runs keeps its state). ``None`` without
     ``fp8``."""
+    if self.routing is not None:
+      return self._routing_state()
     if self.fp8 is None:
       return None
     one = precision_lib.fp8_state(self.fp8)
@@ -896,38 +1000,68 @@ class TinyLM:
                for product in self.products}
     return {precision_lib.OVERWRITE_WITH_GRADIENT: {"stages": stacked}}
 
+  def _routing_state(self, stats: Optional[experts_lib.MoeStats] = None,
+                     bias: Optional[jax.Array] = None) -> dict[str, Any]:
+    """The mixture's model state: the balancing bias and the routing statistics
+    (zeros before any step), one row a block."""
+    n, e = self.num_layers, self.num_experts
+    if stats is None:
+      zeros = jnp.zeros((n,), jnp.float32)
+      stats = experts_lib.MoeStats(zeros, zeros, jnp.zeros((n, e), jnp.float32),
+                                   zeros, zeros)
+    if bias is None:
+      bias = jnp.zeros((n, e), jnp.float32)
+    return {"moe": {"bias": bias, "counts": stats.counts, "dropped": stats.dropped,
+                    "aux_loss": stats.aux_loss, "z_loss": stats.z_loss}}
+
   def _fp8_states(self, model_state: Any) -> Optional[dict[str, Any]]:
     """The stacked per-product states of ``model_state`` (``None``: no FP8)."""
-    if model_state is None:
+    if model_state is None or self.routing is not None:
       return None
     if self.fp8 is None:
       raise validation.fail("model_state", ": the model has no FP8 products (fp8 is "
                             "None), so it keeps no state; pass none")
     return model_state[precision_lib.OVERWRITE_WITH_GRADIENT]["stages"]
 
-  def _layers(self, params: Params, x: jax.Array, fp8_states: Any = None
-             ) -> jax.Array:
+  def _layers(self, params: Params, x: jax.Array, fp8_states: Any = None,
+              biases: Any = None) -> Any:
     """``x`` through the blocks of ``params["stages"]`` (a ``lax.scan``), the
-    products of ``fp8_states`` (stacked alike) in FP8."""
-    def block(layer_params, x, states):
+    products of ``fp8_states`` (stacked alike) in FP8; a mixture's experts chosen
+    with ``biases`` (``[layers, E]``). Returns ``x``, and with experts ``(x,
+    stats)``, the `mpscale.experts.MoeStats` of every block stacked."""
+    def block(layer_params, x, states, bias):
       dtype = _compute_dtype(layer_params)
-      return self._block(dtype).apply({"params": layer_params}, x, states)
+      variables = {"params": layer_params}
+      if bias is not None:
+        variables["routing"] = {"moe": {"bias": bias}}
+      out = self._block(dtype).apply(variables, x, states)
+      return out if self.routing is not None else (out, None)
     stage = jax.checkpoint(block) if self.remat else block
 
     def body(x, xs):
-      layer_params, states = xs
-      return stage(layer_params, x, states), None
+      return stage(xs[0], x, *xs[1:])
 
     layers = jax.tree_util.tree_leaves(params)[0].shape[0]
     # Unrolled for up to 8 layers: XLA compiles it about twice as fast as a loop.
-    x, _ = lax.scan(body, x, (params, fp8_states), unroll=layers <= 8)
-    return x
+    x, stats = lax.scan(body, x, (params, fp8_states, biases), unroll=layers <= 8)
+    return x if self.routing is None else (x, stats)
+
+  def _routed(self, params: Params, batch: dict[str, jax.Array],
+              model_state: Any) -> tuple[jax.Array, experts_lib.MoeStats]:
+    """The last hidden states of a mixture of experts, and its blocks' stats."""
+    bias = None
+    if self.router_bias_rate:
+      state = model_state or self._routing_state()
+      bias = state["moe"]["bias"]
+    return self._layers(params["stages"], self.embed_fn(params, batch), biases=bias)
 
   def hidden_fn(self, params: Params, batch: dict[str, jax.Array],
                 model_state: Any = None) -> jax.Array:
     """The last hidden states: ``embed_fn`` then every block (a ``lax.scan``); with
     an FP8 ``model_state`` (`init_model_state`), three scans: the first
     ``bf16_layers`` blocks, the FP8 ones, the last ``bf16_layers``."""
+    if self.routing is not None:
+      return self._routed(params, batch, model_state)[0]
     x = self.embed_fn(params, batch)
     states = self._fp8_states(model_state)
     if states is None:
@@ -948,13 +1082,39 @@ class TinyLM:
     """The unpipelined model: ``(loss_sum, num_tokens)`` for a per-token loss; with
     an FP8 ``model_state``, ``((loss_sum, num_tokens), model_state)`` (the state as
     given: its gradient is its update)."""
+    if self.routing is not None:
+      return self._routed_loss(params, batch, model_state)
     out = self.head_fn(params, self.hidden_fn(params, batch, model_state), batch)
     return out if model_state is None else (out, model_state)
 
+  def _routed_loss(self, params: Params, batch: dict[str, jax.Array],
+                   model_state: Any) -> Any:
+    """`loss_fn` of a mixture of experts: the cross-entropy plus the router's
+    losses per token, and the new routing state."""
+    x, stats = self._routed(params, batch, model_state)
+    loss_sum, num_tokens = self.head_fn(params, x, batch)
+    extra = 0.0
+    if self.aux_loss_coef:
+      extra += self.aux_loss_coef * jnp.mean(stats.aux_loss)
+    if self.z_loss_coef:
+      extra += self.z_loss_coef * jnp.mean(stats.z_loss)
+    if self.aux_loss_coef or self.z_loss_coef:
+      loss_sum = loss_sum + extra * num_tokens
+    if model_state is None:
+      return loss_sum, num_tokens
+    bias = experts_lib.update_bias(model_state["moe"]["bias"],
+                                   lax.stop_gradient(stats.counts),
+                                   self.router_bias_rate)
+    return (loss_sum, num_tokens), self._routing_state(
+        jax.tree_util.tree_map(lax.stop_gradient, stats), bias)
+
   def evaluate(self, params: Params, batch: dict[str, jax.Array],
                model_state: Any = None) -> tuple[jax.Array, jax.Array]:
-    """``(loss_sum, num_tokens)`` as ``loss_fn`` computes it (in FP8 with a state),
-    without the state."""
+    """``(loss_sum, num_tokens)`` of the cross-entropy as ``loss_fn`` computes it
+    (in FP8 with a state; a mixture's router losses left out), without the
+    state."""
+    if self.routing is not None:
+      return self.head_fn(params, self.hidden_fn(params, batch, model_state), batch)
     out = self.loss_fn(params, batch, model_state)
     return out if model_state is None else out[0]
 
