@@ -1,4 +1,6 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and Qwen3.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2, Qwen3, and the
+mixtures of experts Mixtral and Qwen3-MoE (each expert one tensor there, the
+experts stacked into ``[layers, E, ...]`` here).
 
 - `load`: a folder with ``config.json`` and ``model.safetensors`` (or the shards a
   ``model.safetensors.index.json`` names) to a `TinyLM` of that family and its
@@ -18,7 +20,7 @@ Example::
   hf.save(model, params, "out", dtype="bfloat16")
 
 Modules: `checkpoint` (load, save), `names` (``config.json`` keys and tensor
-names), `tensors` (the safetensors format, read a slice at a time).
+names, as tables), `tensors` (the safetensors format, read a slice at a time).
 
 May import: ``models``.
 """

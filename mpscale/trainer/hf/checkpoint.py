@@ -99,8 +99,8 @@ def load_params(path: str, model: lm_lib.TinyLM, mesh: Optional[jax.sharding.Mes
     specs = model.param_specs(mesh)
 
   def leaf(key_path, shape, spec=None):
-    path_ = _param_path(key_path)
-    read = names.reader(tensors, path_, shape.shape, np.dtype(dtype))
+    tensor = names.hf_tensor(model.family, _param_path(key_path))
+    read = names.reader(tensors, tensor, shape.shape, np.dtype(dtype))
     if mesh is None:
       return jnp.asarray(read(tuple(slice(None) for _ in shape.shape)))
     sharding = jax.sharding.NamedSharding(mesh, spec)
@@ -121,14 +121,12 @@ def _check(model: lm_lib.TinyLM, tensors: Any, shapes: Any) -> set[str]:
   there with its shape."""
   used = set()
   for key_path, shape in jax.tree_util.tree_leaves_with_path(shapes):
-    path = _param_path(key_path)
-    layers = range(shape.shape[0]) if path[0] == "stages" else [None]
-    want = shape.shape[1:] if path[0] == "stages" else shape.shape
-    for layer in layers:
-      name, transposed = names.hf_name(path, layer)
+    tensor = names.hf_tensor(model.family, _param_path(key_path))
+    want = shape.shape[tensor.stacked:]
+    for _, name in tensor.parts(shape.shape):
       if name not in tensors:
         raise HFCheckpointError(f"{tensors.folder}: tensor {name} is missing")
-      expected = tuple(reversed(want)) if transposed else tuple(want)
+      expected = tuple(reversed(want)) if tensor.transposed else tuple(want)
       if tensors.shape(name) != expected:
         raise HFCheckpointError(f"{tensors.folder}: tensor {name} has shape "
                               f"{list(tensors.shape(name))}; config.json makes it "
@@ -172,12 +170,11 @@ def save(model: lm_lib.TinyLM, params: Any, path: str, *, dtype: str = "float32"
 
   def arrays():
     for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
-      path_ = _param_path(key_path)
+      tensor = names.hf_tensor(model.family, _param_path(key_path))
       array = np.asarray(jax.device_get(leaf))
-      for layer, part in (enumerate(array) if path_[0] == "stages"
-                          else [(None, array)]):
-        name, transposed = names.hf_name(path_, layer)
-        yield name, (part.T if transposed else part).astype(store)
+      for index, name in tensor.parts(array.shape):
+        part = array[index]
+        yield name, (part.T if tensor.transposed else part).astype(store)
 
   os.makedirs(path, exist_ok=True)
   written = safetensors_lib.write(path, arrays(), shard_bytes)

@@ -51,8 +51,10 @@ def _config(family, rng, **overrides):
 
 
 def _checkpoint(config, folder, seed, **save_kwargs):
-  """A transformers model of ``config`` with every weight random (norms too), saved
-  to ``folder``; returns the model."""
+  """A transformers model of ``config`` with every weight random (norms too; a
+  mixture's routers at unit scale, so that each token's experts are chosen by
+  clear margins and with unequal weights), saved to ``folder``; returns the
+  model."""
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(
       config, attn_implementation="eager", torch_dtype=torch.float32).eval()
@@ -62,6 +64,8 @@ def _checkpoint(config, folder, seed, **save_kwargs):
         p.copy_(1 + 0.1 * torch.randn_like(p))
       elif name.endswith("bias"):
         p.copy_(0.1 * torch.randn_like(p))
+      elif name.endswith(".gate.weight"):  # a router: mlp.gate, block_sparse_moe.gate
+        p.copy_(torch.randn_like(p))
   model.save_pretrained(folder, safe_serialization=True, **save_kwargs)
   return model
 
