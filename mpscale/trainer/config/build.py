@@ -42,6 +42,7 @@ import numpy as np
 import optax
 
 from mpscale import _tree
+from mpscale import experts as experts_lib
 from mpscale import gradients as gradients_lib
 from mpscale import optim as optim_lib
 from mpscale import parallel as parallel_lib
@@ -61,7 +62,8 @@ FSDP_AXIS = "fsdp"
 STAGE_AXIS = "stage"
 CONTEXT_AXIS = parallel_lib.CONTEXT_AXIS
 TENSOR_AXIS = "tensor"
-MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, CONTEXT_AXIS, TENSOR_AXIS)
+EXPERT_AXIS = experts_lib.EXPERT_AXIS
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, CONTEXT_AXIS, EXPERT_AXIS, TENSOR_AXIS)
 
 
 def build_policy(cfg: schema.RunConfig) -> precision_lib.Policy:
@@ -168,7 +170,8 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
                            {"attention": "model.attention"})
   shard = None
   if mesh is not None and any(a in mesh.axis_names
-                              for a in (FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS)):
+                              for a in (FSDP_AXIS, CONTEXT_AXIS, EXPERT_AXIS,
+                                        TENSOR_AXIS)):
     shard = errors.keyed("model", lambda: lm_lib.ActivationSharding(
         mesh, batch_axes=data_axes(mesh), tensor_axis=TENSOR_AXIS,
         sequence_parallel=cfg.mesh.sequence_parallel, context_axis=CONTEXT_AXIS,
@@ -186,12 +189,13 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
   """The trainer's choice of the mesh axes the batch is split over: ``data``, and
-  ``fsdp`` when present (taken from the mesh's own axes, so there is nothing to
-  check; `make_train_step` checks them with `mpscale.parallel.data_axes`);
-  ``("data",)`` without a mesh."""
+  ``fsdp`` and ``expert`` when present (taken from the mesh's own axes, so there is
+  nothing to check; `make_train_step` checks them with
+  `mpscale.parallel.data_axes`); ``("data",)`` without a mesh. Outside the experts,
+  the expert axis is one more data axis."""
   if mesh is None:
     return (DATA_AXIS,)
-  return tuple(a for a in (DATA_AXIS, FSDP_AXIS) if a in mesh.axis_names)
+  return tuple(a for a in (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS) if a in mesh.axis_names)
 
 
 def batch_sharding(mesh: Optional[Mesh]) -> Optional[NamedSharding]:
@@ -210,7 +214,7 @@ def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
   tokens are a slice of the sequences, so the weights, gathered a layer at a time,
   need not be whole on each."""
   if mesh is None or (cfg.mesh.fsdp == 1 and cfg.mesh.tensor == 1
-                      and cfg.mesh.context == 1):
+                      and cfg.mesh.context == 1 and cfg.mesh.expert == 1):
     return None
   return errors.keyed("mesh", lambda: model.param_specs(
       mesh, fsdp_axis=(FSDP_AXIS, CONTEXT_AXIS)), errors.fields("model", cfg.model))
@@ -574,10 +578,11 @@ def build_optimizer(cfg: schema.RunConfig) -> optax.GradientTransformation:
 
 def build_mesh(cfg: schema.RunConfig,
                devices: Optional[Sequence[Any]] = None) -> Optional[Mesh]:
-  """A mesh of ``mesh.data x fsdp x stage x context x tensor`` devices, or ``None``
-  for a single device. Its axes are ``data`` and every other axis of size > 1, in the
-  order ``("data", "fsdp", "stage", "context", "tensor")``: ``tensor`` innermost, on
-  the devices nearest each other, then ``context`` (whose ring passes a block a
+  """A mesh of ``mesh.data x fsdp x stage x context x expert x tensor`` devices, or
+  ``None`` for a single device. Its axes are ``data`` and every other axis of size >
+  1, in the order ``("data", "fsdp", "stage", "context", "expert", "tensor")``:
+  ``tensor`` innermost, on the devices nearest each other, then ``expert`` (two
+  all-to-alls a block each way) and ``context`` (whose ring passes a block a
   layer).
 
   Raises:
@@ -795,6 +800,8 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
        "context_parallel": "model.context_parallel"})
   if abstract:
     return None
+  if isinstance(pieces.model, lm_lib.TinyLM) and pieces.model.routing is not None:
+    step = _with_routing_metrics(step, pieces.model)
   pipeline = pieces.loss if isinstance(pieces.loss, parallel_lib.Pipeline) else None
   key = run_key(cfg)
   stochastic = getattr(pieces.model, "stochastic", False)
@@ -812,6 +819,15 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
                pieces.init_params,
                _placed_alike(pipeline.to_model_order if pipeline else None),
                _placed_alike(pipeline.to_device_order if pipeline else None))
+
+
+def _with_routing_metrics(step: Callable, model: lm_lib.TinyLM) -> Callable:
+  """``step`` whose metrics also hold ``moe``: the routing statistics of the new
+  state (`TinyLM.routing_metrics`), computed in the same program."""
+  def routed(state, batch):
+    state, metrics = step(state, batch)
+    return state, {**metrics, "moe": model.routing_metrics(state.model_state)}
+  return jax.jit(routed, donate_argnums=(0,))
 
 
 class _ModelPieces(NamedTuple):
@@ -859,7 +875,8 @@ def build_model_state(cfg: schema.RunConfig, model: Any, policy: Any,
       FP8 scaling state alone, or with FP8 under FSDP.
   """
   init_state = getattr(model, "init_state", None)
-  if isinstance(model, lm_lib.TinyLM) and model.fp8 is not None:
+  if isinstance(model, lm_lib.TinyLM) and (model.fp8 is not None
+                                          or model.routing is not None):
     init_state = lambda key: model.init_model_state()  # noqa: E731
   fp8 = build_fp8(cfg)
   merge = None if fp8 is None else functools.partial(precision_lib.merge_stacked,
@@ -879,6 +896,12 @@ def build_model_state(cfg: schema.RunConfig, model: Any, policy: Any,
         "{0}: float32 with FP8 ({1}) and FSDP ({2} > 1) is not supported yet (the "
         "FP8 products' custom VJPs would be replayed on gathered weights); set "
         "{0}: null or {2}: 1")
+  if isinstance(model, lm_lib.TinyLM) and model.routing is not None:
+    raise validation.ArgumentError(
+        ("precision.grad_reduce_dtype", "model.num_experts"),
+        "{0}: float32 sums each data replica's own gradient, but a mixture of "
+        "experts ({1}) keeps routing state (its balancing bias and statistics); "
+        "set {0}: null")
   if not (fp8 is not None and fp8_only):
     raise validation.ArgumentError(
         ("precision.grad_reduce_dtype", "model.provider"),

@@ -37,6 +37,23 @@ from mpscale.trainer.config.schema import (  # noqa: F401 (re-exported)
     apply_overrides, dump_config, parse_override, parse_yaml, read_config, to_dict)
 
 
+def _check_experts(model: Any, mesh: Any) -> None:
+  """The mixture of experts' keys against the mesh (the model checks its own)."""
+  if mesh.expert > 1 and not model.num_experts:
+    raise ConfigError("mesh.expert > 1 splits a mixture's experts, and the model has "
+                      "none (model.num_experts is 0; family mixtral or qwen3_moe)",
+                      ("mesh.expert", "model.num_experts"))
+  if model.num_experts and model.num_experts % mesh.expert:
+    raise ConfigError(f"model.num_experts ({model.num_experts}) is not divisible by "
+                      f"mesh.expert ({mesh.expert})",
+                      ("model.num_experts", "mesh.expert"))
+  if model.num_experts and mesh.stage > 1:
+    raise ConfigError("model.num_experts: a mixture of experts does not run in "
+                      "pipeline stages yet (its router losses and routing state "
+                      "would not reach the step); set mesh.stage: 1",
+                      ("model.num_experts", "mesh.stage"))
+
+
 def check(cfg: RunConfig) -> None:
   """Checks the values of ``cfg``: the keys no constructor takes, then each section's
   constructors (`mpscale.trainer.config.build.check`), then the rules that span sections.
@@ -67,7 +84,7 @@ def check(cfg: RunConfig) -> None:
                                        1.0, low_open=True, high_open=True))
   errors.checked(validation.positive_int, "data.batch_size", data.batch_size)
   errors.checked(validation.integer, "data.eval_batches", data.eval_batches, 0)
-  for key in ("data", "fsdp", "stage", "context", "tensor"):
+  for key in ("data", "fsdp", "stage", "context", "expert", "tensor"):
     errors.checked(validation.positive_int, f"mesh.{key}", getattr(mesh, key))
   for key in ("steps", "num_microbatches", "log_every", "keep_checkpoints"):
     errors.checked(validation.positive_int, f"train.{key}", getattr(train, key))
@@ -102,6 +119,7 @@ def check(cfg: RunConfig) -> None:
         "run different code at a time and the transfers would not pair up; use "
         "all_gather (or pipeline_schedule: gpipe)",
         ("model.context_parallel", "mesh.pipeline_schedule", "mesh.context"))
+  _check_experts(model, mesh)
   if mesh.shard_optimizer_state and mesh.data == 1:
     raise ConfigError("mesh.shard_optimizer_state needs mesh.data > 1",
                       ("mesh.shard_optimizer_state", "mesh.data"))
@@ -222,7 +240,9 @@ def _check_model_sizes(cfg: RunConfig) -> None:
 
 _CHECKPOINT_SIZES = ("family", "vocab_size", "d_model", "num_heads", "num_layers",
                      "d_ff", "num_kv_heads", "head_dim", "rope_theta", "rope_scaling",
-                     "norm_eps", "tie_embeddings", "sliding_window", "init_std")
+                     "norm_eps", "tie_embeddings", "sliding_window", "init_std",
+                     "num_experts", "experts_per_token", "expert_d_ff", "router",
+                     "router_normalize", "shared_d_ff")
 
 
 def with_checkpoint_sizes(cfg: RunConfig) -> RunConfig:

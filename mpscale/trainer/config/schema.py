@@ -71,11 +71,14 @@ class ModelConfig:
   """Tokens per training sequence (the context length)."""
   init_std: float = 0.02
   """Standard deviation of the normal initialization of weight matrices (GPT-2's)."""
-  family: Literal["gpt", "llama", "mistral", "qwen2", "qwen3"] = "gpt"
+  family: Literal["gpt", "llama", "mistral", "qwen2", "qwen3", "mixtral",
+                  "qwen3_moe"] = "gpt"
   """The block (`mpscale.trainer.models.families`): ``gpt``, GPT-2's (LayerNorm,
   learned positions, GELU, biases); ``llama``, RMSNorm, RoPE, grouped-query
   attention and SwiGLU; ``mistral``, Llama's with a sliding window; ``qwen2``, with
-  q, k, v biases; ``qwen3``, with RMSNorms of each head's q and k."""
+  q, k, v biases; ``qwen3``, with RMSNorms of each head's q and k; ``mixtral`` and
+  ``qwen3_moe``, Mistral's and Qwen3's blocks with a mixture of ``num_experts``
+  SwiGLU experts for the MLP (`mpscale.experts`)."""
   num_kv_heads: Optional[int] = None
   """K/V heads of grouped-query attention (``null``: ``num_heads``); they divide
   ``num_heads``. Not ``gpt``."""
@@ -106,6 +109,40 @@ class ModelConfig:
   scores in memory, anywhere; ``auto``, ``cudnn`` where it runs, else ``xla``
   (`mpscale.trainer.models.lm.attention_for`). A plan compiled for a GPU chooses as a
   run on that GPU does."""
+  num_experts: int = 0
+  """Routed experts of each block's MLP (``mixtral``, ``qwen3_moe``: Mixtral's
+  ``num_local_experts``, Qwen3-MoE's ``num_experts``); 0 for the dense families."""
+  experts_per_token: int = 2
+  """Experts each token goes to (``num_experts_per_tok``), at most ``num_experts``."""
+  expert_d_ff: Optional[int] = None
+  """Each expert's hidden width (Qwen3-MoE's ``moe_intermediate_size``, Mixtral's
+  ``intermediate_size``); ``null``: ``d_ff``."""
+  router: Literal["softmax", "sigmoid"] = "softmax"
+  """The router's scores: ``softmax`` (Mixtral, Qwen3-MoE) or ``sigmoid``
+  (DeepSeek-V3), always computed in float32."""
+  router_normalize: bool = True
+  """Divide the chosen experts' weights by their sum (Mixtral always; Qwen3-MoE's
+  ``norm_topk_prob``)."""
+  router_bias_rate: float = 0.0
+  """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the
+  scores that choose (not to the weights), raised by this much after each
+  micro-batch for the experts that took fewer tokens than the mean and lowered for
+  those that took more (0.001 in the paper; 0: no bias). The bias is model state:
+  a skipped step leaves it untouched."""
+  shared_d_ff: int = 0
+  """The hidden width of a dense SwiGLU MLP every token goes through beside the
+  routed experts (DeepSeek's shared experts, their widths summed); 0: none."""
+  aux_loss_coef: float = 0.0
+  """The load-balancing loss's weight in the training loss (Switch/GShard;
+  transformers' ``router_aux_loss_coef``, which is off unless
+  ``output_router_logits``)."""
+  z_loss_coef: float = 0.0
+  """The router z-loss's weight (ST-MoE's 0.001)."""
+  capacity_factor: Optional[float] = None
+  """``null``: dropless (every token reaches all its experts, grouped products).
+  A number: each expert takes at most ``capacity_factor x tokens x
+  experts_per_token / num_experts`` of a device's assignments a micro-batch and
+  drops the rest (GShard), counted in the log's ``moe/dropped``."""
   context_parallel: Literal["ring", "all_gather"] = "ring"
   """With ``mesh.context`` > 1, how attention crosses the split sequence
   (`mpscale.parallel.context_attention`): ``ring``, the keys and values passed
@@ -429,6 +466,11 @@ class MeshConfig:
   """Tensor parallelism: attention heads, MLP units and the vocabulary are split
   (Megatron's column- and row-parallel layers); must divide ``model.num_heads``,
   ``model.d_ff`` and ``model.vocab_size``."""
+  expert: int = 1
+  """Expert parallelism (``model.num_experts`` > 0): each device holds
+  ``num_experts / expert`` of every block's experts, and tokens go to them and back
+  by all-to-all; outside the experts ``expert`` is one more data axis (the batch
+  is split over it). Must divide ``model.num_experts``."""
   context: int = 1
   """Context parallelism: every activation's sequence is split (``2 x context``
   chunks, device ``c`` holding chunks ``c`` and ``2 context - 1 - c`` so that causal
@@ -457,7 +499,8 @@ class MeshConfig:
 
   @property
   def num_devices(self) -> int:
-    return self.data * self.fsdp * self.stage * self.context * self.tensor
+    return (self.data * self.fsdp * self.stage * self.context * self.expert
+            * self.tensor)
 
   @property
   def shape_text(self) -> str:
@@ -465,6 +508,7 @@ class MeshConfig:
     parts = [f"{self.data}x{self.stage}"]
     parts += [f"fsdp{self.fsdp}"] if self.fsdp > 1 else []
     parts += [f"cp{self.context}"] if self.context > 1 else []
+    parts += [f"ep{self.expert}"] if self.expert > 1 else []
     parts += [f"tp{self.tensor}"] if self.tensor > 1 else []
     parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
     return "-".join(parts)

@@ -549,6 +549,11 @@ class ActivationSharding:
     return jax.sharding.PartitionSpec(*spec)
 
 
+_ROUTING_NAMES = {"top_k": "experts_per_token", "score": "router",
+                  "normalize": "router_normalize", "bias_rate": "router_bias_rate"}
+"""`mpscale.experts.Routing`'s arguments by `TinyLM`'s names."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TinyLM:
   """The tiny decoder-only LM: ``init`` and the pipeline-form functions.
@@ -724,10 +729,13 @@ class TinyLM:
     family."""
     if not self.num_experts:
       return None
-    return experts_lib.Routing(
-        self.num_experts, self.experts_per_token, score=self.router,
-        normalize=self.router_normalize, bias_rate=self.router_bias_rate,
-        capacity_factor=self.capacity_factor)
+    try:
+      return experts_lib.Routing(
+          self.num_experts, self.experts_per_token, score=self.router,
+          normalize=self.router_normalize, bias_rate=self.router_bias_rate,
+          capacity_factor=self.capacity_factor)
+    except validation.ArgumentError as e:  # in the model's (and config's) names
+      raise e.renamed(lambda name: _ROUTING_NAMES.get(name, name)) from None
 
   @property
   def expert_width(self) -> int:
@@ -1014,6 +1022,20 @@ class TinyLM:
     return {"moe": {"bias": bias, "counts": stats.counts, "dropped": stats.dropped,
                     "aux_loss": stats.aux_loss, "z_loss": stats.z_loss}}
 
+  def routing_metrics(self, model_state: Any) -> dict[str, jax.Array]:
+    """What a step logs of a mixture's routing state (``model_state["moe"]``, the
+    last micro-batch's): ``load_max`` and ``load_min``, the most and the least
+    loaded expert's share of a block's assignments over every block (``1 /
+    num_experts`` when even); ``dropped``, the share of assignments dropped for
+    capacity; ``aux_loss`` and ``z_loss``, the blocks' means."""
+    moe = model_state["moe"]
+    counts = moe["counts"]
+    total = jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+    share = counts / total
+    return {"load_max": jnp.max(share), "load_min": jnp.min(share),
+            "dropped": jnp.sum(moe["dropped"]) / jnp.sum(total),
+            "aux_loss": jnp.mean(moe["aux_loss"]), "z_loss": jnp.mean(moe["z_loss"])}
+
   def _fp8_states(self, model_state: Any) -> Optional[dict[str, Any]]:
     """The stacked per-product states of ``model_state`` (``None``: no FP8)."""
     if model_state is None or self.routing is not None:
@@ -1167,9 +1189,11 @@ class TinyLM:
 
   def mean_loss_fn(self, params: Params, batch: dict[str, jax.Array],
                    model_state: Any = None) -> Any:
-    """The mean cross-entropy per token of ``batch`` (for ``per_token_loss=False``);
-    with an FP8 ``model_state``, ``(mean, model_state)``."""
-    loss_sum, num_tokens = self.evaluate(params, batch, model_state)
+    """The mean per token of ``loss_fn``'s loss of ``batch`` (for
+    ``per_token_loss=False``); with a ``model_state``, ``(mean, new_state)``."""
+    out = self.loss_fn(params, batch, model_state)
+    (loss_sum, num_tokens), model_state = (
+        (out, None) if model_state is None else out)
     mean = loss_sum / jnp.maximum(num_tokens, 1.0)
     return mean if model_state is None else (mean, model_state)
 

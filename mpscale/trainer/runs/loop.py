@@ -305,7 +305,8 @@ class _Logger:
         run.out_dir, sorted(run.metric_shapes["group_norms"]), start,
         run.main_process, eval_names=run.eval_names,
         lr_groups=list(run.metric_shapes.get("group_learning_rates", {})),
-        data_names=run.data.shares.names if run.data.shares else ())
+        data_names=run.data.shares.names if run.data.shares else (),
+        moe="moe" in run.metric_shapes)
     previous = to_float(self.log.last.get("overflow_total")) if start else math.nan
     self.overflow_total = 0 if math.isnan(previous) else int(previous)
     self.console = Console(stderr=True)

@@ -22,6 +22,15 @@ NORM_PREFIX = "norm/"
 LR_PREFIX = "lr/"
 """Names the column of a parameter group's learning rate: ``lr/<group>``
 (``optimizer.groups``, `mpscale.param_groups`)."""
+MOE_PREFIX = "moe/"
+"""Names the column of a mixture of experts' routing statistic: ``moe/<name>``
+(`MOE_COLUMNS`)."""
+MOE_COLUMNS = ("load_max", "load_min", "dropped", "aux_loss", "z_loss")
+"""A mixture of experts' columns (the logged step's last micro-batch,
+`mpscale.trainer.models.lm.TinyLM.routing_metrics`): the most and the least loaded
+expert's share of the assignments (``1 / num_experts`` each when even; over every
+block), the share of assignments dropped for capacity, and the load-balancing and
+z-losses (means over the blocks)."""
 DATA_PREFIX = "data/"
 """Names the column of a blended corpus's realised share of the samples trained on:
 ``data/<name>`` (``data.blend``, `mpscale.trainer.data.corpora`)."""
@@ -103,15 +112,17 @@ then the group norms as ``norm/<group>`` and the parameter groups' learning rate
 
 def csv_fields(eval_names: Sequence[str], group_names: Sequence[str],
                lr_groups: Sequence[str] = (),
-               data_names: Sequence[str] = ()) -> list[str]:
+               data_names: Sequence[str] = (), moe: bool = False) -> list[str]:
   """Every column of ``metrics.csv``: `CSV_FIELDS`, ``eval_<name>`` for each of the
   model's evaluation metrics, ``norm/<group>`` for each group of the norms,
-  ``lr/<group>`` for each parameter group (``lr_groups``) and ``data/<name>`` for
-  each corpus of a blend (``data_names``)."""
+  ``lr/<group>`` for each parameter group (``lr_groups``), ``data/<name>`` for
+  each corpus of a blend (``data_names``) and, for a mixture of experts (``moe``),
+  `MOE_COLUMNS`."""
   return (list(CSV_FIELDS) + [EVAL_PREFIX + n for n in eval_names]
           + [NORM_PREFIX + g for g in group_names]
           + [LR_PREFIX + g for g in lr_groups]
-          + [DATA_PREFIX + n for n in data_names])
+          + [DATA_PREFIX + n for n in data_names]
+          + ([MOE_PREFIX + n for n in MOE_COLUMNS] if moe else []))
 
 
 def csv_row(interval: Interval, eval_names: Sequence[str]) -> dict[str, Any]:
@@ -128,6 +139,8 @@ def csv_row(interval: Interval, eval_names: Sequence[str]) -> dict[str, Any]:
               for g, v in interval.metrics[-1]["group_norms"].items()})
   row.update({LR_PREFIX + g: float(v) for g, v in
               interval.metrics[-1].get("group_learning_rates", {}).items()})
+  row.update({MOE_PREFIX + n: float(v) for n, v in
+              interval.metrics[-1].get("moe", {}).items()})
   return row
 
 
@@ -150,15 +163,16 @@ class MetricsLog:
 
   def __init__(self, out_dir: str, group_names: Sequence[str], start_step: int,
                enabled: bool = True, eval_names: Sequence[str] = (),
-               lr_groups: Sequence[str] = (), data_names: Sequence[str] = ()):
+               lr_groups: Sequence[str] = (), data_names: Sequence[str] = (),
+               moe: bool = False):
     """Opens ``out_dir/metrics.csv`` (the rows of a resumed run up to
     ``start_step`` kept) and the TensorBoard events; with ``enabled`` false, only
     reads the kept rows. ``eval_names`` are the model's evaluation metrics (without
     the ``eval_`` prefix), ``lr_groups`` the parameter groups, ``data_names`` the
-    corpora of a blend."""
+    corpora of a blend, ``moe`` whether the model routes to experts."""
     self.enabled = enabled
     self.path = os.path.join(out_dir, "metrics.csv")
-    self.fields = csv_fields(eval_names, group_names, lr_groups, data_names)
+    self.fields = csv_fields(eval_names, group_names, lr_groups, data_names, moe)
     kept = [r for r in read_rows(self.path) if int(r["step"]) <= start_step]
     self.last = kept[-1] if kept else {}
     if not enabled:

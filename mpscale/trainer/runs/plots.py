@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from mpscale.trainer.runs.metrics_log import EVAL_PREFIX, NORM_PREFIX, read_rows, to_float
+from mpscale.trainer.runs.metrics_log import (EVAL_PREFIX, MOE_PREFIX, NORM_PREFIX,
+                                              read_rows, to_float)
 
 
 def _series(rows: list[dict[str, str]], key: str) -> tuple[list[int], list[float]]:
@@ -44,8 +45,12 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "",
   metric_keys = sorted({k for rows in all_rows.values() for k in (rows[0] if rows
                                                                    else {})
                         if k.startswith(EVAL_PREFIX) and k != "eval_loss"})
-  fig = Figure(figsize=(17 if metric_keys else 13, 7), layout="constrained")
-  axes = fig.subplots(2, 4 if metric_keys else 3).ravel()
+  # A mixture of experts' load (moe/load_max, moe/load_min) gets one too.
+  moe = any(MOE_PREFIX + "load_max" in (rows[0] if rows else {})
+            for rows in all_rows.values())
+  wide = bool(metric_keys) or moe
+  fig = Figure(figsize=(17 if wide else 13, 7), layout="constrained")
+  axes = fig.subplots(2, 4 if wide else 3).ravel()
   styles = ("-", "--", ":", "-.")
   for i, (label, rows) in enumerate(all_rows.items()):
     color = f"C{i % 10}"
@@ -62,6 +67,10 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "",
       axes[4].plot(*_series(rows, key), color=color, ls=styles[j % len(styles)],
                    label=f"{label}: {group}" if len(runs) > 1 else group)
     axes[5].plot(*_series(rows, "overflow_total"), color=color, label=label)
+    for j, key in enumerate((MOE_PREFIX + "load_max", MOE_PREFIX + "load_min")
+                            if moe else ()):
+      axes[7].plot(*_series(rows, key), color=color, ls=styles[j],
+                   label=f"{label}: {key}" if len(runs) > 1 else key)
     for j, key in enumerate(metric_keys):
       metric = key.removeprefix(EVAL_PREFIX)
       axes[6].plot(*_series(rows, key), "o" + styles[j % len(styles)], color=color,
@@ -70,10 +79,14 @@ def plot_runs(runs: dict[str, str], path: str, title: str = "",
   titles = (f"loss{unit} (train: interval mean; dashed: eval)", "loss scale",
             "gradient global norm (logged step)", "learning rate",
             "group norms (logged step)", "overflows (skipped steps), total")
-  if metric_keys:
-    titles += ("evaluation metrics (model.metrics)",)
-    axes[6].legend(fontsize=7)
-    axes[7].set_visible(False)
+  if wide:
+    titles += ("evaluation metrics (model.metrics)",
+               "expert load: most and least loaded expert's share")
+    for ax, shown in ((axes[6], metric_keys), (axes[7], moe)):
+      if shown:
+        ax.legend(fontsize=7)
+      else:
+        ax.set_visible(False)
   for ax, name in zip(axes, titles):
     ax.set_xlabel("step")
     ax.set_title(name, fontsize=10)

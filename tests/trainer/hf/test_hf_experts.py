@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from mpscale.trainer import hf
-from mpscale.trainer.config.errors import ConfigError
 from mpscale.trainer.hf import tensors as _safetensors
 from mpscale.trainer.models.lm import TinyLM
 from tests.trainer.hf.test_hf import LENGTH, _checkpoint, _close, _torch_logits
@@ -175,9 +174,6 @@ def test_save_refuses_a_mixture_transformers_cannot_hold_and_writes_nothing(
   assert not os.path.exists(tmp_path / "out")
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason=(
-    "model.init_from takes the sizes mpscale/trainer/config/load.py's "
-    "_CHECKPOINT_SIZES lists, a mixture's not yet (num_experts stays 0)"))
 def test_init_from_reads_a_mixtures_sizes(tmp_path):
   """``model.init_from`` of a mixture takes its experts' sizes and routing from
   ``config.json`` (``norm_topk_prob`` false here: not the default)."""

@@ -99,6 +99,25 @@ def test_parameter_groups_learning_rates_are_columns_after_the_norms():
   assert list(row) == fields
 
 
+def test_a_mixtures_routing_columns_are_the_last_steps_and_plotted(tmp_path):
+  stats = lambda load: {"load_max": np.float32(load), "load_min": np.float32(0.05),  # noqa: E731
+                        "dropped": np.float32(0.0), "aux_loss": np.float32(2.0),
+                        "z_loss": np.float32(1.5)}
+  interval = _interval()._replace(metrics=[
+      {**m, "moe": stats(load)} for m, load in zip(_interval().metrics, (0.5, 0.4, 0.3))])
+  row = metrics_log.csv_row(interval, [])
+  assert row["moe/load_max"] == np.float32(0.3) and row["moe/z_loss"] == 1.5
+  fields = metrics_log.csv_fields([], ["a", "b"], moe=True)
+  assert list(row) == fields and fields[-5:] == [
+      "moe/" + n for n in metrics_log.MOE_COLUMNS]
+  log = metrics_log.MetricsLog(str(tmp_path), ["a", "b"], 0, moe=True)
+  log.write(row)
+  log.close()
+  from mpscale.trainer.runs import plots  # noqa: PLC0415
+  plots.plot_runs({"run": str(tmp_path / "metrics.csv")}, str(tmp_path / "m.png"))
+  assert (tmp_path / "m.png").stat().st_size > 0
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                     reason="torch is not installed: there is no import of it to avoid")
 def test_writing_events_does_not_import_torch(tmp_path):
