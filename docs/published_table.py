@@ -10,7 +10,10 @@ its GPU's own compiler (XLA's CUDA compiler, no GPU needed: ``pip install
   python docs/published_table.py --cpu-only      # without the CUDA plugin
 
 A run marked ``cpu: false`` is planned on the GPU's compiler alone: JAX's CPU backend
-does not compile for that many simulated devices.
+does not compile for that many simulated devices. A run marked ``planner: analytic``
+is planned from shapes alone (`mpscale.trainer.planning.analytic`, no compile), as
+laid out by its ``set`` overrides: a layout the trainer does not run yet (a
+pipelined mixture of experts), with the run's ``attention``.
 
 Each row is planned in its own process (``mpscale plan --devices N --hardware H
 --json``: the number of simulated devices is fixed when JAX starts). A publication's
@@ -31,6 +34,8 @@ import time
 import yaml
 
 from mpscale.trainer.config import schema
+from mpscale.trainer.planning import analytic
+from mpscale.trainer.planning.hardware import load_hardware
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "configs", "published", "runs.yaml")
@@ -74,9 +79,59 @@ def runs() -> list[dict]:
   return yaml_file()["runs"]
 
 
+def compiled(run: dict) -> bool:
+  """Whether ``run`` is planned by compiling its step (not ``planner: analytic``)."""
+  return run.get("planner", "compiled") == "compiled"
+
+
+def _row(run: dict, cfg: dict, seconds: float) -> dict:
+  """The columns every row has: the run, the published figure, the estimate from a
+  step of ``seconds`` and their ratio."""
+  published, estimate = measure(run, cfg, seconds)
+  return {"config": run["config"], "set": run.get("set", []),
+          "source": run["source"], "devices": run["devices"],
+          "in_band": run.get("in_band", True), "why": run.get("why", ""),
+          "published": published, "estimate": round(estimate, 1),
+          "unit": UNITS[run["flops"]], "ratio": round(estimate / published, 2),
+          "step_seconds": round(seconds, 3)}
+
+
+def analytic_row(run: dict) -> dict:
+  """One row planned from shapes (``planner: analytic``): the config as read with
+  the run's ``set`` (unchecked: the trainer refuses a pipelined mixture of experts
+  yet), its model's sizes and its layout priced by `analytic.estimate` on the
+  run's hardware, the attention the run's (``attention``, default ``xla``)."""
+  path = os.path.join(ROOT, "configs", "published", run["config"])
+  start = time.perf_counter()
+  with open(path) as f:
+    raw, _ = schema.apply_overrides(yaml.safe_load(f), run.get("set", []))
+  cfg, _ = schema.read_config(raw, path, default_name=run["config"][:-5])
+  model = analytic.Model.from_config(cfg)._replace(
+      attention=run.get("attention", "xla"))
+  layout = analytic.Layout.from_config(cfg)
+  hardware = load_hardware(run["hardware"])
+  est = analytic.estimate(model, layout, hardware)
+  terms = {"compute": est.compute, "memory": est.memory,
+           "collectives": est.collectives}
+  mesh = {"data": layout.data, **{a: n for a, n in layout.mesh.items()
+                                  if n > 1 and a != "data"}}
+  return {**_row(run, raw, est.seconds), "mesh": mesh,
+          "fits": analytic.fits(model, layout, hardware.hbm_bytes),
+          "peak_gib": round(est.peak_bytes / 2**30, 1),
+          "schedule": layout.schedule if layout.stage > 1 else "",
+          "compute": round(est.compute, 3), "memory": round(est.memory, 3),
+          "collectives": round(est.collectives, 3), "bubble": round(est.bubble, 3),
+          "hidden": round(est.hidden, 3), "dominant": max(terms, key=terms.get),
+          "compiled_for": "nothing: planned from shapes (analytic)",
+          "plan_seconds": round(time.perf_counter() - start, 1)}
+
+
 def plan_row(run: dict, compiler: str = "auto") -> dict:
   """One row: the run, its plan's estimate and the ratio (a subprocess), compiled
-  by ``compiler`` (``mpscale plan --compiler``)."""
+  by ``compiler`` (``mpscale plan --compiler``); from shapes for ``planner:
+  analytic`` (`analytic_row`, whatever ``compiler``)."""
+  if not compiled(run):
+    return analytic_row(run)
   path = os.path.join(ROOT, "configs", "published", run["config"])
   start = time.perf_counter()
   sets = [x for item in run.get("set", []) for x in ("--set", item)]
@@ -90,19 +145,11 @@ def plan_row(run: dict, compiler: str = "auto") -> dict:
     cfg = yaml.safe_load(f)
   cfg, _ = schema.apply_overrides(cfg, run.get("set", []))  # as the plan ran it
   est = planned["estimate"]
-  published, estimate = measure(run, cfg, est["seconds"])
-  return {"config": run["config"], "set": run.get("set", []),
-          "source": run["source"],
-          "devices": run["devices"], "in_band": run.get("in_band", True),
-          "why": run.get("why", ""),
+  return {**_row(run, cfg, est["seconds"]),
           "mesh": planned["mesh"], "fits": planned["fits"],
           "peak_gib": round(planned["bytes"]["peak"] / 2**30, 1),
           "schedule": next((r["schedule"] for r in planned["schedules"]
                             if r["config"]), ""),
-          "published": published, "estimate": round(estimate, 1),
-          "unit": UNITS[run["flops"]],
-          "ratio": round(estimate / published, 2),
-          "step_seconds": round(est["seconds"], 3),
           "compute": round(est["compute"], 3), "memory": round(est["memory"], 3),
           "collectives": round(est["collectives"], 3),
           "bubble": round(est["bubble"], 3), "hidden": round(est["hidden"], 3),
@@ -155,7 +202,7 @@ def main() -> None:
       rows.append(plan_row(run, "cpu"))
     else:
       row = plan_row(run, "target")
-      if run.get("cpu", True):
+      if run.get("cpu", True) and compiled(run):
         row["cpu_ratio"] = plan_row(run, "cpu")["ratio"]
       rows.append(row)
     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

@@ -8,12 +8,18 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
 - **matrix FLOPs** (`matmul_flops`): ``2 (4 d^2 + 2 d f) / t`` a token and layer plus
   attention's ``4 T d / t``, and the head's ``2 d V / t``; the backward twice the
   forward; recomputation runs each layer's forward again but its last product
-  (``2 d f / t``: the compiled program drops it, its output unused). A pipeline runs
+  (``2 d f / t``: the compiled program drops it, its output unused). A mixture of
+  experts (``num_experts`` ``E`` > 0) counts the routed tokens only: each goes
+  through its ``k`` experts of width ``f_e`` (and a shared MLP of ``f_s``), so its
+  MLP is ``2 · 3 d (k f_e + f_s) / t`` (`mlp_units`), and its router ``2 d E``
+  (whole on every tensor rank). A pipeline runs
   every tick on every device, its bubble ticks too: its layers' FLOPs are divided by
   ``1 - bubble``.
 - **memory-bound bytes** (`elementwise_bytes`): the passes over the activations that
   are not matrix products (layer norms, GELU, softmax over the ``h T`` scores, the
-  loss over ``V / t`` logits), a constant number each per token, and the optimizer's
+  loss over ``V / t`` logits, an expert layer's ``k`` routed rows of ``d``), a
+  constant number each per token (the scores' none under cuDNN's fused attention,
+  `Model.attention`), and the optimizer's
   update over the device's parameters (`ELEMENTWISE_PASSES`, `UPDATE_BYTES`); under
   recomputation a layer's passes shrink (`REMAT_BYTES`); ZB-H1's split backward
   moves more, and runs more tensor-parallel collectives (`ZB_H1_COST`, measured).
@@ -32,10 +38,16 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
     stage     one permute of a micro-batch's [rows, T, d] activations a tick, each
               way; the embedding's and head's gradients summed over the stages
     context   as fsdp's, the parameters split over it too (as the trainer lays them
-              out) and the gradient sum; per layer and micro-batch, a ring's ``context - 1`` permutes of a device's K and V
-              forward, and as many of them with their float32 gradients back
-              (``context`` of those), or an all-gather of K and V forward and
-              backward and a reduce-scatter of their gradients (`context_kv_bytes`)
+              out) and the gradient sum; per layer and micro-batch, a ring's
+              ``context - 1`` permutes of a device's K and V forward, and as many of
+              them with their float32 gradients back (``context`` of those), or an
+              all-gather of K and V forward and backward and a reduce-scatter of
+              their gradients (`context_kv_bytes`)
+    expert    per expert layer and micro-batch, two all-to-alls of a device's ``k``
+              routed rows of ``d`` (to the experts' devices and back) forward, two
+              backward, two more in the recompute (`routed_bytes`); the experts'
+              gradients are summed over data, fsdp and context only, every other
+              weight's over expert too (a data axis for them)
 
   priced with `mpscale.trainer.planning.step_time`'s own ring formulas and link
   levels (`step_time.collective_seconds`, `step_time.link_for`).
@@ -45,15 +57,20 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
   the optimizer's bytes a parameter read once from its state's shapes), the
   activations a device keeps for the backward (`activation_bytes`: each layer's of
   every micro-batch in flight, `live_items`; with recomputation only its input and
-  one layer's working set) and one layer's gathered weights under FSDP.
+  one layer's working set) and one layer's gathered weights under FSDP. An expert
+  layer's weights are split over ``expert`` (each device holds ``E / expert`` of
+  them), the others are not.
 
 The step is ``compute + memory + collectives``, nothing hidden (as the CPU compile the
 search reads) but the ring's K/V permutes, each behind its block's attention
-(`hidden_seconds`: up to the attention's FLOPs' time). Context parallelism divides a
-device's tokens by ``context``. The constants are counts, not a fit to one machine; what they are for
-is the order of layouts, not a step time to quote: the search compiles the leading
-ones and ranks those by their compiled estimate. tests/trainer/planning/test_analytic.py
-checks each formula by hand on tiny sizes and the order against compiled plans.
+(`hidden_seconds`: up to the attention's FLOPs' time); the experts' all-to-alls are
+not hidden (the expert products wait for the rows they bring). Context parallelism
+divides a device's tokens by ``context``, expert parallelism (a data axis outside
+the experts) by ``expert``. The constants are counts, not a fit to one machine; what
+they are for is the order of layouts, not a step time to quote: the search compiles
+the leading ones and ranks those by their compiled estimate.
+tests/trainer/planning/test_analytic.py checks each formula by hand on tiny sizes
+and the order against compiled plans, test_analytic_experts.py a mixture's.
 
 Example:
 
@@ -83,10 +100,11 @@ from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.planning import step_time as step_time_lib
 from mpscale.trainer.planning.hardware import Hardware
 
-AXES = ("data", "fsdp", "stage", "context", "tensor")
+AXES = ("data", "fsdp", "stage", "context", "expert", "tensor")
 """The trainer's mesh axes, in its row-major order (`step_time.link_for`)."""
 
-ELEMENTWISE_PASSES = {"residual": 230, "mlp": 15, "scores": 15, "logits": 10}
+ELEMENTWISE_PASSES = {"residual": 230, "mlp": 15, "scores": 15, "logits": 10,
+                      "routed": 15}
 """Bytes-passes a token makes over each activation outside the matrix products, in a
 forward and backward together: ``residual`` over its ``d`` values (two layer norms,
 two residual adds, casts, the residuals kept for the backward), ``mlp`` over ``f /
@@ -94,7 +112,11 @@ t`` (GELU in float32, its gradient), ``scores`` over ``h T / t`` float32 scores
 (mask, softmax and its gradient) and ``logits`` over ``V / t`` float32 logits
 (log-softmax and its gradient). Read off compiled plans of GPT-2 124M's step (data
 8, data 4 x tensor 2, with and without recomputation): the CPU compile the search
-ranks by moves the residual stream many more times than a fused GPU kernel would."""
+ranks by moves the residual stream many more times than a fused GPU kernel would.
+``routed`` is counted, not read off a plan: over an expert layer's ``k d`` routed
+values a token (in the compute dtype), the gather into expert order (a read and a
+write), the exchange's send and receive buffers and the weighted combine's read, five
+passes forward and twice that backward."""
 
 REMAT_BYTES = 0.65
 """The share of a layer's elementwise bytes left under recomputation: the compiled
@@ -119,6 +141,10 @@ LEAVES = LAYER_LEAVES + 5
 """Parameter leaves of the LM: a layer's (stacked), the two embeddings and the
 head's layer norm and kernel."""
 
+EXPERT_LEAVES = 3
+"""Parameter leaves of an expert layer's routed experts (gate, up and down, each
+stacked over the experts and the layers): summed over their own axes."""
+
 PIECES = 3
 """Collectives a parameter leaf's gradient sum and gather split into when the
 optimizer state is split (ZeRO-1, FSDP): the gradient and the optimizer's
@@ -142,6 +168,8 @@ class Layout(NamedTuple):
   """Megatron's split of heads, MLP units and vocabulary (``mesh.tensor``)."""
   context: int = 1
   """The sequence's split (``mesh.context``)."""
+  expert: int = 1
+  """The experts' split (``mesh.expert``); outside the experts, a data axis."""
   context_parallel: str = "ring"
   """How attention crosses it (``model.context_parallel``)."""
   microbatches: int = 1
@@ -166,9 +194,21 @@ class Layout(NamedTuple):
             "train.remat": "remat", "mesh.shard_optimizer_state": "zero1",
             "mesh.sequence_parallel": "sequence_parallel",
             "mesh.pipeline_schedule": "schedule", "mesh.virtual_stages":
-            "virtual_stages", "mesh.context": "context",
+            "virtual_stages", "mesh.context": "context", "mesh.expert": "expert",
             "model.context_parallel": "context_parallel"}
     return cls(**{keys[k]: v for k, v in overrides.items() if k in keys})
+
+  @classmethod
+  def from_config(cls, cfg: Any) -> "Layout":
+    """The layout of ``cfg``'s ``mesh`` and ``train`` sections (a
+    `mpscale.trainer.RunConfig`, checked or as read)."""
+    m = cfg.mesh
+    return cls(data=m.data, fsdp=m.fsdp, stage=m.stage, tensor=m.tensor,
+               context=m.context, expert=m.expert,
+               context_parallel=cfg.model.context_parallel,
+               microbatches=cfg.train.num_microbatches, remat=cfg.train.remat,
+               zero1=m.shard_optimizer_state, sequence_parallel=m.sequence_parallel,
+               schedule=m.pipeline_schedule, virtual_stages=m.virtual_stages)
 
   @property
   def mesh(self) -> dict[str, int]:
@@ -177,8 +217,9 @@ class Layout(NamedTuple):
 
   @property
   def replicas(self) -> int:
-    """The data-parallel replicas (``data x fsdp``): the batch's split."""
-    return self.data * self.fsdp
+    """The batch's split (``data x fsdp x expert``: outside the experts, ``expert``
+    is one more data axis)."""
+    return self.data * self.fsdp * self.expert
 
   @property
   def param_axes(self) -> tuple[str, ...]:
@@ -197,7 +238,10 @@ class Model(NamedTuple):
   """The sizes of the built-in LM and of its step that the estimate reads."""
   lm: lm_lib.TinyLM
   """The model: ``vocab_size`` ``V``, ``d_model`` ``d``, ``num_heads`` ``h``,
-  ``num_layers`` ``L``, ``d_ff`` ``f`` and ``seq_len`` ``T`` are read."""
+  ``num_layers`` ``L``, ``d_ff`` ``f`` and ``seq_len`` ``T`` are read; with a
+  mixture of experts, ``num_experts`` ``E``, ``experts_per_token`` ``k``, each
+  expert's width ``f_e`` (``expert_width``) and the shared MLP's ``shared_d_ff``
+  ``f_s``."""
   batch_size: int
   """Sequences a step (all replicas)."""
   param_bytes: int = 4
@@ -210,12 +254,19 @@ class Model(NamedTuple):
   with ``precision.grad_reduce_dtype``)."""
   optimizer_bytes: float = 8.0
   """Optimizer state a parameter, in bytes (Adam's two float32 moments: 8)."""
+  attention: str = "xla"
+  """The attention the step runs (`mpscale.trainer.models.lm.attention_for`):
+  ``xla`` holds each layer's ``[h, T, T]`` float32 scores in memory (their passes,
+  and their bytes kept for the backward); ``cudnn``'s fused attention neither
+  moves nor keeps them."""
 
   @classmethod
-  def from_config(cls, cfg: Any) -> "Model":
+  def from_config(cls, cfg: Any, device: Any = None) -> "Model":
     """The sizes of ``cfg`` (a `mpscale.trainer.RunConfig` of the built-in LM), its
     optimizer's bytes a parameter read from its state's shapes (nothing
-    allocated; the layout does not matter)."""
+    allocated; the layout does not matter), and its attention as the trainer
+    chooses it on devices like ``device`` (`lm.attention_for`; ``None``, no device
+    known: ``xla``)."""
     lm = lm_lib.TinyLM.from_sizes(cfg.model)
     policy = builders.build_policy(cfg)
     shapes = jax.eval_shape(lm.init, jax.random.key(0))
@@ -226,7 +277,9 @@ class Model(NamedTuple):
     return cls(lm=lm, batch_size=cfg.data.batch_size, param_bytes=param_bytes,
                compute_bytes=np.dtype(policy.compute_dtype).itemsize,
                compute_dtype=np.dtype(policy.compute_dtype).name,
-               reduce_bytes=reduce_bytes, optimizer_bytes=opt / count)
+               reduce_bytes=reduce_bytes, optimizer_bytes=opt / count,
+               attention=lm_lib.attention_for(cfg.model.attention, device,
+                                              policy.compute_dtype, lm.dims_per_head))
 
 
 class Params(NamedTuple):
@@ -238,16 +291,31 @@ class Params(NamedTuple):
   embed_split: int
   head: int
   head_split: int
+  experts: int = 0
+  """Of ``layer_split``, a layer's routed experts (``3 d f_e E``): split over
+  ``expert`` too."""
+
+
+def mlp_units(model: Model) -> int:
+  """The MLP's hidden units one token goes through: ``d_ff``, or with experts its
+  ``k`` experts' and the shared MLP's, ``k f_e + f_s`` (routed tokens only)."""
+  lm = model.lm
+  if not lm.num_experts:
+    return lm.d_ff
+  return lm.experts_per_token * lm.expert_width + lm.shared_d_ff
 
 
 def param_counts(model: Model) -> Params:
   """The LM's parameters (`mpscale.trainer.models.lm.TinyLM`): a layer's (its
   attention's and MLP's matrices, biases and norms: GPT-2's qkv, out, fc and proj
   with biases and two LayerNorms, or the Llama block's q, k, v, o, gate, up and
-  down with two RMSNorms, Qwen2's q, k, v biases and Qwen3's q/k norms), the
-  embeddings' (tokens, and GPT-2's positions) and the head's (a norm and, untied,
-  the vocabulary projection). Grouped K/V heads count as split over ``tensor``
-  (replicated when it does not divide them, a small share of a layer).
+  down with two RMSNorms, Qwen2's q, k, v biases and Qwen3's q/k norms; with
+  experts, the router ``[d, E]``, the experts' gate, up and down ``3 d f_e E`` and
+  a shared MLP's ``3 d f_s`` in the dense MLP's stead), the embeddings' (tokens,
+  and GPT-2's positions) and the head's (a norm and, untied, the vocabulary
+  projection). Grouped K/V heads count as split over ``tensor`` (replicated when it
+  does not divide them, a small share of a layer); the router is whole on every
+  tensor rank.
 
   Returns:
     `Params`, each a count (the whole model: ``embed + head + num_layers *
@@ -257,28 +325,56 @@ def param_counts(model: Model) -> Params:
   q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
   gpt = lm.family == "gpt"
   attention = 2 * d * q + 2 * d * kv  # q (or qkv) and o kernels, k and v
-  mlp = (2 if gpt else 3) * d * f
+  experts = 3 * d * lm.expert_width * lm.num_experts
+  mlp = (3 * d * lm.shared_d_ff + experts if lm.num_experts
+         else (2 if gpt else 3) * d * f)
   split_biases = (q + 2 * kv + f if gpt
                   else q + 2 * kv if families.TRAITS[lm.family].qkv_bias else 0)
   split = attention + mlp + split_biases
   norms = 4 * d if gpt else 2 * d + (2 * lm.dims_per_head
                                      if families.TRAITS[lm.family].qk_norm else 0)
   other_biases = 2 * d if gpt else 0  # out and proj biases
+  router = d * lm.num_experts
   head = 0 if lm.tie_embeddings else d * v
-  return Params(layer=split + norms + other_biases, layer_split=split,
+  return Params(layer=split + norms + other_biases + router, layer_split=split,
                 embed=v * d + (t * d if gpt else 0), embed_split=v * d,
-                head=(2 * d if gpt else d) + head, head_split=head)
+                head=(2 * d if gpt else d) + head, head_split=head, experts=experts)
+
+
+def active_params(model: Model) -> float:
+  """The parameters one token goes through: every one but the experts it is not
+  routed to (``k / E`` of the experts'). Mixtral 8x7B: 12.9B of 46.7B."""
+  p, lm = param_counts(model), model.lm
+  share = lm.experts_per_token / lm.num_experts if lm.num_experts else 1
+  return p.embed + p.head + lm.num_layers * (p.layer - p.experts * (1 - share))
+
+
+def _layer_on_device(p: Params, layout: Layout) -> float:
+  """A layer's parameters on one device before FSDP's split: its heads and MLP
+  units split over ``tensor``, its experts over ``tensor x expert``."""
+  t = layout.tensor
+  return (p.layer - p.layer_split + (p.layer_split - p.experts) / t
+          + p.experts / (t * layout.expert))
 
 
 def params_per_device(model: Model, layout: Layout) -> float:
   """Parameters one device holds: a stage's layers and the embedding and head (on
-  every stage), their heads, MLP units and vocabulary split over ``tensor``, and
-  everything over ``fsdp`` and ``context`` (`Layout.param_split`)."""
+  every stage), their heads, MLP units and vocabulary split over ``tensor``, the
+  experts over ``expert`` too, and everything over ``fsdp`` and ``context``
+  (`Layout.param_split`)."""
   p, t = param_counts(model), layout.tensor
   per = lambda whole, split: whole - split + split / t  # noqa: E731
-  layers = model.lm.num_layers / layout.stage * per(p.layer, p.layer_split)
+  layers = model.lm.num_layers / layout.stage * _layer_on_device(p, layout)
   return (layers + per(p.embed, p.embed_split) + per(p.head, p.head_split)
           ) / layout.param_split
+
+
+def expert_params_per_device(model: Model, layout: Layout) -> float:
+  """Of `params_per_device`, the routed experts' (their gradients are summed over
+  ``data``, ``fsdp`` and ``context`` only)."""
+  p = param_counts(model)
+  return (model.lm.num_layers / layout.stage * p.experts
+          / (layout.tensor * layout.expert * layout.param_split))
 
 
 def state_bytes(model: Model, layout: Layout) -> float:
@@ -304,9 +400,10 @@ def bubble(layout: Layout) -> float:
 
 
 def live_items(layout: Layout) -> int:
-  """The most micro-batches whose activations a device keeps at once: all ``M``
-  unpipelined (accumulated one after another: 1), GPipe ``v M``, 1F1B ``min(v M,
-  (v + 1) S - 1)``, ZB-H1 ``min(M, S)`` (`mpscale.parallel.pipeline.live_slots`)."""
+  """The most work items (a micro-batch's chunk of a stage's layers) whose
+  activations a device keeps at once: all ``M`` unpipelined (accumulated one after
+  another: 1), GPipe ``v M``, 1F1B ``min(v M, (v + 1) S - 1)``, ZB-H1 ``min(M, S)``
+  (`mpscale.parallel.pipeline.live_slots`)."""
   s, m, v = layout.stage, layout.microbatches, layout.virtual_stages
   if s == 1:
     return 1
@@ -323,8 +420,8 @@ def rows(model: Model, layout: Layout) -> float:
 
 
 def tokens_per_device(model: Model, layout: Layout) -> float:
-  """A device's tokens a step: its replica's share of the batch, its ``1 /
-  context`` of each sequence."""
+  """A device's tokens a step: its replica's share of the batch (split over
+  ``data x fsdp x expert``), its ``1 / context`` of each sequence."""
   return model.batch_size * model.lm.seq_len / (layout.replicas * layout.context)
 
 
@@ -339,15 +436,34 @@ def context_kv_bytes(model: Model, layout: Layout) -> float:
           * lm.dims_per_head * model.compute_bytes)
 
 
+def routed_bytes(model: Model, layout: Layout) -> float:
+  """A device's routed rows of one micro-batch and expert layer: its tokens times
+  ``k`` rows of ``d``, in the compute dtype: what one all-to-all over ``expert``
+  moves (the ``(expert - 1) / expert`` that leave the device, in its price); 0
+  without experts."""
+  lm = model.lm
+  if not lm.num_experts:
+    return 0.0
+  return (rows(model, layout) * lm.seq_len / layout.context * lm.experts_per_token
+          * lm.d_model * model.compute_bytes)
+
+
+def _scores(model: Model) -> int:
+  """Scores a token holds in a layer, ``h T``, under XLA's attention; none under
+  cuDNN's fused attention (`Model.attention`)."""
+  return model.lm.num_heads * model.lm.seq_len if model.attention == "xla" else 0
+
+
 def matmul_flops(model: Model, layout: Layout) -> float:
   """Matrix-product FLOPs one device runs a step (module docstring)."""
   lm, t = model.lm, layout.tensor
-  d, f = lm.d_model, lm.d_ff
+  d, units = lm.d_model, mlp_units(model)
   q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
   tokens = tokens_per_device(model, layout)
-  products = 2 * d * q + 2 * d * kv + (2 if lm.family == "gpt" else 3) * d * f
-  layer = (2 * products + 4 * lm.seq_len * q) / t
-  passes = 3 + (1 - 2 * d * f / t / layer if layout.remat else 0)
+  products = 2 * d * q + 2 * d * kv + (2 if lm.family == "gpt" else 3) * d * units
+  router = 2 * d * lm.num_experts  # whole on every tensor rank
+  layer = (2 * products + 4 * lm.seq_len * q) / t + router
+  passes = 3 + (1 - 2 * d * units / t / layer if layout.remat else 0)
   layers = model.lm.num_layers / layout.stage * layer * passes / (1 - bubble(layout))
   head = 3 * 2 * d * model.lm.vocab_size / t
   return tokens * (layers + head)
@@ -356,12 +472,14 @@ def matmul_flops(model: Model, layout: Layout) -> float:
 def elementwise_bytes(model: Model, layout: Layout) -> float:
   """Bytes one device's memory-bound kernels move a step (`ELEMENTWISE_PASSES`,
   `UPDATE_BYTES`)."""
-  t, cb = layout.tensor, model.compute_bytes
+  lm, t, cb = model.lm, layout.tensor, model.compute_bytes
   tokens = tokens_per_device(model, layout)
-  residual = model.lm.d_model / (t if layout.sequence_parallel else 1)
+  residual = lm.d_model / (t if layout.sequence_parallel else 1)
+  routed = lm.experts_per_token * lm.d_model if lm.num_experts else 0
   layer = (ELEMENTWISE_PASSES["residual"] * residual * cb
-           + ELEMENTWISE_PASSES["mlp"] * model.lm.d_ff / t * 4
-           + ELEMENTWISE_PASSES["scores"] * model.lm.num_heads * model.lm.seq_len / t * 4)
+           + ELEMENTWISE_PASSES["mlp"] * mlp_units(model) / t * 4
+           + ELEMENTWISE_PASSES["routed"] * routed * cb
+           + ELEMENTWISE_PASSES["scores"] * _scores(model) / t * 4)
   if layout.remat:
     layer *= REMAT_BYTES
   if _zb_h1(layout):
@@ -377,18 +495,22 @@ def elementwise_bytes(model: Model, layout: Layout) -> float:
 def activation_bytes(model: Model, layout: Layout) -> float:
   """Activations a device keeps for the backward at its peak: each layer's of each
   micro-batch in flight (`live_items`), heads, MLP units and scores split over
-  ``tensor``, the residual stream too with sequence parallelism; with recomputation
-  a layer's input only, and one layer's whole working set; and the micro-batch's
-  float32 logits."""
-  d, f, cb, t = model.lm.d_model, model.lm.d_ff, model.compute_bytes, layout.tensor
-  tokens = rows(model, layout) * model.lm.seq_len / layout.context
+  ``tensor``, the residual stream too with sequence parallelism; with experts the
+  routed rows' (``k`` of ``d`` a token, and their units, `mlp_units`) and the
+  router's float32 scores in the dense MLP's stead; with recomputation a layer's
+  input only, and one layer's whole working set; and the micro-batch's float32
+  logits."""
+  lm, cb, t = model.lm, model.compute_bytes, layout.tensor
+  d, tokens = lm.d_model, rows(model, layout) * lm.seq_len / layout.context
   residual = 6 * d * cb / (t if layout.sequence_parallel else 1)
-  split = (4 * d * cb + f * (2 * cb + 4)
-           + model.lm.num_heads * model.lm.seq_len * (8 + cb)) / t
-  layer = tokens * (residual + split)
+  split = (4 * d * cb + mlp_units(model) * (2 * cb + 4)
+           + _scores(model) * (8 + cb)) / t
+  routed = (lm.experts_per_token * d * cb + lm.num_experts * 4
+            if lm.num_experts else 0)
+  layer = tokens * (residual + split + routed)
   layers = model.lm.num_layers / (layout.stage * layout.virtual_stages)
   chunk = layers * (tokens * d * cb if layout.remat else layer)
-  kept = live_items(layout) * chunk * layout.virtual_stages
+  kept = live_items(layout) * chunk
   logits = 3 * tokens * model.lm.vocab_size / t * 4
   return kept + (layer if layout.remat else 0) + logits
 
@@ -397,9 +519,8 @@ def memory_bytes(model: Model, layout: Layout) -> float:
   """A device's peak: `state_bytes`, `activation_bytes` and, under FSDP (or
   context), one layer's weights gathered (twice: the next one's gather
   overlaps)."""
-  p = param_counts(model)
-  gathered = (2 * (p.layer - p.layer_split + p.layer_split / layout.tensor)
-              * model.compute_bytes if layout.param_split > 1 else 0)
+  gathered = (2 * _layer_on_device(param_counts(model), layout) * model.compute_bytes
+              if layout.param_split > 1 else 0)
   return state_bytes(model, layout) + activation_bytes(model, layout) + gathered
 
 
@@ -416,20 +537,14 @@ class Collective(NamedTuple):
 def collectives(model: Model, layout: Layout) -> list[Collective]:
   """The collectives of one device's step (module docstring); those of a group of
   one device are left out. Counts follow the compiled program: the gradient sum is
-  one all-reduce, unless the optimizer state is split (ZeRO-1, FSDP), when it runs
-  a piece a parameter leaf and statistic (`PIECES`); FSDP gathers leaf by leaf."""
-  out = []
+  one all-reduce (the experts' apart, `_gradient_sums`), unless the optimizer state
+  is split (ZeRO-1, FSDP), when it runs a piece a parameter leaf and statistic
+  (`PIECES`); FSDP gathers leaf by leaf."""
   p, cb = param_counts(model), model.compute_bytes
   n = params_per_device(model, layout)
-  # the gradients are summed over the context axis too: each device's tokens are
-  # a slice of the sequences
-  replicas = tuple(a for a in ("data", "fsdp", "context") if getattr(layout, a) > 1)
-  split = layout.zero1 and layout.data > 1 or layout.param_split > 1
-  pieces = PIECES * LEAVES if split else 1
-  if replicas:
-    out.append(Collective("all-reduce", replicas, n * model.reduce_bytes / pieces,
-                          pieces))
+  out = _gradient_sums(model, layout)
   if layout.zero1 and layout.data > 1:
+    pieces = PIECES * LEAVES
     out.append(Collective("all-gather", ("data",), n * model.param_bytes / pieces,
                           pieces))
   m, passes = layout.microbatches, 3 if layout.remat else 2
@@ -443,6 +558,10 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
   activation = (rows(model, layout) * model.lm.seq_len / layout.context
                 * model.lm.d_model * cb)
   out += _context_collectives(model, layout, m * layers, passes)
+  if model.lm.num_experts and layout.expert > 1:
+    # to the experts' devices and back, in each forward and backward
+    out.append(Collective("all-to-all", ("expert",), routed_bytes(model, layout),
+                          m * layers * 2 * passes))
   if layout.tensor > 1:
     big = m * ((passes + 2) * layers + 2)  # two a layer a pass (the recompute's
     # second unused), the embedding's and the head's
@@ -464,6 +583,27 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
     ends = (p.embed + p.head - p.embed_split - p.head_split
             + (p.embed_split + p.head_split) / layout.tensor)
     out.append(Collective("all-reduce", ("stage",), ends * model.reduce_bytes, 1))
+  return out
+
+
+def _gradient_sums(model: Model, layout: Layout) -> list[Collective]:
+  """The gradient sums: over the axes a device's tokens are a slice of the batch
+  along (``data``, ``fsdp``, ``context``, and ``expert`` for every weight but the
+  experts', which it splits); one all-reduce, or a piece a parameter leaf and
+  statistic when the optimizer state is split (`PIECES`)."""
+  n, experts = params_per_device(model, layout), expert_params_per_device(
+      model, layout)
+  split = layout.zero1 and layout.data > 1 or layout.param_split > 1
+  axes = tuple(a for a in ("data", "fsdp", "context") if getattr(layout, a) > 1)
+  dense = axes + (("expert",) if layout.expert > 1 else ())
+  parts = ([(dense, n - experts, LEAVES), (axes, experts, EXPERT_LEAVES)]
+           if experts and layout.expert > 1 else [(dense, n, LEAVES)])
+  out = []
+  for group, count, leaves in parts:
+    pieces = PIECES * leaves if split else 1
+    if group:
+      out.append(Collective("all-reduce", group, count * model.reduce_bytes / pieces,
+                            pieces))
   return out
 
 
@@ -564,10 +704,11 @@ def fits(model: Model, layout: Layout, memory: float, slack: float = 1.0) -> boo
   return memory_bytes(model, layout) <= slack * memory
 
 
-__all__ = ["AXES", "Collective", "ELEMENTWISE_PASSES", "Estimate", "LAYER_LEAVES",
-           "LEAVES", "Layout", "Model", "PIECES", "Params", "REMAT_BYTES",
-           "UPDATE_BYTES", "activation_bytes", "bubble", "collectives",
-           "context_kv_bytes", "hidden_seconds", "tokens_per_device",
-           "collective_seconds", "elementwise_bytes", "estimate", "fits",
-           "live_items", "matmul_flops", "memory_bytes", "param_counts",
-           "params_per_device", "rows", "state_bytes"]
+__all__ = ["AXES", "Collective", "ELEMENTWISE_PASSES", "EXPERT_LEAVES", "Estimate",
+           "LAYER_LEAVES", "LEAVES", "Layout", "Model", "PIECES", "Params",
+           "REMAT_BYTES", "UPDATE_BYTES", "activation_bytes", "active_params",
+           "bubble", "collectives", "context_kv_bytes", "expert_params_per_device",
+           "hidden_seconds", "tokens_per_device", "collective_seconds",
+           "elementwise_bytes", "estimate", "fits", "live_items", "matmul_flops",
+           "memory_bytes", "mlp_units", "param_counts", "params_per_device",
+           "routed_bytes", "rows", "state_bytes"]

@@ -2,7 +2,9 @@
 ranked by estimated step time on named hardware (``mpscale plan --search``).
 
 `search` enumerates the layouts of a config (`layouts`): every split of the devices
-into ``data x fsdp x stage x tensor``, and with it ZeRO-1 (``shard_optimizer_state``),
+into ``data x fsdp x stage x context x expert x tensor`` (``expert`` only for a
+mixture of experts, dividing its ``num_experts``), and with it ZeRO-1
+(``shard_optimizer_state``),
 the micro-batches, activation recomputation (``train.remat``), sequence parallelism,
 the pipeline schedule and virtual stages. A layout the trainer would refuse (tensor
 not dividing the heads, stages not dividing the layers, a batch not splitting over
@@ -85,6 +87,8 @@ RULES = (
     "virtual stages 1 or 2 (2 only with stage > 1, 1F1B or GPipe)",
     "micro-batches a power of two, at least the stages when pipelined (at most 4"
     " counts), without a pipeline the fewest that fit",
+    "expert only for a mixture of experts (model.num_experts > 0), a divisor of"
+    " its experts",
 )
 """What `layouts` leaves out, said with every result."""
 
@@ -105,7 +109,29 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-AXES = ("data", "fsdp", "stage", "context", "tensor")
+AXES = ("data", "fsdp", "stage", "context", "expert", "tensor")
+"""The mesh axes searched, in the trainer's order (`--axes` chooses among them)."""
+
+
+def _splits(cfg: config_lib.RunConfig, devices: int, tensor: int,
+            axes: tuple[str, ...]) -> list[tuple[int, int, int]]:
+  """``(stage, context, expert)`` splits of ``devices / tensor`` that ``cfg``'s
+  model and the trainer allow (``expert`` a divisor of ``num_experts``, only for a
+  mixture; a mixture unpipelined: the trainer refuses its stages yet)."""
+  m, rest = cfg.model, devices // tensor
+  sizes = lambda axis, n: _divisors(n) if axis in axes else [1]  # noqa: E731
+  experts = [e for e in sizes("expert", rest) if m.num_experts and (
+      m.num_experts % e == 0)] or [1]
+  out = []
+  for stage, context, expert in itertools.product(
+      sizes("stage", rest), sizes("context", rest), experts):
+    if (m.num_layers % stage or rest % (stage * context * expert)
+        or m.seq_len % (2 * context)
+        or context > 1 and stage > 1 and tensor > 1  # see config.load
+        or m.num_experts and stage > 1):
+      continue
+    out.append((stage, context, expert))
+  return out
 
 
 def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
@@ -125,24 +151,16 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
   m = cfg.model
   batch = cfg.data.batch_size
   out = []
-  def sizes(axis: str, n: int) -> list[int]:
-    return _divisors(n) if axis in axes else [1]
-
-  for tensor in sizes("tensor", devices):
+  for tensor in _divisors(devices) if "tensor" in axes else [1]:
     if tensor > devices_per_node or m.num_heads % tensor or m.d_ff % tensor or (
-        m.vocab_size % tensor):
+        m.vocab_size % tensor) or m.num_experts and (m.expert_d_ff or m.d_ff) % tensor:
       continue
-    for stage, context in itertools.product(sizes("stage", devices // tensor),
-                                            sizes("context", devices // tensor)):
-      if (m.num_layers % stage or devices % (tensor * stage * context)
-          or m.seq_len % (2 * context)
-          or context > 1 and stage > 1 and tensor > 1):  # see config.load
-        continue
-      rest = devices // (tensor * stage * context)
+    for stage, context, expert in _splits(cfg, devices, tensor, axes):
+      rest = devices // (tensor * stage * context * expert)
       splits = [(d, f) for d, f in ((rest, 1), (1, rest)) if rest == 1 or (
           (d == 1 or "data" in axes) and (f == 1 or "fsdp" in axes))]
       for data, fsdp in dict.fromkeys(splits):
-        replicas = data * fsdp
+        replicas = data * fsdp * expert  # outside the experts, a data axis
         if batch % replicas:
           continue
         per_replica = batch // replicas
@@ -158,6 +176,8 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
             continue
           structure = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.stage": stage,
                        "mesh.tensor": tensor}
+          if m.num_experts:  # set always: the config's own would stay otherwise
+            structure["mesh.expert"] = expert
           if context > 1:
             # a ring where the schedule lets it (GPipe's stages run alike)
             structure.update({"mesh.context": context, "model.context_parallel":
@@ -182,8 +202,8 @@ def _order(ladder: list[dict[str, Any]]) -> tuple:
   """Planning order of ladders: fewer stages, less tensor parallelism, no FSDP,
   fewer micro-batches, plainer options first."""
   layout = ladder[0]
-  return (layout["mesh.stage"], layout.get("mesh.context", 1), layout["mesh.tensor"],
-          layout["mesh.fsdp"],
+  return (layout["mesh.stage"], layout.get("mesh.context", 1),
+          layout.get("mesh.expert", 1), layout["mesh.tensor"], layout["mesh.fsdp"],
           layout["train.num_microbatches"], layout.get("mesh.virtual_stages", 1),
           layout.get("mesh.pipeline_schedule", ""),
           layout.get("mesh.sequence_parallel", False), layout["train.remat"],
@@ -284,7 +304,8 @@ class Candidate(NamedTuple):
 
 
 def preranked(cfg: config_lib.RunConfig, ladders: list[list[dict[str, Any]]],
-              hardware: Hardware) -> tuple[list[Candidate], list[Candidate]]:
+              hardware: Hardware, device: Any = None
+              ) -> tuple[list[Candidate], list[Candidate]]:
   """Every ladder priced from shapes (`analytic.estimate`): no config is built and
   nothing compiled, so thousands take a second.
 
@@ -292,12 +313,14 @@ def preranked(cfg: config_lib.RunConfig, ladders: list[list[dict[str, Any]]],
     cfg: the run, its model, batch, precision and optimizer (`analytic.Model`).
     ladders: `layouts`' ladders.
     hardware: the profile: its memory, peaks and links.
+    device: one of the devices the leading layouts compile for: the attention is
+      the one the trainer chooses there (`analytic.Model.from_config`).
 
   Returns:
     ``(fitting, over)``: the ladders whose variant fits the memory by the analytic
     bound, fastest first, and those none of whose variants does, smallest first.
   """
-  model = analytic.Model.from_config(cfg)
+  model = analytic.Model.from_config(cfg, device)
   memory = float(hardware.hbm_bytes)
   fitting, over = [], []
   for ladder in ladders:
@@ -445,7 +468,8 @@ def search(config_path: str, devices: int, hardware: Any, *,
       --devices N`` simulates them).
     hardware: a `Hardware`, a built-in profile's name or a profile file's path.
     overrides: ``--set`` overrides applied before the layout's own.
-    axes: the mesh axes searched (the others stay 1); default all four.
+    axes: the mesh axes searched (the others stay 1); default all of `AXES`
+      (``expert`` only for a mixture of experts).
     top: how many layouts to rank by their compiled estimate: the ladders are
       compiled in their analytic order until ``top`` fit; ``None``: every one (an
       exhaustive search).
@@ -491,7 +515,8 @@ def search(config_path: str, devices: int, hardware: Any, *,
                           "devices (tensor must divide the heads, d_ff and the "
                           "vocabulary, stages the layers, replicas the batch)")
   start = time.perf_counter()
-  fitting, over = preranked(base, ladders, hardware)
+  fitting, over = preranked(base, ladders, hardware,
+                            next(iter(target.devices or jax.devices()), None))
   tally = _Tally(smallest=min((c.estimate.peak_bytes for c in over), default=math.inf))
   ranked, done = [], 0
   out_of_time = lambda: time.perf_counter() - start > budget  # noqa: E731

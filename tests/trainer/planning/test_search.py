@@ -207,7 +207,7 @@ def test_impossible_requests_name_their_cause(tmp_path):
   with pytest.raises(ValueError, match=r"--compile-top"):
     search_lib.search(CONFIG, 2, A100, axes=("data",), top=0)
   with pytest.raises(ValueError, match=r"--axes"):
-    search_lib.search(CONFIG, 2, A100, axes=("data", "expert"))
+    search_lib.search(CONFIG, 2, A100, axes=("data", "experts"))
   profile = tmp_path / "gpu.yaml"
   profile.write_text("peak_flops: {bfloat16: 1.0e15}\nhbm_bandwidth: 2.0e12\n"
                      "hbm_bytes: 8.0e10\nlinks: [{name: x, span: node, "
