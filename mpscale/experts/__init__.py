@@ -19,10 +19,13 @@ from mpscale.experts._dispatch import (
     ExpertWeights,
     Plan,
     dispatch,
+    RAGGED_PLATFORMS,
     exchange,
     has_ragged_all_to_all,
+    platform_of,
 )
-from mpscale.experts._grouped import IMPLEMENTATIONS, default_tile, grouped_matmul
+from mpscale.experts._grouped import (IMPLEMENTATIONS, choose, default_tile,
+                                      grouped_matmul)
 from mpscale.experts._layer import EXPERT_AXIS, MoeStats, moe_mlp
 from mpscale.experts._routing import (
     SCORES,
@@ -41,9 +44,11 @@ __all__ = [
     "IMPLEMENTATIONS",
     "MoeStats",
     "Plan",
+    "RAGGED_PLATFORMS",
     "Routes",
     "Routing",
     "SCORES",
+    "choose",
     "default_tile",
     "dispatch",
     "exchange",
@@ -52,6 +57,7 @@ __all__ = [
     "has_ragged_all_to_all",
     "load_balancing_loss",
     "moe_mlp",
+    "platform_of",
     "route",
     "update_bias",
 ]

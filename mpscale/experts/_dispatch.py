@@ -26,7 +26,7 @@ assignment could go to one device): the dropless layer's worst case.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -138,10 +138,27 @@ def _exchange_backward(rows_out, axis, ragged, res, g):
 exchange.defvjp(_exchange_forward, _exchange_backward)
 
 
-def has_ragged_all_to_all() -> bool:
-  """Whether the default backend compiles ``jax.lax.ragged_all_to_all`` (XLA's GPU
-  and TPU compilers do; its CPU compiler does not)."""
-  return jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+def platform_of(mesh: Any = None) -> str:
+  """The platform a mesh's devices are (``cpu``, ``gpu``/``cuda``, ``tpu``; a
+  compile-only topology's too), else the default backend's."""
+  devices = getattr(mesh, "devices", None)
+  if devices is not None and getattr(devices, "size", 0):
+    return devices.flat[0].platform
+  device = getattr(mesh, "abstract_device", None)
+  if device is not None and getattr(device, "platform", None):
+    return device.platform
+  return jax.default_backend()
+
+
+def has_ragged_all_to_all(mesh: Any = None) -> bool:
+  """Whether XLA compiles ``jax.lax.ragged_all_to_all`` for ``mesh``'s devices (the
+  default backend's without one): its GPU and TPU compilers do, its CPU compiler
+  does not."""
+  return platform_of(mesh) in RAGGED_PLATFORMS
+
+
+RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+"""The platforms whose XLA compilers have ``ragged_all_to_all``."""
 
 
 # ------------------------------------------------------------------- the layer
@@ -181,8 +198,8 @@ def dispatch(x: jax.Array, routes: Routes, weights: ExpertWeights, routing: Rout
     tensor_axis: an axis the experts' hidden units are split over (their outputs
       are summed over it), or ``None``.
     implementation, tile: the grouped product's (`grouped_matmul`).
-    ragged: exchange with ``ragged_all_to_all`` (``None``: where the backend has
-      it, `has_ragged_all_to_all`).
+    ragged: exchange with ``ragged_all_to_all`` (``None``: where the default
+      backend has it, `has_ragged_all_to_all`).
 
   Returns:
     `Dispatched`.
@@ -221,6 +238,9 @@ def _across(rows, counts, weights, axis, ragged, implementation, tile):
   block = jnp.searchsorted(ends, jnp.arange(received.shape[0]), side="right")
   expert = jnp.where(block < ends.shape[0], block % local, local)
   regroup = jnp.argsort(expert, stable=True)
+  # the tiles sized for the rows a device gets when the load is even, not for the
+  # buffer's worst case
+  tile = tile or _grouped.default_tile(rows.shape[0], local)
   out = _swiglu(jnp.take(received, regroup, axis=0), weights, mine.sum(0),
                 implementation, tile)
   out = jnp.zeros_like(out).at[regroup].set(out)

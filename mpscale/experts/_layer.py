@@ -27,7 +27,9 @@ from jax.sharding import PartitionSpec
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
 from mpscale import validation
-from mpscale.experts._dispatch import ExpertWeights, dispatch
+from mpscale.experts import _grouped
+from mpscale.experts._dispatch import (RAGGED_PLATFORMS, ExpertWeights, dispatch,
+                                       platform_of)
 from mpscale.experts._routing import (Routing, expert_counts, load_balancing_loss,
                                       route)
 
@@ -89,7 +91,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: ExpertWeights,
     expert_axis: the mesh axis the experts are split over (absent or 1: none).
     tensor_axis: the mesh axis the experts' hidden units are split over, or
       ``None``.
-    implementation, tile, ragged: `dispatch`'s.
+    implementation, tile, ragged: `dispatch`'s, ``auto`` and ``None`` chosen for
+      ``mesh``'s devices (`choose`, `has_ragged_all_to_all`).
 
   Returns:
     ``(y, stats)``: ``y`` shaped and laid out as ``x``, and `MoeStats`.
@@ -98,10 +101,14 @@ def moe_mlp(x: jax.Array, router: jax.Array, weights: ExpertWeights,
     ArgumentError: naming ``num_experts`` when ``expert_axis`` does not divide the
       experts, or ``d_ff`` when ``tensor_axis`` does not divide their hidden units.
   """
-  options = dict(implementation=implementation, tile=tile, ragged=ragged)
   manual, abstract = mesh_lib.manual_axes()
   if manual:
     mesh = abstract
+  # for the devices the program is compiled for (a compile-only GPU or TPU
+  # topology's while JAX runs on the CPU too)
+  platform = platform_of(mesh)
+  options = dict(implementation=_grouped.choose(implementation, platform), tile=tile,
+                 ragged=platform in RAGGED_PLATFORMS if ragged is None else ragged)
   if mesh is None:
     return _local(x, router, weights, bias, routing=routing, axis=None,
                   tensor_axis=None, token_axes=(), options=options)

@@ -51,7 +51,8 @@ class MoeMLP(nn.Module):
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from mpscale import experts
-    >>> layer = experts.MoeMLP(experts.Routing(num_experts=4, top_k=2), d_ff=32)
+    >>> from mpscale.experts.moe_flax import MoeMLP
+    >>> layer = MoeMLP(experts.Routing(num_experts=4, top_k=2), d_ff=32)
     >>> x = jnp.ones((2, 8, 16))
     >>> variables = layer.init(jax.random.key(0), x)
     >>> y, stats = layer.apply(variables, x)

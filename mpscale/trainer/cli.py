@@ -237,7 +237,7 @@ def _plan_command(sub: Any) -> None:
       "estimated step time (the config's own mesh is ignored)"))
   plan_cmd.add_argument("--budget", type=float, default=600.0, metavar="SECONDS",
                         help="--search: stop planning after this long (default 600)")
-  plan_cmd.add_argument("--axes", default="data,fsdp,stage,context,tensor", help=(
+  plan_cmd.add_argument("--axes", default="data,fsdp,stage,context,expert,tensor", help=(
       "--search: the mesh axes to search, comma-separated (the others stay 1)"))
   plan_cmd.add_argument("--top", type=int, default=10, metavar="K",
                         help="--search: print the K fastest layouts (default 10)")

@@ -74,6 +74,9 @@ LAYOUTS = {
         "data.batch_size=8", "model.seq_len=64", "model.num_layers=4",
         "model.family=llama", "model.num_kv_heads=2", "mesh.data=2",
         "mesh.context=4")),
+    # a mixture of experts (8 experts of 128 units, 2 a token) over expert 4
+    "mixtral_expert": ("tiny_moe.yaml", (
+        "data.batch_size=8", "model.seq_len=64", "mesh.data=2", "mesh.expert=4")),
 }
 """Each layout compiled for the 8 H100s: a config file of configs/ and its
 ``--set`` overrides, on 8 devices."""
@@ -335,6 +338,32 @@ def test_the_context_ring_attends_in_cudnn_blocks_with_asynchronous_transfers():
               if o.collective == "collective-permute over context"]
   assert overlaps, "no asynchronous transfer over the context axis"
   assert any(o.window.dots or o.window.bytes for o in overlaps)
+
+
+@gpu_compile
+@needs_cuda
+def test_experts_move_tokens_by_ragged_all_to_all_and_never_gather_an_expert():
+  """Expert 4: each block's tokens go to their experts' devices and back by one
+  ragged all-to-all each way, forward and backward (XLA's GPU compiler has them; the
+  CPU's padded all-to-all is absent); no all-gather moves an expert's weights (no
+  all-gather result has the experts' 128 hidden units, which no other weight has);
+  the grouped products run in tiles, no product multiplies every row of the
+  receiving buffer."""
+  program = _programs("mixtral_expert")["mixtral_expert"]
+  cfg = program.cfg
+  starts = re.findall(r" ragged-all-to-all-start\(", program.text)
+  assert len(starts) == 4 * cfg.model.num_layers, len(starts)
+  assert not re.findall(r" all-to-all-start\(| all-to-all\(", program.text)
+  gathered = [ins.result for computation in program.module.computations.values()
+              for ins in computation if hlo_lib._kind(ins) == "all-gather"]
+  assert not [r for r in gathered if re.search(r"\[[^\]]*\b128\b", r)], gathered
+  # the receiving buffer: expert x a device's (token, slot) rows
+  buffer = (cfg.data.batch_size // (cfg.mesh.data * cfg.mesh.expert) * cfg.model.seq_len
+            * cfg.model.experts_per_token * cfg.mesh.expert)
+  products = [line for line in program.text.splitlines()
+              if " dot(" in line or "gemm_fusion" in line.split("=", 1)[0]]
+  assert not [p for p in products if re.search(rf"= \w+\[{buffer},128\]", p)]
+  assert [p for p in products if re.search(r"= \w+\[16,128\]", p)]  # a tile's
 
 
 # ------------------------------------------------------------------ the checks fail

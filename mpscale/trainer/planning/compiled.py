@@ -633,7 +633,11 @@ def _loss_readings(built: _Built) -> dict[str, Any]:
   its matrix FLOPs (`Plan`'s fields of those names)."""
   cfg, setup, state, batch = built.cfg, built.setup, built.state, built.batch
   mesh = setup.mesh
-  loss = setup.model.loss_fn if built.provided else builders.build_loss(cfg, setup.model)
+  model = setup.model
+  if not built.provided and model.routing is not None:
+    # traced on one device's rows, which a mixture's expert split would not divide
+    model = dataclasses.replace(model, shard=None)
+  loss = model.loss_fn if built.provided else builders.build_loss(cfg, model)
   out = {"bubble": loss.bubble(cfg.mesh.stage) if cfg.mesh.stage > 1 else 0.0,
          "schedules": [], "residuals": None, "activations": None,
          "float32_share": None}

@@ -51,7 +51,7 @@ import re
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-               "all-to-all")
+               "all-to-all", "ragged-all-to-all")
 """The collective kinds `collectives` counts (an asynchronous ``<kind>-start`` as
 its kind)."""
 
@@ -286,6 +286,13 @@ def _moved(module: Module, name: str, ins: Instruction) -> int:
     # an asynchronous start's result holds its operands beside its results
     result_bytes = max(result_bytes - operand_bytes, 0)
   moved = max(result_bytes, operand_bytes)
+  if _kind(ins) == "ragged-all-to-all":
+    # its buffer (the output, or the return trip's input) is sized for the worst
+    # case, every row to one device: the rows sent are the smaller side's at most
+    shapes = [m.group(0) for m in _SHAPE.finditer(ins.result)]
+    first = shapes[0] if ins.op.endswith("-start") else module.types[name].get(
+        (_operands(ins) or [""])[0], "")
+    moved = min(_shape_bytes(first) or moved, _shape_bytes(shapes[-1]) or moved)
   return moved // 2 if _promoted(ins) else moved
 
 

@@ -90,6 +90,25 @@ def test_no_collectives_on_one_device():
   assert hlo.matmul_flops(text) == 0.0
 
 
+RAGGED = """HloModule m
+
+ENTRY %main (x: bf16[64,16], out: bf16[512,16], o: s64[8]) -> bf16[512,16] {
+  %x = bf16[64,16]{1,0} parameter(0)
+  %out = bf16[512,16]{1,0} parameter(1)
+  %o = s64[8]{0} parameter(2)
+  %go = ((bf16[64,16]{1,0}, bf16[512,16]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, s64[8]{0}), bf16[512,16]{1,0}) ragged-all-to-all-start(%x, %out, %o, %o, %o, %o), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+  ROOT %done = bf16[512,16]{1,0} ragged-all-to-all-done(%go)
+}
+"""
+
+
+def test_a_ragged_all_to_all_moves_its_rows_not_its_worst_case_buffer():
+  # a mixture of experts' exchange: 64 rows out, into a buffer for 8 x 64 (every
+  # row to one device): the rows sent are what moves
+  assert hlo.collectives(RAGGED) == {"ragged-all-to-all": {"count": 1,
+                                                           "bytes": 64 * 16 * 2}}
+
+
 LOOP_AND_FRIENDS = """HloModule m
 
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
