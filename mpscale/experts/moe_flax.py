@@ -126,8 +126,8 @@ class NnxMoeMLP(nnx.Module):
                         tile=tile)
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, MoeStats]:
-    weights = ExpertWeights(*(w.value.astype(x.dtype)
+    weights = ExpertWeights(*(w[...].astype(x.dtype)
                               for w in (self.gate, self.up, self.down)))
-    bias = None if self.bias is None else self.bias.value
-    return moe_mlp(x, self.router.value, weights, self.routing, bias=bias,
+    bias = None if self.bias is None else self.bias[...]
+    return moe_mlp(x, self.router[...], weights, self.routing, bias=bias,
                    **self.options)

@@ -189,3 +189,32 @@ def test_bad_routing_is_refused_by_name():
   with pytest.raises(validation.ArgumentError, match="num_experts"):
     experts.moe_mlp(jnp.ones((8, 4)), router, w, experts.Routing(6, 2),
                     mesh=_mesh((4,), ("expert",)), spec=P("expert"))
+
+
+def test_the_flax_layers_compute_moe_mlp_of_their_weights():
+  from flax import nnx  # noqa: PLC0415
+  from mpscale.experts import moe_flax  # noqa: PLC0415
+  routing = experts.Routing(4, 2, bias_rate=0.01)
+  x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+  layer = moe_flax.NnxMoeMLP(routing, 8, 12, rngs=nnx.Rngs(0))
+  layer.bias = moe_flax.RoutingBias(jnp.array([0.0, 0.5, 0.0, -0.5]))
+  y, stats = layer(x)
+  w = experts.ExpertWeights(layer.gate[...], layer.up[...], layer.down[...])
+  expect, _ = experts.moe_mlp(x, layer.router[...], w, routing, bias=layer.bias[...])
+  np.testing.assert_array_equal(y, expect)
+  # the bias is state, not a parameter: an optimizer over nnx.Param leaves it
+  assert not isinstance(layer.bias, nnx.Param)
+  assert len(jax.tree_util.tree_leaves(nnx.state(layer, nnx.Param))) == 4
+  linen = moe_flax.MoeMLP(routing, d_ff=12, shared_d_ff=6)
+  variables = linen.init(jax.random.key(1), x)
+  assert set(variables) == {"params", "routing"}
+  params = variables["params"]
+  bias = jnp.array([0.3, 0.0, 0.0, 0.0])
+  y, stats = linen.apply({"params": params, "routing": {"bias": bias}}, x)
+  routed, _ = experts.moe_mlp(x, params["router"], experts.ExpertWeights(
+      params["gate"], params["up"], params["down"]), routing, bias=bias)
+  h = x @ params["shared_gate"]["kernel"]
+  shared = (jax.nn.silu(h) * (x @ params["shared_up"]["kernel"])) @ params[
+      "shared_down"]["kernel"]
+  np.testing.assert_allclose(y, routed + shared, rtol=1e-5, atol=1e-6)
+  assert float(stats.counts.sum()) == 2 * 5 * 2

@@ -1,6 +1,6 @@
 """The built-in LM's mixtures of experts (``mixtral``, ``qwen3_moe``) in the trainer:
-experts split over ``mesh.expert`` 2 and 4, with data, FSDP and tensor axes beside
-it, train as one device does (float32, two steps, the routing state included); a
+experts split over ``mesh.expert`` 2 and 4, with data, FSDP, tensor and context axes
+beside it, train as one device does (float32, two steps, the routing state included); a
 skipped (overflowed) step leaves the balancing bias bit-identical on every device;
 the capacity variant's drops reach the log's columns; bad settings are refused by
 key."""
@@ -54,7 +54,8 @@ _ONE = {}
 
 @pytest.mark.parametrize("family,mesh", [
     ("mixtral", {"data": 2, "expert": 2}), ("mixtral", {"fsdp": 2, "expert": 4}),
-    ("qwen3_moe", {"expert": 2, "tensor": 2, "data": 2})])
+    ("qwen3_moe", {"expert": 2, "tensor": 2, "data": 2}),
+    ("mixtral", {"context": 2, "expert": 2, "data": 2})])
 def test_experts_split_over_the_expert_axis_train_as_one_device(family, mesh):
   batches = [_tokens(0), _tokens(1)]
   if family not in _ONE:
