@@ -9,9 +9,9 @@ Two programs, each compiled for 8 H100s by XLA's CUDA compiler:
    (``jax.lax.ragged_dot``, the reference), measured in the same run. Printed: the
    matrix-product FLOPs of each program per routed token's own (the routed rows
    times the three matrices, forward and backward); for ``tiled`` the loops' tiles
-   are counted as an even load runs them (a loop over the tiles that hold rows:
-   its trip count is the data's, and XLA counts a loop once), and the bound a
-   partial tile an expert sets. Then how the tokens move (ragged all-to-alls, or
+   are counted as an even load runs them (`mpscale.trainer.planning.hlo` reads a
+   tiled loop's name scope: its trip count is the data's, and XLA counts a loop
+   once), and the bound a partial tile an expert sets. Then how the tokens move (ragged all-to-alls, or
    padded ones) and whether any all-gather moves an expert's weights.
 2. **The trainer's step** of a 2-layer Mixtral-shaped model (configs like
    configs/tiny_moe.yaml at d 1024, 8 experts of 3584) under ``mesh.expert`` 8 and
@@ -88,16 +88,13 @@ def _layer_report() -> None:
     moves["all-gathers of expert weights"] = len(re.findall(
         rf"\[[^\]]*\b{F}\b[^\]]*\]\S* all-gather-start\(", text))
     if implementation == "tiled":
+      # hlo.matmul_flops counts each tiled loop at the tiles an even load runs
+      # (its `experts.TILES_SCOPE`): its trip count is the data's
       tile = _tile_rows(text)
       rows = TOKENS * K // P_           # an even load: each device's expert's rows
-      per_trip = 2 * tile * D * F
-      loops = 9  # gate, up, down: forward, and input and weight gradients
-      # XLA (and hlo.matmul_flops) count a loop whose trip count is the data's
-      # once: count each loop's tiles as an even load runs them
-      executed = found - loops * per_trip + loops * per_trip * -(-rows // tile)
       print(f"  tiled: tile {tile} rows, {len(re.findall(' while[(]', text))} "
-            f"loops; FLOPs as an even load runs them {executed / routed:.3f}x the "
-            f"routed tokens' (bound {1 + (E // P_) * tile / rows:.3f}x); moves "
+            f"loops; FLOPs {found / routed:.3f}x the routed tokens' (bound "
+            f"{1 + (E // P_) * tile / rows:.3f}x, a partial tile an expert); moves "
             f"{moves}")
     else:
       print(f"  ragged_dot: FLOPs {found / routed:.2f}x the routed tokens' "

@@ -90,6 +90,11 @@ _LONGEST_FIRST = (
     "tests/trainer/planning/test_plan.py",
     "tests/trainer/test_cli.py",
     "tests/integration/test_notebooks.py",
+    "tests/trainer/models/test_context.py",
+    "tests/trainer/hf/test_hf.py",
+    "tests/trainer/models/test_experts.py",
+    "tests/trainer/hf/test_hf_experts.py",
+    "tests/integration/test_fidelity.py",
 )
 """The test files that take longest (``--durations``), started first: with one worker
 per core a long file started last would keep one core busy after the other ran out

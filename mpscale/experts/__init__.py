@@ -24,8 +24,8 @@ from mpscale.experts._dispatch import (
     has_ragged_all_to_all,
     platform_of,
 )
-from mpscale.experts._grouped import (IMPLEMENTATIONS, choose, default_tile,
-                                      grouped_matmul)
+from mpscale.experts._grouped import (IMPLEMENTATIONS, TILES_SCOPE, choose,
+                                      default_tile, grouped_matmul)
 from mpscale.experts._layer import EXPERT_AXIS, MoeStats, moe_mlp
 from mpscale.experts._routing import (
     SCORES,
@@ -48,6 +48,7 @@ __all__ = [
     "Routes",
     "Routing",
     "SCORES",
+    "TILES_SCOPE",
     "choose",
     "default_tile",
     "dispatch",

@@ -47,9 +47,10 @@ class ExpertWeights(NamedTuple):
 
 
 def _swiglu(rows: jax.Array, w: ExpertWeights, sizes: jax.Array, implementation: str,
-            tile: Optional[int]) -> jax.Array:
+            tile: Optional[int], expected_rows: Optional[int] = None) -> jax.Array:
   mm = functools.partial(_grouped.grouped_matmul, group_sizes=sizes,
-                         implementation=implementation, tile=tile)
+                         implementation=implementation, tile=tile,
+                         expected_rows=expected_rows)
   gate, up = mm(rows, w.gate), mm(rows, w.up)
   # float32, as the dense MLP's: the SiLU's exp, and the product, stay finite
   h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
@@ -240,9 +241,8 @@ def _across(rows, counts, weights, axis, ragged, implementation, tile):
   regroup = jnp.argsort(expert, stable=True)
   # the tiles sized for the rows a device gets when the load is even, not for the
   # buffer's worst case
-  tile = tile or _grouped.default_tile(rows.shape[0], local)
   out = _swiglu(jnp.take(received, regroup, axis=0), weights, mine.sum(0),
-                implementation, tile)
+                implementation, tile, expected_rows=rows.shape[0])
   out = jnp.zeros_like(out).at[regroup].set(out)
   return exchange(out, rows.shape[0], plan.reverse(), axis, ragged)
 

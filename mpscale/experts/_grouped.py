@@ -18,6 +18,11 @@ Its gradient (a ``custom_vjp``) is two more such loops, as Megablox's is: ``dx``
 same product with each expert's matrix transposed, ``dw[e]`` the sum over the
 expert's tiles of ``x[rows]^T @ dy[rows]``.
 
+A loop's trip count is the data's, which a compiled program's reader cannot know:
+each loop runs under the name scope ``mpscale_tiles=N`` (`TILES_SCOPE`), ``N`` the
+tiles an even load of ``expected_rows`` rows runs, which
+`mpscale.trainer.planning.hlo` takes as its trip count.
+
 References:
   Gale et al., "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts"
   (2022), https://arxiv.org/abs/2211.15841 (grouped GEMMs for dropless experts);
@@ -34,6 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from mpscale import validation
+
+TILES_SCOPE = "mpscale_tiles="
+"""The name scope of a tiled loop, followed by the tiles an even load runs."""
 
 IMPLEMENTATIONS = ("auto", "tiled", "ragged")
 """`grouped_matmul`'s choices: ``tiled`` (a loop over the rows' tiles, any backend),
@@ -74,8 +82,19 @@ def _pad(x: jax.Array, tile: int) -> jax.Array:
   return jnp.pad(x, ((0, tile), (0, 0)))
 
 
+def _loop(count, body, init, expected: int):
+  """``fori_loop(0, count, body, init)`` named for the tiles an even load runs."""
+  with jax.named_scope(f"{TILES_SCOPE}{expected}"):
+    return lax.fori_loop(0, count, body, init)
+
+
+def _even_tiles(rows: int, groups: int, tile: int) -> int:
+  """The tiles ``rows`` rows spread evenly over ``groups`` groups take."""
+  return groups * -(-(-(-rows // groups)) // tile)
+
+
 def _tiled_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int,
-               transpose: bool) -> jax.Array:
+               transpose: bool, expected: int) -> jax.Array:
   """``out[rows of group e] = x[rows] @ w[e]`` (``w[e].T`` with ``transpose``) for
   ``x`` ``[m, k]``, ``w`` ``[E, k, n]``, by tiles; rows past the groups get 0."""
   m = x.shape[0]
@@ -93,12 +112,12 @@ def _tiled_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int,
     return lax.dynamic_update_slice_in_dim(out, _rows(out, first, tile) + part,
                                            first, axis=0)
 
-  out = lax.fori_loop(0, count, body, jnp.zeros((m + tile, n), x.dtype))
+  out = _loop(count, body, jnp.zeros((m + tile, n), x.dtype), expected)
   return out[:m]
 
 
 def _tiled_tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, tile: int,
-                num_groups: int) -> jax.Array:
+                num_groups: int, expected: int) -> jax.Array:
   """``dw[e] = x[rows of e]^T @ dy[rows of e]`` (``[E, k, n]``), by tiles."""
   tile_of, count = _schedule(group_sizes, tile)
   xp, dyp = _pad(x, tile), _pad(dy, tile)
@@ -112,23 +131,23 @@ def _tiled_tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, tile: int,
     return dw.at[e].add(part)
 
   dw = jnp.zeros((num_groups, x.shape[1], dy.shape[1]), jnp.float32)
-  return lax.fori_loop(0, count, body, dw)
+  return _loop(count, body, dw, expected)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled(x, w, group_sizes, tile):
-  return _tiled_gmm(x, w, group_sizes, tile, transpose=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tiled(x, w, group_sizes, tile, expected):
+  return _tiled_gmm(x, w, group_sizes, tile, False, expected)
 
 
-def _tiled_forward(x, w, group_sizes, tile):
-  return _tiled(x, w, group_sizes, tile), (x, w, group_sizes)
+def _tiled_forward(x, w, group_sizes, tile, expected):
+  return _tiled(x, w, group_sizes, tile, expected), (x, w, group_sizes)
 
 
-def _tiled_backward(tile, res, dy):
+def _tiled_backward(tile, expected, res, dy):
   x, w, group_sizes = res
   dy = dy.astype(x.dtype)
-  dx = _tiled_gmm(dy, w, group_sizes, tile, transpose=True)
-  dw = _tiled_tgmm(x, dy, group_sizes, tile, w.shape[0]).astype(w.dtype)
+  dx = _tiled_gmm(dy, w, group_sizes, tile, True, expected)
+  dw = _tiled_tgmm(x, dy, group_sizes, tile, w.shape[0], expected).astype(w.dtype)
   return dx, dw, None
 
 
@@ -145,8 +164,8 @@ def choose(implementation: str, platform: str) -> str:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str = "auto", tile: Optional[int] = None
-                   ) -> jax.Array:
+                   implementation: str = "auto", tile: Optional[int] = None,
+                   expected_rows: Optional[int] = None) -> jax.Array:
   """Rows of ``x`` (``[m, k]``, sorted by group) times their group's matrix of ``w``
   (``[E, k, n]``): group ``e`` is the ``group_sizes[e]`` rows after the groups
   before it; rows past ``sum(group_sizes)`` give zeros.
@@ -157,7 +176,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     group_sizes: ``[E]`` integers summing to at most ``m``.
     implementation: `IMPLEMENTATIONS` (``auto`` for the default backend,
       `choose`).
-    tile: rows a tile (``tiled``; ``None``: `default_tile`).
+    tile: rows a tile (``tiled``; ``None``: `default_tile` of ``expected_rows``).
+    expected_rows: the rows the groups hold when the load is even (``None``:
+      ``m``; fewer where ``x`` is a buffer for the worst case), for the tile and
+      the loops' `TILES_SCOPE`.
 
   Returns:
     ``[m, n]`` in ``x``'s dtype (float32 accumulation).
@@ -166,6 +188,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   if implementation == "ragged":
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes.astype(jnp.int32),
                           preferred_element_type=jnp.float32).astype(x.dtype)
-  tile = default_tile(x.shape[0], w.shape[0]) if tile is None else tile
+  rows = x.shape[0] if expected_rows is None else expected_rows
+  tile = default_tile(rows, w.shape[0]) if tile is None else tile
   validation.positive_int("tile", tile)
-  return _tiled(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), tile)
+  return _tiled(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), tile,
+                _even_tiles(rows, w.shape[0], tile))

@@ -50,6 +50,8 @@ import math
 import re
 from typing import Any, Callable, NamedTuple, Optional, Union
 
+from mpscale.experts import TILES_SCOPE
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                "all-to-all", "ragged-all-to-all")
 """The collective kinds `collectives` counts (an asynchronous ``<kind>-start`` as
@@ -1054,11 +1056,17 @@ def _as_kernels(totals: dict[str, float]) -> Kernels:
 
 
 def _trips(ins: Instruction, module: Optional[Module] = None) -> int:
-  """A while loop's trip count: XLA's ``known_trip_count``; else, with ``module``,
+  """A while loop's trip count: XLA's ``known_trip_count``; a tiled grouped
+  product's (`mpscale.experts.grouped_matmul`), whose trip count is the data's, the
+  tiles an even load runs (its name scope, ``mpscale_tiles=N``); else, with
+  ``module``,
   the bound of a condition ``counter < constant(N)`` (libtpu's programs carry no
   ``known_trip_count``; a JAX loop's counter starts at 0); else 1."""
   m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.rest)
   if m:
+    return int(m.group(1))
+  m = re.search(rf'op_name="[^"]*{re.escape(TILES_SCOPE)}(\d+)', ins.rest)
+  if m:  # a tiled grouped product's loop: the tiles an even load runs
     return int(m.group(1))
   cond = re.search(r"condition=%?([\w.\-]+)", ins.rest)
   if module is None or not cond or cond.group(1) not in module.computations:

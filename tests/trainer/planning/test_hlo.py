@@ -807,3 +807,15 @@ def test_fp8_flops_are_the_products_of_8_bit_operands():
   product = 2 * 128 * 256 * 512
   assert hlo.matmul_flops(_FP8) == 2 * product
   assert hlo.fp8_flops(_FP8) == product
+
+
+def test_a_tiled_grouped_products_loop_counts_the_tiles_an_even_load_runs():
+  # 96 rows of 4 experts, tiles of 8: an even load runs 4 x 3 tiles of 2 x 8 x 16 x 32
+  # FLOPs (the loop's trip count is the data's; XLA would count its body once)
+  from mpscale import experts  # noqa: PLC0415
+  x, w = jnp.ones((96, 16)), jnp.ones((4, 16, 32))
+  text = jax.jit(lambda x, w, sizes: experts.grouped_matmul(
+      x, w, sizes, implementation="tiled", tile=8)).lower(
+          x, w, jnp.array([24, 24, 24, 24])).compile().as_text()
+  assert f'{experts.TILES_SCOPE}12"' in text or f"{experts.TILES_SCOPE}12/" in text
+  assert hlo.matmul_flops(text) == 12 * 2 * 8 * 16 * 32
