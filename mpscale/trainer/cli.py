@@ -415,7 +415,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.command == "plan":
       from mpscale.trainer.planning import compiled as plan_lib  # noqa: PLC0415
       from mpscale.trainer.planning.hardware import load_hardware  # noqa: PLC0415
-      hardware = None if args.hardware is None else load_hardware(args.hardware)
+      try:
+        hardware = None if args.hardware is None else load_hardware(args.hardware)
+      except ValueError as e:  # an unknown profile, or a profile file's mistake
+        raise config_lib.as_config_error(e) from None
       if args.search:
         _search(args, hardware)
         return 0

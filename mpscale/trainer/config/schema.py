@@ -284,8 +284,10 @@ class PrecisionConfig:
   (`mpscale.kahan_summation`: 2 more bytes a 16-bit parameter), last in the optimizer
   chain. float32 parameters are not affected."""
   fp8: Fp8Config = dataclasses.field(default_factory=Fp8Config)
-  """FP8 products in the tiny LM's blocks (``recipe: null``: off); not with a
-  pipeline (``mesh.stage > 1``) or a user's model yet."""
+  """FP8 products (``recipe: null``: off): the tiny LM's blocks, pipelined or not,
+  or a user's model built with `mpscale.precision.fp8_flax`'s layers (its provider
+  reads the recipe, `mpscale.trainer.config.build.build_fp8`); not a mixture's
+  experts yet (``model.num_experts``)."""
 
 
 @dataclasses.dataclass(frozen=True)

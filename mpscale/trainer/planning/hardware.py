@@ -378,8 +378,8 @@ class _Reader:
       return None
     try:
       targets.parse(raw)
-    except ValueError as e:
-      raise self.fail("compile_target", str(e).split(": ", 1)[-1]) from None
+    except targets.CompileTargetError as e:
+      raise self.fail("compile_target", e.reason) from None
     return raw
 
   def efficiencies(self, raw: Mapping) -> dict[str, Any]:

@@ -71,15 +71,27 @@ def names() -> list[str]:
                 if p.name.endswith(".txtpb"))
 
 
+class CompileTargetError(ValueError):
+  """A ``compile_target`` no compiler here takes; ``reason`` says why, without the
+  key (a hardware profile names the key and its file itself)."""
+
+  def __init__(self, reason: str):
+    self.reason = reason
+    super().__init__(f"compile_target: {reason}")
+
+  def __reduce__(self):
+    return type(self), (self.reason,)
+
+
 def spec_text(name: str) -> str:
   """The text of the target spec ``target_specs/<name>.txtpb``.
 
   Raises:
-    ValueError: naming ``compile_target`` for a spec that is not shipped.
+    CompileTargetError: for a spec that is not shipped.
   """
   if name not in names():
-    raise ValueError(f"compile_target: no GPU target spec {name!r}; known: "
-                     f"{', '.join('cuda/' + n for n in names())}")
+    raise CompileTargetError(f"no GPU target spec {name!r}; known: "
+                             f"{', '.join('cuda/' + n for n in names())}")
   folder = importlib.resources.files(__package__).joinpath(_FOLDER)
   return folder.joinpath(name + ".txtpb").read_text()
 
@@ -88,17 +100,17 @@ def parse(compile_target: str) -> tuple[str, str]:
   """``"cuda/h100_sxm"`` as ``("cuda", "h100_sxm")``.
 
   Raises:
-    ValueError: naming ``compile_target`` for another platform or form.
+    CompileTargetError: for another platform or form, or a spec or chip not known.
   """
   platform, _, name = str(compile_target).partition("/")
   if platform not in ("cuda", "tpu") or not name:
-    raise ValueError(f"compile_target must be 'cuda/<spec>' or 'tpu/<chip>'; got "
-                     f"{compile_target!r}")
+    raise CompileTargetError(f"must be 'cuda/<spec>' or 'tpu/<chip>'; got "
+                             f"{compile_target!r}")
   if platform == "cuda":
     spec_text(name)
   elif name not in TPU_CHIPS:
-    raise ValueError(f"compile_target: no TPU chip {name!r}; known: "
-                     f"{', '.join('tpu/' + n for n in TPU_CHIPS)}")
+    raise CompileTargetError(f"no TPU chip {name!r}; known: "
+                             f"{', '.join('tpu/' + n for n in TPU_CHIPS)}")
   return platform, name
 
 

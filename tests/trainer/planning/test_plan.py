@@ -209,6 +209,10 @@ def test_the_command_prints_the_plan_as_text_or_json(capsys):
   assert "per device:" in text and "all-reduce" in text
   assert cli.main(["plan", "--config", config, *sets, "--set", "mesh.data=16"]) == 2
   assert "mesh: data 16 needs 16 devices" in capsys.readouterr().err
+  # an unknown hardware profile: the command's one-line error and status 2
+  assert cli.main(["plan", "--config", config, *sets, "--hardware", "b200"]) == 2
+  assert capsys.readouterr().err.startswith(
+      "mpscale: error: --hardware: unknown hardware profile 'b200'")
 
 
 _MEASURE = r'''

@@ -51,6 +51,9 @@ def test_an_unknown_compile_target_names_the_key(tmp_path, value, message):
   with pytest.raises(ConfigError, match=message) as info:
     hardware.load_hardware(path)
   assert info.value.keys == ("compile_target",)
+  # the key once, after the file: the reason is not read back from another message
+  assert str(info.value).count("compile_target:") == 1, str(info.value)
+  assert "compile_target must" not in str(info.value)
 
 
 def test_without_the_cuda_compiler_auto_falls_back_and_target_gives_the_install_line(
