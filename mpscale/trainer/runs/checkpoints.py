@@ -82,12 +82,23 @@ def save(manager: Any, step: int, state: Any, data_state: Any, *,
 
 def consumed_samples(ckpt_dir: str, step: int) -> Optional[int]:
   """The samples checkpoint ``step`` in ``ckpt_dir`` was trained on (`save`'s
-  ``consumed_samples``), or ``None`` when it records none."""
+  ``consumed_samples``), or ``None`` when it records none.
+
+  Raises:
+    CheckpointError: naming the file when it cannot be read (corrupt), and the
+      other checkpoints there (``--step`` picks one).
+  """
   path = os.path.join(ckpt_dir, str(step), "meta", "metadata")
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return int(json.load(f)["consumed_samples"])
+  try:
+    with open(path) as f:
+      return int(json.load(f)["consumed_samples"])
+  except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable, not JSON...
+    others = [s for s in saved_steps(ckpt_dir) if s != step]
+    raise CheckpointError(
+        f"{path}: cannot read the samples checkpoint {step} was trained on "
+        f"(corrupt: {type(e).__name__}); {_listed(others, 'others')}") from None
 
 
 def saved_steps(ckpt_dir: str) -> list[int]:

@@ -544,8 +544,10 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   Args:
     cfg: the run.
     out_dir: the run's folder; default ``runs/<cfg.name>``.
-    resume: continue from the latest checkpoint in ``out_dir`` (from scratch if it
-      has none); a finished run only re-evaluates.
+    resume: continue from the latest checkpoint in ``out_dir``; a finished run
+      only re-evaluates. A folder with no run yet starts from scratch; one that
+      holds a run's files but no checkpoint is refused (nothing to resume, and its
+      record would be replaced).
     overwrite: replace the files of a run already in ``out_dir``.
     progress: show a progress bar; default: when the console is a terminal.
     source: names the config in error messages (its path).
@@ -561,7 +563,8 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     The summary also written to ``summary.json``.
 
   Raises:
-    RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``.
+    RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``,
+      or ``resume`` finds a run there but no checkpoint.
     config_lib.ConfigError: for a setup the config makes impossible (naming ``source``
       and the key), before anything is written.
   """
@@ -574,6 +577,13 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   if step is not None and not resume:
     raise RunDirError("--step picks the checkpoint to resume from: give --resume too")
   resuming = resume and bool(checkpoints.saved_steps(checkpoint_dir(out_dir)))
+  found = existing_run_files(out_dir)
+  if resume and not resuming and set(found) - {"checkpoints"}:
+    # a run's record with nothing to resume from: starting over would replace it
+    raise RunDirError(
+        f"{out_dir} holds a run ({', '.join(found)}) but no checkpoint in "
+        f"{checkpoint_dir(out_dir)} to resume from; pass --overwrite to train it "
+        "again from step 0 (its files replaced), or --out another folder")
   run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss,
                  resuming=resuming)
   start = 0
@@ -693,7 +703,8 @@ def run(config: Any, *, model: Any = None, data: Any = None, loss: Any = None,
   Raises:
     config_lib.ConfigError: for a bad config, or pieces that do not fit (naming the
       key or argument), before anything is written.
-    RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``.
+    RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``,
+      or ``resume`` finds a run there but no checkpoint.
 
   Example::
 

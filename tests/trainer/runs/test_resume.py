@@ -162,6 +162,36 @@ def test_corrupt_checkpoint_is_refused_by_name(tmp_path):
   assert (run / "metrics.csv").read_bytes() == before  # nothing overwritten
 
 
+def test_resume_of_a_run_with_no_checkpoint_is_refused_and_writes_nothing(tmp_path):
+  """``--resume`` on a folder holding a run's record but an empty ``checkpoints/``
+  would start over at step 0 and replace the record: refused, by the folder, before
+  anything is built or written. A folder with no run yet still starts."""
+  from mpscale.trainer.config import load as config_lib  # noqa: PLC0415
+  from mpscale.trainer.runs import loop  # noqa: PLC0415
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  for name in ("metrics.csv", "summary.json", "config.yaml"):
+    (run / name).write_text(f"{name} of the first 340 steps\n")
+  cfg = config_lib.config_from_dict({"train": {"steps": 2}}, "<test>")
+  with pytest.raises(loop.RunDirError, match="no checkpoint .* to resume from"):
+    loop.train(cfg, str(run), resume=True, verbose=False)
+  for name in ("metrics.csv", "summary.json", "config.yaml"):
+    assert (run / name).read_text() == f"{name} of the first 340 steps\n"
+
+
+def test_a_corrupt_checkpoint_record_is_refused_by_name(tmp_path):
+  """A checkpoint's ``meta/metadata`` (the samples it was trained on) that is not
+  JSON: a `CheckpointError` naming the file, as other corruptions are, not a
+  ``JSONDecodeError`` traceback."""
+  from mpscale.trainer.runs import checkpoints  # noqa: PLC0415
+  meta = tmp_path / "checkpoints" / "20" / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text('{"consumed_sam')
+  with pytest.raises(checkpoints.CheckpointError,
+                     match=r"meta/metadata: cannot read the samples checkpoint 20"):
+    checkpoints.consumed_samples(str(tmp_path / "checkpoints"), 20)
+
+
 @pytest.mark.parametrize("layout", [
     "plain", pytest.param("pipelined", marks=pytest.mark.slow)])
 def test_an_fp8_run_resumes_to_the_same_losses_and_fp8_state(tmp_path, layout):
