@@ -58,10 +58,6 @@ def _swiglu(rows: jax.Array, w: ExpertWeights, sizes: jax.Array, implementation:
   return mm(h, w.down)
 
 
-def _exclusive(x: jax.Array, axis: int = -1) -> jax.Array:
-  return jnp.cumsum(x, axis=axis) - x
-
-
 # ------------------------------------------------------------------ the exchange
 class Plan(NamedTuple):
   """One direction of a ragged exchange over an axis of ``P`` devices, from this
@@ -83,9 +79,10 @@ class Plan(NamedTuple):
   def of(cls, blocks: jax.Array, me: jax.Array) -> "Plan":
     """The plan of ``blocks[s, p]`` rows going from ``s`` to ``p`` (the same
     matrix on every device), each device's rows for its peers in peer order."""
-    sent = _exclusive(blocks, axis=1)
-    landed = _exclusive(blocks, axis=0)
-    return cls(sent[me], blocks[me], landed[me], _exclusive(blocks[:, me]),
+    sent = _grouped.exclusive_cumsum(blocks, axis=1)
+    landed = _grouped.exclusive_cumsum(blocks, axis=0)
+    return cls(sent[me], blocks[me], landed[me],
+               _grouped.exclusive_cumsum(blocks[:, me]),
                blocks[:, me], sent[:, me])
 
   def reverse(self) -> "Plan":
@@ -173,12 +170,12 @@ class Dispatched(NamedTuple):
   """float32: assignments dropped for capacity (0 dropless)."""
 
 
-def _combine(rows: jax.Array, order: jax.Array, routes: Routes, dtype) -> jax.Array:
-  """Each token's weighted sum of its slots' rows (``rows`` in ``order``)."""
+def _combine(rows: jax.Array, routes: Routes) -> jax.Array:
+  """Each token's weighted sum (float32) of its slots' rows (``[tokens x k, d]``,
+  a token's ``k`` rows together)."""
   n, k = routes.experts.shape
-  y = jnp.zeros_like(rows).at[order].set(rows).reshape(n, k, -1)
-  out = jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), routes.weights)
-  return out.astype(dtype)
+  return jnp.einsum("nkd,nk->nd", rows.reshape(n, k, -1).astype(jnp.float32),
+                    routes.weights)
 
 
 def dispatch(x: jax.Array, routes: Routes, weights: ExpertWeights, routing: Routing,
@@ -205,21 +202,21 @@ def dispatch(x: jax.Array, routes: Routes, weights: ExpertWeights, routing: Rout
   Returns:
     `Dispatched`.
   """
-  n, k = routes.experts.shape
-  num = routing.num_experts
+  k = routes.experts.shape[1]
   flat = routes.experts.reshape(-1)
-  counts = jnp.zeros((num,), jnp.int32).at[flat].add(1)
+  counts = jnp.zeros((routing.num_experts,), jnp.int32).at[flat].add(1)
+  order = jnp.argsort(flat, stable=True)  # each (token, slot), by expert
   if routing.capacity_factor is not None:
-    y, dropped = _with_capacity(x, routes, weights, routing, axis)
+    y, dropped = _with_capacity(x, routes, order, counts, weights, routing, axis)
   else:
-    order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x, order // k, axis=0)
     if axis is None:
       out = _swiglu(rows, weights, counts, implementation, tile)
     else:
       ragged = has_ragged_all_to_all() if ragged is None else ragged
       out = _across(rows, counts, weights, axis, ragged, implementation, tile)
-    y, dropped = _combine(out, order, routes, jnp.float32), jnp.float32(0)
+    y = _combine(jnp.zeros_like(out).at[order].set(out), routes)
+    dropped = jnp.float32(0)
   if tensor_axis is not None:
     y = lax.psum(y, tensor_axis)
   return Dispatched(y.astype(x.dtype), counts.astype(jnp.float32), dropped)
@@ -247,15 +244,14 @@ def _across(rows, counts, weights, axis, ragged, implementation, tile):
   return exchange(out, rows.shape[0], plan.reverse(), axis, ragged)
 
 
-def _with_capacity(x, routes, weights, routing, axis):
+def _with_capacity(x, routes, order, counts, weights, routing, axis):
   """The capacity variant: ``[E, C, d]`` buffers, the assignments past ``C`` of an
-  expert dropped; returns ``(y, dropped)``."""
+  expert dropped (``order``: the assignments by expert, ``counts``: each expert's);
+  returns ``(y, dropped)``."""
   n, k = routes.experts.shape
   num, cap = routing.num_experts, routing.capacity(n)
   flat = routes.experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.zeros((num,), jnp.int32).at[flat].add(1)
-  rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[flat[order]]
+  rank = jnp.arange(n * k) - _grouped.exclusive_cumsum(counts)[flat[order]]
   position = jnp.zeros((n * k,), jnp.int32).at[order].set(rank)
   kept = position < cap
   slot = jnp.where(kept, flat * cap + position, num * cap)
@@ -278,6 +274,4 @@ def _with_capacity(x, routes, weights, routing, axis):
     out = lax.all_to_all(out, axis, 0, 0, tiled=False).reshape(num, cap, -1)
   rows = jnp.concatenate([out.reshape(num * cap, -1),
                           jnp.zeros((1, out.shape[-1]), out.dtype)])[slot]
-  y = jnp.einsum("nkd,nk->nd", rows.reshape(n, k, -1).astype(jnp.float32),
-                 routes.weights)
-  return y, jnp.sum(~kept).astype(jnp.float32)
+  return _combine(rows, routes), jnp.sum(~kept).astype(jnp.float32)

@@ -58,12 +58,21 @@ def default_tile(rows: int, num_groups: int) -> int:
   return tile
 
 
+def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Each element's sum of those before it along ``axis`` (a group's first row)."""
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def _ceil_div(a, b):
+  return -(-a // b)
+
+
 def _schedule(group_sizes: jax.Array, tile: int):
   """Each tile's expert and first row, and how many tiles hold rows."""
   sizes = group_sizes.astype(jnp.int32)
-  tiles = -(-sizes // tile)
+  tiles = _ceil_div(sizes, tile)
   ends = jnp.cumsum(tiles)
-  starts = jnp.cumsum(sizes) - sizes
+  starts = exclusive_cumsum(sizes)
 
   def tile_of(i):
     e = jnp.minimum(jnp.searchsorted(ends, i, side="right"), sizes.shape[0] - 1)
@@ -90,7 +99,7 @@ def _loop(count, body, init, expected: int):
 
 def _even_tiles(rows: int, groups: int, tile: int) -> int:
   """The tiles ``rows`` rows spread evenly over ``groups`` groups take."""
-  return groups * -(-(-(-rows // groups)) // tile)
+  return groups * _ceil_div(_ceil_div(rows, groups), tile)
 
 
 def _tiled_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tile: int,

@@ -30,8 +30,7 @@ from mpscale import validation
 from mpscale.experts import _grouped
 from mpscale.experts._dispatch import (RAGGED_PLATFORMS, ExpertWeights, dispatch,
                                        platform_of)
-from mpscale.experts._routing import (Routing, expert_counts, load_balancing_loss,
-                                      route)
+from mpscale.experts._routing import Routing, load_balancing_loss, route
 
 EXPERT_AXIS = "expert"
 """The mesh axis the experts are split over."""

@@ -754,9 +754,8 @@ class TinyLM:
                               "family; choose mixtral or qwen3_moe")
       return
     self.routing  # checks num_experts, experts_per_token, router, the rates
-    for name in ("expert_d_ff",):
-      if getattr(self, name) is not None:
-        validation.positive_int(name, getattr(self, name))
+    if self.expert_d_ff is not None:
+      validation.positive_int("expert_d_ff", self.expert_d_ff)
     validation.integer("shared_d_ff", self.shared_d_ff, 0)
     validation.non_negative_float("aux_loss_coef", self.aux_loss_coef)
     validation.non_negative_float("z_loss_coef", self.z_loss_coef)
