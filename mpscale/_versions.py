@@ -14,8 +14,8 @@ import re
 from typing import Optional
 
 FLOORS = {
-    "jax": "0.7.0",
-    "jaxlib": "0.7.0",
+    "jax": "0.7.1",
+    "jaxlib": "0.7.1",
     "optax": "0.2.7",
     "flax": "0.10.7",
     "chex": "0.1.89",

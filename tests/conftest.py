@@ -31,7 +31,7 @@ count and temporaries differ from XLA's defaults), and programs a test compares 
 compiled alike. The GPU-compile tier compiles for the GPU as a user's run does. The processes the tests start (a run of ``mpscale
 train``, a notebook's kernel) train for many steps and compile at XLA's own level,
 where the code runs faster. ``MPSCALE_TEST_XLA_OPT=default`` keeps XLA's level
-everywhere (CI's floors job, for the tests marked ``codegen_exact``).
+everywhere (the GPU-compile tier).
 """
 import atexit
 import os

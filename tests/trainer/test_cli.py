@@ -208,7 +208,7 @@ def test_version_names_mpscale_jax_and_the_floors(capsys):
     cli.main(["--version"])
   assert done.value.code == 0
   out = capsys.readouterr().out
-  assert out.startswith("mpscale 0.") and "jax " in out and "jax>=0.7.0" in out
+  assert out.startswith("mpscale 0.") and "jax " in out and "jax>=0.7.1" in out
 
 
 @pytest.mark.slow  # three short runs
