@@ -102,30 +102,35 @@ def init(key, *, d_model, encoder_layers, decoder_layers, length):
               decoder_layers), "mlp": mlp(decoder_layers)}}
 
 
+def unpipelined(params, batch):
+  """The loss of the whole model on one device: the encoder's layers, then the
+  decoder's (the same parameters as the pipeline's, in the same order)."""
+  x = embed(params, batch)
+  x, _ = jax.lax.scan(lambda h, lp: (encoder_layer(lp, h), None), x, params["encoder"])
+  y = decoder_embed(params, batch)
+  y, _ = jax.lax.scan(lambda h, lp: (decoder_layer(lp, h, x), None), y,
+                      params["decoder"])
+  return head(params, y, batch)
+
+
 def build(config) -> mpscale.trainer.Model:
   """The model provider: ``model.args`` gives the sizes, ``mesh.pipeline_split``
-  the stages of the encoder (``mesh.stage`` the stages in all)."""
+  the stages of the encoder (``mesh.stage`` the stages in all). On one stage (``mpscale
+  eval`` or ``sample`` of a run in a process with fewer devices than its mesh, which
+  rebuilds it on one device) the model is not pipelined."""
   args, mesh = config.model.args, config.mesh
   sizes = dict(d_model=args.get("d_model", 32),
                encoder_layers=args.get("encoder_layers", 2),
                decoder_layers=args.get("decoder_layers", 2),
                length=args.get("length", 8))
-  pipeline = mpscale.SplitPipeline(
-      embed, encoder_layer, head, config.train.num_microbatches,
-      decoder_embed_fn=decoder_embed, decoder_fn=decoder_layer,
-      split=mesh.pipeline_split, num_stages=mesh.stage,
-      stages_key="encoder", decoder_key="decoder")
-
-  def unpipelined(params, batch):
-    x = embed(params, batch)
-    x, _ = jax.lax.scan(lambda h, lp: (encoder_layer(lp, h), None), x,
-                        params["encoder"])
-    y = decoder_embed(params, batch)
-    y, _ = jax.lax.scan(lambda h, lp: (decoder_layer(lp, h, x), None), y,
-                        params["decoder"])
-    return head(params, y, batch)
-
-  return mpscale.trainer.Model(init=lambda key: init(key, **sizes), loss_fn=pipeline,
+  loss_fn = unpipelined
+  if mesh.stage > 1:
+    loss_fn = mpscale.SplitPipeline(
+        embed, encoder_layer, head, config.train.num_microbatches,
+        decoder_embed_fn=decoder_embed, decoder_fn=decoder_layer,
+        split=mesh.pipeline_split, num_stages=mesh.stage,
+        stages_key="encoder", decoder_key="decoder")
+  return mpscale.trainer.Model(init=lambda key: init(key, **sizes), loss_fn=loss_fn,
                                evaluate=unpipelined)
 
 

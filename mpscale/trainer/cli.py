@@ -62,7 +62,8 @@ from mpscale.trainer.runs.checkpoints import CheckpointError
 from mpscale.trainer.hf.tensors import HFCheckpointError
 from mpscale.trainer.runs.compare import compare
 from mpscale.trainer.runs import distributed
-from mpscale.trainer.runs.devices import set_host_device_count, start_on_cpu
+from mpscale.trainer.runs.devices import (host_devices_at_least, set_host_device_count,
+                                          start_on_cpu)
 from mpscale.trainer.runs.loop import (RunDirError, evaluate_run, evaluate_run_metrics,
                                   existing_run_files, export_run, sample_run, train)
 
@@ -226,7 +227,7 @@ def _plan_command(sub: Any) -> None:
   plan_cmd.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
                         help="override a config value (parsed as YAML); repeatable")
   plan_cmd.add_argument("--devices", type=int, metavar="N", help=(
-      "simulate N devices on CPU (default: the devices JAX has)"))
+      "simulate N devices on CPU (default: as many as the config's mesh needs)"))
   plan_cmd.add_argument("--device-memory", metavar="SIZE",
                         help="one device's memory, e.g. 80GB: say whether it fits")
   plan_cmd.add_argument("--hardware", metavar="NAME|FILE", help=(
@@ -354,6 +355,16 @@ def _tokenize(args: argparse.Namespace) -> None:
   print(made.text())
 
 
+def _mesh_devices(args: argparse.Namespace) -> int:
+  """The devices of ``mpscale plan``'s config's mesh, which its CPU compile simulates
+  when ``--devices`` is not given (1 for a config that does not load: the plan then
+  says what is wrong with it)."""
+  try:
+    return config_lib.load_config(args.config, args.set).mesh.num_devices
+  except config_lib.ConfigError:
+    return 1
+
+
 def _initialize(args: argparse.Namespace) -> None:
   """``jax.distributed.initialize`` when the flags or environment ask for it."""
   get = lambda name: getattr(args, name, None)
@@ -398,6 +409,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     if args.command == "plan":  # compile only: a GPU compiler registers on the CPU
       start_on_cpu()
+      if args.devices is None and not args.search:
+        host_devices_at_least(_mesh_devices(args))
     set_host_device_count(getattr(args, "devices", None))  # tokenize has none
     _initialize(args)
   except ValueError as e:

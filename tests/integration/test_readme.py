@@ -123,6 +123,18 @@ def test_python_blocks_run_and_their_stated_results_hold(page, monkeypatch):
     CHECKS[page](namespace, "".join(blocks))
 
 
+@pytest.mark.parametrize("page", PYTHON_PAGES)
+def test_a_page_whose_blocks_need_n_devices_says_how_to_simulate_them(page):
+  """Issue #64: docs/pipelines.md's examples took 8 devices and never said how to get
+  them on a CPU. A page whose Python blocks take ``jax.devices()[:N]`` gives the
+  flag that makes N (the tests run with 8, conftest.py)."""
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    text = f.read()
+  for code in _blocks(page, "python"):
+    for n in re.findall(r"jax\.devices\(\)\[:(\d+)\]", code):
+      assert f"XLA_FLAGS=--xla_force_host_platform_device_count={n}" in text, page
+
+
 @pytest.mark.parametrize("page", YAML_PAGES)
 def test_config_fragments_load(page):
   """Each YAML block of the page that is not a file of examples/ loads as a config

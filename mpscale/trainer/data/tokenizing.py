@@ -283,7 +283,8 @@ def tokenize(inputs: Sequence[str], out: str, *, tokenizer: Optional[str] = None
 
   Args:
     inputs: text files, JSON-lines files or folders.
-    out: the corpus: an indexed dataset's prefix, or the flat file.
+    out: the corpus: an indexed dataset's prefix, or the flat file (its folder is
+      made when missing).
     tokenizer: a Hugging Face ``tokenizer.json`` to encode with.
     vocab_size: instead, train a byte-level BPE of this many ids on the input
       (`train_bpe`), saved as ``save_tokenizer`` (default ``tokenizer.json`` in
@@ -315,12 +316,11 @@ def tokenize(inputs: Sequence[str], out: str, *, tokenizer: Optional[str] = None
     raise validation.fail("inputs", ": give input files or the embedded corpus, one "
                           "of them")
   folder = os.path.dirname(os.path.abspath(out))
-  if not os.path.isdir(folder):
-    raise validation.fail("out", f": no folder {folder!r} to write into")
   saved = None if tokenizer is not None else (
       save_tokenizer or os.path.join(folder, "tokenizer.json"))
   _refuse_overwrite(out, fmt, saved, overwrite)
   total = input_bytes(inputs, embedded=embedded)
+  os.makedirs(folder, exist_ok=True)  # the input checked first: a typo makes none
   documents = lambda: read_documents(inputs, key, embedded=embedded)
   bar = _progress(progress, console)
   with bar:

@@ -44,6 +44,19 @@ def set_host_device_count(n: Optional[int]) -> None:
   os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
 
 
+def host_devices_at_least(n: int) -> None:
+  """Make the CPU backend simulate at least ``n`` devices, where nothing else said
+  how many: ``mpscale plan`` without ``--devices`` compiles for its config's mesh.
+  Leaves a larger ``XLA_FLAGS`` count as it is, and does nothing once JAX runs (a
+  mesh that needs more devices than it has then fails by name, naming
+  ``--devices``)."""
+  if "jax" in sys.modules and _backends_are_initialized():
+    return
+  given = re.search(rf"{_DEVICE_FLAG}=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  if given is None or int(given.group(1)) < n:
+    set_host_device_count(n)
+
+
 def start_on_cpu() -> None:
   """Make JAX start on the CPU platform (before it initializes a backend), unless
   ``JAX_PLATFORMS`` says otherwise: ``mpscale plan`` only compiles, and on the CPU

@@ -1,0 +1,92 @@
+"""What a new user found by trying the documented commands on a fresh clone (issue
+#64): each as the docs write it, on a CPU-only install.
+
+Small models and few steps, as in test_cli.py (whose helpers this reuses).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpscale.trainer import cli
+from mpscale.trainer.data import tokenizing
+from mpscale.trainer.runs import devices
+from mpscale.trainer.runs import loop
+from tests.trainer.test_cli import FP32, ROOT, SMALL, sets
+
+T5 = os.path.join(ROOT, "examples", "t5_split", "config.yaml")
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def test_plan_without_devices_simulates_the_configs_mesh():
+  """docs/planning.md's ``mpscale plan --config ... --hardware h100-80g`` has no
+  ``--devices``: on a CPU-only install the plan's CPU compile simulates as many
+  devices as the config's mesh needs (here data 2), where before it said "needs 2
+  devices, but 1 are available"."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_FAST_COMPILE)
+  done = subprocess.run(
+      [sys.executable, "-m", "mpscale", "plan", "--config", FP32,
+       *sets(SMALL + ["mesh.data=2"])], capture_output=True, text=True, env=env,
+      cwd=ROOT, timeout=300)
+  assert done.returncode == 0, done.stderr
+  assert "2 devices (data 2)" in done.stdout.splitlines()[0], done.stdout
+
+
+def test_the_simulated_devices_are_at_least_the_meshs(monkeypatch):
+  flag = "--xla_force_host_platform_device_count"
+  monkeypatch.setattr(devices, "_backends_are_initialized", lambda: False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+  devices.host_devices_at_least(8)
+  assert os.environ["XLA_FLAGS"] == f"--xla_foo=1 {flag}=8"
+  monkeypatch.setenv("XLA_FLAGS", f"{flag}=16")  # a larger count given: kept
+  devices.host_devices_at_least(8)
+  assert os.environ["XLA_FLAGS"] == f"{flag}=16"
+  monkeypatch.setenv("XLA_FLAGS", f"{flag}=2")   # too few for the mesh: raised
+  devices.host_devices_at_least(8)
+  assert os.environ["XLA_FLAGS"] == f"{flag}=8"
+  monkeypatch.setattr(devices, "_backends_are_initialized", lambda: True)
+  monkeypatch.setenv("XLA_FLAGS", "")            # JAX running: nothing to change
+  devices.host_devices_at_least(64)
+  assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_tokenize_makes_the_folder_of_out(tmp_path, capsys):
+  """docs/data.md's ``mpscale tokenize docs.jsonl --vocab-size 32000 --out data/web``
+  on a fresh clone, which has no data/ folder."""
+  text = tmp_path / "in.txt"
+  text.write_text("the cat sat on the mat\n\nthe dog sat on the log\n",
+                  encoding="utf-8")
+  out = tmp_path / "data" / "web"
+  assert cli.main(["tokenize", str(text), "--vocab-size", "260", "--out",
+                   str(out)]) == 0, capsys.readouterr().err
+  assert (tmp_path / "data" / "web.bin").exists()
+  assert tokenizing.vocabulary_size(tokenizing.load_tokenizer(
+      str(tmp_path / "data" / "tokenizer.json"))) <= 260
+  # A mistyped input makes no folder.
+  assert cli.main(["tokenize", str(tmp_path / "nope.txt"), "--vocab-size", "260",
+                   "--out", str(tmp_path / "other" / "web")]) == 2
+  assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.slow  # a short pipelined run: about 30 s on 2 cores
+def test_a_t5_split_run_evaluates_on_one_device(tmp_path):
+  """docs/trainer.md promises one-device eval of a run whose mesh needs more:
+  examples/t5_split's provider builds its model unpipelined on the one-stage mesh
+  that eval rebuilds it on (before: "split must be an int; got NoneType"), to the
+  loss its own mesh gives."""
+  out = tmp_path / "t5"
+  small = ["model.args.d_model=16", "model.args.encoder_layers=1",
+           "model.args.decoder_layers=1", "data.batch_size=8", "data.eval_batches=1",
+           "data.args.train_size=64", "data.args.eval_size=8", "train.steps=1",
+           "train.log_every=1", "train.eval_every=1", "train.checkpoint_every=1",
+           "schedule.warmup_steps=0", "mesh.stage=2", "train.num_microbatches=2"]
+  assert cli.main(["train", "--config", T5, "--out", str(out), "--quiet",
+                   "--no-progress", *sets(small)]) == 0
+  with open(out / "summary.json") as f:
+    final_eval = json.load(f)["final_eval_loss"]
+  values, step = loop.evaluate_run_metrics(str(out), devices=1)
+  assert step == 1
+  assert values["loss"] == pytest.approx(final_eval, rel=1e-5)
