@@ -4,6 +4,10 @@
 ::
 
   python examples/digits_cnn/train.py [--steps 200] [--out runs/digits_cnn_python]
+                                     [--resume | --overwrite]
+
+As ``mpscale train``, a folder that holds a run is refused unless ``--resume``
+continues it or ``--overwrite`` replaces it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default=os.path.join("runs", "digits_cnn_python"))
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config value, as for mpscale train")
+  existing = parser.add_mutually_exclusive_group()
+  existing.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its latest checkpoint")
+  existing.add_argument("--overwrite", action="store_true",
+                        help="replace the run in --out")
   args = parser.parse_args(argv)
   # The config's settings (precision, loss scale, optimizer, schedule, run length,
   # and the evaluation metrics, model.metrics).
@@ -33,8 +42,13 @@ def main(argv=None) -> dict:
   # Objects given here take the place of the providers the config names.
   module = example.build(config)  # a flax.nnx.Module with BatchNorm and dropout
   data = example.source(config)   # {"train": source, "eval": source}
-  return mpscale.trainer.run(config, model=module, loss=example.loss, data=data,
-                             out_dir=args.out, overwrite=True)
+  try:
+    return mpscale.trainer.run(config, model=module, loss=example.loss, data=data,
+                               out_dir=args.out, resume=args.resume,
+                               overwrite=args.overwrite)
+  except (mpscale.trainer.ConfigError, mpscale.trainer.RunDirError) as e:
+    # said as the command says it: a bad --set, a run already in --out
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Small models and few steps, as in test_cli.py (whose helpers this reuses).
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -90,3 +91,23 @@ def test_a_t5_split_run_evaluates_on_one_device(tmp_path):
   values, step = loop.evaluate_run_metrics(str(out), devices=1)
   assert step == 1
   assert values["loss"] == pytest.approx(final_eval, rel=1e-5)
+
+
+@pytest.mark.parametrize("example", ["nnx_transformer", "digits_cnn"])
+def test_the_python_examples_refuse_a_folder_that_holds_a_run(example, tmp_path,
+                                                              capsys):
+  """As ``mpscale train`` does: before, examples/*/train.py trained over the run in
+  ``--out`` (``overwrite=True``)."""
+  if example == "digits_cnn":
+    pytest.importorskip("sklearn")
+  out = tmp_path / "earlier"
+  out.mkdir()
+  (out / "metrics.csv").write_text("step,loss\n1,2.0\n")
+  train_py = runpy.run_path(os.path.join(ROOT, "examples", example, "train.py"))
+  with pytest.raises(SystemExit) as exit_:
+    train_py["main"](["--steps", "30", "--out", str(out)])
+  assert exit_.value.code == 2
+  assert "already holds a run" in capsys.readouterr().err
+  assert os.listdir(out) == ["metrics.csv"]
+  with pytest.raises(SystemExit):  # one of them
+    train_py["main"](["--out", str(out), "--resume", "--overwrite"])
