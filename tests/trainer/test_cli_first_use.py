@@ -16,6 +16,7 @@ from mpscale.trainer import cli
 from mpscale.trainer.data import tokenizing
 from mpscale.trainer.runs import devices
 from mpscale.trainer.runs import loop
+from mpscale.trainer.runs import progress
 from tests.trainer.test_cli import FP32, ROOT, SMALL, sets
 
 T5 = os.path.join(ROOT, "examples", "t5_split", "config.yaml")
@@ -111,3 +112,16 @@ def test_the_python_examples_refuse_a_folder_that_holds_a_run(example, tmp_path,
   assert os.listdir(out) == ["metrics.csv"]
   with pytest.raises(SystemExit):  # one of them
     train_py["main"](["--out", str(out), "--resume", "--overwrite"])
+
+
+def test_a_run_without_loss_scaling_shows_no_scale(tmp_path, capsys):
+  """A float32 or bfloat16 run (``loss_scale.kind: none``) printed ``scale 2^0`` in
+  its progress: its scale is always 1, so it shows none; a scaled run shows its."""
+  row = {"loss": 3.17, "loss_scale": 1.0, "global_norm": 0.81, "tokens_per_s": 3e4}
+  assert "scale" not in progress.progress_info(row, 0, 2.4, scaled=False)
+  assert "scale 2^0" in progress.progress_info(row, 0, 2.4)
+  assert cli.main(["train", "--config", FP32, "--out", str(tmp_path / "fp32"),
+                   "--no-progress", *sets(SMALL + ["train.steps=2"])]) == 0
+  said = "".join(capsys.readouterr())
+  assert "step 2/2: loss" in said and "overflows 0" in said, said
+  assert "scale" not in said, said

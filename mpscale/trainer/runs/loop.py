@@ -390,13 +390,15 @@ class _Logger:
     self.log.write(row)
     row["interval"] = len(host)
     self.pending, self.t_mark = [], time.perf_counter()
+    scaled = self.run.cfg.loss_scale.kind != "none"  # else the scale is always 1
     self.bar.update(self.task, completed=done,
-                    info=progress_info(row, self.overflow_total, self.eval_loss))
+                    info=progress_info(row, self.overflow_total, self.eval_loss,
+                                       scaled=scaled))
     if evaluating and not self.show:
       cfg = self.run.cfg
+      scale = f"scale {scale_text(row['loss_scale'])}, " if scaled else ""
       self.say(f"{cfg.name} step {done}/{cfg.train.steps}: loss {fmt(row['loss'])}, "
-               f"eval {fmt(self.eval_loss)}, scale {scale_text(row['loss_scale'])}, "
-               f"overflows {self.overflow_total}")
+               f"eval {fmt(self.eval_loss)}, {scale}overflows {self.overflow_total}")
     return row
 
   def say(self, text: str) -> None:

@@ -17,16 +17,19 @@ def scale_text(scale: float) -> str:
   return fmt(scale)
 
 
-def progress_info(row: dict[str, Any], overflow_total: int, eval_loss: float) -> str:
+def progress_info(row: dict[str, Any], overflow_total: int, eval_loss: float, *,
+                  scaled: bool = True) -> str:
   """The metrics line under the progress bar, most important first (it is cut at the
-  terminal's width): the interval's mean loss, the last evaluation, the scale, ..."""
+  terminal's width): the interval's mean loss, the last evaluation, the scale (not
+  without loss scaling: ``scaled`` false), ..."""
   interval = row.get("interval", 1)
   parts = [f"loss {fmt(row['loss'])}" + (f" ({interval}-step mean)" if interval > 1
                                           else "")]
   if eval_loss is not None and not math.isnan(eval_loss):
     parts.append(f"eval {fmt(eval_loss)}")
-  parts += [f"scale {scale_text(row['loss_scale'])}", f"overflows {overflow_total}",
-            f"norm {fmt(row['global_norm'], 3)}",
+  if scaled:
+    parts.append(f"scale {scale_text(row['loss_scale'])}")
+  parts += [f"overflows {overflow_total}", f"norm {fmt(row['global_norm'], 3)}",
             f"{row['tokens_per_s'] / 1e3:.1f}k tok/s"]
   return " | ".join(parts)
 
