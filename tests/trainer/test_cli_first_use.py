@@ -10,9 +10,12 @@ import runpy
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from mpscale.trainer import cli
+from mpscale.trainer.config import build as builders
+from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import tokenizing
 from mpscale.trainer.runs import devices
 from mpscale.trainer.runs import loop
@@ -125,3 +128,10 @@ def test_a_run_without_loss_scaling_shows_no_scale(tmp_path, capsys):
   said = "".join(capsys.readouterr())
   assert "step 2/2: loss" in said and "overflows 0" in said, said
   assert "scale" not in said, said
+
+
+def test_one_device_is_said_in_the_singular():
+  """"needs 2 devices, but 1 are available" said a mesh too large for one device."""
+  cfg = config_lib.load_config(FP32, SMALL + ["mesh.data=2"])
+  with pytest.raises(ValueError, match="needs 2 devices, but 1 is available; on CPU"):
+    builders.build_mesh(cfg, jax.devices()[:1])

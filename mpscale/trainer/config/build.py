@@ -599,8 +599,9 @@ def build_mesh(cfg: schema.RunConfig,
     hint = (f"; on CPU, simulate them with --devices {needed}"
             if devices[0].platform == "cpu" else "")
     shape = " x ".join(f"{axis} {sizes[axis]}" for axis in axes)
+    available = "1 is" if len(devices) == 1 else f"{len(devices)} are"
     raise validation.fail("mesh", f": {shape} needs {needed} devices, but "
-                          f"{len(devices)} are available{hint}")
+                          f"{available} available{hint}")
   return Mesh(np.asarray(devices[:needed]).reshape([sizes[axis] for axis in axes]),
               axes)
 

@@ -235,7 +235,8 @@ class Tokenized:
     files = (f"{self.path}.bin + .idx" if self.format == "indexed" else self.path)
     flat = "" if self.format == "indexed" else f", data.token_dtype: {self.dtype}"
     saved = f"; tokenizer {self.tokenizer}" if self.tokenizer else ""
-    return (f"{self.documents} documents, {self.tokens} tokens ({self.dtype}, "
+    documents = "1 document" if self.documents == 1 else f"{self.documents} documents"
+    return (f"{documents}, {self.tokens} tokens ({self.dtype}, "
             f"vocabulary {self.vocab_size}, end of document {self.eod}) -> {files}"
             f"{saved} (config: data.tokens: {self.path}, data.eod: {self.eod}{flat})")
 

@@ -281,8 +281,8 @@ class Plan:
                    f"; the model's {self.model_flops:.3e}")
     lines = [
         f"{self.name}: {_fmt_count(self.params)} params, {self.tokens_per_step} tokens "
-        f"per step, {self.devices} devices ({mesh}); compiled in "
-        f"{self.compile_seconds:.1f} s for {self.compiled_for}",
+        f"per step, {_counted(self.devices, 'device')}{f' ({mesh})' if mesh else ''}; "
+        f"compiled in {self.compile_seconds:.1f} s for {self.compiled_for}",
         *([f"  note: {self.compile_note}"] if self.compile_note else []),
         "per device:",
         f"  parameters        {_fmt_bytes(b['params']):>12}",
@@ -341,8 +341,14 @@ class Plan:
       return []
     split = (" (before the tensor split)"
              if self.mesh.get("tensor", 1) > 1 else "")
-    return [f"  residuals         {_fmt_bytes(r['total']):>12}  ({r['items']} micro-batches"
-            f" x {r['layers']} layers x {_fmt_bytes(r['layer'])}){split}"]
+    # A slot is not a micro-batch: it holds one micro-batch's pass through one chunk
+    # of layers (v of them a micro-batch), and GPipe's scan keeps one every tick.
+    gpipe = any(row["config"] and row["schedule"] == "gpipe" for row in self.schedules)
+    return [f"  residuals         {_fmt_bytes(r['total']):>12}  ("
+            f"{_counted(r['items'], 'slot')} x {_counted(r['layers'], 'layer')} x "
+            f"{_fmt_bytes(r['layer'])}; a slot: a micro-batch through a chunk of layers"
+            + (", one a tick of GPipe's scan, bubble ticks too" if gpipe else "")
+            + f"){split}"]
 
   def _schedule_lines(self) -> list[str]:
     if not self.schedules:
@@ -354,6 +360,11 @@ class Plan:
       lines.append(f"  {name:<18}{row['bubble']:12.1%}  {row['inputs_alive']:12d}"
                    + ("  <- config" if row["config"] else ""))
     return lines
+
+
+def _counted(count: int, noun: str) -> str:
+  """``"1 device"``, ``"8 devices"``."""
+  return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def schedule_rows(num_stages: int, num_microbatches: int, virtual_stages: int = 1,

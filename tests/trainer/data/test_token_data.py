@@ -474,7 +474,7 @@ def test_tokenize_output_is_plain_without_a_terminal(tmp_path):
         text=True,
         env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("\n") == 1 and result.stdout.startswith("1 documents")
+    assert result.stdout.count("\n") == 1 and result.stdout.startswith("1 document, ")
     assert "\x1b" not in result.stdout + result.stderr  # no terminal control codes
   assert "tokenize" in result.stderr  # the bar's final state, printed once
 

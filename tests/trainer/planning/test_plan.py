@@ -130,7 +130,7 @@ def test_a_pipelined_plan_shows_every_schedule_side_by_side():
   slots = pl.item_slots(pl.chunk_table("1f1b", S, M, v), v, M)[1]
   assert (r["items"], r["layers"]) == (slots, 8 // S // v)
   assert r["total"] == r["items"] * r["layers"] * r["layer"] > 0
-  assert any(line.strip().startswith("residuals") and f"{r['items']} micro-batches"
+  assert any(line.strip().startswith("residuals") and f"{r['items']} slots x"
              in line for line in planned.text().splitlines()), planned.text()
   shown = [line.split() for line in planned.text().splitlines()]
   for row in want:
@@ -312,3 +312,31 @@ def test_the_docs_table_is_what_plan_says():
   assert params == f"{planned.bytes['params'] / 1e9:.2f} GB"
   assert optimizer == f"{planned.bytes['optimizer_state'] / 1e9:.2f} GB"
   assert fits == ("yes" if planned.fits else "no")
+
+
+def _plan_of(**fields):
+  """A `Plan` with made-up numbers, for its text."""
+  made = dict(name="p", devices=1, mesh={}, params=1000, tokens_per_step=64,
+              bytes={k: 1024 for k in ("params", "optimizer_state", "gradients",
+                                       "batch", "temporaries", "peak")},
+              flops_per_device=1e6, xla_flops_per_device=1e6, model_flops=None,
+              collectives={}, bubble=0.0, compile_seconds=0.1)
+  return plan_lib.Plan(**{**made, **fields})
+
+
+def test_the_plans_text_counts_devices_and_residual_slots_in_words():
+  """Issue #64: a one-device plan said "1 devices ()", and a plan of 4 micro-batches
+  through 2 stages of 2 virtual stages on GPipe said its residuals were of "9
+  micro-batches": they are GPipe's 9 slots (v M + S - 1 ticks of its scan, a
+  micro-batch through a chunk of layers each)."""
+  first = _plan_of().text().splitlines()[0]
+  assert ", 1 device; compiled in" in first, first
+  assert "8 devices (data 2 x stage 4); compiled" in _plan_of(
+      devices=8, mesh={"data": 2, "stage": 4}).text()
+  piped = _plan_of(devices=2, mesh={"data": 1, "stage": 2}, bubble=1 / 9,
+                   schedules=plan_lib.schedule_rows(2, 4, 2, "gpipe"),
+                   residuals={"layer": 2 ** 20, "items": 9, "layers": 1,
+                              "total": 9 * 2 ** 20})
+  line = next(ln for ln in piped.text().splitlines() if "residuals" in ln)
+  assert "(9 slots x 1 layer x 1.00 MiB; a slot: a micro-batch through a chunk" in line
+  assert "micro-batches" not in line and "GPipe's scan" in line
