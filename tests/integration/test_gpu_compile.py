@@ -25,6 +25,7 @@ other NVIDIA libraries ``jax[cuda12]`` brings.
 import functools
 import os
 import re
+import textwrap
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -365,6 +366,74 @@ def test_experts_move_tokens_by_ragged_all_to_all_and_never_gather_an_expert():
   assert not [p for p in products if re.search(rf"= \w+\[{buffer},128\]", p)]
   assert [p for p in products if re.search(r"= \w+\[16,128\]", p)]  # a tile's
 
+
+_CNN = textwrap.dedent('''
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import linen as nn
+
+
+    class CNN(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        def conv(features, size, stride=1, pad=1):
+          return nn.Conv(features, (size, size), (stride, stride),
+                         padding=((pad, pad), (pad, pad)), use_bias=False)
+        x = nn.relu(nn.BatchNorm(use_running_average=False)(conv(8, 3)(x)))
+        y = conv(16, 3)(nn.relu(conv(16, 3, 2)(x)))
+        x = nn.relu(y + conv(16, 1, 2, 0)(x))
+        return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+    def model(config):
+      return CNN()
+
+
+    def loss(model, batch):
+      logp = jax.nn.log_softmax(model(batch["image"]))
+      picked = jnp.take_along_axis(logp, batch["label"][:, None], axis=-1)[:, 0]
+      return -picked.sum(), jnp.float32(picked.shape[0])
+
+
+    def source(config):
+      rng = np.random.default_rng(0)
+      return [{"image": rng.normal(size=(8, 8, 3)).astype(np.float32),
+               "label": np.int32(i % 10)} for i in range(32)]
+''')
+"""A user's small ResNet-style CNN (linen, BatchNorm, a strided block with a 1x1
+projection) on 8x8 images: its padding is even on both sides, which cuDNN takes as
+it is (a SAME stride-2 convolution of an even size pads one side only, and XLA's GPU
+compiler pads its input with zeros for cuDNN, which then multiplies them too)."""
+
+
+@gpu_compile
+@needs_cuda
+def test_a_cnn_planned_for_a100s_counts_its_cudnn_convolutions(tmp_path):
+  """#64: the A100 plan of a CNN counted its cuDNN convolutions (forward, fused and
+  both gradients) as 0 FLOPs, and gave NaN for XLA's count. Its FLOPs are now the
+  CPU program's, and by hand 2 * rows * output features * input features * taps
+  on the image for each convolution (the stem's 3x3 on 8x8: 22 taps a row; the
+  strided 3x3: 11 on 8; the 3x3 on 4x4: 10; the strided 1x1: 4), forward, and
+  backward for the kernel (and the input, past the stem), with the head's product;
+  XLA's count is absent with the reason (the CUDA compiler has none without a GPU),
+  and present on the CPU."""
+  from mpscale.trainer.planning import compiled as plan_lib  # pylint: disable=import-outside-toplevel
+  (tmp_path / "providers.py").write_text(_CNN)
+  raw = {"name": "cnn", "model": {"provider": "providers.py:model",
+                                  "loss": "providers.py:loss"},
+         "data": {"provider": "providers.py:source", "batch_size": 16},
+         "optimizer": {"name": "adamw"}}
+  cfg = config_lib.config_from_dict(raw, base_dir=str(tmp_path))
+  gpu = plan_lib.plan(cfg, hardware="a100-80g", compiler="target")
+  cpu = plan_lib.plan(cfg, hardware="a100-80g", compiler="cpu")
+  stem, strided, second, projection, head = (
+      2 * 16 * 8 * 3 * 22 ** 2, 2 * 16 * 16 * 8 * 11 ** 2, 2 * 16 * 16 * 16 * 10 ** 2,
+      2 * 16 * 16 * 8 * 4 ** 2, 2 * 16 * 16 * 10)
+  want = 2 * stem + 3 * (strided + second + projection + head)
+  assert gpu.flops_per_device == cpu.flops_per_device == want
+  assert gpu.xla_flops_per_device is None and "GPU" in gpu.xla_flops_note
+  assert cpu.xla_flops_per_device > cpu.flops_per_device and not cpu.xla_flops_note
 
 # ------------------------------------------------------------------ the checks fail
 def _cpu_mesh() -> jax.sharding.Mesh:

@@ -9,7 +9,8 @@ Two readings are built on it, each summed over what one step runs:
 
 - `collectives`: each collective kind (`COLLECTIVES`) with how many run and how many
   bytes each device moves (the larger of operands and result);
-- `matmul_flops`: the FLOPs of the matrix products (``dot``) and convolutions.
+- `matmul_flops`: the FLOPs of the matrix products (``dot``) and convolutions (a
+  GPU program's cuBLAS and cuDNN calls of them too).
 
 `collectives_over` splits `collectives` by the mesh axes each one spans (read from
 its replica groups, or a permute's source-target pairs): what prices it on a link.
@@ -870,6 +871,15 @@ def _product_flops(module: Module, name: str, ins: Instruction) -> float:
   return 0.0
 
 
+_CUDNN_CONV_ROLES = {"__cudnn$convBackwardInput": ("result", 1, 0),
+                     "__cudnn$convBackwardFilter": (0, "result", 1)}
+"""Where a cuDNN convolution call (``__cudnn$conv...``) holds the input, the kernel
+and the output of the forward convolution its ``window`` and ``dim_labels`` describe:
+an operand's index, or its first output (``result``). The backward calls compute the
+input's or the kernel's gradient of that convolution; every forward call
+(``convForward``, the fused ``convBiasActivationForward``, ``convForwardGraph``)
+takes ``(input, kernel, ...)`` and writes the output."""
+
 _FMHA_PRODUCTS = {"forward": 2, "backward": 5}
 """Matrix products of fused attention over the ``[T, S]`` scores, each ``2 * B * H
 * T * S * D`` FLOPs: forward ``Q K^T`` and ``P V``; backward the scores recomputed,
@@ -886,7 +896,12 @@ def _library_flops(module: Module, name: str, ins: Instruction) -> float:
   - cuDNN fused attention (``__cudnn$fmha...``): `_FMHA_PRODUCTS` over the scores'
     ``intermediate_tensor_shape`` ``[B, H, T, S]`` and the head size ``D`` (its
     first output's last dimension), halved under a causal mask (the kernels skip
-    the tiles above the diagonal).
+    the tiles above the diagonal);
+  - cuDNN convolutions (``__cudnn$conv...``), forward or either gradient:
+    `_window_flops` of the forward convolution the call's ``window`` and
+    ``dim_labels`` describe (`_CUDNN_CONV_ROLES`), as a ``convolution`` of the
+    CPU's program is counted (each gradient's plain ``convolution`` there counts
+    the forward's taps too).
 
   Any other call (a sort, a random-number generator, a user's kernel whose work the
   program does not state) counts 0 here and its bytes as any kernel's."""
@@ -912,26 +927,38 @@ def _library_flops(module: Module, name: str, ins: Instruction) -> float:
     flops = 2.0 * products * math.prod(
         int(d) for d in re.findall(r"\d+", scores.group(1))) * first[-1]
     return flops / 2 if '"mask_type":"CAUSAL"' in ins.rest.replace(" ", "") else flops
+  if target.startswith("__cudnn$conv"):
+    operands = [_dims(module.types[name].get(o, "")) for o in _operands(ins)]
+    shapes = [first if role == "result" else operands[role] if role < len(operands)
+              else [] for role in _CUDNN_CONV_ROLES.get(target, (0, 1, "result"))]
+    return _window_flops(*shapes, ins.rest) if all(shapes) else 0.0
   return 0.0
 
 
 def _conv_flops(module: Module, name: str, ins: Instruction) -> float:
   """``2 *`` the multiply-adds of one ``convolution``, as XLA's cost analysis counts
-  them: for each output element (batch x output features), each kernel tap that
-  lands on a real input element (not padding, not a hole of ``lhs_dilate``) times
-  the kernel's input features (per feature group). Dimensions are read through
-  ``dim_labels`` (``b01f_01io->b01f``) and the ``window``."""
-  operands = _operands(ins)
+  them (`_window_flops` of its operands and result)."""
   types = module.types[name]
-  labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", ins.rest)
-  if len(operands) < 2 or not labels:
+  operands = _operands(ins)
+  if len(operands) < 2:
     return 0.0
   lhs, rhs = (_dims(types.get(o, "")) for o in operands[:2])
-  out = _dims(ins.result)
+  return _window_flops(lhs, rhs, _dims(ins.result), ins.rest)
+
+
+def _window_flops(lhs: list[int], rhs: list[int], out: list[int], attrs: str) -> float:
+  """``2 *`` the multiply-adds of a convolution of input ``lhs`` and kernel ``rhs``
+  into ``out`` (their dimensions) whose ``dim_labels`` (``b01f_01io->b01f``) and
+  ``window`` are written in ``attrs``: for each output element (batch x output
+  features), each kernel tap that lands on a real input element (not padding, not a
+  hole of ``lhs_dilate``) times the kernel's input features (per feature group)."""
+  labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", attrs)
+  if not labels:
+    return 0.0
   lhs_l, rhs_l, out_l = labels.groups()
   if not (len(lhs) == len(lhs_l) and len(rhs) == len(rhs_l) and len(out) == len(out_l)):
     return 0.0
-  window = re.search(r"window=\{([^}]*)\}", ins.rest)
+  window = re.search(r"window=\{([^}]*)\}", attrs)
   fields = dict(f.split("=", 1) for f in (window.group(1).split() if window else ()))
   spatial = len(lhs_l) - 2
 

@@ -3,6 +3,8 @@ programs compiled on the 8 fake CPU devices, against bytes and FLOPs counted by 
 and hand-written HLO for what a CPU compile does not print (asynchronous pairs,
 conditionals, widened sums)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
@@ -555,6 +557,55 @@ def test_convolution_flops_are_counted_as_xla_counts_them():
   assert hlo.matmul_flops(forward) == want
   assert sum(f * n for f, _, n in hlo.kernels(forward).dots) == want
 
+
+
+def _small_cnn_loss(k1, k2, k3, b, x):
+  """3x3 convolutions: SAME with a bias and relu, stride 2 (padded 1 each side), and
+  2 feature groups beside a residual."""
+  from jax import lax
+  dn = ("NHWC", "HWIO", "NHWC")
+  h = jax.nn.relu(lax.conv_general_dilated(x, k1, (1, 1), "SAME", dimension_numbers=dn)
+                  + b)
+  h = lax.conv_general_dilated(h, k2, (2, 2), ((1, 1), (1, 1)), dimension_numbers=dn)
+  h = h + lax.conv_general_dilated(h, k3, (1, 1), "SAME", dimension_numbers=dn,
+                                   feature_group_count=2)
+  return jnp.sum(h ** 2)
+
+
+_SMALL_CNN = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
+              ((3, 3, 4, 8), (3, 3, 8, 8), (3, 3, 4, 8), (8,), (4, 8, 8, 4))]
+CUDNN_CONVS = os.path.join(os.path.dirname(__file__), "..", "..", "data",
+                           "cudnn_convs.hlo")
+"""``jax.grad(_small_cnn_loss, argnums=(0, 1, 2, 3))`` on `_SMALL_CNN`, compiled by
+XLA's CUDA compiler for one A100 (`mpscale.trainer.planning.targets`, no GPU), its
+metadata and the non-convolutions' backend configs cut: its convolutions are cuDNN
+calls, ``__cudnn$convForward``, ``convBiasActivationForward`` (one with a residual
+side input, one a gradient XLA runs forward on the reversed kernel),
+``convBackwardInput`` and ``convBackwardFilter``, strided and grouped."""
+
+
+def test_cudnn_convolutions_count_as_the_cpus_convolutions():
+  """A GPU program's cuDNN convolution calls, forward and backward, count what the
+  CPU program of the same step counts for its plain convolutions (#64: they counted
+  0). By hand: 2 * batch * output features * input features a group * the taps on
+  the image, per convolution: SAME 3x3 on 8x8 (22 taps a row), stride 2 (11 on 8),
+  grouped SAME on 4x4 (10); the first's kernel gradient, the others' kernel and
+  input gradients."""
+  with open(CUDNN_CONVS) as f:
+    gpu = f.read()
+  assert gpu.count('custom_call_target="__cudnn$conv') == 8 and " convolution(" not in gpu
+  first, strided, grouped = (2 * 4 * 8 * 4 * 22 ** 2, 2 * 4 * 8 * 8 * 11 ** 2,
+                             2 * 4 * 8 * 4 * 10 ** 2)
+  want = 2 * first + 3 * strided + 3 * grouped
+  assert hlo.matmul_flops(gpu) == want
+  assert sum(f * n for f, _, n in hlo.kernels(gpu).dots) == want
+  step = jax.jit(jax.grad(_small_cnn_loss, argnums=(0, 1, 2, 3)))
+  cpu = step.lower(*_SMALL_CNN).compile()
+  assert "convolution(" in cpu.as_text()
+  assert hlo.matmul_flops(cpu.as_text()) == want
+  cost = cpu.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  assert want == pytest.approx(cost["flops"], rel=0.06)  # XLA's: elementwise too
 
 _SCHEDULED = """HloModule m, is_scheduled=true
 %add (x: f32[], y: f32[]) -> f32[] {
