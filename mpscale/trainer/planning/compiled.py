@@ -13,9 +13,11 @@ step ahead of time (``step.lower(state, batch).compile()``) and reads, per devic
 - XLA's buffer assignment (``compiled.memory_analysis()``): arguments, outputs,
   aliased (donated) bytes and temporaries, and from them the peak,
   ``arguments + outputs - aliased + temporaries``;
-- FLOPs of the matrix products of the partitioned per-device program, loops counted
-  by their trip counts (`mpscale.trainer.planning.hlo.matmul_flops`; XLA's ``cost_analysis()``
-  counts a loop's body once, and is reported beside it);
+- FLOPs of the matrix products and convolutions of the partitioned per-device
+  program (a GPU's cuBLAS and cuDNN calls included), loops counted by their trip
+  counts (`mpscale.trainer.planning.hlo.matmul_flops`; XLA's ``cost_analysis()``
+  counts a loop's body once, and is reported beside it where the compiler gives one:
+  `Plan.xla_flops_per_device`);
 - each collective in the compiled HLO (all-reduce, all-gather, reduce-scatter,
   collective-permute, all-to-all) with its count and bytes per step, loops counted
   by their trip counts, a bfloat16 sum at bfloat16's bytes (the CPU compile widens
@@ -55,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import time
 from typing import Any, NamedTuple, Optional
@@ -128,9 +129,9 @@ class Plan:
   flops_per_device: float
   """The matrix products' FLOPs of one device's program per step (`mpscale.trainer.planning.hlo.matmul_flops`),
   bubble ticks and recomputation included."""
-  xla_flops_per_device: float
+  xla_flops_per_device: Optional[float]
   """XLA's own count (``compiled.cost_analysis()``), which counts a loop's body
-  once."""
+  once; ``None`` where the compiler gives none (`xla_flops_note` says why)."""
   model_flops: Optional[float]
   """The built-in LM's arithmetic per step: ``6 * N * tokens`` (``N`` the parameters
   outside the embeddings) plus attention's ``12 * layers * tokens * seq_len *
@@ -187,6 +188,8 @@ class Plan:
   fp8_flops: float = 0.0
   """The part of ``flops_per_device`` in FP8 GEMMs (`mpscale.trainer.planning.hlo.fp8_flops`): the
   estimate prices it at the profile's ``float8`` peak."""
+  xla_flops_note: str = ""
+  """Why `xla_flops_per_device` is ``None`` (empty where XLA gave its count)."""
   compiled_for: str = "fake CPU devices (XLA's CPU compiler)"
   """The devices and compiler the program was compiled for
   (`mpscale.trainer.planning.targets`): the hardware's own GPU compiler, or the CPU's."""
@@ -220,12 +223,7 @@ class Plan:
     state and batch it was built from (``built``: `plan`'s setup)."""
     cfg, state, batch, mesh = built.cfg, built.state, built.batch, built.setup.mesh
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    # JAX leaves its structure open: a dict, or a list of one dict per program, or
-    # None (a compile-only GPU program has no cost analysis).
-    if isinstance(cost, (list, tuple)):
-      cost = cost[0] if cost else {}
-    cost = cost or {}
+    xla_flops, xla_flops_note = _xla_flops(compiled, built.target)
     arguments, outputs = mem.argument_size_in_bytes, mem.output_size_in_bytes
     aliased, temporaries = mem.alias_size_in_bytes, mem.temp_size_in_bytes
     hlo = hlo_lib.parse(compiled.as_text())  # once, for the FLOPs and the collectives
@@ -249,7 +247,7 @@ class Plan:
                "temporaries": temporaries,
                "peak": int(arguments + outputs - aliased + temporaries)},
         flops_per_device=hlo_lib.matmul_flops(hlo), fp8_flops=hlo_lib.fp8_flops(hlo),
-        xla_flops_per_device=float(cost.get("flops", math.nan)),
+        xla_flops_per_device=xla_flops, xla_flops_note=xla_flops_note,
         model_flops=(None if built.provided
                      else _model_flops(cfg, built.params, built.tokens)),
         collectives=hlo_lib.collectives(hlo), compile_seconds=seconds,
@@ -360,6 +358,32 @@ class Plan:
       lines.append(f"  {name:<18}{row['bubble']:12.1%}  {row['inputs_alive']:12d}"
                    + ("  <- config" if row["config"] else ""))
     return lines
+
+
+_NO_XLA_FLOPS = {
+    "cuda": "XLA's CUDA compiler analyses a program's cost only with a GPU present; "
+            "XLA's generic analysis of the compiled module (the CPU client's) marks "
+            "each cuBLAS and cuDNN call unknown, leaving their products out, so none "
+            "is given: flops_per_device counts those calls"}
+"""Why a compiler's program has no XLA count (`Plan.xla_flops_note`), by
+`mpscale.trainer.planning.targets.Target.compiler`."""
+
+
+def _xla_flops(compiled: Any, target: targets.Target) -> tuple[Optional[float], str]:
+  """XLA's own FLOPs of the compiled step (`Plan.xla_flops_per_device`), or ``None``
+  and why (`Plan.xla_flops_note`)."""
+  try:
+    cost = compiled.cost_analysis()
+  except NotImplementedError:
+    cost = None
+  # JAX leaves its structure open: a dict, or a list of one dict per program, or
+  # None (a compile-only GPU program has none).
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if cost and "flops" in cost:
+    return float(cost["flops"]), ""
+  return None, _NO_XLA_FLOPS.get(
+      target.compiler, f"{target.description} gives no cost analysis")
 
 
 def _counted(count: int, noun: str) -> str:
