@@ -4,9 +4,11 @@
 Small models and few steps, as in test_cli.py (whose helpers this reuses).
 """
 
+import csv
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +19,7 @@ from mpscale.trainer import cli
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import tokenizing
+from mpscale.trainer.runs import compare
 from mpscale.trainer.runs import devices
 from mpscale.trainer.runs import loop
 from mpscale.trainer.runs import progress
@@ -135,3 +138,54 @@ def test_one_device_is_said_in_the_singular():
   cfg = config_lib.load_config(FP32, SMALL + ["mesh.data=2"])
   with pytest.raises(ValueError, match="needs 2 devices, but 1 is available; on CPU"):
     builders.build_mesh(cfg, jax.devices()[:1])
+
+
+@pytest.mark.slow  # one short run
+def test_compare_resume_with_fewer_configs_keeps_the_earlier_rows(tmp_path):
+  """``compare a b --resume`` and then ``compare b --resume`` wrote a table of b
+  alone: the earlier comparison's other runs stay in the table and the plot, first,
+  and the first row stays the reference."""
+  out = tmp_path / "cmp"
+  args = ["compare", FP32, "--out", str(out), "--quiet", "--no-progress",
+          *sets(SMALL + ["train.steps=2"])]
+  assert cli.main(args) == 0
+  shutil.copytree(out / "tiny_lm_fp32", out / "other")  # as if compared before it
+  with open(out / "other" / "summary.json") as f:
+    other = json.load(f)
+  other.update(name="other", final_eval_loss=2 * other["final_eval_loss"])
+  with open(out / "other" / "summary.json", "w") as f:
+    json.dump(other, f)
+  with open(out / "tiny_lm_fp32" / "summary.json") as f:
+    header, table = compare.comparison_table([other, json.load(f)])
+  with open(out / "comparison.csv", "w", newline="") as f:
+    csv.writer(f).writerows([header, *table])
+  assert cli.main(args + ["--resume"]) == 0  # the one run is finished: not trained
+  with open(out / "comparison.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["run"] for r in rows] == ["other", "tiny_lm_fp32"]
+  assert [r["eval vs first"] for r in rows] == ["+0.00%", "-50.00%"]
+  assert "| other |" in (out / "comparison.md").read_text()
+
+
+def test_extending_a_cosine_run_restarts_its_decay_as_docs_trainer_says():
+  """docs/trainer.md: ``--set train.steps=N --resume`` stretches the decay over the
+  new steps (a finished cosine run's rate goes back up, half-way to the peak at a
+  10-step run extended to 20, without warm-up), unless ``schedule.decay_steps`` was
+  set from the start. Behaviour unchanged; this pins what the page now says."""
+  def rates(*sets_):
+    cfg = config_lib.load_config(FP32, SMALL + ["schedule.style=cosine",
+                                                "schedule.warmup_steps=0",
+                                                "schedule.min_lr=1e-4", *sets_])
+    peak = cfg.optimizer.learning_rate
+    schedule = builders.build_lr_schedule(cfg)
+    return peak, [float(schedule(n)) for n in (10, 15, 20)]
+  peak, finished = rates("train.steps=10")
+  assert finished[0] == pytest.approx(1e-4)
+  _, extended = rates("train.steps=20")
+  assert extended[0] == pytest.approx(1e-4 + (peak - 1e-4) / 2)
+  assert extended[2] == pytest.approx(1e-4)
+  _, planned = rates("train.steps=20", "schedule.decay_steps=10")
+  assert planned == pytest.approx([1e-4] * 3)
+  with open(os.path.join(ROOT, "docs", "trainer.md"), encoding="utf-8") as f:
+    page = " ".join(f.read().split())
+  assert "a cosine run that had decayed to `min_lr` goes back up" in page

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import shutil
@@ -31,6 +32,35 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], li
   return header, rows
 
 
+def earlier_summaries(out_dir: str, names: Sequence[str]) -> list[dict[str, Any]]:
+  """The summaries of the runs an earlier comparison in ``out_dir`` listed
+  (``comparison.csv``) that ``names`` leaves out, in its order: ``compare --resume``
+  with fewer configs keeps their rows (a run whose folder lost its ``summary.json``
+  drops out)."""
+  path = os.path.join(out_dir, "comparison.csv")
+  if not os.path.exists(path):
+    return []
+  with open(path, newline="") as f:
+    listed = [row["run"] for row in csv.DictReader(f) if row.get("run")]
+  kept = []
+  for name in listed:
+    summary = os.path.join(out_dir, name, "summary.json")
+    if name not in names and os.path.exists(summary):
+      with open(summary) as f:
+        kept.append(json.load(f))
+  return kept
+
+
+def _saved_loss_unit(run_dir: str) -> Optional[str]:
+  """The loss unit of the run in ``run_dir`` (its ``config.yaml``); ``None`` where
+  that no longer loads (the plot then names no unit)."""
+  try:
+    return corpora.loss_unit(config_lib.load_config(
+        os.path.join(run_dir, "config.yaml"), checkpoint_sizes=False))
+  except config_lib.ConfigError:
+    return None
+
+
 def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "compare"),
             *, overrides: Sequence[str] = (), data_path: Optional[str] = None,
             resume: bool = False, overwrite: bool = False,
@@ -40,6 +70,8 @@ def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "co
 
   Writes ``comparison.csv``, ``comparison.md`` and ``comparison.png`` (and ``plot_path``
   if given) into ``out_dir``. Every config is loaded and checked before any run starts.
+  With ``resume`` the table and plot keep the earlier comparison's other runs
+  (`earlier_summaries`), before the runs of ``config_paths``.
 
   Returns:
     The runs' summaries, in order.
@@ -55,11 +87,12 @@ def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "co
                                  "name (the name: key)")
   for cfg in cfgs:
     check_out_dir(os.path.join(out_dir, cfg.name), resume, overwrite)
+  kept = earlier_summaries(out_dir, names) if resume else []
   summaries = [train(cfg, os.path.join(out_dir, cfg.name), resume=resume,
                      overwrite=overwrite, progress=progress, source=path,
                      verbose=verbose)
                for cfg, path in zip(cfgs, config_paths)]
-  header, rows = comparison_table(summaries)
+  header, rows = comparison_table(kept + summaries)
   with open(os.path.join(out_dir, "comparison.csv"), "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(header)
@@ -68,9 +101,11 @@ def compare(config_paths: Sequence[str], out_dir: str = os.path.join("runs", "co
   md += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
   with open(os.path.join(out_dir, "comparison.md"), "w") as f:
     f.write("\n".join(md) + "\n")
-  runs = {s["name"]: os.path.join(s["out_dir"], "metrics.csv") for s in summaries}
+  runs = {s["name"]: os.path.join(out_dir, s["name"], "metrics.csv") for s in kept}
+  runs.update({s["name"]: os.path.join(s["out_dir"], "metrics.csv") for s in summaries})
   png = os.path.join(out_dir, "comparison.png")
-  units = {corpora.loss_unit(cfg) for cfg in cfgs}
+  units = {corpora.loss_unit(cfg) for cfg in cfgs} | {
+      _saved_loss_unit(os.path.join(out_dir, s["name"])) for s in kept}
   plot_runs(runs, png, title="mpscale compare",
             loss_unit=units.pop() if len(units) == 1 else None)
   if plot_path:
