@@ -34,6 +34,7 @@ install it prints why it skips and exits 0. ``--cpu`` compiles for the host CPU
 instead, for comparison (a CPU fuses differently: other kernel counts)::
 
   JAX_PLATFORMS=cpu python benchmarks/bench_gpu_program.py [--layers 12] [--cpu]
+      [--vocab 8192] [--tied] [--names slash|list|linen] [--only REGEX]
 """
 
 from __future__ import annotations
@@ -112,11 +113,14 @@ def measure(compiled, params) -> dict:
   }
 
 
-def optimizer_rows(layers: int, dev):
-  """``(name, baseline name, compile())`` of the optimizer steps on the GPT-2 tree."""
+def optimizer_rows(layers: int, dev, *, vocab: int = 8192, tied: bool = False,
+                   names: str = "slash"):
+  """``(name, baseline name, compile())`` of the optimizer steps on the GPT-2 tree
+  (`gpt2_tree.gpt2_like_shapes` with these arguments)."""
+  shapes = gpt2_like_shapes(layers=layers, vocab=vocab, untied_head=not tied,
+                            names=names)
   params = placed(jax.tree_util.tree_map(
-      lambda s: jax.ShapeDtypeStruct(s, jnp.float32), gpt2_like_shapes(layers=layers),
-      is_leaf=is_shape), dev)
+      lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=is_shape), dev)
 
   def build(tx):
     def step(p, s, g):
@@ -230,6 +234,15 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--layers", type=int, default=12,
                       help="GPT-2 blocks of the optimizer steps' tree (default 12)")
+  parser.add_argument("--vocab", type=int, default=8192,
+                      help="vocabulary of the optimizer steps' tree (default 8192)")
+  parser.add_argument("--tied", action="store_true",
+                      help="no separate lm_head (--vocab 50257 --tied: GPT-2's 124M)")
+  parser.add_argument("--names", choices=("slash", "list", "linen"), default="slash",
+                      help="how the tree spells its blocks: h/0 (default), a list "
+                           "h[0], or linen's top-level h_0")
+  parser.add_argument("--only", metavar="REGEX",
+                      help="compile only the rows whose name matches (baselines kept)")
   parser.add_argument("--cpu", action="store_true",
                       help="compile for the host CPU instead of an H100")
   parser.add_argument("--dump", metavar="DIR",
@@ -250,13 +263,19 @@ def main():
       return
     target = "one H100 (XLA's GPU compiler, no GPU)"
   print(f"JAX {jax.__version__}, optax {optax.__version__}; compiled for {target}; "
-        f"GPT-2 tree of {args.layers} layers")
+        f"GPT-2 tree of {args.layers} layers, vocab {args.vocab}"
+        f"{' tied' if args.tied else ''}, blocks named {args.names}")
 
-  rows = optimizer_rows(args.layers, dev)
+  rows = optimizer_rows(args.layers, dev, vocab=args.vocab, tied=args.tied,
+                        names=args.names)
   try:
     rows += [] if args.train == "none" else train_step_rows(dev, args.train)
   except ImportError as e:
     print(f"(train-step rows skipped: {e})")
+  if args.only:
+    wanted = {n for n, _, _ in rows if re.search(args.only, n)}
+    wanted |= {b for n, b, _ in rows if n in wanted and b}
+    rows = [r for r in rows if r[0] in wanted]
   results: dict[str, dict] = {}
   header = (f"{'step':40s} {'baseline':28s} {'kernels':>7s} {'k/base':>6s} "
             f"{'reduct':>6s} {'scalar':>6s} {'copies':>6s} {'leafcp':>6s} {'GiB':>7s} "

@@ -7,10 +7,11 @@ of squares (`LeafSquares`). The loss-scale and skip wrappers hand them to the in
 transformation as the extra argument ``leaf_squares``; `global_norm_clip` reuses
 them when they describe exactly the updates it receives.
 
-The pass reads each leaf once, and on an NVIDIA GPU it also launches few kernels: the
-same weight of many layers (the same shape, dtype and key path up to list indices)
-is stacked into one reduction, and small leaves (biases, norm scales) of one shape
-into another. XLA's GPU compiler fuses the stack into the reduction, so nothing is
+The pass reads each leaf once, and on an NVIDIA GPU it also launches few kernels:
+leaves that stack without moving (the same shape, dtype and sharding; where tracing
+cannot know the sharding, the same weight of many layers, its key path up to layer
+numbers, ``h[0]``, ``h/0`` and linen's ``h_0`` alike) are stacked into one
+reduction, and small leaves (biases, norm scales) of one shape into another. XLA's GPU compiler fuses the stack into the reduction, so nothing is
 copied; the CPU backend would write the stack out, so it (and any other backend)
 reduces leaf by leaf. ``lax.platform_dependent`` picks at lowering. The sums land in
 one float32 vector, and the flags, the total and every group norm are reductions of
@@ -38,6 +39,7 @@ The code reads the same way::
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -171,15 +173,44 @@ _SMALL_MAX = 128
 """Small leaves measured by one reduction at most."""
 
 
-def _pattern(path: KeyPath) -> tuple[Any, ...]:
-  """``path`` with its integer keys (a layer's index in a list) made one wildcard:
-  the same weight of every layer shares a pattern, and so (as a rule) its sharding."""
+_LAYER_NUMBER = re.compile(r"[0-9]+$")
+
+
+def _role(path: KeyPath) -> tuple[Any, ...]:
+  """``path`` with each key's layer number made one wildcard: a list index (``h[3]``),
+  a digit key (``h/3``) and a trailing number (linen's ``h_3``, ``Block_3``) alike.
+  The same weight of every layer shares a role, and so (as a rule) its sharding."""
   out = []
   for key in path:
     name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
-    out.append("*" if isinstance(name, int) or (
-        isinstance(name, str) and name.isdigit()) else str(name))
+    out.append("*" if isinstance(name, int) else _LAYER_NUMBER.sub("*", str(name)))
   return tuple(out)
+
+
+def _placement(x: Any) -> Any:
+  """What, besides shape and dtype, lets ``x`` share a stack: its sharding as a
+  hashable key, or None where tracing cannot know it.
+
+  A concrete array gives its ``sharding``. A traced leaf gives its abstract value's
+  sharding where that decides the layout: on a mesh whose axes are explicit or manual
+  (``shard_map``), or of one device. On a mesh with an automatic axis of size > 1, and
+  with no mesh at all (a jitted leaf on one device, but also an uncommitted argument
+  of a jit given ``in_shardings``), GSPMD picks the layout after tracing: None.
+  """
+  if not isinstance(x, jax.core.Tracer):
+    sharding = getattr(x, "sharding", None)  # a jax.Array; NumPy and scalars: None
+    return ("host",) if sharding is None else sharding
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  auto = getattr(jax.sharding, "AxisType", None)
+  types, sizes = getattr(mesh, "axis_types", None), getattr(mesh, "axis_sizes", ())
+  if auto is None or not isinstance(types, tuple) or len(types) != len(sizes) or any(
+      t == auto.Auto and size > 1 for t, size in zip(types, sizes)):
+    return None
+  return (tuple(zip(mesh.axis_names, sizes)), tuple(map(str, types)),
+          tuple(sharding.spec))
 
 
 def _starts(parts, order) -> tuple[int, ...]:
@@ -195,13 +226,27 @@ def _leafwise(leaves, parts) -> jax.Array:
 
 
 def _buckets(leaves, parts, paths) -> list[list[int]]:
-  """Leaves one reduction measures together, as lists of indices: the same weight of
-  up to `_STACK_MAX` layers (same shape, dtype, parts and path pattern), or up to
-  `_SMALL_MAX` small leaves of one shape and dtype."""
+  """Leaves one reduction measures together, as lists of indices: up to `_STACK_MAX`
+  leaves stackable without moving any (same shape, dtype, parts and sharding), or up
+  to `_SMALL_MAX` small leaves of one shape and dtype.
+
+  The sharding is `_placement`'s. Where tracing cannot know it (GSPMD's automatic
+  axes, or no mesh on the abstract value), the role of the leaf's key path
+  (`_role`: its layer numbers made wildcards) stands in for it, since layouts are
+  given per role: the same weight of every layer, however the layers are named
+  (``h[0]``, ``h/0``, linen's ``h_0``), shares a bucket, and same-shaped weights of
+  different roles (a column- and a row-parallel matrix) do not.
+  """
   buckets: dict[Any, list[list[int]]] = {}
   for i, (x, k, path) in enumerate(zip(leaves, parts, paths)):
     small = k == 1 and np.size(x) <= _SMALL
-    key = (np.shape(x), jnp.result_type(x), k, None if small else _pattern(path))
+    if small:
+      placement = None
+    else:
+      placement = _placement(x)
+      placement = ("role", _role(path)) if placement is None else (
+          "sharding", placement)
+    key = (np.shape(x), jnp.result_type(x), k, placement)
     runs = buckets.setdefault(key, [[]])
     if len(runs[-1]) == (_SMALL_MAX if small else _STACK_MAX):
       runs.append([])
@@ -233,9 +278,10 @@ def measure(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
   A finite leaf whose squared norm exceeds the float32 range (norm > ~1.8e19) also gives
   +Inf: its norm, and so any clip, would be infinite, so it counts as an overflow.
 
-  On an NVIDIA GPU the same weight of many layers (same shape, dtype and key path up
-  to list indices) is measured by one reduction kernel over the stacked leaves, which
-  XLA fuses without writing the stack; elsewhere each leaf is its own reduction
+  On an NVIDIA GPU leaves of one shape, dtype and sharding (where tracing cannot know
+  the sharding, the same weight of many layers: its key path up to layer numbers)
+  are measured by one reduction kernel over the stacked leaves, which XLA fuses
+  without writing the stack; elsewhere each leaf is its own reduction
   (``lax.platform_dependent`` picks at lowering). Both read each leaf once.
 
   Args:

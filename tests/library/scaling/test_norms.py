@@ -263,14 +263,122 @@ def test_gpu_buckets_measure_what_the_leafwise_pass_measures(monkeypatch, poison
 
 def test_gpu_buckets_keep_differently_named_weights_apart():
   """Same-shaped weights of different roles (a column- and a row-parallel matrix)
-  may be sharded differently: stacking them would make GSPMD move a whole leaf, so
-  only the same path up to list indices shares a bucket; small leaves of one shape
-  share one whatever their names."""
+  may be sharded differently, which tracing under GSPMD's automatic axes cannot see:
+  stacking them would make GSPMD move a whole leaf, so there only the same key path up
+  to layer numbers shares a bucket; small leaves of one shape share one whatever
+  their names."""
   w = jnp.zeros((300, 300))
   tree = {"layers": [{"q": w, "o": w, "b1": jnp.zeros(8), "b2": jnp.zeros(8)}
                      for _ in range(2)]}
-  measured = norms.measure(tree)
-  buckets = norms._buckets(measured.leaves, measured.parts, measured.paths)
-  names = [sorted(norms.path_str(measured.paths[i]) for i in run) for run in buckets]
+  names = _bucket_names(tree)
   assert sorted(names) == [["layers/0/b1", "layers/0/b2", "layers/1/b1", "layers/1/b2"],
                            ["layers/0/o", "layers/1/o"], ["layers/0/q", "layers/1/q"]]
+
+
+def _bucket_names(tree, traced=True):
+  """`measure`'s GPU buckets of ``tree``'s leaves, as lists of key paths, with the
+  leaves traced under ``jit`` (``traced``) or as they are."""
+  got = []
+
+  def record(t):
+    measured = norms.measure(t)
+    got.extend(sorted(norms.path_str(measured.paths[i]) for i in run)
+               for run in norms._buckets(measured.leaves, measured.parts,
+                                         measured.paths))
+    return measured.vector
+  jax.jit(record).lower(tree) if traced else record(tree)
+  return got
+
+
+def _named_blocks(naming, layers=3):
+  """A tree of ``layers`` blocks (two same-shaped weights of different roles, a wide
+  one, a bias) spelled as a list ``h[i]``, a digit key ``h/i`` or linen's ``h_i``."""
+  rng = np.random.default_rng(5)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  blocks = [{"q": normal(260, 260), "o": normal(260, 260), "up": normal(260, 300),
+             "b": normal(260)} for _ in range(layers)]
+  tree = {"embed": normal(300, 260)}
+  if naming == "list":
+    tree["h"] = blocks
+  elif naming == "slash":
+    tree["h"] = {str(i): b for i, b in enumerate(blocks)}
+  else:
+    tree.update({f"h_{i}": b for i, b in enumerate(blocks)})
+  return tree
+
+
+def _cuda_reductions(fn, *args):
+  """``reduce_sum`` ops in the CUDA branch of ``fn``'s ``platform_dependent``."""
+  count = 0
+
+  def walk(jaxpr, in_cuda):
+    nonlocal count
+    for eqn in jaxpr.eqns:
+      count += in_cuda and eqn.primitive.name == "reduce_sum"
+      platforms = eqn.params.get("branches_platforms")
+      if platforms:
+        branch = next(i for i, ps in enumerate(platforms) if ps and "cuda" in ps)
+        walk(eqn.params["branches"][branch].jaxpr, True)
+        continue
+      for sub in _sub_jaxprs(eqn.params):
+        walk(sub, in_cuda)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+  return count
+
+
+@pytest.mark.parametrize("naming", ["slash", "linen"])
+def test_gpu_buckets_do_not_depend_on_how_layers_are_named(monkeypatch, naming):
+  """A linen model names its layers ``h_0``, ``h_1``, ...: the same weight of every
+  layer stacks as it does under list (``h[0]``) or digit (``h/0``) names, with as
+  many fused reductions, and the very same sums (issue 64)."""
+  fused = lambda t: _cuda_reductions(lambda x: norms.measure(x).vector, t)
+  listed, named = _named_blocks("list"), _named_blocks(naming)
+  # embed alone, q, o and up stacked over 3 layers, the biases together: 5.
+  assert fused(named) == fused(listed) == 5
+  roles = lambda names: sorted(sorted(n.replace("h_", "h/") for n in run)
+                               for run in names)
+  assert roles(_bucket_names(named)) == roles(_bucket_names(listed))
+  monkeypatch.setattr(jax.lax, "platform_dependent",
+                      lambda *args, cuda, default: cuda(*args))
+  measure = jax.jit(lambda t: norms.measure(t).sums)
+  got, want = measure(named), measure(listed)
+  order = lambda t: sorted(range(len(jax.tree.leaves(t))),
+                           key=lambda i: norms.path_str(
+                               jax.tree_util.tree_flatten_with_path(t)[0][i][0]
+                           ).replace("h_", "h/"))
+  for i, j in zip(order(named), order(listed)):
+    np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want[j]))
+
+
+def test_gpu_buckets_stack_by_known_sharding_not_by_name():
+  """Where the sharding is known (concrete arrays), it decides: same-shaped weights of
+  one sharding stack whatever their names, and the same weight sharded two ways does
+  not."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))
+  put = lambda spec: jax.device_put(jnp.zeros((260, 260)), NamedSharding(mesh, spec))
+  tree = {"h_0": {"q": put(P(None, "tensor")), "o": put(P("tensor", None))},
+          "h_1": {"q": put(P(None, "tensor")), "o": put(P("tensor", None))},
+          "odd": {"q": put(P("tensor", None))}}
+  assert sorted(_bucket_names(tree, traced=False)) == [
+      ["h_0/o", "h_1/o", "odd/q"], ["h_0/q", "h_1/q"]]
+  plain = {"a": jnp.zeros((260, 260)), "b": {"c": jnp.zeros((260, 260))}}
+  assert _bucket_names(plain, traced=False) == [["a", "b/c"]]
+
+
+@pytest.mark.skipif(not hasattr(getattr(jax.sharding, "AxisType", None), "Explicit"),
+                    reason="no explicit sharding in this JAX")
+def test_gpu_buckets_read_explicit_shardings_under_jit():
+  """Under ``jit`` on a mesh of explicit axes the abstract value carries the
+  sharding: it decides as for concrete arrays."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  mesh = jax.make_mesh((2,), ("tensor",),
+                       axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  put = lambda spec: jax.device_put(jnp.zeros((260, 260)), NamedSharding(mesh, spec))
+  tree = {"h_0": {"q": put(P(None, "tensor")), "o": put(P("tensor", None))},
+          "h_1": {"q": put(P(None, "tensor")), "o": put(P("tensor", None))},
+          "odd": {"q": put(P("tensor", None))}}
+  assert sorted(_bucket_names(tree)) == [["h_0/o", "h_1/o", "odd/q"],
+                                         ["h_0/q", "h_1/q"]]
