@@ -34,7 +34,8 @@ from mpscale.trainer.config.schema import (  # noqa: F401 (re-exported)
     ConfigTypeError, DataConfig, Fp8Config, LossScaleConfig, MeshConfig, ModelConfig,
     OptimizerConfig, ParamGroupConfig, PrecisionConfig, RunConfig, ScheduleConfig,
     TokenizeConfig, TrainConfig,
-    apply_overrides, dump_config, parse_override, parse_yaml, read_config, to_dict)
+    apply_overrides, dump_config, flat_keys, parse_override, parse_yaml, read_config,
+    to_dict)
 
 
 def _check_experts(model: Any, mesh: Any) -> None:
@@ -299,6 +300,41 @@ def check_user_model(cfg: RunConfig) -> None:
     raise ConfigError("mesh.sequence_parallel: lays out the built-in model's "
                       "activations; a user's model lays out its own: set "
                       "mesh.sequence_parallel: false", ("mesh.sequence_parallel",))
+
+
+RESUME_MAY_CHANGE = ("train.steps", "train.samples",
+                     "train.log_every", "train.eval_every", "train.checkpoint_every",
+                     "train.keep_checkpoints",
+                     "mesh", "train.num_microbatches", "train.remat", "train.recompute",
+                     "model.attention")
+"""The keys (or sections) a resumed run may set otherwise than the run it continues:
+its length (``train.steps``, or ``train.samples``, to extend it), the cadence of its
+logs, evaluations and checkpoints, and how a step is laid out and computed (the
+mesh, the micro-batches, recomputation, the attention kernel), which change its
+losses at most by float rounding. Every other key changes what the run trains."""
+
+
+def resume_changes(saved: RunConfig, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
+  """The keys whose value ``cfg`` changes from ``saved`` (a run's ``config.yaml``)
+  beyond `RESUME_MAY_CHANGE`: ``{key: (saved value, cfg's value)}``, in the
+  config's order.
+
+  ``data.path`` is compared as an absolute path (``--data`` is relative to the
+  working directory), and a ``loss_scale.init_scale`` left ``null`` in ``cfg`` is
+  the one the run derived (its scale is in the checkpoint).
+  """
+  old, new = flat_keys(saved), flat_keys(cfg)
+  changed = {}
+  for key in dict.fromkeys([*new, *old]):
+    before, after = old.get(key), new.get(key)
+    if key == "data.path" and before is not None and after is not None:
+      before, after = os.path.abspath(before), os.path.abspath(after)
+    if key == "loss_scale.init_scale" and after is None:
+      continue
+    if before != after and not any(key == k or key.startswith(k + ".")
+                                   for k in RESUME_MAY_CHANGE):
+      changed[key] = (old.get(key), new.get(key))
+  return changed
 
 
 def config_from_dict(raw: Optional[Mapping[str, Any]], source: str = "<dict>",

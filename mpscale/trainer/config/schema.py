@@ -904,6 +904,19 @@ def to_dict(cfg: Any) -> Any:
   return cfg
 
 
+def flat_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """A config (or `to_dict`'s mapping of one) as ``{"model.d_model": 64, ...}``: each
+  value by its dotted key; a list is one value, an empty mapping (``model.args:
+  {}``) none."""
+  tree = to_dict(tree) if dataclasses.is_dataclass(tree) else tree
+  if isinstance(tree, Mapping):
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+      out.update(flat_keys(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
 def dump_config(cfg: RunConfig) -> str:
   """``cfg`` as YAML text that `load_config` reads back to an equal config."""
   return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -112,7 +112,26 @@ def _loss_of(loss: Any, key: str) -> Callable[[Any, Any], Any]:
     raise validation.fail(key, ": a Flax module needs a loss, loss(model, batch) -> "
                           f"(loss_sum, num_tokens) or a mean; got {loss!r}",
                           validation.ArgumentTypeError)
+  _check_takes_model_and_batch(loss, key, "loss")
   return loss
+
+
+def _check_takes_model_and_batch(fn: Callable[..., Any], key: str, what: str) -> None:
+  """Refuses a ``fn`` that cannot be called as ``what(model, batch)`` (another
+  function named by mistake), naming ``key``: called in the step, it would fail
+  there, as if the batches did not fit the model."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin without a signature
+    return
+  try:  # a linen loss taking train is called with it (`_mode_call`)
+    signature.bind(None, None, **({"train": True} if "train" in signature.parameters
+                                   else {}))
+  except TypeError as e:
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    raise validation.fail(key, f": {name}{signature} cannot be called as "
+                          f"{what}(model, batch): {e}",
+                          validation.ArgumentTypeError) from None
 
 
 def _takes_train(fn: Callable[..., Any]) -> bool:
@@ -371,6 +390,9 @@ def as_model(obj: Any, loss: Any = None, example_batch: Any = None,
         key.replace("provider", "metrics"), ": expected a function, metrics(model, "
         f"batch) -> {{name: (sum, count)}}; got {metrics!r}",
         validation.ArgumentTypeError)
+  if metrics is not None:
+    _check_takes_model_and_batch(metrics, key.replace("provider", "metrics"),
+                                 "metrics")
   if isinstance(obj, Model):
     if loss is not None:
       raise validation.fail(key, ": gave a Model, which has its own loss_fn, and a "

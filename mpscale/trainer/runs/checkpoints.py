@@ -8,8 +8,10 @@ resumed run reads the very batches an uninterrupted one would.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Any, Optional
+import re
+from typing import Any, Mapping, Optional
 
 
 class CheckpointError(ValueError):
@@ -110,6 +112,63 @@ def saved_steps(ckpt_dir: str) -> list[int]:
     return sorted(reader.all_steps())
 
 
+def _saved_shapes(step_dir: str) -> Optional[dict[str, tuple[int, ...]]]:
+  """The shape of each array checkpoint ``step_dir`` holds (by `checkpoint_tree`
+  key), read from its metadata; ``None`` when that cannot be read (corrupt)."""
+  import orbax.checkpoint as ocp
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)  # orbax warns of the metadata files it looks for
+  try:
+    meta = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, "state"))
+  except Exception:  # orbax raises many kinds; the restore's error says which
+    return None
+  finally:
+    absl.setLevel(level)
+  tree = getattr(meta, "item_metadata", meta)  # the tree itself before orbax 0.11
+  tree = getattr(tree, "tree", tree)
+  if not isinstance(tree, Mapping):
+    return None
+  return {key: tuple(leaf.shape) for key, leaf in tree.items()
+          if getattr(leaf, "shape", None) is not None}
+
+
+def _cause(error: Exception, step_dir: str) -> str:
+  """An orbax (TensorStore) error's first line, whole (the array and the file at
+  fault, and what is wrong with it), with its files relative to ``step_dir`` (the
+  message names it first), and without the TensorStore spec it ends with: a JSON
+  dump of every driver option."""
+  line = (str(error).strip().splitlines() or [""])[0]
+  line = line.replace(os.path.abspath(step_dir) + os.sep, "")
+  return re.sub(r"\s*\[tensorstore_spec\b.*$", "", line)
+
+
+def _restore_error(step_dir: str, error: Exception, abstract: dict[str, Any],
+                   others: list[int]) -> CheckpointError:
+  """Why checkpoint ``step_dir`` does not restore into arrays like ``abstract``:
+  the arrays whose shapes differ from the config's model (another model's
+  checkpoint: every other checkpoint of that run differs as well), else corrupt or
+  foreign, with ``error``'s cause and the ``others`` there to pick from."""
+  # Read only when orbax's error speaks of shapes: a corrupt checkpoint's metadata
+  # fails to read as well, leaving more TensorStore reads behind.
+  saved = (_saved_shapes(step_dir) if "shape" in str(error) else None) or {}
+  model_first = sorted(abstract, key=lambda key: not key.startswith("params."))
+  differ = [f"{key} is {saved[key]} there, {tuple(abstract[key].shape)} for this "
+            "config" for key in model_first
+            if key in saved and saved[key] != tuple(abstract[key].shape)]
+  if differ:
+    more = f" (and {len(differ) - 2} more arrays)" if len(differ) > 2 else ""
+    return CheckpointError(
+        f"{step_dir}: the checkpoint's array shapes differ from this config's model: "
+        f"{'; '.join(differ[:2])}{more}. It was written by a model of other sizes "
+        "(model.d_model, num_layers, vocab_size, ...): use the config it was written "
+        "with")
+  return CheckpointError(
+      f"{step_dir}: cannot restore this run's state from it (corrupt, or written by "
+      f"another config: {type(error).__name__}: {_cause(error, step_dir)}); "
+      f"{_listed(others, 'others')}")
+
+
 def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True,
                    step: Optional[int] = None) -> tuple[Any, int, Any]:
   """``state`` restored from the latest checkpoint in ``ckpt_dir`` (or the one of
@@ -128,9 +187,10 @@ def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True,
     step: the checkpoint to read; ``None``: the latest.
 
   Raises:
-    CheckpointError: naming the checkpoint and the others there, when it cannot be
-      restored into a state shaped like ``state`` (corrupt, or written by another
-      config), or ``step`` names none.
+    CheckpointError: naming the checkpoint, when it cannot be restored into a state
+      shaped like ``state``: the arrays whose shapes differ (a model of other
+      sizes), or the cause and the other checkpoints there (corrupt, or written by
+      another config); or when ``step`` names none.
   """
   import jax
   import orbax.checkpoint as ocp
@@ -156,11 +216,7 @@ def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True,
       saved = reader.restore(latest, args=ocp.args.Composite(
           state=state_args, data=ocp.args.JsonRestore()))
     except Exception as e:  # orbax raises many kinds; all mean "not this run's"
-      others = [s for s in steps if s != latest]
-      cause = (str(e).strip().splitlines() or [""])[0]
-      raise CheckpointError(
-          f"{os.path.join(ckpt_dir, str(latest))}: cannot restore this run's state "
-          f"from it (corrupt, or written by another config: {type(e).__name__}: "
-          f"{cause[:160]}); {_listed(others, 'others')}") from None
+      raise _restore_error(os.path.join(ckpt_dir, str(latest)), e, abstract,
+                           [s for s in steps if s != latest]) from None
   state = from_checkpoint_tree(state, saved.state)
   return state, int(jax.device_get(state.step)), saved.data

@@ -113,15 +113,6 @@ def is_multiprocess() -> bool:
 # ------------------------------------------------------------- the same run everywhere
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if isinstance(tree, Mapping) and tree:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-      out.update(_flat(v, f"{prefix}{k}."))
-    return out
-  return {prefix[:-1]: tree}
-
-
 def _file_digest(paths: list[str], root: str = "") -> str:
   """A digest of the files' contents and their paths relative to ``root``."""
   h = hashlib.sha256()
@@ -159,10 +150,9 @@ def fingerprint(cfg: Any, **run: Any) -> dict[str, Any]:
   """What must be the same on every process: the resolved config (each key), the
   run's options (``run``: output folder, resume, ...), mpscale's source, the
   providers' source files, and the versions of Python and the libraries."""
-  import yaml
   from mpscale import _versions
   from mpscale.trainer.config import load as config_lib
-  out = _flat(yaml.safe_load(config_lib.dump_config(cfg)))
+  out = config_lib.flat_keys(cfg)
   out.update({f"run.{k}": v for k, v in run.items()})
   out["code.mpscale"] = f"{_versions.installed('mpscale')} {_package_digest()}"
   for key in ("model.provider", "model.loss", "data.provider"):

@@ -549,7 +549,9 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     resume: continue from the latest checkpoint in ``out_dir``; a finished run
       only re-evaluates. A folder with no run yet starts from scratch; one that
       holds a run's files but no checkpoint is refused (nothing to resume, and its
-      record would be replaced).
+      record would be replaced), and so is a ``cfg`` that changes a key of the
+      run's ``config.yaml`` beyond `config_lib.RESUME_MAY_CHANGE` (the data, the
+      learning rate, a model size: another run).
     overwrite: replace the files of a run already in ``out_dir``.
     progress: show a progress bar; default: when the console is a terminal.
     source: names the config in error messages (its path).
@@ -566,7 +568,8 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
 
   Raises:
     RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``,
-      or ``resume`` finds a run there but no checkpoint.
+      or ``resume`` finds a run there but no checkpoint, or a run of other keys
+      (naming them), before anything is written.
     config_lib.ConfigError: for a setup the config makes impossible (naming ``source``
       and the key), before anything is written.
   """
@@ -586,6 +589,8 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
         f"{out_dir} holds a run ({', '.join(found)}) but no checkpoint in "
         f"{checkpoint_dir(out_dir)} to resume from; pass --overwrite to train it "
         "again from step 0 (its files replaced), or --out another folder")
+  if resuming:
+    _check_resumed_config(cfg, out_dir)
   run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss,
                  resuming=resuming)
   start = 0
@@ -614,6 +619,32 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
     export(*jax.device_get(run.setup.to_model_order((state.params,
                                                      state.model_state))))
   return summary
+
+
+def _check_resumed_config(cfg: config_lib.RunConfig, out_dir: str) -> None:
+  """``cfg`` trains what the run in ``out_dir`` trained (its ``config.yaml``): it
+  changes no key but those `config_lib.RESUME_MAY_CHANGE` names. Another corpus,
+  learning rate or model size would continue the run as another one and rewrite
+  the record of what its first steps were trained on.
+
+  Raises:
+    RunDirError: naming each key that differs, its value in the run and in ``cfg``.
+  """
+  path = os.path.join(out_dir, "config.yaml")
+  if not os.path.exists(path):  # checkpoints alone: nothing recorded to compare
+    return
+  with open(path, encoding="utf-8") as f:
+    saved = config_lib.read_config(config_lib.parse_yaml(f.read(), path), path)[0]
+  changed = config_lib.resume_changes(saved, cfg)
+  if changed:
+    changes = "; ".join(f"{key}: {old!r} -> {new!r}"
+                        for key, (old, new) in changed.items())
+    allowed = ", ".join(k if "." in k else f"{k}.*"
+                        for k in config_lib.RESUME_MAY_CHANGE)
+    raise RunDirError(
+        f"{out_dir}: --resume would change what this run trains: {changes} (its "
+        f"config.yaml -> this config). A resume may change only {allowed}; train the "
+        "changed config in another folder (--out) or from step 0 (--overwrite)")
 
 
 def _restore(run: _Run, opt_state: bool = True, step: Optional[int] = None
@@ -706,7 +737,7 @@ def run(config: Any, *, model: Any = None, data: Any = None, loss: Any = None,
     config_lib.ConfigError: for a bad config, or pieces that do not fit (naming the
       key or argument), before anything is written.
     RunDirError: if ``out_dir`` holds a run and neither ``resume`` nor ``overwrite``,
-      or ``resume`` finds a run there but no checkpoint.
+      or ``resume`` finds a run there but no checkpoint, or a run of other keys.
 
   Example::
 

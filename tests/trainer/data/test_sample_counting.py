@@ -353,6 +353,12 @@ def test_resuming_with_other_batch_sizes_is_refused_by_key(ramped_run, tmp_path)
   for step in (12, 18, 24, 29):  # resume from step 6
     shutil.rmtree(os.path.join(copy, "checkpoints", str(step)))
   other = _merge(SMALL, data={"rampup_batch_size": [8, 8, 96]})
+  from mpscale.trainer.runs.loop import RunDirError  # noqa: PLC0415
+  with pytest.raises(RunDirError, match=r"data.rampup_batch_size: \[4, 4, 96\] -> "
+                     r"\[8, 8, 96\]"):  # against the run's config.yaml (#64 item 10)
+    mpscale.trainer.run(other, out_dir=copy, resume=True, verbose=False,
+                        progress=False)
+  os.remove(os.path.join(copy, "config.yaml"))  # the checkpoints alone tell too
   with pytest.raises(config_lib.ConfigError,
                      match="data.rampup_batch_size: the checkpoint of step 6 .* was "
                      "trained on 24 samples, but this config's batch sizes make 48"):

@@ -262,6 +262,9 @@ def broken(config):
      "data.provider: its batches do not fit model.provider"),
     (["model.loss=providers.py:number", "model.provider=null"],
      "model.loss needs model.provider"),
+    # Another function named for the loss: its own key, not the data's (#64 item 16).
+    (["model.loss=model.py:source"], "model.loss: source(config) -> 'dict' cannot be "
+     "called as loss(model, batch): too many positional arguments"),
     (["data.path=x.txt"], "data.path and data.provider are exclusive"),
     (["mesh.stage=2"], "mesh.stage (2) > 1 needs model.provider to return an "
      "mpscale.trainer.Model whose loss_fn is an mpscale.Pipeline"),
