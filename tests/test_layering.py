@@ -92,11 +92,13 @@ ROOM_IMPORTS = {
 """What each room may import from the others (a room, or one module of it), as its
 ``__init__`` says: the modules that import nothing of the trainer (``config.schema``,
 ``config.errors``, ``runs.progress``) may be imported from anywhere."""
-BOTTOM = ("config.errors", "runs.progress", "planning.targets", "planning.hlo",
+BOTTOM = ("config.errors", "runs.progress", "runs.interrupts", "planning.targets",
+          "planning.hlo",
           "runs.devices", "models.families", "models.user", "hf.tensors")
 """Modules that import nothing of the trainer."""
 TRAINER_LAYERS = (
-    ("config.errors", "runs.devices", "runs.progress", "runs.metrics_log",
+    ("config.errors", "runs.devices", "runs.progress", "runs.interrupts",
+     "runs.metrics_log",
      "runs.checkpoints", "data.text", "data.token_files", "data.batch_sizes",
      "models.families", "models.user", "planning.targets", "planning.hlo",
      "hf.tensors"),

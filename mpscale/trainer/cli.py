@@ -62,6 +62,7 @@ from mpscale.trainer.runs.checkpoints import CheckpointError
 from mpscale.trainer.hf.tensors import HFCheckpointError
 from mpscale.trainer.runs.compare import compare
 from mpscale.trainer.runs import distributed
+from mpscale.trainer.runs.interrupts import InterruptedBeforeStart, Interrupts
 from mpscale.trainer.runs.devices import (host_devices_at_least, set_host_device_count,
                                           start_on_cpu)
 from mpscale.trainer.runs.loop import (RunDirError, evaluate_run, evaluate_run_metrics,
@@ -418,13 +419,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
   try:
     if args.command == "train":
-      cfg = config_lib.load_config(args.config, args.set, args.data)
-      _warn_unused_devices(cfg, args.devices)
-      out = args.out or (resume_out_dir(cfg.name, args.set, verbose=not args.quiet)
-                         if args.resume else default_out_dir(cfg.name, args.set))
-      train(cfg, out, resume=args.resume, overwrite=args.overwrite,
-            progress=args.progress, source=args.config, verbose=not args.quiet,
-            step=args.step)
+      with Interrupts():  # a Ctrl-C from here on stops at a step boundary
+        cfg = config_lib.load_config(args.config, args.set, args.data)
+        _warn_unused_devices(cfg, args.devices)
+        out = args.out or (resume_out_dir(cfg.name, args.set, verbose=not args.quiet)
+                           if args.resume else default_out_dir(cfg.name, args.set))
+        train(cfg, out, resume=args.resume, overwrite=args.overwrite,
+              progress=args.progress, source=args.config, verbose=not args.quiet,
+              step=args.step)
     elif args.command == "plan":
       from mpscale.trainer.planning import compiled as plan_lib  # noqa: PLC0415
       from mpscale.trainer.planning.hardware import load_hardware  # noqa: PLC0415
@@ -473,7 +475,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (config_lib.ConfigError, RunDirError, CheckpointError, HFCheckpointError) as e:
     print(f"mpscale: error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
-    print("mpscale: interrupted; continue with --resume", file=sys.stderr)
+  except KeyboardInterrupt as e:
+    if args.command not in ("train", "compare"):
+      said = ""
+    elif isinstance(e, InterruptedBeforeStart) and args.command == "train":
+      said = " before the run wrote anything"
+    else:
+      said = "; continue with --resume"
+    print(f"mpscale: interrupted{said}", file=sys.stderr)
     return 130
   return 0

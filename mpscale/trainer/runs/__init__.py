@@ -1,6 +1,7 @@
 """A run: its loop, its folder, what it shows, and the processes it spans.
 
 - `loop`: prepare, restore, train (log, evaluate, checkpoint), finish;
+- `interrupts`: a Ctrl-C held until the run can stop cleanly;
 - `checkpoints`, `metrics_log`, `plots`: what a run writes in its folder;
 - `progress`: the progress bar and number formats (imports nothing of the trainer);
 - `devices`, `distributed`: one run across devices and processes (hosts);

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from typing import Any, Mapping, Optional
 
@@ -37,6 +34,7 @@ from mpscale.trainer.data import tokenizing
 from mpscale.trainer.hf import checkpoint as hf
 from mpscale.trainer.hf import names as hf_names
 from mpscale.trainer.runs.metrics_log import MetricsLog, read_rows, to_float
+from mpscale.trainer.runs.interrupts import Interrupts
 from mpscale.trainer.runs.plots import plot_runs
 from mpscale.trainer.runs.progress import fmt, make_progress, progress_info, scale_text
 
@@ -411,41 +409,12 @@ class _Logger:
     self.log.close()
 
 
-@contextlib.contextmanager
-def _interrupt_after(state: Any):
-  """Holds a Ctrl-C (SIGINT) that arrives inside the block once ``state`` is donated
-  (deleted), and raises it when the block is done. The step donates the state it is
-  given: an interrupt between the donation and the binding of the new state would
-  leave no state to save (issue #42), so the step's call and that binding are one
-  block. Before the donation (while the first step compiles, say) the interrupt is
-  raised at once."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  caught = []
-
-  def handler(signum, frame):
-    if not any(getattr(x, "is_deleted", lambda: False)()
-               for x in jax.tree_util.tree_leaves(state)):
-      raise KeyboardInterrupt  # nothing donated yet: the state is still whole
-    caught.append(signum)
-
-  previous = signal.signal(signal.SIGINT, handler)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, previous)
-  if caught:
-    if callable(previous):
-      previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
-    elif previous != signal.SIG_IGN:
-      raise KeyboardInterrupt
-
-
-def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
+def _loop(run: _Run, start: int, logger: _Logger,
+          interrupts: Interrupts) -> TrainState:
   """Trains from step ``start`` to ``train.steps``, logging, evaluating and saving
-  checkpoints when due; returns the final state. Interrupted (Ctrl-C), it logs and
-  saves what was done so ``--resume`` continues from there, then re-raises."""
+  checkpoints when due; returns the final state. Interrupted (Ctrl-C, held by
+  ``interrupts`` until a step boundary), it logs and saves what was done, step 0
+  included, so ``--resume`` continues from there, then re-raises."""
   train_cfg, state = run.cfg.train, run.state
   steps = train_cfg.steps
   manager = ocp.CheckpointManager(run.ckpt_dir, options=ocp.CheckpointManagerOptions(
@@ -459,11 +428,11 @@ def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
   try:
     with logger:
       for step in range(start, steps):
+        interrupts.check()  # the state is whole here: a Ctrl-C stops the run
         batch = _global_batch(next(batches), run.setup, run.data)
-        with _interrupt_after(state):  # the old state is donated: keep the new one
-          state, metrics = run.setup.step(state, batch)
-          done = step + 1
-          logger.record(metrics, done)
+        state, metrics = run.setup.step(state, batch)  # donates the old state
+        done = step + 1
+        logger.record(metrics, done)
         evaluating = due(done, train_cfg.eval_every)
         checkpointing = due(done, train_cfg.checkpoint_every)
         if not (due(done, train_cfg.log_every) or evaluating or checkpointing):
@@ -471,13 +440,15 @@ def _loop(run: _Run, start: int, logger: _Logger) -> TrainState:
         logger.flush(state, done, evaluating)
         if checkpointing:
           save(done)
+      interrupts.check()
   except KeyboardInterrupt:
     # Preempted: the steps since the last row get their row, the state a checkpoint.
     # Across processes the others may be at another step (saving is collective), so
     # the run resumes from its last regular checkpoint instead.
     done = int(jax.device_get(state.step))
     logger.flush(state, done, evaluating=False)
-    if done > (manager.latest_step() or 0) and jax.process_count() == 1:
+    latest = manager.latest_step()
+    if (latest is None or done > latest) and jax.process_count() == 1:
       save(done)
     manager.wait_until_finished()
     manager.close()
@@ -591,34 +562,41 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
         "again from step 0 (its files replaced), or --out another folder")
   if resuming:
     _check_resumed_config(cfg, out_dir)
-  run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss,
-                 resuming=resuming)
-  start = 0
-  if resume:
-    run.state, start, run.data_state = _restore(run, step=step)
-    _check_consumed(run, start, source)
-    if step is not None:
+  with Interrupts() as interrupts:  # Ctrl-C held until the run can stop cleanly
+    run = _prepare(cfg, out_dir, source, model=model, data=data, loss=loss,
+                   resuming=resuming)
+    start = 0
+    if resume:
+      run.state, start, run.data_state = _restore(run, step=step)
+      _check_consumed(run, start, source)
+    interrupts.check(started=False)  # nothing written yet
+    if resume and step is not None:
       _drop_later_checkpoints(run, step, verbose)
-  if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
-    # Nothing to train: say so, and leave the finished run's files as they are.
-    with open(run.summary_path) as f:
-      finished = json.load(f)
-    if verbose and run.main_process:
-      Console(stderr=True).print(
-          f"{cfg.name}: already finished at step {start} of {cfg.train.steps} in "
-          f"{out_dir}; nothing to resume (raise train.steps to train on)",
-          soft_wrap=True)
-    return finished
-  _start_files(run, overwrite)
-  logger = _Logger(run, start, progress, verbose)
-  state = _loop(run, start, logger)
-  summary = _finish(run, state, start, logger)
+    if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
+      return _already_finished(run, start, verbose)
+    _start_files(run, overwrite)
+    logger = _Logger(run, start, progress, verbose)
+    state = _loop(run, start, logger, interrupts)
+    summary = _finish(run, state, start, logger)
   export = getattr(run.setup.model, "export", None)
   if model is not None and export is not None:
     # A Flax NNX module given here is updated in place (its export does that).
     export(*jax.device_get(run.setup.to_model_order((state.params,
                                                      state.model_state))))
   return summary
+
+
+def _already_finished(run: _Run, start: int, verbose: bool) -> dict[str, Any]:
+  """A finished run resumed with nothing to train: says so and returns its summary,
+  leaving its files as they are."""
+  with open(run.summary_path) as f:
+    finished = json.load(f)
+  if verbose and run.main_process:
+    Console(stderr=True).print(
+        f"{run.cfg.name}: already finished at step {start} of {run.cfg.train.steps} "
+        f"in {run.out_dir}; nothing to resume (raise train.steps to train on)",
+        soft_wrap=True)
+  return finished
 
 
 def _check_resumed_config(cfg: config_lib.RunConfig, out_dir: str) -> None:
