@@ -103,7 +103,7 @@ def test_plan_of_an_nnx_example_has_the_real_bytes(path, data):
 def test_the_command_plans_a_provider_model(capsys):
   assert cli.main(["plan", "--config", DIGITS]) == 0
   text = capsys.readouterr().out
-  assert text.startswith("digits_cnn: 37.8K params, 64 tokens per step, 1 devices")
+  assert text.startswith("digits_cnn: 37.8K params, 64 tokens per step, 1 device")
   assert "  model state " in text and "per device:" in text
   assert "the model's" not in text  # its FLOPs formula is the built-in LM's
   assert cli.main(["plan", "--config", DIGITS, "--json"]) == 0
