@@ -124,8 +124,9 @@ def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
   ``jax.checkpoint`` so the backward gathers it again), never the whole model at
   once; its gradient is reduce-scattered there in the masters' dtype.
 
-  ``fn`` is traced on the parameters' whole shapes and evaluated again one equation
-  at a time: a cast of a split leaf is deferred to its gather (the gather moves the
+  ``fn`` is traced on the parameters' whole shapes, device-varying as their gathers
+  are (so a custom VJP, FP8's, is replayed on the types it was traced on), and
+  evaluated again one equation at a time: a cast of a split leaf is deferred to its gather (the gather moves the
   compute dtype, the gradient sums in float32), and a leaf is followed into
   ``scan`` bodies (a stacked leaf's slice is one layer's shard), nested ``jit``
   calls and ``checkpoint``. Any other equation that uses it gathers it there; one
@@ -144,8 +145,11 @@ def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
   def wrapped(shards: Any, *args: Any) -> Any:
     leaf_dims = jax.tree_util.tree_leaves(dims, is_leaf=lambda x: isinstance(x, tuple))
     shard_leaves = jax.tree_util.tree_leaves(shards)
-    whole = [jax.ShapeDtypeStruct(_whole_shape(x.shape, d), x.dtype)
-             for x, d in zip(shard_leaves, leaf_dims)]
+    # Traced on the types its gathers give: a split leaf gathered is still varying
+    # over the axes its shard varies over. (Traced invariant, the trace's pvarys
+    # and its custom VJPs' types, fixed when traced, would not fit the replay.)
+    whole = [jax.typeof(x).update(shape=_whole_shape(x.shape, d)) if d else
+             jax.typeof(x) for x, d in zip(shard_leaves, leaf_dims)]
     p_tree = jax.tree_util.tree_structure(shards)
     leaves, tree = jax.tree_util.tree_flatten(args)
 

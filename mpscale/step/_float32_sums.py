@@ -18,7 +18,6 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from mpscale import keys as keys_lib
-from mpscale import validation
 from mpscale.parallel import _fsdp as fsdp_lib
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
@@ -76,13 +75,6 @@ def float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
       lambda spec: tuple(layouts_lib.split_dims(spec, data_axes)), manual,
       is_leaf=layouts_lib.is_spec)
   split = any(jax.tree_util.tree_leaves(dims))
-  if split and model_state is not None:
-    # Its custom VJP is replayed on gathered (device-varying) weights that it was
-    # traced invariant on: not supported yet.
-    raise validation.ArgumentError(
-        ("grad_reduce_dtype", "param_specs", "model_state"),
-        "{0}=float32 with {1} splitting parameters over the data axes (FSDP) takes "
-        "no FP8 scaling {2} yet; pass {0}=None, or keep the parameters whole")
   # FSDP: the masters' shards, each cast and gathered where the loss uses it.
   shard_grad = fp8_state_lib.grad_with_overwrite(fsdp_lib.gather_where_used(scaled_loss, dims))
 

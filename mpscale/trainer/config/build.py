@@ -873,7 +873,7 @@ def build_model_state(cfg: schema.RunConfig, model: Any, policy: Any,
   Raises:
     ArgumentError: naming ``precision.grad_reduce_dtype`` (float32 sums, in which
       each data replica differentiates its own rows) with a model state other than
-      FP8 scaling state alone, or with FP8 under FSDP.
+      FP8 scaling state alone.
   """
   init_state = getattr(model, "init_state", None)
   if isinstance(model, lm_lib.TinyLM) and (model.fp8 is not None
@@ -891,12 +891,6 @@ def build_model_state(cfg: schema.RunConfig, model: Any, policy: Any,
   state = jax.eval_shape(init_state, jax.random.key(cfg.seed))
   fp8_only = (isinstance(state, Mapping)
               and set(state) == {precision_lib.OVERWRITE_WITH_GRADIENT})
-  if fp8 is not None and fp8_only and cfg.mesh.fsdp > 1:
-    raise validation.ArgumentError(
-        ("precision.grad_reduce_dtype", "precision.fp8.recipe", "mesh.fsdp"),
-        "{0}: float32 with FP8 ({1}) and FSDP ({2} > 1) is not supported yet (the "
-        "FP8 products' custom VJPs would be replayed on gathered weights); set "
-        "{0}: null or {2}: 1")
   if isinstance(model, lm_lib.TinyLM) and model.routing is not None:
     raise validation.ArgumentError(
         ("precision.grad_reduce_dtype", "model.num_experts"),

@@ -471,18 +471,21 @@ def test_fp8_under_a_pipeline_trains_as_the_unpipelined_run(tmp_path):
 
 
 @pytest.mark.slow  # over 5 s on 2 cores: the quick loop skips it
-def test_fp8_with_float32_gradient_sums_trains_as_with_bf16_sums(tmp_path):
+@pytest.mark.parametrize("mesh", [{"data": 2}, {"fsdp": 2}], ids=["data", "fsdp"])
+def test_fp8_with_float32_gradient_sums_trains_as_with_bf16_sums(tmp_path, mesh):
   """precision.grad_reduce_dtype: float32 over 2 data replicas and 2 micro-batches:
   each replica updates the FP8 state from its own rows and the step merges the
   replicas' updates (merge_state), so the state records the global amaxes, a
-  history entry a micro-batch, as the bf16-sums run does."""
+  history entry a micro-batch, as the bf16-sums run does. Under FSDP (mesh.fsdp 2)
+  too: each FP8 product runs on its weights gathered where used, their gradients
+  reduce-scattered in float32 (Megatron-Bridge's FSDP runs train FP8 so)."""
   import mpscale.trainer
   runs = {}
   for name, sums in (("bf16", None), ("float32", "float32")):
     cfg = _fp8_config("delayed")
     cfg["train"] = {**cfg["train"], "steps": 6, "eval_every": 6,
                     "checkpoint_every": 6, "num_microbatches": 2}
-    cfg["mesh"] = {"data": 2}
+    cfg["mesh"] = mesh
     cfg["precision"] = {**cfg["precision"], "grad_reduce_dtype": sums}
     out = str(tmp_path / name)
     mpscale.trainer.run(cfg, out_dir=out, verbose=False, progress=False)
@@ -500,8 +503,6 @@ def test_fp8_with_float32_gradient_sums_trains_as_with_bf16_sums(tmp_path):
     ({"history_len": 0}, {}, ("precision.fp8.history_len",)),
     ({"products": ["qkv", "mlp"]}, {}, ("precision.fp8.products",)),
     ({"bf16_layers": 2}, {}, ("precision.fp8.bf16_layers", "model.num_layers")),
-    ({}, {"precision": {"grad_reduce_dtype": "float32"}, "mesh": {"fsdp": 2}},
-     ("precision.grad_reduce_dtype", "precision.fp8.recipe", "mesh.fsdp")),
 ])
 def test_bad_fp8_settings_are_refused_by_key(fp8, extra, names):
   raw = _fp8_config(**{"recipe": "delayed", **fp8})
@@ -512,6 +513,17 @@ def test_bad_fp8_settings_are_refused_by_key(fp8, extra, names):
   assert err.value.keys[:len(names)] == names
   for name in names:
     assert name in str(err.value)
+
+
+def test_fp8_with_float32_sums_under_fsdp_is_taken():
+  """FP8 with precision.grad_reduce_dtype: float32 and mesh.fsdp 2 (refused until
+  issue 64 item 9) checks; it trains in
+  test_fp8_with_float32_gradient_sums_trains_as_with_bf16_sums[fsdp]."""
+  raw = _fp8_config("delayed")
+  raw["precision"] = {**raw["precision"], "grad_reduce_dtype": "float32"}
+  raw["mesh"] = {"fsdp": 2}
+  cfg = config_lib.config_from_dict(raw)
+  assert (cfg.precision.grad_reduce_dtype, cfg.mesh.fsdp) == ("float32", 2)
 
 
 def test_a_user_model_without_fp8_state_refuses_precision_fp8():
