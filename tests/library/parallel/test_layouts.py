@@ -610,7 +610,9 @@ def _sweep_grads(step, params, name):
   grads = jax.tree.map(lambda p: jnp.sin(p * (step + 1.0)), params)
   if step == 1 and name in _SKIPS:
     b = grads["b"]  # a select keeps an explicit sharding (a scatter would need one)
-    grads["b"] = jnp.where(jnp.arange(b.shape[0]) == 3, jnp.nan, b)
+    # the mask laid out as b: jax 0.7's select refuses a replicated one beside it
+    nan_at_3 = jax.device_put(np.arange(b.shape[0]) == 3, b.sharding)
+    grads["b"] = jnp.where(nan_at_3, jnp.nan, b)
   return grads
 
 
