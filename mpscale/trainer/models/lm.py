@@ -175,10 +175,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   for start in range(0, length, block):
     stop = min(start + block, length)
     first = 0 if window is None else max(0, start - window + 1)
-    rows = jax.checkpoint(functools.partial(_attention_rows, start=start,
+    rows = jax.checkpoint(functools.partial(_sliced_rows, start=start, stop=stop,
                                             first=first, window=window))
-    outs.append(rows(q[:, start:stop], k[:, first:stop], v[:, first:stop]))
+    outs.append(rows(q, k, v))
   return jnp.concatenate(outs, axis=1)
+
+
+def _sliced_rows(q: jax.Array, k: jax.Array, v: jax.Array, start: int, stop: int,
+                 first: int, window: Optional[int]) -> jax.Array:
+  """`_attention_rows` of the query rows ``start:stop``, sliced here, under the
+  caller's ``jax.checkpoint``: the backward keeps the whole ``q, k, v`` once, not
+  each block's slices (the keys' of every block, ``blocks / 2`` times them)."""
+  return _attention_rows(q[:, start:stop], k[:, first:stop], v[:, first:stop], start,
+                         first, window)
 
 
 def _attention_rows(q: jax.Array, k: jax.Array, v: jax.Array, start: int,
@@ -274,6 +283,30 @@ def _attend(attention: str, shard: Callable, dtype: Any, q: jax.Array, k: jax.Ar
   return shard(out.astype(dtype), "heads")
 
 
+_LayerNorm = nn.remat(nn.LayerNorm)
+"""`flax.linen.LayerNorm` under ``jax.checkpoint``: the backward keeps its input
+alone (in the compute dtype) and recomputes the float32 statistics and normalized
+input, which it kept otherwise (about ``12 * d_model`` bytes a token)."""
+
+
+@jax.checkpoint
+def _gelu(h: jax.Array) -> jax.Array:
+  """Tanh-GELU of ``h`` in float32, cast back to ``h``'s dtype: its ``x**3``
+  overflows float16 for ``|x| > 40``, and its gradient is then ``inf * 0 = NaN``.
+  Under ``jax.checkpoint``, the backward keeps ``h`` alone and recomputes the
+  float32 intermediates (five ``[tokens, d_ff]`` float32 arrays otherwise)."""
+  return nn.gelu(h.astype(jnp.float32)).astype(h.dtype)
+
+
+@jax.checkpoint
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """``silu(gate) * up`` in float32, as `_gelu` is (the SiLU's exp, and the
+  product, stay finite), cast back to ``gate``'s dtype; the backward keeps ``gate``
+  and ``up`` alone, as `_gelu` keeps its input."""
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
+      gate.dtype)
+
+
 class Block(nn.Module):
   """One pre-LN transformer block: causal self-attention, then a GELU MLP."""
   num_heads: int
@@ -306,7 +339,7 @@ class Block(nn.Module):
     # GPT-2: residual projections scaled down with depth.
     out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.num_layers))
 
-    h = nn.LayerNorm(dtype=dtype, name="ln_attn")(x)
+    h = _LayerNorm(dtype=dtype, name="ln_attn")(x)
     qkv = dense(3 * d_model, dtype=dtype, name="qkv",
                    kernel_init=_heads_major(init, self.num_heads))(h)
     qkv = qkv.reshape(batch, length, self.num_heads, 3, head_dim)
@@ -316,12 +349,10 @@ class Block(nn.Module):
     x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
     x = self.shard(x, "residual")
 
-    h = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x)
+    h = _LayerNorm(dtype=dtype, name="ln_mlp")(x)
     h = self.shard(dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h),
                    "mlp")
-    # float32: tanh-GELU's x**3 overflows float16 for |x| > 40, and its gradient is
-    # then inf * 0 = NaN.
-    h = nn.gelu(h.astype(jnp.float32)).astype(dtype)
+    h = _gelu(h)
     x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h)
     return self.shard(x, "residual")
 
@@ -393,8 +424,7 @@ class LlamaBlock(nn.Module):
       return self.shard(x + y, "residual"), stats
     gate = self.shard(dense(self.d_ff, use_bias=False, name="gate")(h), "mlp")
     up = self.shard(dense(self.d_ff, use_bias=False, name="up")(h), "mlp")
-    # float32, as the GELU is: the SiLU's exp, and the product, stay finite
-    h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+    h = _swiglu(gate, up)
     x = x + dense(d_model, use_bias=False, name="down")(h)
     return self.shard(x, "residual")
 

@@ -382,3 +382,48 @@ def test_fp8_with_no_bf16_layers_puts_every_block_in_fp8(batch):
   grad = jax.jit(jax.grad(lambda s: model.loss_fn(params, batch, s)[0][0]))(state)
   assert np.all(grad["_overwrite_with_gradient"]["stages"]["qkv"].lhs.amax_history[:, 0]
                 > 0)
+
+
+def _korthikanti_bytes(d_model, q_width, kv_width, d_ff, gated, itemsize=2):
+  """Bytes a token one block needs kept for its backward, in Korthikanti et al.'s
+  count with flash attention and no dropout (``32 * d_model`` for GPT's block, 16-bit):
+  the two norms' inputs, the attention's input, q, k, v and the output projection's
+  input, the MLP's input, its hidden product(s) and the down projection's input.
+
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", 2022, section 4.1. https://arxiv.org/abs/2205.05198
+  """
+  attention = d_model + q_width + 2 * kv_width + q_width
+  mlp = d_model + (3 if gated else 2) * d_ff
+  return itemsize * (2 * d_model + attention + mlp)
+
+
+@pytest.mark.parametrize("family, kv_heads", [("gpt", None), ("llama", 2),
+                                              ("qwen3", 2), ("mistral", 4)])
+def test_a_block_keeps_what_its_backward_needs_in_the_compute_dtype(
+    monkeypatch, family, kv_heads):
+  """Within 1.2x Korthikanti's count a token and layer (#64 item 1: GPT's block kept
+  126 * d_model bytes, float32 copies of the GELU's input and the LayerNorms'
+  normalized inputs; Llama's 114, the SwiGLU's and RMSNorms'), read off the
+  residuals ``jax.vjp`` keeps in a bfloat16 model, with attention in query blocks
+  (as at long sequences: no ``[T, T]`` scores kept)."""
+  monkeypatch.setattr(lm, "QUERY_BLOCK", 16)
+  d_model, heads, d_ff, batch, length = 64, 4, 256, 2, 64
+  policy = mpscale.make_policy("bf16")
+  tokens = jnp.zeros((batch, length), jnp.int32)
+  data = {"inputs": tokens, "targets": tokens}
+  kept = []
+  for layers in (2, 4):
+    model = lm.TinyLM(vocab_size=256, d_model=d_model, num_heads=heads,
+                      num_layers=layers, d_ff=d_ff, seq_len=length, family=family,
+                      num_kv_heads=kv_heads, sliding_window=None)
+    params = jax.eval_shape(
+        policy.cast_to_compute, jax.eval_shape(model.init, jax.random.key(0)))
+    residuals = jax._src.ad_checkpoint.saved_residuals(
+        lambda p: model.loss_fn(p, data)[0], params)  # pylint: disable=cell-var-from-loop
+    kept.append(sum(aval.size * aval.dtype.itemsize for aval, source in residuals
+                    if "argument" not in source))
+  per_token_layer = (kept[1] - kept[0]) / 2 / (batch * length)
+  kv_width = (kv_heads or heads) * d_model // heads
+  count = _korthikanti_bytes(d_model, d_model, kv_width, d_ff, family != "gpt")
+  assert per_token_layer <= 1.2 * count, (per_token_layer / d_model, count / d_model)
