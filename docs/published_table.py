@@ -120,7 +120,9 @@ def analytic_row(run: dict) -> dict:
           "peak_gib": round(est.peak_bytes / 2**30, 1),
           "schedule": layout.schedule if layout.stage > 1 else "",
           "compute": round(est.compute, 3), "memory": round(est.memory, 3),
-          "collectives": round(est.collectives, 3), "bubble": round(est.bubble, 3),
+          "collectives": round(est.collectives + est.hidden, 3),  # before hiding,
+          # as a compiled row's
+          "bubble": round(est.bubble, 3),
           "hidden": round(est.hidden, 3), "dominant": max(terms, key=terms.get),
           "compiled_for": "nothing: planned from shapes (analytic)",
           "plan_seconds": round(time.perf_counter() - start, 1)}

@@ -28,8 +28,10 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
 
     data      all-reduce of the gradients, once a step (their dtype: ``reduce_bytes``)
     ZeRO-1    the same all-reduce, then an all-gather of the updated parameters
-    fsdp      all-gather of each layer's weights in the forward and again in the
-              backward (and the recompute), per micro-batch; the gradient sum
+    fsdp      all-gather of each layer's weights in the compute dtype in the
+              forward and once more for the backward (the recompute's gather
+              serves it), and a reduce-scatter of its gradient in the masters'
+              dtype, per micro-batch (`_fsdp_collectives`)
     tensor    Megatron's all-reduce of a layer's [rows, T, d] output after attention
               and after the MLP, forward and backward (and the recompute), per
               micro-batch; with sequence parallelism an all-gather and a
@@ -63,7 +65,9 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
 
 The step is ``compute + memory + collectives``, nothing hidden (as the CPU compile the
 search reads) but the ring's K/V permutes, each behind its block's attention
-(`hidden_seconds`: up to the attention's FLOPs' time); the experts' all-to-alls are
+(`hidden_seconds`: up to the attention's FLOPs' time), and FSDP's per-layer
+collectives, each behind the neighbouring layer's products (`fsdp_hidden_seconds`:
+FSDP's prefetch, XLA's asynchronous gathers a loop iteration ahead); the experts' all-to-alls are
 not hidden (the expert products wait for the rows they bring). Context parallelism
 divides a device's tokens by ``context``, expert parallelism (a data axis outside
 the experts) by ``expert``. The constants are counts, not a fit to one machine; what
@@ -458,15 +462,27 @@ def matmul_flops(model: Model, layout: Layout) -> float:
   """Matrix-product FLOPs one device runs a step (module docstring)."""
   lm, t = model.lm, layout.tensor
   d, units = lm.d_model, mlp_units(model)
-  q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
-  tokens = tokens_per_device(model, layout)
-  products = 2 * d * q + 2 * d * kv + (2 if lm.family == "gpt" else 3) * d * units
-  router = 2 * d * lm.num_experts  # whole on every tensor rank
-  layer = (2 * products + 4 * lm.seq_len * q) / t + router
+  layer = _layer_flops(model, layout)
   passes = 3 + (1 - 2 * d * units / t / layer if layout.remat else 0)
   layers = model.lm.num_layers / layout.stage * layer * passes / (1 - bubble(layout))
   head = 3 * 2 * d * model.lm.vocab_size / t
-  return tokens * (layers + head)
+  return tokens_per_device(model, layout) * (layers + head)
+
+
+def _layer_flops(model: Model, layout: Layout) -> float:
+  """A layer's forward matrix-product FLOPs a token on one device."""
+  lm, t = model.lm, layout.tensor
+  d, units = lm.d_model, mlp_units(model)
+  q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
+  products = 2 * d * q + 2 * d * kv + (2 if lm.family == "gpt" else 3) * d * units
+  router = 2 * d * lm.num_experts  # whole on every tensor rank
+  return (2 * products + 4 * lm.seq_len * q) / t + router
+
+
+def _layer_forward_flops(model: Model, layout: Layout) -> float:
+  """One layer's forward matrix-product FLOPs a device runs a step (every
+  micro-batch's tokens)."""
+  return tokens_per_device(model, layout) * _layer_flops(model, layout)
 
 
 def elementwise_bytes(model: Model, layout: Layout) -> float:
@@ -549,12 +565,7 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
                           pieces))
   m, passes = layout.microbatches, 3 if layout.remat else 2
   layers = model.lm.num_layers / layout.stage
-  if layout.param_split > 1:
-    weights = (params_per_device(model, layout) * layout.param_split
-               * model.param_bytes)
-    out.append(Collective("all-gather", layout.param_axes, weights / (
-        LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES),
-        passes * m * (LAYER_LEAVES * layers + LEAVES - LAYER_LEAVES)))
+  out += _fsdp_collectives(model, layout)
   activation = (rows(model, layout) * model.lm.seq_len / layout.context
                 * model.lm.d_model * cb)
   out += _context_collectives(model, layout, m * layers, passes)
@@ -605,6 +616,46 @@ def _gradient_sums(model: Model, layout: Layout) -> list[Collective]:
       out.append(Collective("all-reduce", group, count * model.reduce_bytes / pieces,
                             pieces))
   return out
+
+
+def _fsdp_collectives(model: Model, layout: Layout) -> list[Collective]:
+  """FSDP's collectives (`mpscale.parallel` gathers as its ``gather_cast``, ZeRO-3):
+  per micro-batch, each leaf gathered in the compute dtype for the forward and
+  once more for the backward (the recompute's gather serves the backward too), and
+  its gradient reduce-scattered in the masters' dtype (the gather's transpose)."""
+  if layout.param_split == 1:
+    return []
+  leaves = LAYER_LEAVES * model.lm.num_layers / layout.stage + LEAVES - LAYER_LEAVES
+  weights = params_per_device(model, layout) * layout.param_split / leaves
+  m = layout.microbatches
+  return [Collective("all-gather", layout.param_axes,
+                     weights * model.compute_bytes, 2 * m * leaves),
+          Collective("reduce-scatter", layout.param_axes,
+                     weights * model.param_bytes, m * leaves)]
+
+
+def fsdp_hidden_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
+  """FSDP's collectives that run behind the layers' products: a layer's gather is
+  issued while the layer before it computes (FSDP's prefetch; XLA's scheduler
+  starts the asynchronous gather of the loop's next iteration), and its gradient's
+  reduce-scatter while the next layer's backward computes. So in each phase every
+  layer's collectives but one hide, each behind up to one layer's products of that
+  phase: the forward's gathers behind the forward, the backward's gathers and
+  reduce-scatters behind the backward (and the recompute). Nothing hides where a
+  stage holds one layer."""
+  found = _fsdp_collectives(model, layout)
+  layers = model.lm.num_layers / layout.stage
+  if not found or layers <= 1:
+    return 0.0
+  gather, scatter = found
+  forward = _priced([gather._replace(count=gather.count / 2)], layout, hardware)
+  backward = _priced([gather._replace(count=gather.count / 2), scatter], layout,
+                     hardware)
+  rate = step_time_lib.peak_for(hardware, model.compute_dtype) * hardware.matmul_efficiency
+  layer_forward = _layer_forward_flops(model, layout) / rate
+  recompute = layer_forward if layout.remat else 0.0
+  return (layers - 1) * (min(forward / layers, layer_forward)
+                         + min(backward / layers, 2 * layer_forward + recompute))
 
 
 def _context_collectives(model: Model, layout: Layout, layers: float,
@@ -692,7 +743,8 @@ def estimate(model: Model, layout: Layout, hardware: Hardware) -> Estimate:
   byte_rate = hardware.hbm_bandwidth * hardware.memory_efficiency
   compute = matmul_flops(model, layout) / flop_rate
   memory = elementwise_bytes(model, layout) / byte_rate
-  hidden = hidden_seconds(model, layout, hardware)
+  hidden = (hidden_seconds(model, layout, hardware)
+            + fsdp_hidden_seconds(model, layout, hardware))
   comms = collective_seconds(model, layout, hardware) - hidden
   return Estimate(seconds=compute + memory + comms, compute=compute, memory=memory,
                   collectives=comms, bubble=bubble(layout) * (compute + memory),
@@ -708,7 +760,7 @@ __all__ = ["AXES", "Collective", "ELEMENTWISE_PASSES", "EXPERT_LEAVES", "Estimat
            "LAYER_LEAVES", "LEAVES", "Layout", "Model", "PIECES", "Params",
            "REMAT_BYTES", "UPDATE_BYTES", "activation_bytes", "active_params",
            "bubble", "collectives", "context_kv_bytes", "expert_params_per_device",
-           "hidden_seconds", "tokens_per_device", "collective_seconds",
-           "elementwise_bytes", "estimate", "fits", "live_items", "matmul_flops",
+           "fsdp_hidden_seconds", "hidden_seconds", "tokens_per_device",
+           "collective_seconds", "elementwise_bytes", "estimate", "fits", "live_items", "matmul_flops",
            "memory_bytes", "mlp_units", "param_counts", "params_per_device",
            "routed_bytes", "rows", "state_bytes"]

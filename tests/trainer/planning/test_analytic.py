@@ -231,13 +231,14 @@ def test_context_divides_a_devices_tokens_and_exchanges_kv_by_hand(mode):
              analytic.params_per_device):
     assert fn(SMALL, split) == pytest.approx(fn(SMALL, whole) / 2)
   assert analytic.context_kv_bytes(SMALL, split) == 2 * 4 * 2 * 2 * 2 * 2 == 128
-  # the weights gathered over context, forward and backward (the ring's layout
-  # has no other all-gather)
-  weights = analytic.params_per_device(SMALL, split) * 2 * SMALL.param_bytes
+  # the weights gathered over context in the compute dtype, forward and backward
+  # (the ring's layout has no other all-gather)
+  weights = analytic.params_per_device(SMALL, split) * 2
   gathers = [c for c in analytic.collectives(SMALL, analytic.Layout(
       data=2, context=2)) if c.kind == "all-gather"]
   assert {c.axes for c in gathers} == {("context",)}
-  assert sum(c.nbytes * c.count for c in gathers) == pytest.approx(2 * weights)
+  assert sum(c.nbytes * c.count for c in gathers) == pytest.approx(
+      2 * weights * SMALL.compute_bytes)
   found = {(c.kind, c.axes): c for c in analytic.collectives(SMALL, split)}
   assert ("all-reduce", ("data", "context")) in found
   layers = 2  # one micro-batch, two layers
@@ -250,10 +251,37 @@ def test_context_divides_a_devices_tokens_and_exchanges_kv_by_hand(mode):
     hidden = analytic.hidden_seconds(SMALL, split, GPU)
     assert 0 < hidden <= analytic.collective_seconds(SMALL, split, GPU)
     estimate = analytic.estimate(SMALL, split, GPU)
-    assert estimate.hidden == hidden
+    assert estimate.hidden == pytest.approx(
+        hidden + analytic.fsdp_hidden_seconds(SMALL, split, GPU))
   else:
     gather = found[("all-gather", ("context",))]
     scatter = found[("reduce-scatter", ("context",))]
     assert (gather.nbytes, gather.count) == (256, layers * 2)
     assert (scatter.nbytes, scatter.count) == (512, layers)
     assert analytic.hidden_seconds(SMALL, split, GPU) == 0
+
+
+def test_fsdp_moves_the_trainers_bytes_and_hides_behind_the_next_layer():
+  """FSDP 8 over two nodes of 4: each leaf gathered in bf16 forward and backward and
+  its gradient reduce-scattered in float32 (the trainer's gather_cast); every
+  layer's collectives but one a phase hide, each behind one layer's products of
+  that phase, so a model of one layer hides nothing."""
+  layout = analytic.Layout(data=1, fsdp=8)
+  gather, scatter = [c for c in analytic.collectives(SMALL, layout)
+                     if c.axes == ("fsdp",) and c.kind != "all-reduce"]
+  whole = analytic.params_per_device(SMALL, layout) * 8
+  assert gather.nbytes * gather.count == pytest.approx(2 * whole * 2)
+  assert scatter.nbytes * scatter.count == pytest.approx(whole * 4)
+  rate = 1e15 * 0.5
+  forward = analytic._priced([gather._replace(count=gather.count / 2)], layout, GPU)
+  backward = analytic._priced([gather._replace(count=gather.count / 2), scatter],
+                              layout, GPU)
+  flops = analytic.tokens_per_device(SMALL, layout) * analytic._layer_flops(
+      SMALL, layout)
+  want = 1 * (min(forward / 2, flops / rate) + min(backward / 2, 2 * flops / rate))
+  assert analytic.fsdp_hidden_seconds(SMALL, layout, GPU) == pytest.approx(want)
+  assert 0 < want < analytic.collective_seconds(SMALL, layout, GPU)
+  one = SMALL._replace(lm=lm_lib.TinyLM(vocab_size=16, d_model=4, num_heads=2,
+                                        num_layers=1, d_ff=8, seq_len=4))
+  assert analytic.fsdp_hidden_seconds(one, layout, GPU) == 0
+  assert analytic.fsdp_hidden_seconds(SMALL, analytic.Layout(data=8), GPU) == 0

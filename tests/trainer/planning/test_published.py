@@ -61,7 +61,8 @@ def test_every_published_run_is_in_the_table_within_the_band_or_explained():
 
 def test_the_rows_planned_from_shapes_give_the_tables_numbers_afresh():
   """The runs planned from shapes (``planner: analytic``: Megatron-Bridge's
-  Qwen3-30B-A3B on 16 H100s, PP 2 x EP 8, a layout the trainer does not run yet)
+  Qwen3-30B-A3B on 16 H100s, PP 2 x EP 8, a layout the trainer does not run yet;
+  torchtitan's Llama 3.1 8B on FSDP 128, too many devices to compile here)
   planned now: the table's estimate, ratio and step, in well under a second each
   (nothing compiles)."""
   rows = _table_rows()
@@ -73,7 +74,7 @@ def test_the_rows_planned_from_shapes_give_the_tables_numbers_afresh():
     assert row["estimate"] == pytest.approx(float(cells[4]), rel=0.005)
     assert row["ratio"] == pytest.approx(float(cells[5]), abs=0.006)
     assert cells[6].startswith(f"{row['step_seconds']:.2f}: ")
-    assert row["mesh"] == {"data": 1, "stage": 2, "expert": 8}
+    assert cells[2] == " x ".join(f"{k} {v}" for k, v in row["mesh"].items())
     if run.get("in_band", True):
       assert TABLE.BAND[0] <= row["ratio"] <= TABLE.BAND[1]
 
