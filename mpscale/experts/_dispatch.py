@@ -46,16 +46,25 @@ class ExpertWeights(NamedTuple):
   """``[E, f, d]``."""
 
 
-def _swiglu(rows: jax.Array, w: ExpertWeights, sizes: jax.Array, implementation: str,
-            tile: Optional[int], expected_rows: Optional[int] = None) -> jax.Array:
+@jax.checkpoint
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """``silu(gate) * up`` in float32 (the SiLU's exp, and the product, stay finite),
+  cast back to ``gate``'s dtype. Under ``jax.checkpoint``: the backward keeps
+  ``gate`` and ``up`` alone, in their dtype (the compute dtype in a model), and
+  recomputes the float32 intermediates (five ``[rows, d_ff]`` float32 arrays
+  otherwise)."""
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
+      gate.dtype)
+
+
+def _expert_mlp(rows: jax.Array, w: ExpertWeights, sizes: jax.Array,
+                implementation: str, tile: Optional[int],
+                expected_rows: Optional[int] = None) -> jax.Array:
+  """The experts' SwiGLU of ``rows`` (sorted by expert, ``sizes`` a group)."""
   mm = functools.partial(_grouped.grouped_matmul, group_sizes=sizes,
                          implementation=implementation, tile=tile,
                          expected_rows=expected_rows)
-  gate, up = mm(rows, w.gate), mm(rows, w.up)
-  # float32, as the dense MLP's: the SiLU's exp, and the product, stay finite
-  h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
-      rows.dtype)
-  return mm(h, w.down)
+  return mm(swiglu(mm(rows, w.gate), mm(rows, w.up)), w.down)
 
 
 # ------------------------------------------------------------------ the exchange
@@ -170,9 +179,20 @@ class Dispatched(NamedTuple):
   """float32: assignments dropped for capacity (0 dropless)."""
 
 
+def _unsort(rows: jax.Array, order: jax.Array) -> jax.Array:
+  """``rows`` put back where the permutation ``order`` took them from (``rows[i]``
+  to ``order[i]``). A gather by the inverse permutation: its backward keeps the
+  indices alone, where a scatter's keeps masks and copies of ``rows``."""
+  inverse = jnp.zeros_like(order).at[order].set(
+      jnp.arange(order.shape[0], dtype=order.dtype))
+  return jnp.take(rows, inverse, axis=0)
+
+
+@jax.checkpoint
 def _combine(rows: jax.Array, routes: Routes) -> jax.Array:
   """Each token's weighted sum (float32) of its slots' rows (``[tokens x k, d]``,
-  a token's ``k`` rows together)."""
+  a token's ``k`` rows together). Under ``jax.checkpoint``: the backward keeps the
+  rows in their dtype, not their float32 copy."""
   n, k = routes.experts.shape
   return jnp.einsum("nkd,nk->nd", rows.reshape(n, k, -1).astype(jnp.float32),
                     routes.weights)
@@ -211,11 +231,11 @@ def dispatch(x: jax.Array, routes: Routes, weights: ExpertWeights, routing: Rout
   else:
     rows = jnp.take(x, order // k, axis=0)
     if axis is None:
-      out = _swiglu(rows, weights, counts, implementation, tile)
+      out = _expert_mlp(rows, weights, counts, implementation, tile)
     else:
       ragged = has_ragged_all_to_all() if ragged is None else ragged
       out = _across(rows, counts, weights, axis, ragged, implementation, tile)
-    y = _combine(jnp.zeros_like(out).at[order].set(out), routes)
+    y = _combine(_unsort(out, order), routes)
     dropped = jnp.float32(0)
   if tensor_axis is not None:
     y = lax.psum(y, tensor_axis)
@@ -238,10 +258,17 @@ def _across(rows, counts, weights, axis, ragged, implementation, tile):
   regroup = jnp.argsort(expert, stable=True)
   # the tiles sized for the rows a device gets when the load is even, not for the
   # buffer's worst case
-  out = _swiglu(jnp.take(received, regroup, axis=0), weights, mine.sum(0),
-                implementation, tile, expected_rows=rows.shape[0])
-  out = jnp.zeros_like(out).at[regroup].set(out)
+  out = _expert_mlp(jnp.take(received, regroup, axis=0), weights, mine.sum(0),
+                    implementation, tile, expected_rows=rows.shape[0])
+  out = _unsort(out, regroup)
   return exchange(out, rows.shape[0], plan.reverse(), axis, ragged)
+
+
+def _per_expert(buffer: jax.Array, w: jax.Array) -> jax.Array:
+  """``buffer[e] @ w[e]`` for each expert ``e``, in ``buffer``'s dtype with float32
+  sums, as `grouped_matmul`'s."""
+  return jnp.einsum("ecd,edf->ecf", buffer, w.astype(buffer.dtype),
+                    preferred_element_type=jnp.float32).astype(buffer.dtype)
 
 
 def _with_capacity(x, routes, order, counts, weights, routing, axis):
@@ -255,20 +282,19 @@ def _with_capacity(x, routes, order, counts, weights, routing, axis):
   position = jnp.zeros((n * k,), jnp.int32).at[order].set(rank)
   kept = position < cap
   slot = jnp.where(kept, flat * cap + position, num * cap)
-  buffer = jnp.zeros((num * cap + 1, x.shape[1]), x.dtype).at[slot].set(
-      jnp.repeat(x, k, axis=0))[:-1].reshape(num, cap, -1)
+  # each buffer row's token (``n``, a zero row, where none fills it): a gather,
+  # whose backward keeps the indices alone (a scatter's keeps masks and copies)
+  token = jnp.full((num * cap + 1,), n, jnp.int32).at[slot].set(
+      jnp.arange(n * k, dtype=jnp.int32) // k)[:-1]
+  padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
+  buffer = jnp.take(padded, token, axis=0).reshape(num, cap, -1)
   if axis is not None:  # [E, C, d] -> each device its experts' rows from every peer
     size, local = lax.axis_size(axis), weights.gate.shape[0]
     buffer = lax.all_to_all(buffer.reshape(size, local, cap, -1), axis, 0, 0,
                             tiled=False)
     buffer = buffer.transpose(1, 0, 2, 3).reshape(local, size * cap, -1)
-  h = jnp.einsum("ecd,edf->ecf", buffer, weights.gate.astype(x.dtype),
-                 preferred_element_type=jnp.float32)
-  u = jnp.einsum("ecd,edf->ecf", buffer, weights.up.astype(x.dtype),
-                 preferred_element_type=jnp.float32)
-  h = (jax.nn.silu(h) * u).astype(x.dtype)
-  out = jnp.einsum("ecf,efd->ecd", h, weights.down.astype(x.dtype),
-                   preferred_element_type=jnp.float32).astype(x.dtype)
+  h = swiglu(_per_expert(buffer, weights.gate), _per_expert(buffer, weights.up))
+  out = _per_expert(h, weights.down)
   if axis is not None:
     out = out.reshape(local, size, cap, -1).transpose(1, 0, 2, 3)
     out = lax.all_to_all(out, axis, 0, 0, tiled=False).reshape(num, cap, -1)

@@ -103,8 +103,7 @@ def route(x: jax.Array, router: jax.Array, routing: Routing,
   """The routes of tokens ``x`` (``[tokens, d]``) by ``router`` (``[d, E]``), in
   float32; ``bias`` (``[E]``, `Routing.bias_rate`) shifts which experts are chosen
   but not their weights."""
-  logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+  logits = _logits(x, router)
   if routing.score == "softmax":
     scores = jax.nn.softmax(logits, axis=-1)
     probs = scores
@@ -119,6 +118,15 @@ def route(x: jax.Array, router: jax.Array, routing: Routing,
   weights = weights * jnp.float32(routing.scale)
   return Routes(experts.astype(jnp.int32), weights, probs,
                 jax.nn.logsumexp(logits, axis=-1))
+
+
+@jax.checkpoint
+def _logits(x: jax.Array, router: jax.Array) -> jax.Array:
+  """``x @ router`` in float32. Under ``jax.checkpoint``: the backward keeps ``x``
+  in its own dtype (the compute dtype in a model) and casts it again, rather than
+  keeping its float32 copy (``4 * d`` bytes a token)."""
+  return jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
 
 
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:

@@ -27,7 +27,7 @@ except ImportError as e:  # the library's install has no Flax
       "(in a clone: pip install -e \".[flax]\")") from e
 
 from mpscale import validation
-from mpscale.experts._dispatch import ExpertWeights
+from mpscale.experts._dispatch import ExpertWeights, swiglu
 from mpscale.experts._layer import EXPERT_AXIS, MoeStats, moe_mlp
 from mpscale.experts._routing import Routing
 
@@ -92,9 +92,9 @@ class MoeMLP(nn.Module):
       dense = functools.partial(nn.Dense, use_bias=False, dtype=dtype,
                                 kernel_init=self.kernel_init)
       h = x.astype(dtype)
-      gate = dense(self.shared_d_ff, name="shared_gate")(h).astype(jnp.float32)
-      up = dense(self.shared_d_ff, name="shared_up")(h).astype(jnp.float32)
-      y = y + dense(d, name="shared_down")((jax.nn.silu(gate) * up).astype(dtype))
+      gate = dense(self.shared_d_ff, name="shared_gate")(h)
+      up = dense(self.shared_d_ff, name="shared_up")(h)
+      y = y + dense(d, name="shared_down")(swiglu(gate, up))
     return y, stats
 
 

@@ -393,20 +393,48 @@ def _korthikanti_bytes(d_model, q_width, kv_width, d_ff, gated, itemsize=2):
   Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
   Models", 2022, section 4.1. https://arxiv.org/abs/2205.05198
   """
-  attention = d_model + q_width + 2 * kv_width + q_width
-  mlp = d_model + (3 if gated else 2) * d_ff
-  return itemsize * (2 * d_model + attention + mlp)
+  return itemsize * (_attention_count(d_model, q_width, kv_width) + d_model
+                     + (3 if gated else 2) * d_ff)
 
 
-@pytest.mark.parametrize("family, kv_heads", [("gpt", None), ("llama", 2),
-                                              ("qwen3", 2), ("mistral", 4)])
+def _attention_count(d_model, q_width, kv_width):
+  """The elements a token `_korthikanti_bytes` counts outside the MLP: the two
+  norms' inputs, the attention's input, q, k, v and the output projection's input."""
+  return 2 * d_model + d_model + q_width + 2 * kv_width + q_width
+
+
+def _experts_bytes(d_model, q_width, kv_width, d_ff, slots, num_experts, shared_d_ff=0,
+                   itemsize=2):
+  """`_korthikanti_bytes` of a block whose MLP is a mixture of experts: Llama's
+  attention part; the MLP's input (the router's); for each of a token's routed
+  ``slots`` (``top_k`` dropless; a capacity buffer's rows a token, ``E x C / tokens``,
+  with one) the expert's input row, its gate and up products, the down
+  projection's input and its output (the routing weight's gradient needs it), all in
+  the compute dtype; the router's float32 scores (``[tokens, E]``); and a shared
+  SwiGLU MLP's gate, up and down-input (its input is the MLP's)."""
+  routed = slots * (2 * d_model + 3 * d_ff)
+  return (itemsize * (_attention_count(d_model, q_width, kv_width) + d_model + routed
+                      + 3 * shared_d_ff) + 4 * num_experts)
+
+
+MOE = {"num_experts": 4, "experts_per_token": 2}
+
+
+@pytest.mark.parametrize("family, kv_heads, moe", [
+    ("gpt", None, {}), ("llama", 2, {}), ("qwen3", 2, {}), ("mistral", 4, {}),
+    ("mixtral", 2, {**MOE, "shared_d_ff": 128}), ("qwen3_moe", 2, MOE),
+    ("qwen3_moe", 2, {**MOE, "capacity_factor": 1.25})])
 def test_a_block_keeps_what_its_backward_needs_in_the_compute_dtype(
-    monkeypatch, family, kv_heads):
+    monkeypatch, family, kv_heads, moe):
   """Within 1.2x Korthikanti's count a token and layer (#64 item 1: GPT's block kept
   126 * d_model bytes, float32 copies of the GELU's input and the LayerNorms'
   normalized inputs; Llama's 114, the SwiGLU's and RMSNorms'), read off the
   residuals ``jax.vjp`` keeps in a bfloat16 model, with attention in query blocks
-  (as at long sequences: no ``[T, T]`` scores kept)."""
+  (as at long sequences: no ``[T, T]`` scores kept). A mixture of experts'
+  (`_experts_bytes`): Mixtral's with a shared MLP kept 257 * d_model, Qwen3-MoE's
+  214, and 260 with a capacity: five float32 ``[slots, d_ff]`` copies in the
+  experts' SwiGLU, the float32 rows of the weighted sum and the router's input, the
+  masks and copies of the scatters that sort rows back."""
   monkeypatch.setattr(lm, "QUERY_BLOCK", 16)
   d_model, heads, d_ff, batch, length = 64, 4, 256, 2, 64
   policy = mpscale.make_policy("bf16")
@@ -416,14 +444,22 @@ def test_a_block_keeps_what_its_backward_needs_in_the_compute_dtype(
   for layers in (2, 4):
     model = lm.TinyLM(vocab_size=256, d_model=d_model, num_heads=heads,
                       num_layers=layers, d_ff=d_ff, seq_len=length, family=family,
-                      num_kv_heads=kv_heads, sliding_window=None)
+                      num_kv_heads=kv_heads, sliding_window=None, **moe)
     params = jax.eval_shape(
         policy.cast_to_compute, jax.eval_shape(model.init, jax.random.key(0)))
     residuals = jax._src.ad_checkpoint.saved_residuals(
         lambda p: model.loss_fn(p, data)[0], params)  # pylint: disable=cell-var-from-loop
     kept.append(sum(aval.size * aval.dtype.itemsize for aval, source in residuals
                     if "argument" not in source))
-  per_token_layer = (kept[1] - kept[0]) / 2 / (batch * length)
+  tokens = batch * length
+  per_token_layer = (kept[1] - kept[0]) / 2 / tokens
   kv_width = (kv_heads or heads) * d_model // heads
-  count = _korthikanti_bytes(d_model, d_model, kv_width, d_ff, family != "gpt")
+  if moe:
+    routing = model.routing
+    slots = (routing.top_k if routing.capacity_factor is None
+             else routing.num_experts * routing.capacity(tokens) / tokens)
+    count = _experts_bytes(d_model, d_model, kv_width, d_ff, slots,
+                           routing.num_experts, moe.get("shared_d_ff", 0))
+  else:
+    count = _korthikanti_bytes(d_model, d_model, kv_width, d_ff, family != "gpt")
   assert per_token_layer <= 1.2 * count, (per_token_layer / d_model, count / d_model)
