@@ -67,7 +67,7 @@ The step is ``compute + memory + collectives``, nothing hidden (as the CPU compi
 search reads) but the ring's K/V permutes, each behind its block's attention
 (`hidden_seconds`: up to the attention's FLOPs' time), and FSDP's per-layer
 collectives, each behind the neighbouring layer's products (`fsdp_hidden_seconds`:
-FSDP's prefetch, XLA's asynchronous gathers a loop iteration ahead); the experts' all-to-alls are
+a prefetching FSDP's overlap; XLA's GPU schedule may hide less, docs/planning.md); the experts' all-to-alls are
 not hidden (the expert products wait for the rows they bring). Context parallelism
 divides a device's tokens by ``context``, expert parallelism (a data axis outside
 the experts) by ``expert``. The constants are counts, not a fit to one machine; what
@@ -636,9 +636,10 @@ def _fsdp_collectives(model: Model, layout: Layout) -> list[Collective]:
 
 def fsdp_hidden_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
   """FSDP's collectives that run behind the layers' products: a layer's gather is
-  issued while the layer before it computes (FSDP's prefetch; XLA's scheduler
-  starts the asynchronous gather of the loop's next iteration), and its gradient's
-  reduce-scatter while the next layer's backward computes. So in each phase every
+  issued while the layer before it computes (FSDP2's and DeepSpeed's prefetch; a
+  compiled XLA program may overlap less, each gather with its own layer's
+  products), and its gradient's reduce-scatter while the next layer's backward
+  computes. So in each phase every
   layer's collectives but one hide, each behind up to one layer's products of that
   phase: the forward's gathers behind the forward, the backward's gathers and
   reduce-scatters behind the backward (and the recompute). Nothing hides where a

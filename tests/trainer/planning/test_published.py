@@ -61,8 +61,7 @@ def test_every_published_run_is_in_the_table_within_the_band_or_explained():
 
 def test_the_rows_planned_from_shapes_give_the_tables_numbers_afresh():
   """The runs planned from shapes (``planner: analytic``: Megatron-Bridge's
-  Qwen3-30B-A3B on 16 H100s, PP 2 x EP 8, a layout the trainer does not run yet;
-  torchtitan's Llama 3.1 8B on FSDP 128, too many devices to compile here)
+  Qwen3-30B-A3B on 16 H100s, PP 2 x EP 8, a layout the trainer does not run yet)
   planned now: the table's estimate, ratio and step, in well under a second each
   (nothing compiles)."""
   rows = _table_rows()
