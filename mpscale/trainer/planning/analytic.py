@@ -463,7 +463,13 @@ def matmul_flops(model: Model, layout: Layout) -> float:
   lm, t = model.lm, layout.tensor
   d, units = lm.d_model, mlp_units(model)
   layer = _layer_flops(model, layout)
-  passes = 3 + (1 - 2 * d * units / t / layer if layout.remat else 0)
+  # Recomputing a block, XLA's program leaves out the products whose outputs the
+  # backward does not read again: the MLP's last, and in the RoPE families the q, k
+  # and v projections (attention's own checkpoint keeps its q, k, v inputs), as the
+  # compiled programs show (tests/trainer/planning/test_analytic.py).
+  q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
+  kept = 2 * d * units + (0 if lm.family == "gpt" else 2 * d * q + 4 * d * kv)
+  passes = 3 + (1 - kept / t / layer if layout.remat else 0)
   layers = model.lm.num_layers / layout.stage * layer * passes / (1 - bubble(layout))
   head = 3 * 2 * d * model.lm.vocab_size / t
   return tokens_per_device(model, layout) * (layers + head)
