@@ -71,3 +71,14 @@ def load_script(*path: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def sub_jaxprs(params):
+  """The jaxprs in an equation's params (``jax.extend.core.jaxprs_in_params`` is
+  newer than jax 0.7)."""
+  for value in params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(v, "eqns"):
+        yield v
+      elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+        yield v.jaxpr

@@ -8,6 +8,7 @@ import pytest
 
 import mpscale
 from mpscale.scaling import _norms as norms
+from tests import helpers
 
 pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
 
@@ -120,17 +121,6 @@ def test_clip_validates_max_norm(max_norm, exc):
     mpscale.global_norm_clip(max_norm)
 
 
-def _sub_jaxprs(params):
-  """The jaxprs in an equation's params (``jax.extend.core.jaxprs_in_params`` is
-  newer than jax 0.7)."""
-  for value in params.values():
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      if hasattr(v, "eqns"):
-        yield v
-      elif hasattr(getattr(v, "jaxpr", None), "eqns"):
-        yield v.jaxpr
-
-
 def _reductions_over_gradients(fn, grads, *args):
   """Counts reduce ops over operands at least as large as the smallest non-scalar
   gradient leaf in ``fn``'s jaxpr (all sub-jaxprs; of a ``platform_dependent``, the
@@ -149,7 +139,7 @@ def _reductions_over_gradients(fn, grads, *args):
       if platforms:
         walk(eqn.params["branches"][platforms.index(None)].jaxpr)
         continue
-      for sub in _sub_jaxprs(eqn.params):
+      for sub in helpers.sub_jaxprs(eqn.params):
         walk(sub)
 
   walk(jax.make_jaxpr(fn)(grads, *args).jaxpr)
@@ -320,7 +310,7 @@ def _cuda_reductions(fn, *args):
         branch = next(i for i, ps in enumerate(platforms) if ps and "cuda" in ps)
         walk(eqn.params["branches"][branch].jaxpr, True)
         continue
-      for sub in _sub_jaxprs(eqn.params):
+      for sub in helpers.sub_jaxprs(eqn.params):
         walk(sub, in_cuda)
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
