@@ -34,8 +34,7 @@ s_row, s_col, mu``; the state keeps ``s_row, s_col`` as ``instability_row,
 instability_col``)::
 
   scale_by_came: init _init_state, update _update  # hp: its checked arguments
-  _update: _bucket_update on each bucket        # GPU: _gpu_buckets, else each leaf
-  _bucket_update(hp, gs, stats, count):         # g in the compute dtype
+  _leaf_update(hp, g, ..., count):                # each leaf, g in the compute dtype
     b2 = _beta2_at(hp, count, dtype)
     _factored_update(...) if rank >= 2 else _full_update(...)
   _factored_update(hp, g, mu, v_row, v_col, s_row, s_col, b2):
@@ -46,7 +45,7 @@ instability_col``)::
     mu, mu_f = _store(hp, beta1 * mu + (1 - beta1) * u)  # mu_f: as read back
     s_row, s_col = _factored_instability(hp, g, a, c, mu_f, s_row, s_col)
     d = mu_f * _rms_factor(s_row) (x) rsqrt(s_col)
-  _full_update(hp, gs, mus, vs, b2)     # rank 0 and 1, the clip's means stacked
+  _full_update(hp, g, mu, v, b2)                                     # rank 0 and 1
   came = chain(scale_by_came, optax.add_decayed_weights,
                _scale_by_came_learning_rate)                   # lr = lr_at(count)
 
@@ -60,10 +59,7 @@ momentum (written once); row and column sums of the instability; and the final u
 which XLA fuses into ``optax.apply_updates``. With ``compression`` the instability and
 the update read the momentum as stored (rounded), as mindformers' ``Came`` does; on
 XLA:CPU its float16-to-float32 conversion is not fused into the reductions, so there
-compression saves memory but costs time. On an NVIDIA GPU the RMS clip's means of the
-rank 0 and 1 leaves (biases, norm scales) are one reduction per bucket of stacked
-leaves (`mpscale._tree.stack_buckets`), not one per leaf; the matrices stay leaf by
-leaf (`_gpu_buckets` says what stacking them cost).
+compression saves memory but costs time.
 
 References:
   Luo et al., "CAME: Confidence-guided Adaptive Memory Efficient Optimization",
@@ -75,7 +71,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -85,7 +80,6 @@ import numpy as np
 import optax
 
 from mpscale import validation
-from mpscale._tree import stack_buckets
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 Compression = Union[bool, str, Any]
@@ -326,120 +320,53 @@ def _factored_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array,
   return d, (mu, v_row, v_col, s_row, s_col)
 
 
-def _stack(xs: Sequence[jax.Array]) -> jax.Array:
-  """A bucket's arrays as one: the leaf itself for a bucket of one, else stacked on a
-  new leading axis."""
-  return xs[0] if len(xs) == 1 else jnp.stack(xs)
-
-
-def _full_update(hp: _Hyperparameters, gs: Sequence[jax.Array],
-                 mus: Sequence[jax.Array], vs: Sequence[jax.Array], b2: jax.Array
-                ) -> tuple[list[jax.Array], tuple[list[jax.Array], list[jax.Array]]]:
-  """A bucket of rank 0 or 1 leaves of one shape: each one's ``d`` (the momentum) and
-  new ``(mu, v)``, from its gradient ``g`` (in the compute dtype, still scaled). A
-  compressed ``v`` is stored as its square root. The RMS clip's means read the bucket
-  stacked (one reduction), the rest is per leaf."""
-  gs = [g * hp.inv_scale for g in gs]
-  new_vs, us = [], []
-  for g, v in zip(gs, vs):
-    v_prev = v.astype(g.dtype)
-    if hp.store_dtype is not None:
-      v_prev = jnp.square(v_prev)
-    v = b2 * v_prev + (1.0 - b2) * (jnp.square(g) + hp.eps_sq)
-    new_vs.append(v)
-    us.append(g * lax.rsqrt(v))
-  u = _stack(us)
-  per_leaf = tuple(range(0 if len(us) == 1 else 1, u.ndim))
-  clip = jnp.maximum(jnp.sqrt(jnp.mean(jnp.square(u), axis=per_leaf))
-                     / hp.clip_threshold, 1.0)
-  clips = [clip] if len(us) == 1 else [clip[i] for i in range(len(us))]
-  stored = [_store(hp, hp.beta1 * mu.astype(u_i.dtype) + (1.0 - hp.beta1) * (
-      u_i / clip_i)) for mu, u_i, clip_i in zip(mus, us, clips)]
+def _full_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array, v: jax.Array,
+                 b2: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """A rank 0 or 1 leaf's ``d`` (the momentum) and new ``(mu, v)``, from its gradient
+  ``g`` (in the compute dtype, still scaled). A compressed ``v`` is stored as its
+  square root."""
+  g = g * hp.inv_scale
+  v_prev = v.astype(g.dtype)
   if hp.store_dtype is not None:
-    new_vs = [_pack(jnp.sqrt(v), hp.store_dtype, _positive_floor(hp.store_dtype))
-              for v in new_vs]
-  return [mu_f for _, mu_f in stored], ([mu for mu, _ in stored], new_vs)
+    v_prev = jnp.square(v_prev)
+  v = b2 * v_prev + (1.0 - b2) * (jnp.square(g) + hp.eps_sq)
+  u = g * lax.rsqrt(v)
+  u = u / jnp.maximum(jnp.sqrt(jnp.mean(jnp.square(u))) / hp.clip_threshold, 1.0)
+  mu, mu_f = _store(hp, hp.beta1 * mu.astype(g.dtype) + (1.0 - hp.beta1) * u)
+  if hp.store_dtype is not None:
+    v = _pack(jnp.sqrt(v), hp.store_dtype, _positive_floor(hp.store_dtype))
+  return mu_f, (mu, v)
 
 
-def _bucket_update(hp: _Hyperparameters, gs: Sequence[jax.Array],
-                   stats: Sequence[Sequence[jax.Array]], t: jax.Array
-                  ) -> tuple[list[jax.Array], list[list[jax.Array]]]:
-  """A bucket of leaves of one shape and dtype (`_gpu_buckets`'; a rank >= 2 leaf is
-  a bucket of its own): each one's ``d``, in the gradient's dtype, and its six new
-  statistics (``stats[j]`` the bucket's ``j``-th statistic; those a leaf does not use
-  as they were) at step ``t``."""
-  out_dtype = gs[0].dtype
-  gs = [g.astype(_compute_dtype(out_dtype)) for g in gs]
-  b2 = _beta2_at(hp, t, gs[0].dtype)
-  mu, v_row, v_col, v, s_row, s_col = [list(s) for s in stats]
-  if gs[0].ndim >= 2:
-    (g,), (m,), (vr,), (vc,), (sr,), (sc,) = gs, mu, v_row, v_col, s_row, s_col
-    d, (m, vr, vc, sr, sc) = _factored_update(hp, g, m, vr, vc, sr, sc, b2)
-    ds, mu, v_row, v_col, s_row, s_col = [d], [m], [vr], [vc], [sr], [sc]
+def _leaf_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array, v_row: jax.Array,
+                 v_col: jax.Array, v: jax.Array, s_row: jax.Array, s_col: jax.Array,
+                 t: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """One leaf's ``d``, in the gradient's dtype, and its six new statistics (those it
+  does not use as they were) at step ``t``."""
+  out_dtype = g.dtype
+  g = g.astype(_compute_dtype(g.dtype))
+  b2 = _beta2_at(hp, t, g.dtype)
+  if g.ndim >= 2:
+    d, (mu, v_row, v_col, s_row, s_col) = _factored_update(
+        hp, g, mu, v_row, v_col, s_row, s_col, b2)
   else:
-    ds, (mu, v) = _full_update(hp, gs, mu, v, b2)
-  return [d.astype(out_dtype) for d in ds], [mu, v_row, v_col, v, s_row, s_col]
-
-
-def _bucketed_updates(hp: _Hyperparameters, buckets: Sequence[Sequence[int]],
-                      leaves: Sequence[jax.Array],
-                      stats: Sequence[Sequence[jax.Array]], t: jax.Array
-                     ) -> tuple[list[jax.Array], list[list[jax.Array]]]:
-  """Every leaf's ``d`` and six new statistics (``stats[j][i]``: leaf ``i``'s
-  ``j``-th), in leaf order, updated bucket by bucket (`_bucket_update`); buckets of
-  one leaf each are the leaf-by-leaf step."""
-  ds: list[Any] = [None] * len(leaves)
-  new_stats: list[list[Any]] = [[None] * len(leaves) for _ in stats]
-  for run in buckets:
-    bucket_ds, bucket_stats = _bucket_update(
-        hp, [leaves[i] for i in run], [[s[i] for i in run] for s in stats], t)
-    for j, i in enumerate(run):
-      ds[i] = bucket_ds[j]
-      for new, stat in zip(new_stats, bucket_stats):
-        new[i] = stat[j]
-  return ds, new_stats
-
-
-def _gpu_buckets(leaves: Sequence[jax.Array], paths: Sequence[Any]
-                ) -> list[list[int]]:
-  """The buckets of `_update`'s GPU branch: `stack_buckets`' for rank 0 and 1 leaves
-  (their clip's means, one reduction per bucket), one bucket per rank >= 2 leaf.
-
-  Matrices stay leaf by leaf. Measured on the H100 program of GPT-2 small (issue 64):
-  stacking their five reductions too cut the kernels from 4.50x AdamW's to 3.20x but
-  raised the bytes from 1.43x to 1.69x, since XLA then writes each leaf's momentum in
-  a pass of its own instead of fusing it into the instability's reduction (and gives
-  the per-leaf kernels that read slices of the stacked statistics to its Triton
-  emitter); materializing the slices keeps the bytes (1.44x) but adds a kernel per
-  slice (5.50x)."""
-  buckets = stack_buckets(leaves, (1,) * len(leaves), paths)
-  return [part for run in buckets for part in (
-      [run] if leaves[run[0]].ndim < 2 else [[i] for i in run])]
+    d, (mu, v) = _full_update(hp, g, mu, v, b2)
+  return d.astype(out_dtype), (mu, v_row, v_col, v, s_row, s_col)
 
 
 def _update(hp: _Hyperparameters, updates: Any, state: ScaleByCameState
            ) -> tuple[Any, ScaleByCameState]:
-  """`scale_by_came`'s step: `_bucket_update` on every bucket of leaves, the count
-  incremented. On an NVIDIA GPU the buckets are `_gpu_buckets`' (leaves that stack
-  without moving), elsewhere one leaf each (``lax.platform_dependent`` picks at
-  lowering; the CPU backend would write a stack out)."""
+  """`scale_by_came`'s step: `_leaf_update` on every leaf, the count incremented."""
   count = optax.safe_increment(state.count)
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-  if not with_path:
-    return updates, state._replace(count=count)
-  leaves = [jnp.asarray(g) for _, g in with_path]
+  leaves, treedef = jax.tree_util.tree_flatten(updates)
   stats = [treedef.flatten_up_to(tree) for tree in state[1:]]
-  one_each = [[i] for i in range(len(leaves))]
-  buckets = _gpu_buckets(leaves, [p for p, _ in with_path])
-  if len(buckets) == len(leaves):
-    ds, new_stats = _bucketed_updates(hp, one_each, leaves, stats, count)
-  else:
-    ds, new_stats = lax.platform_dependent(
-        leaves, stats, count,
-        cuda=functools.partial(_bucketed_updates, hp, buckets),
-        default=functools.partial(_bucketed_updates, hp, one_each))
-  return treedef.unflatten(ds), ScaleByCameState(
-      count, *[treedef.unflatten(s) for s in new_stats])
+  results = [_leaf_update(hp, jnp.asarray(g), *leaf_stats, count)
+             for g, *leaf_stats in zip(leaves, *stats)]
+  new_updates = treedef.unflatten([d for d, _ in results])
+  new_stats = [treedef.unflatten(list(t)) for t in zip(*[s for _, s in results])]
+  if not results:
+    new_stats = list(state[1:])
+  return new_updates, ScaleByCameState(count, *new_stats)
 
 
 def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),

@@ -17,7 +17,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import mpscale
 from mpscale.optim._came import compression_dtype
 from mpscale import _versions
-from tests import helpers
 from tests.helpers import load_script
 
 pytestmark = pytest.mark.floors  # on the declared floors too (.ci/run)
@@ -570,72 +569,3 @@ def test_compression_dtype_resolution():
   assert compression_dtype(True) == jnp.float16
   assert compression_dtype("bfloat16") == jnp.bfloat16
   assert compression_dtype(jnp.float16) == jnp.float16
-
-
-# ---------------------------------------------------------------------------------------
-# The GPU branch: rank 0 and 1 leaves bucketed (issue 64 item 4).
-
-def _layered_tree(rng, layers=4):
-  """Blocks of a matrix, two same-shaped vectors and a scalar, plus a lone vector of
-  another shape: the GPU branch's buckets are one of 9 vectors [8], one of the 4
-  scalars, and each matrix and the [3] vector alone."""
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  return {"h": [{"w": normal(5, 7), "b": normal(8), "scale": normal(8),
-                 "s": normal()} for _ in range(layers)],
-          "ln_f": normal(8), "pos": normal(3)}
-
-
-def _cuda_branch(monkeypatch):
-  monkeypatch.setattr(jax.lax, "platform_dependent",
-                      lambda *args, cuda, default: cuda(*args))
-
-
-@pytest.mark.parametrize("compression", [False, "bfloat16"])
-def test_gpu_buckets_update_as_leaf_by_leaf(monkeypatch, compression):
-  """The CUDA branch (vectors stacked for the clip's means) gives every leaf the
-  update and statistics the per-leaf branch gives, step after step."""
-  rng = np.random.default_rng(3)
-  params = _layered_tree(rng)
-  grads = [jax.tree.map(lambda p: p * s, params) for s in (1.0, -3.0, 1e-3)]
-  tx = mpscale.came(1e-2, weight_decay=0.1, compression=compression)
-
-  def run():
-    state, outs = tx.init(params), []
-    for g in grads:
-      updates, state = jax.jit(tx.update)(g, state, params)
-      outs.append((updates, state))
-    return outs
-
-  default = run()
-  _cuda_branch(monkeypatch)
-  bucketed = run()
-  for want, got in zip(default, bucketed):
-    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=0)
-
-
-def _reductions_of(jaxpr, shapes):
-  """The ``reduce_sum`` equations of ``jaxpr`` (nested ones too) whose operand has
-  one of ``shapes``."""
-  found = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.shape in shapes:
-      found += 1
-    for sub in helpers.sub_jaxprs(eqn.params):
-      found += _reductions_of(sub, shapes)
-  return found
-
-
-def test_gpu_branch_reduces_each_vector_bucket_once(monkeypatch):
-  """In the CUDA branch the RMS clip of the 9 [8] vectors is one reduction of their
-  stack, and of the 4 scalars one (the per-leaf branch makes one per leaf); each
-  matrix keeps its own five matrix-sized reductions."""
-  params = _layered_tree(np.random.default_rng(0))
-  tx = mpscale.scale_by_came()
-  state = tx.init(params)
-  _cuda_branch(monkeypatch)
-  jaxpr = jax.make_jaxpr(tx.update)(params, state).jaxpr
-  assert _reductions_of(jaxpr, {(9, 8)}) == 1
-  assert _reductions_of(jaxpr, {(8,)}) == 0
-  assert _reductions_of(jaxpr, {(4,)}) == 1
-  assert _reductions_of(jaxpr, {()}) == 0
-  assert _reductions_of(jaxpr, {(5, 7)}) == 4 * 5
