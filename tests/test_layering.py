@@ -85,7 +85,10 @@ ROOM_IMPORTS = {
     "hf": {"models"},
     "data": {"config.schema", "config.errors", "runs.progress"},
     # planning.hardware reads its profiles with the schema's reader.
-    "runs": {"config", "data", "models", "hf"},
+    # runs.throughput counts the compiled step's FLOPs as a plan does (planning.hlo,
+    # which imports nothing of the trainer) against a profile's peak (planning.hardware,
+    # which imports config.schema and planning.targets only).
+    "runs": {"config", "data", "models", "hf", "planning.hlo", "planning.hardware"},
     "planning": {"config", "data", "models", "runs", "hf"},
     "cli": set(ROOMS),
 }
@@ -107,7 +110,7 @@ TRAINER_LAYERS = (
     ("hf.checkpoint",),
     ("data.loader", "runs.plots", "data.token_datasets", "data.tokenizing",
      "planning.hardware"),
-    ("data.corpora", "planning.step_time"),
+    ("data.corpora", "planning.step_time", "runs.throughput"),
     ("config.build",),
     ("config.load", "planning.analytic"),
     ("runs.distributed",),

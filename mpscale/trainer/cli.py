@@ -4,6 +4,7 @@
 
   mpscale train --config configs/tiny_lm_fp16.yaml [--set train.steps=50 ...]
                 [--out runs/NAME] [--resume | --overwrite] [--devices N] [--data PATH]
+                [--hardware h100-80g]
   mpscale plan --config configs/x.yaml [--devices N] [--device-memory 80GB] [--hardware a100-80g] [--json]
   mpscale plan --config configs/x.yaml --search --devices N --hardware a100-80g [--budget S] [--compile-top K]
   mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
@@ -16,11 +17,13 @@
 A run writes into its own folder (default ``runs/<config name>``)::
 
   config.yaml     the resolved config (every default filled in)
-  metrics.csv     one row per logged step: loss, eval_loss, loss_scale, overflows, ...
+  metrics.csv     one row per logged step: loss, eval_loss, loss_scale, overflows, ...,
+                  tokens_per_s, tflops_per_device, mfu (with --hardware)
   tb/             TensorBoard event files (tensorboardX)
   checkpoints/    orbax checkpoints of the whole TrainState
   metrics.png     loss, loss scale and gradient norm
-  summary.json    final train/eval loss, skipped steps, optimizer-state bytes, time
+  summary.json    final train/eval loss, skipped steps, optimizer-state bytes, time,
+                  a step's FLOPs a device, TFLOP/s a device, MFU (with --hardware)
 
 The data order is a pure function of ``(seed, step)``, so ``--resume`` continues from
 the latest checkpoint with the same batches, and the same losses, as an uninterrupted
@@ -131,6 +134,17 @@ def _runs_named(name: str, root: str) -> list[str]:
           and existing_run_files(os.path.join(root, f))]
 
 
+def _hardware_set(args: argparse.Namespace) -> list[str]:
+  """``--hardware`` as the override it stands for (``train.hardware=NAME``, a file's
+  path made absolute: it is relative to here, not to the config); it names no run
+  folder, as a ``--set`` does: the hardware changes what is logged only."""
+  if args.hardware is None:
+    return []
+  name = os.path.abspath(args.hardware) if os.path.isfile(args.hardware) else (
+      args.hardware)
+  return [f"train.hardware={name}"]
+
+
 def _warn_unused_devices(cfg: config_lib.RunConfig, devices: Optional[int]) -> None:
   mesh = cfg.mesh
   needed = mesh.num_devices
@@ -176,6 +190,10 @@ def _run_flags(command: argparse.ArgumentParser) -> None:
   command.add_argument("--progress", action=argparse.BooleanOptionalAction,
                        default=None, help="show a progress bar (default: on a terminal)")
   command.add_argument("--quiet", action="store_true", help="print only errors")
+  command.add_argument("--hardware", metavar="NAME|FILE", help=(
+      "log MFU against this hardware's peak for the step's compute dtype: a built-in "
+      "profile (a100-80g, h100-80g, tpu-v4) or a profile file (train.hardware; the "
+      "run's folder stays the config's)"))
   hosts = command.add_argument_group(
       "several processes (hosts)",
       "start the same command on every host; see mpscale.trainer.runs.distributed")
@@ -420,7 +438,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     if args.command == "train":
       with Interrupts():  # a Ctrl-C from here on stops at a step boundary
-        cfg = config_lib.load_config(args.config, args.set, args.data)
+        cfg = config_lib.load_config(args.config, args.set + _hardware_set(args),
+                                     args.data)
         _warn_unused_devices(cfg, args.devices)
         out = args.out or (resume_out_dir(cfg.name, args.set, verbose=not args.quiet)
                            if args.resume else default_out_dir(cfg.name, args.set))
@@ -469,7 +488,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _warn_unused_devices(config_lib.load_config(path, args.set, args.data),
                              args.devices)
       compare(args.configs, args.out or default_out_dir("compare", args.set),
-              overrides=args.set, data_path=args.data,
+              overrides=args.set + _hardware_set(args), data_path=args.data,
               resume=args.resume, overwrite=args.overwrite, progress=args.progress,
               plot_path=args.plot, verbose=not args.quiet)
   except (config_lib.ConfigError, RunDirError, CheckpointError, HFCheckpointError) as e:

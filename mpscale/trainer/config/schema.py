@@ -546,6 +546,14 @@ class TrainConfig:
   checkpoint_every: int = 100
   """Save every this many steps (and at the end); 0: only at the end."""
   keep_checkpoints: int = 2
+  hardware: Optional[str] = None
+  """The hardware the run trains on, for its MFU: a built-in profile's name
+  (``a100-80g``, ``h100-80g``, ``tpu-v4``) or a profile file's path, as ``mpscale
+  plan --hardware`` takes (``mpscale train --hardware``; a file relative to the config
+  file, as the config's other paths). ``metrics.csv``, TensorBoard, the progress bar
+  and ``summary.json`` then give ``mfu``: TFLOP/s a device over the profile's peak for
+  the step's compute dtype (`mpscale.trainer.runs.throughput`). Only logging reads
+  it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -801,7 +809,8 @@ def read_config(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
     source: names the origin in error messages, e.g. the file path.
     overrides: ``key.sub=value`` strings applied on top of ``raw``.
     default_name: the run's name when ``raw`` has none.
-    base_dir: the folder a provider's ``"file.py:function"`` is relative to (the
+    base_dir: the folder a provider's ``"file.py:function"`` (and any other path:
+      a checkpoint, token files, a hardware profile's file) is relative to (the
       config file's); default: the working directory. Such paths are made absolute.
 
   Returns:
@@ -858,8 +867,13 @@ def _absolute_providers(cfg: RunConfig, base_dir: Optional[str]) -> RunConfig:
         base_dir or os.getcwd(), os.path.expanduser(model.init_from))))
   data = dataclasses.replace(cfg.data,
                              provider=_absolute_file(cfg.data.provider, base_dir))
+  hardware = cfg.train.hardware
+  if hardware is not None and (hardware.endswith((".yaml", ".yml")) or "/" in hardware
+                               or os.sep in hardware):  # a profile file, not a name
+    hardware = _absolute_path(hardware, base_dir)
   return dataclasses.replace(cfg, model=model, data=_absolute_token_paths(data,
-                                                                          base_dir))
+                                                                          base_dir),
+                             train=dataclasses.replace(cfg.train, hardware=hardware))
 
 
 def _absolute_path(path: Optional[str], base_dir: Optional[str]) -> Optional[str]:

@@ -739,8 +739,8 @@ def estimate(model: Model, layout: Layout, hardware: Hardware) -> Estimate:
     model: the sizes (`Model.from_config`).
     layout: the layout (`Layout.from_overrides`).
     hardware: the profile: its peak for the compute dtype
-      (`step_time.peak_for`) times ``matmul_efficiency``, ``hbm_bandwidth`` times
-      ``memory_efficiency``, and its links.
+      (`mpscale.trainer.planning.hardware.peak_for`) times ``matmul_efficiency``,
+      ``hbm_bandwidth`` times ``memory_efficiency``, and its links.
 
   Returns:
     The `Estimate`.

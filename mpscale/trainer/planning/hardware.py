@@ -235,6 +235,28 @@ class Hardware:
     return self.peak_flops[name]
 
 
+_DTYPE_PEAK = {"bfloat16": ("bfloat16",), "float16": ("float16",),
+               "float32": ("tf32", "float32")}
+"""The peak a compute dtype's matrix products get, first listed first: a float32
+product runs on NVIDIA tensor cores as TF32 at XLA's default precision."""
+
+
+def peak_for(hardware: Hardware, dtype: str) -> float:
+  """The peak FLOP/s of ``dtype``'s matrix products on ``hardware`` (a float32 one
+  at TF32's where the profile lists it): what a plan's step time
+  (`mpscale.trainer.planning.step_time.estimate`) and a run's logged MFU
+  (`mpscale.trainer.runs.throughput`) divide by.
+
+  Raises:
+    ArgumentError: naming ``dtype`` and the dtypes the profile lists, when it lists
+      none for ``dtype``.
+  """
+  for name in _DTYPE_PEAK.get(dtype, (dtype,)):
+    if name in hardware.peak_flops:
+      return hardware.peak(name)
+  return hardware.peak(dtype)  # raises, naming the dtypes the profile lists
+
+
 def _links(links: Any) -> tuple[Link, ...]:
   """``links`` as a non-empty tuple of `Link`, fastest first, else an error naming
   the link at fault."""

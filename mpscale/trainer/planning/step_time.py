@@ -77,17 +77,11 @@ import math
 from typing import Any, Optional
 
 from mpscale import validation
-from mpscale.trainer.planning.hardware import Hardware, Link
+from mpscale.trainer.planning.hardware import Hardware, Link, peak_for
 
 _RING_STEPS = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
 """Ring passes of each collective kind: an all-reduce is a reduce-scatter then an
 all-gather."""
-
-_DTYPE_PEAK = {"bfloat16": ("bfloat16",), "float16": ("float16",),
-               "float32": ("tf32", "float32")}
-"""The peak a compute dtype's matrix products get, first listed first: a float32
-product runs on NVIDIA tensor cores as TF32 at XLA's default precision."""
-
 
 @dataclasses.dataclass
 class Estimate:
@@ -208,15 +202,6 @@ def collective_seconds(kind: str, nbytes: float, n: int, link: Link,
   if node_link is not None and 1 < nodes < n:
     latency = (nodes - 1) * link.latency + (n - nodes) * node_link.latency
   return passes * ((n - 1) / n * nbytes / link.bandwidth + latency)
-
-
-def peak_for(hardware: Hardware, dtype: str) -> float:
-  """The peak FLOP/s of ``dtype``'s matrix products on ``hardware`` (a float32 one
-  at TF32's where the profile lists it)."""
-  for name in _DTYPE_PEAK.get(dtype, (dtype,)):
-    if name in hardware.peak_flops:
-      return hardware.peak(name)
-  return hardware.peak(dtype)  # raises, naming the dtypes the profile lists
 
 
 def _kernel_seconds(kernels: Any, flop_rate: float, byte_rate: float

@@ -29,6 +29,7 @@ from mpscale.trainer.runs import distributed
 from mpscale.trainer.models import lm as lm_lib
 from mpscale.trainer.data import loader
 from mpscale.trainer.runs import metrics_log
+from mpscale.trainer.runs import throughput
 from mpscale.trainer.models import user as models
 from mpscale.trainer.data import tokenizing
 from mpscale.trainer.hf import checkpoint as hf
@@ -116,6 +117,10 @@ class _Run:
   num_params: int
   opt_bytes: int
   main_process: bool
+  peak: Optional[throughput.Peak] = None
+  """The peak of ``train.hardware`` for the step's compute dtype, for the logged MFU
+  (`mpscale.trainer.runs.throughput.peak`); ``None`` without it, or for a loaded
+  run."""
 
   @property
   def ckpt_dir(self) -> str:
@@ -239,6 +244,8 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
                            model=user_model)
     params = setup.init_params()
     state = setup.init(params)
+    peak = (throughput.peak(cfg.train.hardware, setup.policy.compute_dtype)
+            if trace_step else None)
   except (ValueError, TypeError) as e:
     fail(e)
   batch_shapes = global_batch_shapes(run_data, first_batch)
@@ -267,7 +274,7 @@ def _prepare(cfg: config_lib.RunConfig, out_dir: str, source: str, *,
   return _Run(cfg, out_dir, setup, run_data, state, None, metric_shapes, eval_names,
               num_params=lm_lib.num_params(params),
               opt_bytes=parallel_lib.tree_bytes(state.opt_state, per_device=False),
-              main_process=jax.process_index() == 0)
+              main_process=jax.process_index() == 0, peak=peak)
 
 
 def global_batch_shapes(data: loader.Data, batch: dict[str, Any]) -> dict[str, Any]:
@@ -311,6 +318,12 @@ class _Logger:
     self.show = self.console.is_terminal if progress is None else progress
     self.t_run = self.t_mark = time.perf_counter()
     self.pending: list[dict[str, Any]] = []
+    # FLOPs a device: of each pending step, of the latest step (its compiled
+    # program's, `throughput.StepFlops`), and of the rows logged, with their seconds.
+    self.pending_flops: list[float] = []
+    self.step_flops = math.nan
+    self.logged_flops = self.logged_seconds = 0.0
+    self.untimed = 0  # pending steps run before the clock started (compiling)
     self.eval_loss = math.nan
     self.eval_values: dict[str, float] = {}
     self.bar = make_progress(self.console, disable=not (self.show and run.main_process))
@@ -337,9 +350,12 @@ class _Logger:
     """Seconds since this logger started (the run's training in this process)."""
     return time.perf_counter() - self.t_run
 
-  def record(self, metrics: dict[str, Any], done: int) -> None:
-    """Keeps the metrics of the step that made ``done`` steps for the next row."""
+  def record(self, metrics: dict[str, Any], done: int, flops: float) -> None:
+    """Keeps the metrics of the step that made ``done`` steps, and the FLOPs a device
+    of its program, for the next row."""
     self.pending.append(metrics)
+    self.pending_flops.append(flops)
+    self.step_flops = flops
     if done == self.start + 1:
       # Compiled and run once: the time estimate leaves compilation out.
       jax.block_until_ready(metrics)
@@ -357,6 +373,7 @@ class _Logger:
     self.bar.reset(self.task, total=steps, completed=done,
                    info=f"training; the first metrics come at step {first_log}")
     self.t_mark = time.perf_counter()
+    self.untimed = len(self.pending)  # its rate leaves the compiled step out
 
   def evaluate(self, state: TrainState) -> None:
     """Evaluates ``state``: the loss into ``eval_loss``, every value into
@@ -375,19 +392,28 @@ class _Logger:
     now = time.perf_counter()
     if evaluating:
       self.evaluate(state)
+    timed = len(host) - self.untimed  # the steps the clock saw
+    flops = sum(self.pending_flops[self.untimed:])
+    seconds = now - self.t_mark if timed else math.nan
     row = metrics_log.csv_row(metrics_log.Interval(
         step=done, metrics=host, evaluation=self.eval_values if evaluating else None,
         overflow_total=self.overflow_total,
-        tokens=self.run.data.tokens_between(done - len(host), done),
-        consumed_samples=self.run.data.consumed_at(done), seconds=now - self.t_mark,
-        wall_s=now - self.t_run), self.run.eval_names)
+        tokens=self.run.data.tokens_between(done - timed, done),
+        consumed_samples=self.run.data.consumed_at(done), seconds=seconds,
+        wall_s=now - self.t_run, flops=flops,
+        peak_flops=None if self.run.peak is None else self.run.peak.flops),
+        self.run.eval_names)
     if self.run.data.shares is not None:  # a blend: each corpus's share so far
       row.update({metrics_log.DATA_PREFIX + name: share for name, share
                   in self.run.data.shares.fractions(done).items()})
     self.overflow_total = row["overflow_total"]
     self.log.write(row)
     row["interval"] = len(host)
-    self.pending, self.t_mark = [], time.perf_counter()
+    if timed:
+      self.logged_flops, self.logged_seconds = (self.logged_flops + flops,
+                                                self.logged_seconds + seconds)
+    self.pending, self.pending_flops, self.untimed = [], [], 0
+    self.t_mark = time.perf_counter()
     scaled = self.run.cfg.loss_scale.kind != "none"  # else the scale is always 1
     self.bar.update(self.task, completed=done,
                     info=progress_info(row, self.overflow_total, self.eval_loss,
@@ -403,6 +429,22 @@ class _Logger:
     """Prints ``text`` to the console when verbose (on the main process)."""
     if self.verbose and self.run.main_process:
       self.console.print(text, soft_wrap=True)
+
+  def rates(self) -> dict[str, Any]:
+    """The summary's arithmetic: ``flops_per_device`` (a step's, its compiled
+    program's: what ``mpscale plan`` says), ``tflops_per_device`` (the logged rows'
+    FLOPs over their seconds: this process's training, since its resume for a
+    resumed run), and with ``train.hardware`` its ``hardware``, ``peak_tflops`` and
+    ``mfu`` (``None`` without)."""
+    peak = self.run.peak
+    flops, seconds = self.logged_flops, self.logged_seconds
+    return {"flops_per_device": self.step_flops,
+            "tflops_per_device": (metrics_log.tflops_per_device(flops, seconds)
+                                  if seconds else math.nan),
+            "hardware": None if peak is None else peak.hardware,
+            "peak_tflops": None if peak is None else peak.flops / 1e12,
+            "mfu": (metrics_log.mfu(flops, seconds, peak.flops)
+                    if peak is not None and seconds else None)}
 
   def close(self) -> None:
     """Closes ``metrics.csv`` and the TensorBoard events."""
@@ -425,14 +467,16 @@ def _loop(run: _Run, start: int, logger: _Logger,
                                       batches.get_state(),
                                       consumed_samples=run.data.consumed_at(done))
   due = lambda done, every: done == steps or (every > 0 and done % every == 0)
+  count_flops = throughput.StepFlops(run.setup.step)  # compiles the step, once
   try:
     with logger:
       for step in range(start, steps):
         interrupts.check()  # the state is whole here: a Ctrl-C stops the run
         batch = _global_batch(next(batches), run.setup, run.data)
+        flops = count_flops(state, batch)
         state, metrics = run.setup.step(state, batch)  # donates the old state
         done = step + 1
-        logger.record(metrics, done)
+        logger.record(metrics, done, flops)
         evaluating = due(done, train_cfg.eval_every)
         checkpointing = due(done, train_cfg.checkpoint_every)
         if not (due(done, train_cfg.log_every) or evaluating or checkpointing):
@@ -481,6 +525,7 @@ def _finish(run: _Run, state: TrainState, start: int,
       "optimizer_state_bytes": run.opt_bytes,
       "train_seconds": _previous_seconds(out_dir, start) + (
           logger.seconds if final_step > start else 0.0),
+      **logger.rates(),
       "resumed_from": start, "data": run.data.source, "out_dir": out_dir,
   }
   if run.data.shares is not None:  # a blend: the share of each corpus trained on

@@ -49,15 +49,40 @@ class Interval(NamedTuple):
   overflow_total: int
   """Overflowed steps of the run before this interval (a resumed run's included)."""
   tokens: int
-  """Tokens (or rows) the interval's steps trained on: their global batches, whose
-  size may change from step to step (a batch-size ramp-up)."""
+  """Tokens (or rows) the interval's timed steps trained on: their global batches,
+  whose size may change from step to step (a batch-size ramp-up). The first step a
+  process trains (compiling the step) is not timed, nor counted here."""
   consumed_samples: int
   """Samples (rows of global batches) trained on by the end of ``step``, the run's
   before it included (Megatron's ``consumed_samples``)."""
   seconds: float
-  """Seconds the interval's steps took."""
+  """Seconds the interval's timed steps took (NaN when none is: a first row of one
+  step)."""
   wall_s: float
   """Seconds since the run started training in this process."""
+  flops: float = math.nan
+  """FLOPs one device ran in the interval's timed steps: each step's compiled
+  program's (`mpscale.trainer.runs.throughput.StepFlops`); NaN when not counted."""
+  peak_flops: Optional[float] = None
+  """The peak FLOP/s of a device for the step's compute dtype
+  (`mpscale.trainer.runs.throughput.peak`); ``None`` without ``train.hardware``."""
+
+
+def per_second(amount: float, seconds: float) -> float:
+  """``amount`` over ``seconds`` (at least a nanosecond)."""
+  return amount / max(seconds, 1e-9)
+
+
+def tflops_per_device(flops: float, seconds: float) -> float:
+  """TFLOP/s a device: the ``flops`` one device ran in ``seconds``, per second, over
+  1e12."""
+  return per_second(flops, seconds) / 1e12
+
+
+def mfu(flops: float, seconds: float, peak_flops: Optional[float]) -> Optional[float]:
+  """The share of ``peak_flops`` (FLOP/s) that ``flops`` in ``seconds`` reach (a
+  device's); ``None`` without a peak."""
+  return None if peak_flops is None else per_second(flops, seconds) / peak_flops
 
 
 def _overflows(interval: Interval) -> int:
@@ -94,15 +119,21 @@ COLUMNS = (
     Column("global_norm", _last("global_norm", float)),
     Column("learning_rate",
            lambda i: float(i.metrics[-1].get("learning_rate", math.nan))),
-    Column("tokens_per_s", lambda i: i.tokens / max(i.seconds, 1e-9)),
+    Column("tokens_per_s", lambda i: per_second(i.tokens, i.seconds)),
+    Column("tflops_per_device", lambda i: tflops_per_device(i.flops, i.seconds)),
+    # Empty without train.hardware: no peak to divide by.
+    Column("mfu", lambda i: mfu(i.flops, i.seconds, i.peak_flops)),
     Column("wall_s", lambda i: i.wall_s),
 )
 """The fixed columns of ``metrics.csv``, in order, each computed from an `Interval`:
 the samples consumed by the row's step, the interval's mean loss and overflow count, the last step's loss scale, skipped
 total, spike total (empty without spike skipping; the skipped total counts them
 too), global norm and learning rate (NaN when the optimizer records none), the
-evaluation's loss (empty when the row does not evaluate), the throughput and the
-time."""
+evaluation's loss (empty when the row does not evaluate), the throughput (tokens/s,
+TFLOP/s a device, and MFU, empty without ``train.hardware``) and the time."""
+
+TIMED = ("tokens_per_s", "tflops_per_device", "mfu", "wall_s")
+"""The columns read off the clock, which differ between two runs of one config."""
 
 CSV_FIELDS = tuple(column.name for column in COLUMNS)
 """The names of `COLUMNS`; the model's evaluation metrics follow as ``eval_<name>``,

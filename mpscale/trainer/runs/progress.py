@@ -21,7 +21,8 @@ def progress_info(row: dict[str, Any], overflow_total: int, eval_loss: float, *,
                   scaled: bool = True) -> str:
   """The metrics line under the progress bar, most important first (it is cut at the
   terminal's width): the interval's mean loss, the last evaluation, the scale (not
-  without loss scaling: ``scaled`` false), ..."""
+  without loss scaling: ``scaled`` false), the overflows, the norm, tokens/s, TFLOP/s a
+  device and the MFU (where the row has them: `mpscale.trainer.runs.metrics_log`)."""
   interval = row.get("interval", 1)
   parts = [f"loss {fmt(row['loss'])}" + (f" ({interval}-step mean)" if interval > 1
                                           else "")]
@@ -29,8 +30,14 @@ def progress_info(row: dict[str, Any], overflow_total: int, eval_loss: float, *,
     parts.append(f"eval {fmt(eval_loss)}")
   if scaled:
     parts.append(f"scale {scale_text(row['loss_scale'])}")
-  parts += [f"overflows {overflow_total}", f"norm {fmt(row['global_norm'], 3)}",
-            f"{row['tokens_per_s'] / 1e3:.1f}k tok/s"]
+  parts += [f"overflows {overflow_total}", f"norm {fmt(row['global_norm'], 3)}"]
+  rates = (row["tokens_per_s"], row.get("tflops_per_device"), row.get("mfu"))
+  if math.isfinite(rates[0]):  # NaN: no step timed yet (the first compiles)
+    parts.append(f"{rates[0] / 1e3:.1f}k tok/s")
+  if rates[1] is not None and math.isfinite(rates[1]):
+    parts.append(f"{fmt(rates[1], 3)} TFLOP/s a device")
+  if rates[2] is not None and math.isfinite(rates[2]):
+    parts.append(f"MFU {rates[2]:.1%}")
   return " | ".join(parts)
 
 

@@ -32,7 +32,7 @@ def _interval(evaluation=None, **more):
           _step(2.0, True, 2, 128.0, math.inf, {"a": 1.0, "b": math.inf}, **more),
           _step(1.0, False, 2, 128.0, 2.0, {"a": 1.5, "b": 0.5}, **more)],
       evaluation=evaluation, overflow_total=5, tokens=3 * 64, consumed_samples=96,
-      seconds=0.5, wall_s=7.25)
+      seconds=0.5, wall_s=7.25, flops=1.5e9)
 
 
 def test_a_row_is_each_column_of_the_interval():
@@ -52,6 +52,8 @@ def test_a_row_is_each_column_of_the_interval():
       "global_norm": 2.0,
       "learning_rate": 0.125,
       "tokens_per_s": 3 * 64 / 0.5,
+      "tflops_per_device": 1.5e9 / 0.5 / 1e12,
+      "mfu": None,  # no train.hardware: no peak
       "wall_s": 7.25,
       "eval_accuracy": 0.5,
       "eval_top5": row["eval_top5"],  # NaN: the evaluation lacks it
@@ -77,7 +79,7 @@ def test_the_header_is_the_columns_then_evaluation_then_groups(tmp_path):
   assert metrics_log.CSV_FIELDS == (
       "step", "consumed_samples", "loss", "eval_loss", "loss_scale", "overflows",
       "overflow_total", "skipped", "spikes", "global_norm", "learning_rate",
-      "tokens_per_s", "wall_s")
+      "tokens_per_s", "tflops_per_device", "mfu", "wall_s")
   log = metrics_log.MetricsLog(str(tmp_path), ["a", "b"], 0, eval_names=["accuracy"])
   log.write(metrics_log.csv_row(_interval({"loss": 1.0, "accuracy": 0.5}),
                                 ["accuracy"]))
