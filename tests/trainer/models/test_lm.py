@@ -35,7 +35,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def params(model):
-  return model.model.init(jax.random.key(0))
+  return jax.jit(model.model.init)(jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_attention_is_causal(model, params, batch):
 def test_activations_follow_the_compute_dtype_and_loss_is_float32(
     model, params, batch, spec, dtype):
   policy = mpscale.make_policy(spec)
-  cast = policy.cast_to_compute(params)  # O2 keeps norms and biases in float32
+  cast = jax.jit(policy.cast_to_compute)(params)  # O2 keeps norms and biases in float32
   hidden = jax.eval_shape(model.model.hidden_fn, cast, batch)
   assert hidden.dtype == dtype
   loss_sum, num_tokens = jax.eval_shape(model.model.loss_fn, cast, batch)
@@ -130,8 +130,11 @@ def test_generate_continues_the_prompt_past_the_window():
   from mpscale.trainer.models.lm import TinyLM
   model = TinyLM(vocab_size=256, d_model=16, num_heads=2, num_layers=1, d_ff=32,
                  seq_len=8)
-  params = model.init(jax.random.key(0))
+  params = jax.jit(model.init)(jax.random.key(0))
   prompt = np.frombuffer(b"hello", np.uint8)
+  # The reference logits as one compiled program (eagerly each op compiles alone).
+  window_logits = jax.jit(lambda p, tokens: model.logits_fn(
+      p, model.hidden_fn(p, {"inputs": tokens})))
   out = model.generate(params, prompt, 20, rng=jax.random.key(1), temperature=0.0)
   assert out.dtype == np.int32 and len(out) == 25  # ids of any vocabulary
   assert bytes(out[:5].astype(np.uint8)) == b"hello"
@@ -141,7 +144,7 @@ def test_generate_continues_the_prompt_past_the_window():
     context = text[max(0, i - 8):i]
     tokens = np.zeros(8, np.int32)
     tokens[:len(context)] = context
-    logits = model.logits_fn(params, model.hidden_fn(params, {"inputs": tokens[None]}))
+    logits = window_logits(params, tokens[None])
     assert int(np.argmax(logits[0, len(context) - 1])) == text[i]
   assert len(model.generate(params, np.zeros(0, np.uint8), 3, rng=jax.random.key(2))) == 3
   # An empty prompt is conditioned on ``start`` (a corpus's end of document).
@@ -151,7 +154,7 @@ def test_generate_continues_the_prompt_past_the_window():
   for start in (10, 200):
     tokens = np.zeros(8, np.int32)
     tokens[0] = start
-    logits = model.logits_fn(params, model.hidden_fn(params, {"inputs": tokens[None]}))
+    logits = window_logits(params, tokens[None])
     assert first(start) == int(np.argmax(logits[0, 0]))
   with pytest.raises(ValueError, match="num_tokens"):
     model.generate(params, prompt, 0, rng=jax.random.key(0))
@@ -160,6 +163,7 @@ def test_generate_continues_the_prompt_past_the_window():
 # ------------------------------------------------------------------ attention
 
 
+@jax.jit  # one program (eagerly each op compiles alone)
 def _softmax_attention(q, k, v):
   """Causal softmax attention written out: float32 scores over sqrt(head size)."""
   length, head_dim = q.shape[1], q.shape[-1]
@@ -205,7 +209,9 @@ def test_causal_attention_in_query_blocks_is_one_blocks(window, kv_heads):
     return jnp.sum(lm.causal_attention(q, k, v, window, block=block) * cotangent)
 
   blocks = functools.partial(loss, 4)
-  want = jax.value_and_grad(functools.partial(loss, 19), argnums=(0, 1, 2))(q, k, v)
+  # both compiled (eagerly the reference's ops compile one by one)
+  want = jax.jit(jax.value_and_grad(functools.partial(loss, 19), argnums=(0, 1, 2)))(
+      q, k, v)
   got = jax.jit(jax.value_and_grad(blocks, argnums=(0, 1, 2)))(q, k, v)
   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
