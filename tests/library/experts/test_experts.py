@@ -71,10 +71,11 @@ def test_tiled_grouped_product_equals_ragged_dot_values_and_gradients():
   def loss(impl, x, w):
     return jnp.sum(cot * experts.grouped_matmul(x, w, sizes, implementation=impl,
                                                 tile=4))
+  # both compiled (eagerly each op compiles on its own)
   np.testing.assert_allclose(jax.jit(loss, static_argnums=0)("tiled", x, w),
-                             loss("ragged", x, w), rtol=1e-5)
+                             jax.jit(loss, static_argnums=0)("ragged", x, w), rtol=1e-5)
   grads = jax.jit(jax.grad(loss, (1, 2)), static_argnums=0)("tiled", x, w)
-  expect = jax.grad(loss, (1, 2))("ragged", x, w)
+  expect = jax.jit(jax.grad(loss, (1, 2)), static_argnums=0)("ragged", x, w)
   for a, b in zip(grads, expect):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   assert not np.any(grads[0][45:])  # rows past the groups get no gradient
@@ -84,8 +85,8 @@ def test_losses_and_bias_update_follow_their_formulas():
   routing = experts.Routing(4, 2)
   x = jax.random.normal(jax.random.key(0), (30, 8))
   router = jax.random.normal(jax.random.key(1), (8, 4))
-  routes = experts.route(x, router, routing)
-  counts = experts.expert_counts(routes.experts, 4)
+  routes = jax.jit(lambda x: experts.route(x, router, routing))(x)  # one program
+  counts = jax.jit(experts.expert_counts, static_argnums=1)(routes.experts, 4)
   probs = np.asarray(jax.nn.softmax(x @ router))
   chosen = np.zeros((30, 4))
   np.put_along_axis(chosen, np.asarray(routes.experts), 1, axis=1)
@@ -103,9 +104,10 @@ def test_capacity_drops_exactly_what_it_reports():
   routing = experts.Routing(num, 2, capacity_factor=0.5)
   router, w = _weights(jax.random.key(4), num, d, f)
   x = jax.random.normal(jax.random.key(5), (24, d))
-  y, stats = experts.moe_mlp(x, router, w, routing)
+  # compiled (eagerly each op compiles on its own: most of the test's time)
+  y, stats = jax.jit(lambda x: experts.moe_mlp(x, router, w, routing))(x)
   cap = routing.capacity(24)  # 6 of the 48 assignments an expert
-  routes = experts.route(x, router, routing)
+  routes = jax.jit(lambda x: experts.route(x, router, routing))(x)
   counts = np.asarray(experts.expert_counts(routes.experts, num))
   assert float(stats.dropped) == np.maximum(counts - cap, 0).sum() > 0
   # the dropped assignments are each expert's last in token order: zero them in
@@ -206,13 +208,16 @@ def test_the_flax_layers_compute_moe_mlp_of_their_weights():
   assert not isinstance(layer.bias, nnx.Param)
   assert len(jax.tree_util.tree_leaves(nnx.state(layer, nnx.Param))) == 4
   linen = moe_flax.MoeMLP(routing, d_ff=12, shared_d_ff=6)
-  variables = linen.init(jax.random.key(1), x)
+  # the linen layer and its reference compiled (eagerly each op compiles alone)
+  variables = jax.jit(linen.init)(jax.random.key(1), x)
   assert set(variables) == {"params", "routing"}
   params = variables["params"]
   bias = jnp.array([0.3, 0.0, 0.0, 0.0])
-  y, stats = linen.apply({"params": params, "routing": {"bias": bias}}, x)
-  routed, _ = experts.moe_mlp(x, params["router"], experts.ExpertWeights(
-      params["gate"], params["up"], params["down"]), routing, bias=bias)
+  y, stats = jax.jit(linen.apply)({"params": params, "routing": {"bias": bias}}, x)
+  routed, _ = jax.jit(lambda x, params, bias: experts.moe_mlp(
+      x, params["router"], experts.ExpertWeights(
+          params["gate"], params["up"], params["down"]), routing, bias=bias))(
+              x, params, bias)
   h = x @ params["shared_gate"]["kernel"]
   shared = (jax.nn.silu(h) * (x @ params["shared_up"]["kernel"])) @ params[
       "shared_down"]["kernel"]

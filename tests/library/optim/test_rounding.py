@@ -35,8 +35,13 @@ def _neighbours(x, dtype):
   return values[lo_index], values[hi_index]
 
 
+# Compiled as one program (eagerly each of its ops compiles on its own, most of these
+# tests' time); test_jit_gives_what_eager_gives holds the eager path to it bit for bit.
+_jit_round = jax.jit(mpscale.stochastic_round, static_argnums=1)
+
+
 def _round(x, dtype, seed=0):
-  return np.asarray(mpscale.stochastic_round(
+  return np.asarray(_jit_round(
       jnp.asarray(x, jnp.float32), dtype, jax.random.key(seed))).astype(np.float64)
 
 
@@ -71,7 +76,7 @@ def test_representable_values_are_kept_bit_for_bit(dtype):
     tiny = float(ml_dtypes.finfo(dtype).smallest_normal)
     values = values[(np.abs(values.astype(np.float32)) >= tiny)
                     | (values.astype(np.float32) == 0)]
-  got = np.asarray(mpscale.stochastic_round(
+  got = np.asarray(_jit_round(
       jnp.asarray(values.astype(np.float32)), dtype, jax.random.key(3)))
   np.testing.assert_array_equal(got.view(np.uint16), values.view(np.uint16))
 
