@@ -370,9 +370,15 @@ def test_jit_and_eager_agree():
 def _updates(recipe, *batches):
   w = jnp.full((16, 4), 0.25)
   old = {"layer": _state(scales=(2.0, 4.0, 8.0), history=(10.0, 1.0, 2.0, 0.5))}
-  grad = lambda x: jax.grad(lambda s: jnp.sum(fp8.fp8_dot_general(
-      x, w, DENSE, s["layer"], recipe) * jnp.arange(4.0)))(old)
+  # compiled once a shape (eagerly each op compiles on its own: most of these tests'
+  # time); the merges below are jitted alike
+  grad = jax.jit(lambda x: jax.grad(lambda s: jnp.sum(fp8.fp8_dot_general(
+      x, w, DENSE, s["layer"], recipe) * jnp.arange(4.0)))(old))
   return old, [grad(x) for x in batches]
+
+
+_merge = jax.jit(fp8_state.merge, static_argnums=2)
+_merge_stacked = jax.jit(fp8_state.merge_stacked, static_argnums=1)
 
 
 def _assert_same(a, b):
@@ -387,9 +393,9 @@ def test_merged_micro_batches_take_the_max_in_any_order(recipe_name):
   batches = [jnp.asarray(rng.normal(size=(3, 16)) * s, jnp.float32)
              for s in (1.0, 20.0, 3.0)]
   _, (a, b, c) = _updates(recipe, *batches)
-  ab = fp8_state.merge(a, b, recipe)
-  _assert_same(ab, fp8_state.merge(b, a, recipe))
-  _assert_same(fp8_state.merge(ab, c, recipe), fp8_state.merge(a, fp8_state.merge(b, c, recipe), recipe))
+  ab = _merge(a, b, recipe)
+  _assert_same(ab, _merge(b, a, recipe))
+  _assert_same(_merge(ab, c, recipe), _merge(a, _merge(b, c, recipe), recipe))
   np.testing.assert_array_equal(
       ab["layer"].lhs.amax_history,
       jnp.maximum(a["layer"].lhs.amax_history, b["layer"].lhs.amax_history))
@@ -398,9 +404,10 @@ def test_merged_micro_batches_take_the_max_in_any_order(recipe_name):
   _assert_same(ab, whole)
   # a vmap's stacked updates, and the replicas of a named axis, merge alike
   stacked = jax.tree_util.tree_map(lambda *u: jnp.stack(u), a, b, c)
-  abc = fp8_state.merge(ab, c, recipe)
-  _assert_same(fp8_state.merge_stacked(stacked, recipe), abc)
-  across = jax.vmap(lambda s: fp8_state.merge_across(s, recipe, "r"), axis_name="r")(stacked)
+  abc = _merge(ab, c, recipe)
+  _assert_same(_merge_stacked(stacked, recipe), abc)
+  across = jax.jit(jax.vmap(lambda s: fp8_state.merge_across(s, recipe, "r"),
+                            axis_name="r"))(stacked)
   _assert_same(jax.tree_util.tree_map(lambda u: u[1], across), abc)
 
 
@@ -411,10 +418,10 @@ def test_a_vmap_over_replicas_stacks_updates_that_merge_stacked_combines():
   xs = jnp.asarray(rng.normal(size=(3, 2, 16)) * spread, jnp.float32)
   old, updates = _updates(recipe, *xs)
   w = jnp.full((16, 4), 0.25)
-  per_replica = jax.vmap(jax.grad(lambda s, x: jnp.sum(fp8.fp8_dot_general(
-      x, w, DENSE, s["layer"], recipe) * jnp.arange(4.0))), in_axes=(None, 0))(old, xs)
-  _assert_same(fp8_state.merge_stacked(per_replica, recipe),
-               functools.reduce(lambda p, q: fp8_state.merge(p, q, recipe), updates))
+  per_replica = jax.jit(jax.vmap(jax.grad(lambda s, x: jnp.sum(fp8.fp8_dot_general(
+      x, w, DENSE, s["layer"], recipe) * jnp.arange(4.0))), in_axes=(None, 0)))(old, xs)
+  _assert_same(_merge_stacked(per_replica, recipe),
+               functools.reduce(lambda p, q: _merge(p, q, recipe), updates))
 
 
 def test_under_a_batch_sharded_jit_the_state_records_the_global_amax():
@@ -436,14 +443,14 @@ def test_merge_keeps_the_old_scale_where_the_merged_amax_gives_none():
   old, (a, z1, z2, inf) = _updates(recipe, jnp.ones((3, 16)), zeros, zeros,
                                    jnp.ones((3, 16)).at[0, 0].set(jnp.inf))
   # one update saw zeros: the other's amax decides
-  assert float(fp8_state.merge(z1, a, recipe)["layer"].lhs.scale) == float(
+  assert float(_merge(z1, a, recipe)["layer"].lhs.scale) == float(
       a["layer"].lhs.scale) == 448.0
   # both zeros, or an inf in either: the old scale
-  assert float(fp8_state.merge(z1, z2, recipe)["layer"].lhs.scale) == 2.0
+  assert float(_merge(z1, z2, recipe)["layer"].lhs.scale) == 2.0
   for pair in ((a, inf), (inf, a)):
-    assert float(fp8_state.merge(*pair, recipe)["layer"].lhs.scale) == 2.0
+    assert float(_merge(*pair, recipe)["layer"].lhs.scale) == 2.0
   stacked = jax.tree_util.tree_map(lambda *u: jnp.stack(u), a, inf, z1)
-  assert float(fp8_state.merge_stacked(stacked, recipe)["layer"].lhs.scale) == 2.0
+  assert float(_merge_stacked(stacked, recipe)["layer"].lhs.scale) == 2.0
 
 
 def test_merge_across_replicas_of_a_shard_map():
@@ -455,12 +462,12 @@ def test_merge_across_replicas_of_a_shard_map():
   stacked = jax.tree_util.tree_map(lambda *u: jnp.stack(u), *updates)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
   P = jax.sharding.PartitionSpec
-  merged = jax.shard_map(
+  merged = jax.jit(jax.shard_map(
       lambda s: jax.tree_util.tree_map(
           lambda u: u[None], fp8_state.merge_across(
               jax.tree_util.tree_map(lambda u: u[0], s), recipe, "data")),
-      mesh=mesh, in_specs=P("data"), out_specs=P("data"))(stacked)
-  want = functools.reduce(lambda p, q: fp8_state.merge(p, q, recipe), updates)
+      mesh=mesh, in_specs=P("data"), out_specs=P("data")))(stacked)
+  want = functools.reduce(lambda p, q: _merge(p, q, recipe), updates)
   for i in range(8):
     _assert_same(jax.tree_util.tree_map(lambda u: u[i], merged), want)
 
