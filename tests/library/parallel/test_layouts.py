@@ -77,7 +77,7 @@ def make_step(mesh, optimizer, *, virtual=0, sequence_parallel=False, schedule="
 
 def train(mesh, optimizer, **kw):
   model, (init, step) = make_step(mesh, optimizer, **kw)
-  state = init(model.init(jax.random.key(0)))
+  state = init(jax.jit(model.init)(jax.random.key(0)))
   history = []
   for i in range(STEPS):
     state, metrics = step(state, make_batch(i))
@@ -333,7 +333,7 @@ def _collectives(hlo):
 def test_collectives_of_fsdp_and_tensor_step_and_only_scalars_for_the_check():
   mesh = make_mesh(fsdp=4, tensor=2)
   model, (init, step) = make_step(mesh, "adamw")
-  state = init(model.init(jax.random.key(0)))
+  state = init(jax.jit(model.init)(jax.random.key(0)))
   step_ops = _collectives(step.lower(state, make_batch()).compile().as_text())
   assert step_ops["all-gather"], "FSDP gathers the parameters for compute"
   # XLA:CPU lowers a reduce-scatter as an all-reduce and a slice; GPU keeps it.
@@ -378,13 +378,13 @@ def test_sharded_checkpoint_restores_onto_another_mesh(tmp_path):
 
   mesh_a, mesh_b = make_mesh(data=2, fsdp=2, tensor=2), make_mesh(fsdp=4, tensor=2)
   model, (init_a, step_a) = make_step(mesh_a, "adamw", donate=False)
-  state = init_a(model.init(jax.random.key(0)))
+  state = init_a(jax.jit(model.init)(jax.random.key(0)))
   state, _ = step_a(state, make_batch(0))
   with ocp.CheckpointManager(tmp_path) as manager:
     checkpoints.save(manager, 1, state, {"next_index": 1})
 
   _, (init_b, step_b) = make_step(mesh_b, "adamw")
-  fresh = init_b(model.init(jax.random.key(1)))
+  fresh = init_b(jax.jit(model.init)(jax.random.key(1)))
   restored, at, data_state = checkpoints.restore_latest(str(tmp_path), fresh)
   assert at == 1 and data_state == {"next_index": 1}
   for x, y in zip(jax.tree_util.tree_leaves(restored),

@@ -291,7 +291,7 @@ def test_fsdp_float32_sums_gather_a_layer_at_a_time():
   tiny = lm_lib.TinyLM(vocab_size=64, d_model=64, num_heads=4, num_layers=4,
                        d_ff=256, seq_len=16)
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
-  params = tiny.init(jax.random.key(0))
+  params = jax.jit(tiny.init)(jax.random.key(0))  # one program, not op by op
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 64, (16, 17)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],

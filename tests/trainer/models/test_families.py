@@ -40,7 +40,7 @@ def _batch(rows=8, length=12, seed=0):
 @pytest.mark.parametrize("family", list(FAMILY_SIZES))
 def test_every_family_pipelined_equals_itself_unpipelined(family, schedule):
   model = _model(family)
-  params, batch = model.init(jax.random.key(1)), _batch()
+  params, batch = jax.jit(model.init)(jax.random.key(1)), _batch()
   pipeline = mpscale.Pipeline(model.embed_fn, model.stage_fn, model.head_fn, 4,
                               schedule=schedule)
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "stage"))
@@ -62,7 +62,7 @@ def test_fp8_multiplies_each_familys_matrices_for_the_roles_named():
   state = model.init_model_state()
   stacked = state[mpscale.precision.OVERWRITE_WITH_GRADIENT]["stages"]
   assert set(stacked) == {"q", "k", "v", "gate", "up"}
-  params, batch = model.init(jax.random.key(0)), _batch()
+  params, batch = jax.jit(model.init)(jax.random.key(0)), _batch()
   (fp8_loss, _), new_state = jax.jit(model.loss_fn)(params, batch, state)
   plain, _ = jax.jit(model.loss_fn)(params, batch)
   assert np.isfinite(fp8_loss) and fp8_loss != plain  # rounded through FP8
