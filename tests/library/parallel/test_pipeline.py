@@ -1,5 +1,6 @@
 """Tests for mpscale.parallel.pipeline: GPipe and 1F1B against the unpipelined model."""
 
+import functools
 import operator
 import re
 
@@ -67,6 +68,9 @@ def mesh_of(data, stage):
               ("data", "stage"))
 
 
+# The references are compiled (eagerly each op compiles on its own, once per
+# parametrized case: most of many cases' time); the arithmetic is the same.
+@functools.partial(jax.jit, static_argnames="per_token")
 def reference(params, batch, per_token=True):
   model = pl.Pipeline(embed_fn, stage_fn, head_fn if per_token else mean_head_fn, 1)
 
@@ -897,8 +901,9 @@ def seq2seq_batch(rows=16, seed=1):
           "mask": jnp.asarray((rng.random((rows, TGT)) < 0.7).astype(np.float32))}
 
 
+@jax.jit
 def seq2seq_reference(params, batch):
-  """The encoder-decoder by hand, layer by layer."""
+  """The encoder-decoder by hand, layer by layer (compiled, as `reference`)."""
   def loss(p):
     x = enc_embed_fn(p, batch)
     for i in range(p["encoder"]["w"].shape[0]):
@@ -1059,9 +1064,9 @@ def test_fsdp_split_stages_equal_unpipelined(schedule, recompute, virtual):
   params["stages"]["w2"] = params["stages"]["w"][::-1] * 0.5
   model = pl.Pipeline(embed_fn, mlp_stage_fn, head_fn, 4, schedule=schedule,
                       recompute=recompute, virtual_stages=virtual)
-  want_loss, want_grads = jax.value_and_grad(
+  want_loss, want_grads = jax.jit(jax.value_and_grad(
       lambda p: operator.truediv(*pl.Pipeline(embed_fn, mlp_stage_fn, head_fn, 1)
-                                 .apply(p, batch)))(params)
+                                 .apply(p, batch))))(params)
   fn, specs = fsdp_value_and_grad(model, params, fsdp_mesh())
   # Every leaf is split over fsdp: the stacked layers on a dimension of their own.
   assert all("fsdp" in str(s) for s in jax.tree_util.tree_leaves(
