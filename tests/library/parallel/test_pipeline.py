@@ -133,8 +133,8 @@ def test_mean_loss_and_loss_scale(schedule):
   params, batch = make_params(), make_batch()
   want_loss, want_grads = reference(params, batch, per_token=False)
   model = pl.Pipeline(embed_fn, stage_fn, mean_head_fn, 4, schedule=schedule)
-  grads, loss, count = model.value_and_grad(params, batch, mesh=mesh_of(2, 4),
-                                            loss_scale=1024.0)
+  grads, loss, count = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(2, 4), loss_scale=1024.0))(params, batch)
   assert float(count) == 8  # 4 micro-batches x 2 replicas
   assert_close(loss, want_loss)
   assert_close(jax.tree.map(lambda g: g / 1024.0, grads), want_grads)
@@ -148,8 +148,10 @@ def test_nan_filled_bubbles_never_reach_gradients(schedule, monkeypatch):
   mesh = mesh_of(2, 4)
 
   def run(fill):
-    monkeypatch.setattr(run_lib, "BUBBLE_FILL", fill)
-    return model.value_and_grad(params, batch, mesh=mesh, per_token_loss=True)
+    monkeypatch.setattr(run_lib, "BUBBLE_FILL", fill)  # read when traced
+    # compiled (eagerly, 3-4x the time), one trace a fill
+    return jax.jit(lambda p, b: model.value_and_grad(
+        p, b, mesh=mesh, per_token_loss=True))(params, batch)
 
   clean, poisoned = run(0.0), run(float("nan"))
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(poisoned))
@@ -160,8 +162,9 @@ def test_nan_filled_bubbles_never_reach_gradients(schedule, monkeypatch):
 def test_remat_gives_the_same_gradients():
   params, batch = make_params(), make_batch()
   mesh = mesh_of(2, 4)
-  plain, remat = [pl.Pipeline(embed_fn, stage_fn, head_fn, 4, remat=r).value_and_grad(
-      params, batch, mesh=mesh, per_token_loss=True) for r in (False, True)]
+  plain, remat = [jax.jit(lambda p, b, r=r: pl.Pipeline(
+      embed_fn, stage_fn, head_fn, 4, remat=r).value_and_grad(
+          p, b, mesh=mesh, per_token_loss=True))(params, batch) for r in (False, True)]
   assert_close(plain, remat, 1e-6)
 
   def tanh_count(remat):  # the backward recomputes each layer's forward under remat
@@ -272,7 +275,9 @@ def test_recompute_policies_keep_what_they_say():
     original = model._executor
     object.__setattr__(model, "_executor", lambda: capture)
     try:
-      model.value_and_grad(make_params(), make_batch(), mesh=mesh, per_token_loss=True)
+      # traced only: the residuals are read while tracing (no program to run)
+      jax.eval_shape(lambda p, b: model.value_and_grad(
+          p, b, mesh=mesh, per_token_loss=True), make_params(), make_batch())
     finally:
       object.__setattr__(model, "_executor", original)
     return [tuple(s.shape) for s in shapes["kept"]]
