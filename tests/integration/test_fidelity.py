@@ -39,12 +39,13 @@ def test_a_scale_on_n_tokens_is_the_scale_times_k_on_k_n_tokens():
   times (a mean over 16384) at scale 1."""
   cfg = config_lib.ModelConfig()
   model = lm.TinyLM.from_sizes(cfg)
-  params = model.init(jax.random.key(0))
+  params = jax.jit(model.init)(jax.random.key(0))  # one program, not op by op
   batch = {k: jnp.asarray(v) for k, v in
            data_lib.load_data().train_batch(0, 0, 32, cfg.seq_len).items()}
   assert batch["targets"].size == 2048
   half = jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), params)
-  logits = model.logits_fn(half, model.hidden_fn(half, batch)).astype(jnp.float16)
+  logits = jax.jit(lambda p, b: model.logits_fn(p, model.hidden_fn(p, b)))(
+      half, batch).astype(jnp.float16)
 
   def logit_grads(logits, targets, scale):
     def loss(z):
@@ -79,12 +80,22 @@ def test_the_table_reports_mean_spread_and_the_gap_to_fp32():
   assert rows["fp16_noscale"]["group"] == "(b) O2 at 0.5M tokens"
 
 
+def _no_plots(monkeypatch):
+  """The runs' and comparison's PNGs are drawn by matplotlib (about a quarter of a
+  shortened run's time here); these tests read the runs' logs and summaries only."""
+  from mpscale.trainer.runs import compare, loop
+  for module in (compare, loop):
+    monkeypatch.setattr(module, "plot_runs", lambda *args, **kwargs: None)
+
+
 @pytest.mark.slow
-def test_without_scaling_fp16_trains_worse_by_more_than_the_seed_spread(tmp_path):
+def test_without_scaling_fp16_trains_worse_by_more_than_the_seed_spread(tmp_path,
+                                                                        monkeypatch):
   """A shortened experiment (b): 20 steps, seeds 0-2, with and without the dynamic
   scale, where the per-token gradients are those of a 0.5M-token mean (at 20 steps
   no-scaling is already about 0.45 nats behind, against a spread of about 0.13)."""
   from mpscale.trainer.runs.compare import compare
+  _no_plots(monkeypatch)
   study = _study()
   runs, seeds = ["fp16_noscale", "fp16_dynamic"], [0, 1, 2]
   for seed in seeds:  # what study.run_seed runs, in this process (its compile cache)

@@ -19,6 +19,15 @@ def _study():
   return load_script("docs", "low_precision_study.py")
 
 
+def _no_plots(monkeypatch):
+  """The runs' and comparison's PNGs are drawn by matplotlib (about a quarter of a
+  shortened run's time here); these tests read the runs' logs, summaries and
+  checkpoints only."""
+  from mpscale.trainer.runs import compare, loop
+  for module in (compare, loop):
+    monkeypatch.setattr(module, "plot_runs", lambda *args, **kwargs: None)
+
+
 def test_every_config_is_in_the_study_and_loads():
   study = _study()
   fidelity = load_script("docs", "fidelity_study.py")
@@ -93,12 +102,14 @@ def test_the_table_reads_the_run_folders_and_compares_seed_by_seed(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_weights_stall_with_round_to_nearest_not_with_stochastic_rounding(tmp_path):
+def test_bf16_weights_stall_with_round_to_nearest_not_with_stochastic_rounding(
+    tmp_path, monkeypatch):
   """A shortened study: bfloat16 weights and AdamW state, 30 steps, seeds 0 and 1. On
   each seed round-to-nearest ends above stochastic rounding (same data, same initial
   weights) by more than that gap varies from seed to seed (0.018 and 0.022 nats; on
   seed 2 0.018; at 300 steps 0.048 on every seed)."""
   from mpscale.trainer.runs.compare import compare
+  _no_plots(monkeypatch)
   study = _study()
   runs, seeds = ["bf16_pure_nearest", "bf16_pure_stochastic"], [0, 1]
   for seed in seeds:  # what fidelity_study.run_seed runs, in this process
@@ -141,7 +152,7 @@ def test_amax_series_reads_the_history_oldest_to_newest():
 
 
 @pytest.mark.slow
-def test_amax_movement_reads_a_delayed_fp8_run(tmp_path):
+def test_amax_movement_reads_a_delayed_fp8_run(tmp_path, monkeypatch):
   """A 30-step fp8_delayed run (seed 0): a row for every block, product and tensor,
   its first and last amax the history's oldest and newest entries, its new highs
   counted from the history in step order."""
@@ -149,6 +160,7 @@ def test_amax_movement_reads_a_delayed_fp8_run(tmp_path):
 
   import mpscale.trainer
   from mpscale.trainer.runs.compare import compare
+  _no_plots(monkeypatch)
   study = _study()
   steps = 30
   compare([os.path.join(study.CONFIGS, "fp8_delayed.yaml")], str(tmp_path / "seed0"),
