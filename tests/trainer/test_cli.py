@@ -211,13 +211,24 @@ def test_version_names_mpscale_jax_and_the_floors(capsys):
   assert out.startswith("mpscale 0.") and "jax " in out and "jax>=0.7.1" in out
 
 
-@pytest.mark.slow  # three short runs
+EIGHT_STEPS = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
+                      "train.checkpoint_every=4"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The uninterrupted run of `EIGHT_STEPS` the two Ctrl-C tests resume to."""
+  out = tmp_path_factory.mktemp("runs") / "straight"
+  assert cli.main(train_args(FP16, out, overrides=EIGHT_STEPS)) == 0
+  return out
+
+
+@pytest.mark.slow  # two short runs
 def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, monkeypatch,
-                                                                  capsys):
+                                                                  capsys, straight):
   from mpscale.trainer.data import text as data_lib
   out = tmp_path / "interrupted"
-  overrides = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
-                       "train.checkpoint_every=4"]
+  overrides = EIGHT_STEPS
   real = data_lib.TextData.train_batch
 
   def interrupt_at_step_6(self, seed, step, *args):
@@ -233,8 +244,6 @@ def test_ctrl_c_logs_the_interrupted_interval_and_resume_continues(tmp_path, mon
   assert cli.main(train_args(FP16, out, "--resume", overrides=overrides)) == 0
   resumed = rows(out)
   assert [int(r["step"]) for r in resumed] == [4, 6, 8]
-  straight = tmp_path / "straight"
-  assert cli.main(train_args(FP16, straight, overrides=overrides)) == 0
   # The same training: the state at step 8 is the uninterrupted run's.
   assert resumed[-1]["loss_scale"] == rows(straight)[-1]["loss_scale"]
   assert float(resumed[0]["loss"]) == float(rows(straight)[0]["loss"])
@@ -253,10 +262,11 @@ def python_sigint():
   signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.slow  # three short runs
+@pytest.mark.slow  # two short runs
 def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
                                                                    monkeypatch,
-                                                                   python_sigint):
+                                                                   python_sigint,
+                                                                   straight):
   """Ctrl-C (a real SIGINT) arriving while a step is dispatched, after it donated the
   old state and before the new one is bound (issue #42: one interrupt in four
   crashed with 'Array has been deleted' and saved nothing): the run exits as
@@ -268,8 +278,7 @@ def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
 
   from mpscale.trainer.config import build as builders
   out = tmp_path / "interrupted"
-  overrides = SMALL + ["train.steps=8", "train.log_every=4", "train.eval_every=0",
-                       "train.checkpoint_every=4"]
+  overrides = EIGHT_STEPS
   real_build = builders.build
 
   def build(*args, **kwargs):
@@ -295,8 +304,6 @@ def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
                 if d.isdigit()) == [4, 6]
   monkeypatch.setattr(builders, "build", real_build)
   assert cli.main(train_args(FP16, out, "--resume", overrides=overrides)) == 0
-  straight = tmp_path / "straight"
-  assert cli.main(train_args(FP16, straight, overrides=overrides)) == 0
   assert [int(r["step"]) for r in rows(out)] == [4, 6, 8]
   assert rows(out)[-1]["loss_scale"] == rows(straight)[-1]["loss_scale"]
   # The same final state: the evaluation of step 8's parameters.
@@ -305,17 +312,17 @@ def test_ctrl_c_inside_the_steps_dispatch_keeps_the_completed_step(tmp_path,
       summaries[1]["final_eval_loss"], rel=1e-6)
 
 
-@pytest.mark.slow  # two short runs
+@pytest.mark.slow  # a short resume
 def test_a_corrupt_latest_checkpoint_names_the_good_ones_and_step_picks_one(
-    tmp_path, capsys):
+    run, tmp_path, capsys):
   """Issue #42: with a corrupt latest checkpoint, eval, sample and --resume had no
   way back, and the error (cut off in a TensorStore dump) named no other one. The
   error is short and lists the checkpoints left; --step picks one for eval and
   sample, and --resume --step continues from it (deleting the later, corrupt one)
   to the same final state as an uninterrupted run."""
-  out, straight = tmp_path / "run", tmp_path / "straight"
-  assert cli.main(train_args(FP16, out)) == 0
-  assert cli.main(train_args(FP16, straight)) == 0
+  # A copy of the `run` fixture's run (the same command), which is the straight one.
+  out, straight = tmp_path / "run", run
+  shutil.copytree(run, out)
   for blob in glob.glob(str(out / "checkpoints" / "4" / "state" / "**" / "d" / "*"),
                         recursive=True):
     with open(blob, "wb") as f:
@@ -420,8 +427,10 @@ PIPELINED = {"model": {"d_model": 32, "num_heads": 2, "num_layers": 8, "d_ff": 6
                        "seq_len": 16},
              "data": {"batch_size": 8, "eval_batches": 1},
              "mesh": {"stage": 2, "virtual_stages": 2, "pipeline_schedule": "1f1b"},
-             "train": {"steps": 8, "num_microbatches": 2, "per_token_loss": True,
-                       "log_every": 1, "eval_every": 8, "checkpoint_every": 4,
+             # No evaluation: only the training losses are compared, and each of the
+             # three runs compiled its pipelined evaluation.
+             "train": {"steps": 4, "num_microbatches": 2, "per_token_loss": True,
+                       "log_every": 1, "eval_every": 0, "checkpoint_every": 2,
                        "keep_checkpoints": 10},
              "schedule": {"warmup_steps": 1}, "optimizer": {"name": "adamw"}}
 
@@ -439,7 +448,7 @@ def test_a_checkpoint_of_interleaved_stages_resumes_under_other_virtual_stages(
   for virtual in (1, 4):
     part = str(tmp_path / f"v{virtual}")
     shutil.copytree(whole, part)
-    shutil.rmtree(os.path.join(part, "checkpoints", "8"))  # resume from step 4
+    shutil.rmtree(os.path.join(part, "checkpoints", "4"))  # resume from step 2
     cfg = {**PIPELINED, "mesh": {**PIPELINED["mesh"], "virtual_stages": virtual}}
     mpscale.trainer.run(cfg, out_dir=part, resume=True, verbose=False, progress=False)
     table = rows(part)

@@ -171,7 +171,7 @@ def _env():
   env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   # A run of 12 steps is mostly XLA compiling: the processes compile with LLVM's
   # optimizations off and the older fusion emitters, as this process does
-  # (conftest.py), about 5x faster. The programs' partitioning and collectives are
+  # (conftest.py), several times faster. The programs' partitioning and collectives are
   # XLA's either way; the one-process run they are compared with compiles so too.
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
   return env
