@@ -451,8 +451,12 @@ def test_fp8_under_a_pipeline_trains_as_the_unpipelined_run(tmp_path):
                "virtual_stages": 2},
       "train": {"num_microbatches": 2}})):
     cfg = _fp8_config("delayed")
-    cfg["train"] = {**cfg["train"], "steps": 6, "eval_every": 6,
-                    "checkpoint_every": 6}
+    # No evaluation (not compared here), and the schedule of the 20-step runs above:
+    # the plain run's step is then test_the_tiny_lm_trains_with_fp8_blocks_near_bf16
+    # [delayed]'s, loaded from the persistent compilation cache (conftest.py).
+    cfg["train"] = {**cfg["train"], "steps": 4, "eval_every": 0,
+                    "checkpoint_every": 4}
+    cfg["schedule"] = {**cfg["schedule"], "decay_steps": 20}
     for section, values in extra.items():
       cfg[section] = {**cfg.get(section, {}), **values}
     if name == "pipelined":
@@ -483,8 +487,9 @@ def test_fp8_with_float32_gradient_sums_trains_as_with_bf16_sums(tmp_path, mesh)
   runs = {}
   for name, sums in (("bf16", None), ("float32", "float32")):
     cfg = _fp8_config("delayed")
-    cfg["train"] = {**cfg["train"], "steps": 6, "eval_every": 6,
-                    "checkpoint_every": 6, "num_microbatches": 2}
+    # No evaluation: not compared here, and each run compiled it.
+    cfg["train"] = {**cfg["train"], "steps": 4, "eval_every": 0,
+                    "checkpoint_every": 4, "num_microbatches": 2}
     cfg["mesh"] = mesh
     cfg["precision"] = {**cfg["precision"], "grad_reduce_dtype": sums}
     out = str(tmp_path / name)
@@ -493,7 +498,7 @@ def test_fp8_with_float32_gradient_sums_trains_as_with_bf16_sums(tmp_path, mesh)
   np.testing.assert_allclose(runs["float32"][0], runs["bf16"][0], rtol=2e-3)
   got, want = (runs[k][1]["_overwrite_with_gradient"]["stages"]["fc"]
                for k in ("float32", "bf16"))
-  assert np.count_nonzero(got.lhs.amax_history, axis=1).tolist() == [0, 12, 12, 0]
+  assert np.count_nonzero(got.lhs.amax_history, axis=1).tolist() == [0, 8, 8, 0]
   np.testing.assert_allclose(got.lhs.amax_history, want.lhs.amax_history, rtol=2e-2)
 
 
