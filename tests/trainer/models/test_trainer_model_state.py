@@ -31,7 +31,15 @@ def _eval_batches(run_dir):
                for b in run.data.eval_batches()]
 
 
-def test_nnx_cnn_with_batchnorm_and_dropout_loads_back_as_the_module(tmp_path):
+def _no_plot(monkeypatch):
+  """The run's metrics.png is drawn by matplotlib (seconds); the tests that read only
+  the run's logs and checkpoint skip it (the digits test checks that it is written)."""
+  monkeypatch.setattr(loop, "plot_runs", lambda *args, **kwargs: None)
+
+
+def test_nnx_cnn_with_batchnorm_and_dropout_loads_back_as_the_module(tmp_path,
+                                                                      monkeypatch):
+  _no_plot(monkeypatch)
   cfg = mpscale.trainer.load_config(DIGITS, SHORT + FP32)
   summary = mpscale.trainer.run(cfg, out_dir=str(tmp_path), progress=False,
                                 verbose=False)
@@ -47,10 +55,12 @@ def test_nnx_cnn_with_batchnorm_and_dropout_loads_back_as_the_module(tmp_path):
   example = __import__("runpy").run_path(
       os.path.join(ROOT, "examples", "digits_cnn", "model.py"))
   _, batches = _eval_batches(tmp_path)
+  # compiled (nnx.jit takes the module as it is; eagerly each op compiles alone)
+  loss_fn, metrics_fn = nnx.jit(example["loss"]), nnx.jit(example["metrics"])
   total = count = correct = 0.0
   for batch in batches:
-    loss_sum, n = example["loss"](module, batch)
-    c, _ = example["metrics"](module, batch)["accuracy"]
+    loss_sum, n = loss_fn(module, batch)
+    c, _ = metrics_fn(module, batch)["accuracy"]
     total, count, correct = total + float(loss_sum), count + float(n), correct + float(c)
   np.testing.assert_allclose(total / count, summary["final_eval_loss"], rtol=1e-5)
   assert correct / count == pytest.approx(summary["final_eval_accuracy"])
@@ -112,7 +122,9 @@ def _linen_config(tmp_path, *extra):
   return mpscale.trainer.load_config(str(tmp_path / "config.yaml"), list(extra))
 
 
-def test_linen_batchnorm_dropout_trains_and_loads_back_as_variables(tmp_path):
+def test_linen_batchnorm_dropout_trains_and_loads_back_as_variables(tmp_path,
+                                                                    monkeypatch):
+  _no_plot(monkeypatch)
   cfg = _linen_config(tmp_path, "mesh.data=4", *FP32)
   out = tmp_path / "run"
   summary = mpscale.trainer.run(cfg, out_dir=str(out), progress=False, verbose=False)
