@@ -340,7 +340,7 @@ def test_a_blend_logs_the_share_of_each_corpus(tmp_path):
 # ------------------------------------------------------------------ resume
 
 
-@pytest.mark.slow  # three training processes: about 75 s on 2 cores
+@pytest.mark.slow  # three training processes (quickly compiled: test_resume._env)
 def test_sigkill_then_resume_is_bit_identical(tmp_path, monkeypatch):
   # test_resume's run on a blend of an indexed corpus (about three epochs of it:
   # killed mid-epoch) and a flat file, killed mid-blend.
