@@ -46,7 +46,8 @@ class StepFlops:
   Calling it before the step (``flops = count(state, batch)``; then
   ``step(state, batch)``) compiles the step as the call would, into jit's cache, so
   the call compiles nothing more; a later step of the same shapes costs a dictionary
-  lookup."""
+  lookup. A step that is not jitted (no ``lower``: a plain function, a wrapper)
+  has no program to read: its count is NaN, and the logged rate is empty."""
 
   def __init__(self, step: Callable[..., Any]):
     self.step = step
@@ -56,7 +57,9 @@ class StepFlops:
   def __call__(self, state: Any, batch: Any) -> float:
     key = _shapes(batch)
     if key not in self.counted:
-      self.counted[key] = compiled_flops(self.step.lower(state, batch).compile())
+      lower = getattr(self.step, "lower", None)
+      self.counted[key] = (math.nan if lower is None
+                           else compiled_flops(lower(state, batch).compile()))
     self.last = self.counted[key]
     return self.last
 

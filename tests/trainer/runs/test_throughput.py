@@ -283,3 +283,17 @@ def test_a_profile_file_is_relative_to_the_config_and_the_flag_to_here(tmp_path,
                                    "cpu-test.yaml"])
   cfg = config_lib.load_config(str(path), args.set + cli._hardware_set(args))
   assert cfg.train.hardware == str(tmp_path / "cpu-test.yaml")
+
+
+def test_a_step_that_is_not_jitted_counts_nan_and_still_runs():
+  """A plain function as the step (a wrapper, or a test's stand-in) has no program
+  to read: its count is NaN, so the rate is empty, and the step is not called."""
+  calls = []
+
+  def step(state, batch):
+    calls.append(batch)
+    return state, {}
+
+  count = throughput.StepFlops(step)
+  assert math.isnan(count(jnp.zeros(()), jnp.ones((4, 2))))
+  assert math.isnan(count.last) and not calls
