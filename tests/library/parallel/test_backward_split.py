@@ -49,6 +49,7 @@ def split_grads(fn, p, x, g):
   return y, dp, split.weight_gradients(p, inputs, dys), dx
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("fn, tapped", [
     (mlp, {"w1", "w2"}), (shaped, {"flat", "v"}), (tied, {"w1"}), (looped, {"w1", "w2"})])
 def test_b_and_w_add_up_to_the_layers_gradients(fn, tapped):

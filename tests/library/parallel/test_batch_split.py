@@ -167,6 +167,7 @@ def compiled(model, mesh):
   return step.lower(init(params), batch).compile()
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fsdp_keeps_a_user_models_batch_split(monkeypatch):
   """A user's linen LM under FSDP on 8 devices, at 2 sequences a device: no dot or
   all-gather in the compiled step carries the global batch, and none exchanges
@@ -298,6 +299,7 @@ def test_a_recomputed_layer_gathers_each_weight_at_most_twice():
   assert weights == pytest.approx(6, rel=0.02)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fsdp_user_model_matches_one_device():
   """Three SGD steps of the user's LM under FSDP (data 2 x fsdp 4) equal one
   device's: loss and params, float32. (Not Adam: the key bias's gradient is zero but
@@ -305,7 +307,7 @@ def test_fsdp_user_model_matches_one_device():
   model = LM(32, vocab=64)
   rng = np.random.default_rng(1)
   batch = {k: jnp.asarray(rng.integers(0, 64, (8, 12))) for k in ("x", "y")}
-  params = model.init(jax.random.key(0), batch["x"][:1])["params"]
+  params = jax.jit(model.init)(jax.random.key(0), batch["x"][:1])["params"]  # one program
   results = []
   for mesh in (None, fsdp_mesh(2, 4)):
     _, init, step = lm_step(model, 8, 12, mesh, optax.sgd(0.5))
@@ -357,6 +359,7 @@ def nnx_loss(module, batch):
       module(batch["x"]), batch["y"]).mean()
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fsdp_keeps_an_nnx_models_batch_split(monkeypatch):
   """The same for a Flax NNX model, as the trainer adapts it
   (`mpscale.trainer.models.user.from_nnx`): no global-batch dot or gather, where GSPMD

@@ -128,6 +128,7 @@ def test_matches_one_device(layout, optimizer):
   assert_same_run(got, reference(optimizer))
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fsdp_tensor_sequence_parallel_zero1_matches_one_device():
   got = train(make_mesh(data=2, fsdp=2, tensor=2), "came", sequence_parallel=True,
               zero1=True)

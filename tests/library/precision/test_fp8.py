@@ -411,6 +411,7 @@ def test_merged_micro_batches_take_the_max_in_any_order(recipe_name):
   _assert_same(jax.tree_util.tree_map(lambda u: u[1], across), abc)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_a_vmap_over_replicas_stacks_updates_that_merge_stacked_combines():
   recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   rng = np.random.default_rng(7)
@@ -453,6 +454,7 @@ def test_merge_keeps_the_old_scale_where_the_merged_amax_gives_none():
   assert float(_merge_stacked(stacked, recipe)["layer"].lhs.scale) == 2.0
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_merge_across_replicas_of_a_shard_map():
   recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   rng = np.random.default_rng(6)
@@ -488,6 +490,7 @@ def test_split_and_join_route_the_overwrite_with_gradient_collection():
   assert mpscale.join_overwrite({"params": 1}, None) == {"params": 1}
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_flax_train_state_replaces_the_state_by_its_gradient():
   recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   dense = nn.Dense(8, dot_general_cls=functools.partial(Fp8DotGeneral, recipe=recipe))
@@ -502,6 +505,7 @@ def test_flax_train_state_replaces_the_state_by_its_gradient():
 
 
 # ------------------------------------------------------------------ Flax layers
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_linen_dense_general_and_einsum_hold_their_state():
   recipe = fp8.make_fp8_recipe("delayed", history_len=4)
   x = jax.random.normal(jax.random.key(0), (3, 2, 32))
@@ -542,6 +546,7 @@ def _only(state, kind):
   return only(state, kind) if only is not None else state.filter(kind)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_nnx_linear_and_einsum_take_the_product_and_update_their_state():
   recipe = fp8.make_fp8_recipe("current", history_len=4)
   x = jax.random.normal(jax.random.key(0), (4, 2, 8)) * 2

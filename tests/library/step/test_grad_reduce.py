@@ -135,6 +135,7 @@ def _relative(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("specs", [None, FSDP], ids=["data", "fsdp"])
 def test_the_gradient_is_the_float32_sum_of_the_replicas_own(specs):
   """Each replica's own bfloat16 gradient (its 32 rows, on one device), summed in
@@ -281,6 +282,7 @@ def test_a_model_with_a_state_is_refused_by_key():
   assert e.value.names == ("precision.grad_reduce_dtype", "model.provider")
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fsdp_float32_sums_gather_a_layer_at_a_time():
   """Under FSDP the float32-sums step casts and gathers each weight where the loss
   uses it (`mpscale.parallel.gather_where_used`): on the built-in LM, whose layers
@@ -333,6 +335,7 @@ def _fp8_state():
   return {mpscale.OVERWRITE_WITH_GRADIENT: {"w1": mpscale.fp8_state(RECIPE)}}
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("num_microbatches, specs", [(1, None), (2, None), (2, FSDP)],
                          ids=["one", "micro", "fsdp"])
 def test_fp8_state_under_float32_sums_records_the_global_amaxes(num_microbatches,

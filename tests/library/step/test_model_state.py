@@ -306,6 +306,7 @@ def test_pipeline_dropout_equals_the_unpipelined_model(schedule, recompute):
   assert not np.allclose(without.loss, reference.loss)  # the masks matter
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_pipeline_step_with_dropout_trains():
   pipe = _stochastic_pipeline("gpipe")
   mesh = _mesh((2, 2), ("data", "stage"))

@@ -309,6 +309,7 @@ def tiny_loss(model, policy):
   return loss_fn
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fp16_with_dynamic_scaling_matches_fp32_and_without_it_stalls():
   rng = np.random.RandomState(0)
   x = rng.randn(64, 8).astype(np.float32)

@@ -63,6 +63,7 @@ def test_loss_at_init_is_uniform_over_bytes(model, params, batch):
   assert np.isclose(model.mean_loss_fn(params, batch), loss_sum / num_tokens)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_loss_fn_is_the_composition_of_the_pipeline_functions(model, params, batch):
   x = model.embed_fn(params, batch)
   for i in range(CFG.num_layers):
@@ -88,6 +89,7 @@ def test_mask_drops_tokens(model, params, batch):
   np.testing.assert_allclose(model.loss_fn(params, changed)[0], loss_sum, rtol=1e-6)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_attention_is_causal(model, params, batch):
   hidden = model.hidden_fn(params, batch)
   later = dict(batch, inputs=batch["inputs"].copy())
@@ -97,6 +99,7 @@ def test_attention_is_causal(model, params, batch):
   assert not np.allclose(hidden[:, 10:], changed[:, 10:])
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("spec, dtype", [("O2", jnp.float16), ("bf16", jnp.bfloat16),
                                          ("O0", jnp.float32)])
 def test_activations_follow_the_compute_dtype_and_loss_is_float32(
@@ -173,6 +176,7 @@ def _softmax_attention(q, k, v):
   return jnp.einsum("bhqk,bkhd->bqhd", weights, v.astype(jnp.float32))
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_causal_attention_is_jax_s_own_xla_attention(dtype):
   """`lm.causal_attention` against JAX's `jax.nn.dot_product_attention` (its XLA
@@ -285,6 +289,7 @@ def _fp8_model(recipe="delayed", **kwargs):
       FP8_CFG, fp8=mpscale.make_fp8_recipe(recipe, history_len=8), **kwargs)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fp8_state_is_stacked_over_every_block_and_passes_through(batch):
   """One state per block, as params["stages"] (a pipeline splits both alike): the
   first and last blocks' (kept in bf16) all zeros, the others the recipe's first."""
@@ -308,6 +313,7 @@ def test_fp8_state_is_stacked_over_every_block_and_passes_through(batch):
   assert lm.TinyLM.from_sizes(FP8_CFG).init_model_state() is None
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("remat", [False, True])
 def test_fp8_state_gradient_updates_every_fp8_block(batch, remat):
   """Each FP8 block's products record their amaxes through the state's gradient
@@ -353,6 +359,7 @@ def test_a_state_without_fp8_is_refused(params, batch):
   assert err.value.names == ("model_state",)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_fp8_pipeline_form_equals_loss_fn_and_its_state_update(batch):
   """A Pipeline of embed_fn / stage_fn(state=) / head_fn (its layers under a
   lax.cond on fp8_block) gives loss_fn's loss, gradients and state update."""

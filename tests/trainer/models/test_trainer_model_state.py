@@ -37,6 +37,7 @@ def _no_plot(monkeypatch):
   monkeypatch.setattr(loop, "plot_runs", lambda *args, **kwargs: None)
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_nnx_cnn_with_batchnorm_and_dropout_loads_back_as_the_module(tmp_path,
                                                                       monkeypatch):
   _no_plot(monkeypatch)
@@ -122,6 +123,7 @@ def _linen_config(tmp_path, *extra):
   return mpscale.trainer.load_config(str(tmp_path / "config.yaml"), list(extra))
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_linen_batchnorm_dropout_trains_and_loads_back_as_variables(tmp_path,
                                                                     monkeypatch):
   _no_plot(monkeypatch)
@@ -221,6 +223,7 @@ PMAP_ERA_MODELS = textwrap.dedent('''
 ''') + ROWS_SOURCE
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
 def test_a_pmap_era_batchnorm_trains_on_1_and_4_devices_to_the_same_statistics(
     tmp_path, flavour):
@@ -318,6 +321,7 @@ def _fp8_user_config(tmp_path, flavour, name):
   return mpscale.trainer.load_config(str(tmp_path / "config.yaml"), ["mesh.data=2"])
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 @pytest.mark.parametrize("flavour", ["linen", "nnx"])
 def test_a_config_named_flax_model_trains_its_fp8_layers(tmp_path, flavour):
   """precision.fp8 with a user's model: its provider builds mpscale.precision.fp8_flax layers

@@ -150,6 +150,7 @@ CONFIG = {"optimizer": {"name": "adamw", "learning_rate": 0.05},
                     "checkpoint_every": 30}}
 
 
+@pytest.mark.slow  # long: not in the floors job (.ci/run)
 def test_a_linen_module_is_initialized_through_its_loss(tmp_path):
   from flax import linen as nn
 
