@@ -38,10 +38,11 @@ import os
 import shutil
 import tempfile
 
+from tests import quick_compile  # no jax import
+
 PLATFORM = os.environ.get("MPSCALE_TEST_PLATFORM", "cpu")
 _DEVICES = "--xla_force_host_platform_device_count=8"
-_FAST_COMPILE = ("--xla_backend_optimization_level=0"
-                 " --xla_cpu_use_fusion_emitters=false")
+_FAST_COMPILE = quick_compile.FLAGS
 _FLAGS_BEFORE = os.environ.get("XLA_FLAGS", "")
 if PLATFORM == "cpu":
   if _DEVICES not in _FLAGS_BEFORE:

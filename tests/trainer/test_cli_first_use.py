@@ -23,10 +23,10 @@ from mpscale.trainer.runs import compare
 from mpscale.trainer.runs import devices
 from mpscale.trainer.runs import loop
 from mpscale.trainer.runs import progress
+from tests import quick_compile
 from tests.trainer.test_cli import FP32, ROOT, SMALL, sets
 
 T5 = os.path.join(ROOT, "examples", "t5_split", "config.yaml")
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def test_plan_without_devices_simulates_the_configs_mesh():
@@ -34,7 +34,7 @@ def test_plan_without_devices_simulates_the_configs_mesh():
   ``--devices``: on a CPU-only install the plan's CPU compile simulates as many
   devices as the config's mesh needs (here data 2), where before it said "needs 2
   devices, but 1 are available"."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_FAST_COMPILE)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=quick_compile.FLAGS)
   done = subprocess.run(
       [sys.executable, "-m", "mpscale", "plan", "--config", FP32,
        *sets(SMALL + ["mesh.data=2"])], capture_output=True, text=True, env=env,

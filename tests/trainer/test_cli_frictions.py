@@ -16,7 +16,7 @@ from mpscale.trainer import cli
 from mpscale.trainer.config import load as config
 from mpscale.trainer.runs import loop
 from tests.trainer.test_cli import FP16, ROOT, SMALL, rows, sets
-from tests.trainer.test_cli_first_use import _FAST_COMPILE
+from tests import quick_compile
 
 DP_PP = os.path.join(ROOT, "configs", "tiny_lm_dp_pp.yaml")
 # data 2 x stage 2 on 4 devices, shrunk as in test_cli.test_data_by_stage_mesh_trains
@@ -64,7 +64,7 @@ def test_eval_and_sample_in_a_process_with_one_device(dp_pp_run):
           "assert cli.main(['sample', sys.argv[1], '--prompt', 'ab', '--tokens', "
           "'3']) == 0")
   # One device, and conftest.py's quick compile (LLVM's optimizations off).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_FAST_COMPILE)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=quick_compile.FLAGS)
   done = subprocess.run([sys.executable, "-c", code, out], capture_output=True,
                         text=True, env=env, cwd=ROOT, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]

@@ -35,7 +35,7 @@ from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.data import text as data_lib
 from mpscale.trainer.runs import distributed
 from mpscale.trainer.data import loader
-from tests import helpers
+from tests import helpers, quick_compile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 EXAMPLE = os.path.join(ROOT, "examples", "nnx_transformer", "config.yaml")
@@ -59,8 +59,6 @@ RUNS = {
 }
 # The rates and times of the wall clock (tflops_per_device and mfu are rates too).
 TIMING = ("tokens_per_s", "tflops_per_device", "mfu", "wall_s")
-FAST_COMPILE = ("--xla_backend_optimization_level=0"
-                " --xla_cpu_use_fusion_emitters=false")
 
 
 # ------------------------------------------------------------------ one process
@@ -173,7 +171,7 @@ def _env():
   # optimizations off and the older fusion emitters, as this process does
   # (conftest.py), several times faster. The programs' partitioning and collectives are
   # XLA's either way; the one-process run they are compared with compiles so too.
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {quick_compile.FLAGS}".strip()
   return env
 
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests import helpers
+from tests import helpers, quick_compile
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +44,6 @@ RUNS = {"tiny_lm": (os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml"), SETTINGS
             + ["model.args.channels=8", "model.args.blocks=1"])}
 
 
-FAST_COMPILE = ("--xla_backend_optimization_level=0"
-                " --xla_cpu_use_fusion_emitters=false")
-"""conftest.py's quick compile, for the processes the tests start."""
-
-
 def _command(out, *extra, run="tiny_lm"):
   config, settings = RUNS[run]
   sets = [arg for s in settings for arg in ("--set", s)]
@@ -61,7 +56,7 @@ def _env(compilation_cache=True):
   # The runs are short, so mostly XLA compiling: they compile with LLVM's
   # optimizations off and the older fusion emitters, as the tests' own process does
   # (conftest.py), several times faster; the CLI adds the devices the mesh needs.
-  env["XLA_FLAGS"] = FAST_COMPILE
+  env["XLA_FLAGS"] = quick_compile.FLAGS
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   if not compilation_cache:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -87,7 +82,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, run):
   # persistent compilation cache: as in a first run, compiling the evaluation at the
   # last step leaves time between the last two checkpoints. The kill comes up to
   # 0.5 s after checkpoint STEPS - 2 * EVERY at the latest, so that with the quick
-  # compile (FAST_COMPILE) it still lands before the run ends.
+  # compile (tests.quick_compile) it still lands before the run ends.
   whole_log = tmp_path / "whole.log"
   with open(whole_log, "wb") as log:
     whole_proc = subprocess.Popen(_command(whole, run=run), env=_env(), cwd=ROOT,
