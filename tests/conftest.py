@@ -102,7 +102,26 @@ per core a long file started last would keep one core busy after the other ran o
 of work."""
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+      "--extended", action="store_true", default=False,
+      help="also run the tests marked extended (the studies' reproductions and the "
+      "long cross-products' other cases; without it they are skipped, saying so)")
+
+
+_EXTENDED_SKIP = ("the extended tier (a study's reproduction, or a cross-product's "
+                  "other case: a quicker test of the default run checks the same "
+                  "feature); run it with --extended")
+
+
 def pytest_collection_modifyitems(config, items):
-  del config
+  """The longest files first (`_LONGEST_FIRST`); the tests marked ``extended``
+  skipped unless ``--extended`` is given."""
   rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+  if not config.getoption("--extended"):
+    import pytest
+    skip = pytest.mark.skip(reason=_EXTENDED_SKIP)
+    for item in items:
+      if "extended" in item.keywords:
+        item.add_marker(skip)

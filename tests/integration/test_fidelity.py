@@ -89,6 +89,7 @@ def _no_plots(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 3 seeds x 2 runs, ~50 s: a study's reproduction
 def test_without_scaling_fp16_trains_worse_by_more_than_the_seed_spread(tmp_path,
                                                                         monkeypatch):
   """A shortened experiment (b): 20 steps, seeds 0-2, with and without the dynamic

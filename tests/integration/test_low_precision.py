@@ -102,6 +102,7 @@ def test_the_table_reads_the_run_folders_and_compares_seed_by_seed(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a study's reproduction, ~35 s
 def test_bf16_weights_stall_with_round_to_nearest_not_with_stochastic_rounding(
     tmp_path, monkeypatch):
   """A shortened study: bfloat16 weights and AdamW state, 30 steps, seeds 0 and 1. On

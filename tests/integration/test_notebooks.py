@@ -227,6 +227,7 @@ def fresh_runs(request):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the four notebooks, ~2 min on both cores
 @pytest.mark.parametrize("name", ALL)
 def test_notebook_runs(name, fresh_runs):
   import asyncio

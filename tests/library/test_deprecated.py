@@ -2,6 +2,7 @@
 (mpscale/_deprecated.py), and give the very objects of their new homes."""
 
 import importlib
+import json
 import subprocess
 import sys
 import warnings
@@ -14,20 +15,43 @@ import mpscale
 from mpscale import _deprecated
 
 
-@pytest.mark.parametrize("old", sorted(_deprecated.MODULES))
-def test_an_old_module_path_imports_with_a_warning(old):
-  # In a fresh interpreter: the warning is given once per path and process.
-  code = (f"import warnings\nwarnings.simplefilter('error')\nimport mpscale\n"
-          f"try:\n  import {old}\nexcept DeprecationWarning as e:\n  print(e)\n"
-          f"else:\n  raise SystemExit('no warning')\n"
-          f"warnings.simplefilter('ignore')\nimport {old} as m\n"
-          f"import importlib\nnew = importlib.import_module({_deprecated.homes(old)[0]!r})\n"
-          f"assert all(getattr(m, n) is getattr(new, n) for n in dir(new)\n"
-          f"           if not n.startswith('__')), {old!r}\n")
-  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+_CHECK_OLD_PATHS = """
+import importlib, json, sys, warnings
+import mpscale
+out = {}
+for old, home in json.loads(sys.argv[1]).items():
+  warnings.simplefilter('error')
+  try:
+    importlib.import_module(old)
+  except DeprecationWarning as e:
+    message = str(e)
+  else:
+    out[old] = 'no warning'
+    continue
+  warnings.simplefilter('ignore')
+  m, new = importlib.import_module(old), importlib.import_module(home)
+  same = all(getattr(m, n) is getattr(new, n) for n in dir(new) if not n.startswith('__'))
+  out[old] = message if same else 'not the objects of ' + home
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def old_paths():
+  """``{old module path: its warning's text, or what went wrong}``, each imported
+  first under warnings-as-errors in one fresh interpreter: the warning is given once
+  per path and process, and no path imports another's deprecated module."""
+  homes = {old: _deprecated.homes(old)[0] for old in sorted(_deprecated.MODULES)}
+  result = subprocess.run([sys.executable, "-c", _CHECK_OLD_PATHS, json.dumps(homes)],
+                          capture_output=True, text=True)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert f"the module {old} is deprecated" in result.stdout
-  assert "use mpscale." in result.stdout
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("old", sorted(_deprecated.MODULES))
+def test_an_old_module_path_imports_with_a_warning(old, old_paths):
+  assert f"the module {old} is deprecated" in old_paths[old], old_paths[old]
+  assert "use mpscale." in old_paths[old]
 
 
 def test_from_mpscale_import_an_old_module_warns_and_gives_its_new_home():

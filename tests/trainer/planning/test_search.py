@@ -151,7 +151,9 @@ SMALL_AXES = ("data", "tensor")  # 20 layouts on 8 devices, each compiled in sec
 def exhaustive(tmp_path_factory):
   """The tiny LM on 8 devices over data and tensor: every layout compiled
   (``top=None``), then the pre-ranked search (its leading 3 compiled) on the same
-  cache, which compiles nothing again."""
+  cache, which compiles nothing again. About 2 minutes on 2 cores: the two tests
+  that read it are the extended tier's (the `searched` tests rank, compile and
+  cache in the default run)."""
   cache = str(tmp_path_factory.mktemp("plans"))
   every = search_lib.search(CONFIG, 8, A100, axes=SMALL_AXES, top=None,
                             cache_dir=cache)
@@ -161,6 +163,7 @@ def exhaustive(tmp_path_factory):
 
 
 @pytest.mark.slow  # 20 compiles, ~2-4 min on 2 cores
+@pytest.mark.extended
 def test_the_preranked_search_finds_the_exhaustive_searchs_best(exhaustive):
   every, leading = exhaustive
   assert every.not_planned == 0 and every.compiled == every.candidates == 20
@@ -173,6 +176,7 @@ def test_the_preranked_search_finds_the_exhaustive_searchs_best(exhaustive):
 
 
 @pytest.mark.slow  # shares the exhaustive search
+@pytest.mark.extended
 def test_the_preranking_agrees_with_compiled_plans_on_a_small_model(exhaustive):
   rows = exhaustive[0].ranked  # every layout, by its compiled estimate
   compiled = [r["seconds"] for r in rows]
