@@ -9,6 +9,7 @@
   mpscale plan --config configs/x.yaml --search --devices N --hardware a100-80g [--budget S] [--compile-top K]
   mpscale compare configs/a.yaml configs/b.yaml ... [--out runs/compare]
                   [--plot docs/fidelity.png] [--set ...] [--resume | --overwrite]
+                  [--hardware h100-80g]   (the table: losses, ..., TFLOP/s a device, MFU)
   mpscale eval runs/NAME [--devices N]
   mpscale sample runs/NAME [--prompt TEXT] [--tokens N] [--devices N]
   mpscale tokenize INPUT... | --embedded  --out PREFIX  (--vocab-size N | --tokenizer

@@ -15,11 +15,23 @@ from mpscale.trainer.runs.loop import check_out_dir, train
 from mpscale.trainer.runs.plots import plot_runs
 
 
+def _rate_cells(summary: dict[str, Any]) -> list[Any]:
+  """A summary's ``TFLOP/s a device`` (3 significant digits) and ``MFU`` (a
+  percentage, with ``train.hardware`` or ``--hardware``) cells; empty where the run
+  has none (no timed step, no profile, a summary from before they were logged)."""
+  tflops, mfu = summary.get("tflops_per_device"), summary.get("mfu")
+  finite = lambda v: isinstance(v, (int, float)) and math.isfinite(v)
+  return [float(f"{tflops:.3g}") if finite(tflops) else "",
+          f"{100 * mfu:.1f}%" if finite(mfu) else ""]
+
+
 def comparison_table(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], list[list]]:
-  """Header and rows of the comparison table (the first run is the reference)."""
+  """Header and rows of the comparison table (the first run is the reference): the
+  runs' settings, losses, skips, optimizer state, time, and their TFLOP/s a device
+  and MFU (``summary.json``'s ``tflops_per_device`` and ``mfu``)."""
   header = ["run", "policy", "loss scale", "optimizer", "steps", "final train loss",
             "final eval loss", "eval vs first", "skipped steps", "optimizer state (KiB)",
-            "train time (s)"]
+            "train time (s)", "TFLOP/s a device", "MFU"]
   ref = summaries[0]["final_eval_loss"] if summaries else math.nan
   rows = []
   for s in summaries:
@@ -28,7 +40,7 @@ def comparison_table(summaries: Sequence[dict[str, Any]]) -> tuple[list[str], li
                  round(s["final_train_loss"], 4), round(s["final_eval_loss"], 4),
                  f"{rel:+.2f}%", s["skipped"],
                  round(s["optimizer_state_bytes"] / 1024, 1),
-                 round(s["train_seconds"], 1)])
+                 round(s["train_seconds"], 1), *_rate_cells(s)])
   return header, rows
 
 

@@ -134,6 +134,25 @@ def test_the_columns_are_the_flops_over_the_seconds_and_the_peak(run):
       1 + 1e-9)
 
 
+def test_the_comparison_table_carries_each_runs_tflops_and_mfu(run):
+  from mpscale.trainer.runs import compare  # noqa: PLC0415
+  out, _, _ = run
+  summary = _summary(out)
+  no_profile = {**summary, "name": "no profile", "mfu": None, "hardware": None}
+  older = {k: v for k, v in summary.items() if k not in ("tflops_per_device", "mfu")}
+  older["name"] = "older"
+  untimed = {**summary, "name": "untimed", "tflops_per_device": float("nan")}
+  header, rows = compare.comparison_table([summary, no_profile, older, untimed])
+  cells = [dict(zip(header, row)) for row in rows]
+  assert header[-2:] == ["TFLOP/s a device", "MFU"]
+  tflops, mfu = cells[0]["TFLOP/s a device"], cells[0]["MFU"]
+  assert tflops == pytest.approx(summary["tflops_per_device"], rel=5e-3) and tflops > 0
+  assert mfu == f"{100 * summary['mfu']:.1f}%"
+  assert cells[1]["TFLOP/s a device"] == tflops and cells[1]["MFU"] == ""
+  assert cells[2]["TFLOP/s a device"] == cells[2]["MFU"] == ""
+  assert cells[3]["TFLOP/s a device"] == ""
+
+
 def _events(path):
   """``{tag: {step: value}}`` of a TensorBoard event file (TFRecord framing: length,
   its CRC, the record, its CRC)."""
