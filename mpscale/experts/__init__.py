@@ -6,7 +6,8 @@
   (`grouped_matmul`: XLA's ``ragged_dot``, or tiles of one expert each);
 - ``_dispatch``: tokens to their experts and back, on one device or across an
   ``expert`` axis with ragged (or padded) all-to-alls, dropless or with a capacity
-  (`dispatch`, `exchange`);
+  (`dispatch`, `exchange`), and the experts' activation (`swiglu`, which the
+  built-in dense SwiGLU blocks share);
 - ``_layer``: the whole layer on a mesh, and its statistics (`moe_mlp`,
   `MoeStats`);
 - `mpscale.experts.moe_flax`: the layer as linen and NNX modules (needs Flax).
@@ -23,6 +24,7 @@ from mpscale.experts._dispatch import (
     exchange,
     has_ragged_all_to_all,
     platform_of,
+    swiglu,
 )
 from mpscale.experts._grouped import (IMPLEMENTATIONS, TILES_SCOPE, choose,
                                       default_tile, grouped_matmul)
@@ -58,6 +60,7 @@ __all__ = [
     "has_ragged_all_to_all",
     "load_balancing_loss",
     "moe_mlp",
+    "swiglu",
     "platform_of",
     "route",
     "update_bias",

@@ -298,15 +298,6 @@ def _gelu(h: jax.Array) -> jax.Array:
   return nn.gelu(h.astype(jnp.float32)).astype(h.dtype)
 
 
-@jax.checkpoint
-def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-  """``silu(gate) * up`` in float32, as `_gelu` is (the SiLU's exp, and the
-  product, stay finite), cast back to ``gate``'s dtype; the backward keeps ``gate``
-  and ``up`` alone, as `_gelu` keeps its input."""
-  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(
-      gate.dtype)
-
-
 class Block(nn.Module):
   """One pre-LN transformer block: causal self-attention, then a GELU MLP."""
   num_heads: int
@@ -424,7 +415,7 @@ class LlamaBlock(nn.Module):
       return self.shard(x + y, "residual"), stats
     gate = self.shard(dense(self.d_ff, use_bias=False, name="gate")(h), "mlp")
     up = self.shard(dense(self.d_ff, use_bias=False, name="up")(h), "mlp")
-    h = _swiglu(gate, up)
+    h = experts_lib.swiglu(gate, up)
     x = x + dense(d_model, use_bias=False, name="down")(h)
     return self.shard(x, "residual")
 
