@@ -375,14 +375,15 @@ def _tokenize(args: argparse.Namespace) -> None:
   print(made.text())
 
 
-def _mesh_devices(args: argparse.Namespace) -> int:
-  """The devices of ``mpscale plan``'s config's mesh, which its CPU compile simulates
-  when ``--devices`` is not given (1 for a config that does not load: the plan then
-  says what is wrong with it)."""
+def _plan_config(args: argparse.Namespace) -> Optional[config_lib.RunConfig]:
+  """``mpscale plan``'s config, loaded before JAX starts (its mesh's devices are the
+  ones the CPU compile simulates when ``--devices`` is not given), and then planned:
+  one load. ``None`` for a config that does not load: the plan loads it again and
+  says what is wrong with it."""
   try:
-    return config_lib.load_config(args.config, args.set).mesh.num_devices
+    return config_lib.load_config(args.config, args.set)
   except config_lib.ConfigError:
-    return 1
+    return None
 
 
 def _initialize(args: argparse.Namespace) -> None:
@@ -426,11 +427,13 @@ def _search(args: argparse.Namespace, hardware: Any) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command; returns the exit status (2 for a config or run-folder error)."""
   args = _parser().parse_args(argv)
+  plan_cfg = None
   try:
     if args.command == "plan":  # compile only: a GPU compiler registers on the CPU
       start_on_cpu()
       if args.devices is None and not args.search:
-        host_devices_at_least(_mesh_devices(args))
+        plan_cfg = _plan_config(args)
+        host_devices_at_least(1 if plan_cfg is None else plan_cfg.mesh.num_devices)
     set_host_device_count(getattr(args, "devices", None))  # tokenize has none
     _initialize(args)
   except ValueError as e:
@@ -457,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       if args.search:
         _search(args, hardware)
         return 0
-      cfg = config_lib.load_config(args.config, args.set)
+      cfg = plan_cfg or config_lib.load_config(args.config, args.set)
       try:
         planned = plan_lib.plan(cfg, device_memory=args.device_memory,
                                 hardware=hardware, compiler=args.compiler)

@@ -191,15 +191,20 @@ def test_planning_allocates_nothing():
   assert np.isfinite(planned.flops_per_device)
 
 
-def test_the_command_prints_the_plan_as_text_or_json(capsys):
+def test_the_command_prints_the_plan_as_text_or_json(capsys, monkeypatch):
   import json
   import os
   from mpscale.trainer import cli
   root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
   config = os.path.join(root, "configs", "tiny_lm_fp16.yaml")
   sets = [a for s in SMALL + ["mesh.data=8"] for a in ("--set", s)]
+  loads, load = [], cli.config_lib.load_config
+  monkeypatch.setattr(cli.config_lib, "load_config",
+                      lambda *a, **k: loads.append(a) or load(*a, **k))
   assert cli.main(["plan", "--config", config, *sets, "--json",
                    "--device-memory", "80GB"]) == 0
+  assert len(loads) == 1  # read once: for the mesh's devices, then planned
+  monkeypatch.setattr(cli.config_lib, "load_config", load)
   out = json.loads(capsys.readouterr().out)
   assert out["devices"] == 8 and out["fits"] is True and out["device_memory"] == 8e10
   assert set(out["bytes"]) >= {"params", "optimizer_state", "gradients", "temporaries",
