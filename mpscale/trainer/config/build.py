@@ -149,7 +149,8 @@ def check_user_fp8(cfg: schema.RunConfig, model: Any) -> None:
 
 def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
                 devices: Optional[Sequence[Any]] = None) -> lm_lib.TinyLM:
-  """The tiny LM with ``model`` sizes, ``train.remat`` and ``precision.fp8``
+  """The tiny LM with ``model`` sizes, ``train.recompute`` (``train.remat``) and
+  ``precision.fp8``
   (`build_fp8`); on a mesh with ``fsdp`` or
   ``tensor`` axes its activations are laid out for them (``mesh.sequence_parallel``).
   Its attention is ``model.attention`` for the devices it runs on: the mesh's, else
@@ -179,10 +180,11 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
                          {"context_parallel": "model.context_parallel"})
   fp8 = build_fp8(cfg)
   return errors.keyed("model", lambda: lm_lib.TinyLM.from_sizes(
-      cfg.model, remat=cfg.train.remat, shard=shard, attention=attention, fp8=fp8,
-      fp8_products=cfg.precision.fp8.products,
+      cfg.model, remat=cfg.train.remat, recompute=cfg.train.recompute, shard=shard,
+      attention=attention, fp8=fp8, fp8_products=cfg.precision.fp8.products,
       bf16_layers=cfg.precision.fp8.bf16_layers),
                       errors.fields("model", cfg.model, remat="train.remat",
+                                    recompute="train.recompute",
                                     fp8_products="precision.fp8.products",
                                     bf16_layers="precision.fp8.bf16_layers"))
 

@@ -71,11 +71,6 @@ def check(cfg: RunConfig) -> None:
                       "reports its loss)", ("model.metrics", "model.provider"))
   if model.provider is not None:
     check_user_model(cfg)
-  if train.recompute not in ("none", None) and mesh.stage == 1:
-    raise ConfigError("train.recompute chooses what a pipeline's backward recomputes "
-                      "(mesh.stage > 1); without a pipeline set train.remat: true "
-                      "to recompute each block, or train.recompute: none",
-                      ("train.recompute", "mesh.stage"))
   if data.provider is not None and data.path is not None:
     raise ConfigError("data.path and data.provider are exclusive (one source of data)",
                       ("data.path", "data.provider"))
@@ -293,8 +288,9 @@ def check_user_model(cfg: RunConfig) -> None:
                       "jax.checkpoint of its blocks): set train.remat: false",
                       ("train.remat",))
   if cfg.train.recompute != "none":
-    raise ConfigError("train.recompute: sets the built-in model's pipeline; a user's "
-                      "mpscale.Pipeline takes its own recompute=: set "
+    raise ConfigError("train.recompute: recomputes the built-in model's blocks; a "
+                      "user's model rematerializes its own (jax.checkpoint of its "
+                      "blocks, or its mpscale.Pipeline's recompute=): set "
                       "train.recompute: none", ("train.recompute",))
   if cfg.mesh.sequence_parallel:
     raise ConfigError("mesh.sequence_parallel: lays out the built-in model's "

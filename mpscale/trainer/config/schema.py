@@ -533,13 +533,14 @@ class TrainConfig:
   per_token_loss: bool = True
   """Divide by the token count of the whole batch rather than average micro-batches."""
   remat: bool = False
-  """Recompute each block's activations in the backward pass (with a pipeline:
-  ``recompute: full``)."""
+  """Recompute each block's activations in the backward pass: ``recompute: full``
+  (the older key for it; ``true`` with ``recompute: selective`` is refused)."""
   recompute: str = "none"
-  """What a pipeline's backward recomputes (``mesh.stage`` > 1): ``none`` (keep every
-  residual of each micro-batch's forward), ``selective`` (keep the linear layers'
-  outputs, recompute the rest: Megatron-LM's selective recomputation) or ``full``
-  (keep each layer's input, recompute the layer)."""
+  """What the backward of the built-in model recomputes, with or without a pipeline:
+  ``none`` (keep every residual of the forward; a pipeline's of each micro-batch),
+  ``selective`` (keep the linear layers' outputs, recompute the rest: Megatron-LM's
+  selective recomputation) or ``full`` (keep each layer's input, recompute the
+  layer; ``remat: true``)."""
   log_every: int = 10
   eval_every: int = 100
   """Evaluate every this many steps (and at the end); 0: only at the end."""
@@ -554,6 +555,13 @@ class TrainConfig:
   and ``summary.json`` then give ``mfu``: TFLOP/s a device over the profile's peak for
   the step's compute dtype (`mpscale.trainer.runs.throughput`). Only logging reads
   it."""
+
+
+  @property
+  def full_recompute(self) -> bool:
+    """Each layer recomputed whole in the backward: ``recompute: full`` or
+    ``remat: true`` (what the planner's FLOP and memory counts read)."""
+    return self.remat or self.recompute == "full"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -596,7 +596,12 @@ class TinyLM:
     sliding_window: each query attends this many latest keys (Mistral; ``None``:
       all earlier ones).
     remat: recompute each block in the backward pass (``loss_fn`` only; a pipeline
-      takes its own ``remat``).
+      takes its own ``remat``): ``recompute="full"``.
+    recompute: what the backward of ``loss_fn`` recomputes, as a pipeline's
+      (`mpscale.parallel.RECOMPUTE`: ``"none"``, ``"selective"``: keep the blocks'
+      matrix products and recompute the rest, Megatron-LM's selective recomputation,
+      ``"full"``: keep each block's input), or a ``jax.checkpoint_policies`` policy;
+      ``remat=True`` is ``"full"``.
     shard: activation layout for tensor and sequence parallelism; ``None``: GSPMD's
       choice.
     attention: ``"xla"`` or ``"cudnn"`` (`Block.attention`; `attention_for` chooses
@@ -670,6 +675,7 @@ class TinyLM:
   aux_loss_coef: float = 0.0
   z_loss_coef: float = 0.0
   capacity_factor: Optional[float] = None
+  recompute: Any = "none"
 
   SIZES: ClassVar[tuple[str, ...]] = (
       "vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len",
@@ -684,6 +690,7 @@ class TinyLM:
   def from_sizes(cls, sizes: Any, **kwargs: Any) -> "TinyLM":
     """A model with the `SIZES` read off ``sizes`` (any object with those
     attributes, e.g. the config's ``model`` section); ``kwargs``: ``remat``,
+    ``recompute``,
     ``shard``, ``attention``, ``fp8``, ``fp8_products``, ``bf16_layers``."""
     fields = {name: getattr(sizes, name) for name in cls.SIZES}
     fields["rope_scaling"] = families.RopeScaling.from_dict(fields["rope_scaling"])
@@ -706,6 +713,11 @@ class TinyLM:
     self._check_family()
     self._check_experts()
     validation.boolean("remat", self.remat)
+    parallel_lib.recompute_policy(self.recompute)  # a RECOMPUTE name, or a policy
+    if self.remat and self.recompute not in ("none", "full"):
+      raise validation.ArgumentError(
+          ("remat", "recompute"), "{0}=True is {1}='full'; got "
+          f"{{1}}={self.recompute!r}: set one of them")
     validation.one_of("attention", self.attention, ATTENTION[1:])
     if self.fp8 is not None:
       self._check_fp8()
@@ -1078,7 +1090,12 @@ class TinyLM:
         variables["routing"] = {"moe": {"bias": bias}}
       out = self._block(dtype).apply(variables, x, states)
       return out if self.routing is not None else (out, None)
-    stage = jax.checkpoint(block) if self.remat else block
+    if self.remat or self.recompute == "full":
+      stage = jax.checkpoint(block)  # the block's input kept, the rest recomputed
+    elif self.recompute == "none":
+      stage = block
+    else:
+      stage = jax.checkpoint(block, policy=parallel_lib.recompute_policy(self.recompute))
 
     def body(x, xs):
       return stage(xs[0], x, *xs[1:])

@@ -210,7 +210,7 @@ class Layout(NamedTuple):
     return cls(data=m.data, fsdp=m.fsdp, stage=m.stage, tensor=m.tensor,
                context=m.context, expert=m.expert,
                context_parallel=cfg.model.context_parallel,
-               microbatches=cfg.train.num_microbatches, remat=cfg.train.remat,
+               microbatches=cfg.train.num_microbatches, remat=cfg.train.full_recompute,
                zero1=m.shard_optimizer_state, sequence_parallel=m.sequence_parallel,
                schedule=m.pipeline_schedule, virtual_stages=m.virtual_stages)
 

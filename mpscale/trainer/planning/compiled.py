@@ -424,7 +424,7 @@ def _model_flops(cfg: Any, params: Any, tokens: int) -> float:
   m = cfg.model
   embeddings = sum(x.size for x in jax.tree_util.tree_leaves(params.get("embed", {})))
   dense = lm_lib.num_params(params) - embeddings
-  remat = 1 if cfg.train.remat else 0
+  remat = 1 if cfg.train.full_recompute else 0
   return ((6.0 + 2 * remat) * dense * tokens
           + (12.0 + 4 * remat) * m.num_layers * tokens * m.seq_len * m.d_model)
 

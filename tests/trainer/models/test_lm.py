@@ -123,6 +123,49 @@ def test_remat_gives_the_same_gradients(params, batch):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def _kept_bytes(model, params, batch):
+  """The bytes ``jax.vjp`` of ``model``'s loss keeps for its backward, beyond its
+  arguments (traced only)."""
+  residuals = jax._src.ad_checkpoint.saved_residuals(  # pylint: disable=protected-access
+      lambda p: model.mean_loss_fn(p, batch), params)
+  return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
+             if "argument" not in source)
+
+
+def test_recompute_without_a_pipeline_keeps_less_and_gives_the_same_gradients(
+    params, batch):
+  """``recompute`` (#63 item 5: one key, with or without a pipeline): ``full``
+  keeps the least (``remat=True`` is it, to the byte), ``selective`` keeps the
+  blocks' matrix products and less than ``none``; the gradients are the plain
+  model's."""
+  models = {name: lm.TinyLM.from_sizes(CFG, recompute=name)
+            for name in ("none", "selective", "full")}
+  kept = {name: _kept_bytes(m, params, batch) for name, m in models.items()}
+  assert kept["full"] < kept["selective"] < kept["none"], kept
+  assert _kept_bytes(lm.TinyLM.from_sizes(CFG, remat=True), params, batch) == kept["full"]
+  grad = lambda m: jax.jit(jax.grad(m.mean_loss_fn))(params, batch)
+  want = grad(models["none"])
+  for a, b in zip(jax.tree_util.tree_leaves(want),
+                  jax.tree_util.tree_leaves(grad(models["selective"]))):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_recompute_is_checked_and_is_the_configs_key():
+  with pytest.raises(ValueError, match="recompute"):
+    lm.TinyLM.from_sizes(CFG, recompute="some")
+  with pytest.raises(ValueError, match=r"remat=True is recompute='full'"):
+    lm.TinyLM.from_sizes(CFG, remat=True, recompute="selective")
+  from mpscale.trainer.config import build as builders  # noqa: PLC0415
+  for recompute in ("selective", "full"):  # without a pipeline, as with one
+    cfg = config.config_from_dict({"train": {"recompute": recompute}}, "<test>")
+    assert builders.build_model(cfg).recompute == recompute
+    assert cfg.train.full_recompute == (recompute == "full")
+  with pytest.raises(ValueError, match=r"train.remat=True is train.recompute='full'"):
+    config.config_from_dict({"train": {"remat": True, "recompute": "selective"}},
+                            "<test>")
+  assert config.config_from_dict({"train": {"remat": True}}, "<test>").train.full_recompute
+
+
 def test_too_long_sequence_is_an_error(model, params):
   tokens = np.zeros((1, CFG.seq_len + 1), np.int32)
   with pytest.raises(ValueError, match="longer than the model's seq_len"):
