@@ -226,11 +226,7 @@ class Pipeline:
     validation.one_of("layer_order", self.layer_order, LAYER_ORDERS)
     if self.merge_state is not None:
       validation.function("merge_state", self.merge_state)
-    run_lib.recompute_policy(self.recompute)  # a RECOMPUTE name, or a policy
-    if self.remat and self.recompute not in ("none", "full"):
-      raise validation.ArgumentError(
-          ("remat", "recompute"), "{0}=True is {1}='full'; got "
-          f"{{1}}={self.recompute!r}: set one of them")
+    self.policy()  # recompute a RECOMPUTE name or a policy, and remat beside it
     if self.schedule == "zb_h1" and self.virtual_stages > 1:
       raise validation.ArgumentError(
           ("schedule", "virtual_stages"), "{0}='zb_h1' runs one layer chunk per "
@@ -285,7 +281,7 @@ class Pipeline:
   def policy(self) -> Optional[Callable]:
     """The ``jax.checkpoint`` policy each layer runs under (``recompute``, or
     ``"full"`` with ``remat``); ``None``: no recomputation."""
-    return run_lib.recompute_policy("full" if self.remat else self.recompute)
+    return run_lib.recompute_policy(self.recompute, self.remat)
 
   def layer(self, key: Optional[jax.Array] = None, stateful: bool = False
            ) -> Callable:

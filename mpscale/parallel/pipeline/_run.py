@@ -40,12 +40,26 @@ would compute on. Tests set it to NaN to show that nothing from a bubble reaches
 gradient."""
 
 
-def recompute_policy(recompute: Any) -> Optional[Callable]:
+def recompute_policy(recompute: Any, remat: bool = False) -> Optional[Callable]:
   """The ``jax.checkpoint`` policy of a `RECOMPUTE` name (``None`` for ``"none"``), or
-  ``recompute`` itself when it is a policy (a ``jax.checkpoint_policies`` callable)."""
+  ``recompute`` itself when it is a policy (a ``jax.checkpoint_policies`` callable).
+  ``remat=True`` (the older flag of `Pipeline` and the trainer's model) is
+  ``"full"``, beside ``recompute`` ``"none"`` or ``"full"`` only.
+
+  Raises:
+    ArgumentError: naming ``recompute`` for an unknown name, or ``remat`` and
+      ``recompute`` for another beside ``remat=True``.
+  """
+  if not callable(recompute):
+    validation.one_of("recompute", recompute, RECOMPUTE)
+  if remat and (callable(recompute) or recompute not in ("none", "full")):
+    raise validation.ArgumentError(
+        ("remat", "recompute"), "{0}=True is {1}='full'; got "
+        f"{{1}}={recompute!r}: set one of them")
+  if remat:
+    recompute = "full"
   if callable(recompute):
     return recompute
-  validation.one_of("recompute", recompute, RECOMPUTE)
   return {"none": None,
           "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
           "full": jax.checkpoint_policies.nothing_saveable}[recompute]

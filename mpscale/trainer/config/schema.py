@@ -556,7 +556,6 @@ class TrainConfig:
   the step's compute dtype (`mpscale.trainer.runs.throughput`). Only logging reads
   it."""
 
-
   @property
   def full_recompute(self) -> bool:
     """Each layer recomputed whole in the backward: ``recompute: full`` or

@@ -713,11 +713,7 @@ class TinyLM:
     self._check_family()
     self._check_experts()
     validation.boolean("remat", self.remat)
-    parallel_lib.recompute_policy(self.recompute)  # a RECOMPUTE name, or a policy
-    if self.remat and self.recompute not in ("none", "full"):
-      raise validation.ArgumentError(
-          ("remat", "recompute"), "{0}=True is {1}='full'; got "
-          f"{{1}}={self.recompute!r}: set one of them")
+    parallel_lib.recompute_policy(self.recompute, self.remat)  # checked
     validation.one_of("attention", self.attention, ATTENTION[1:])
     if self.fp8 is not None:
       self._check_fp8()
@@ -1090,12 +1086,8 @@ class TinyLM:
         variables["routing"] = {"moe": {"bias": bias}}
       out = self._block(dtype).apply(variables, x, states)
       return out if self.routing is not None else (out, None)
-    if self.remat or self.recompute == "full":
-      stage = jax.checkpoint(block)  # the block's input kept, the rest recomputed
-    elif self.recompute == "none":
-      stage = block
-    else:
-      stage = jax.checkpoint(block, policy=parallel_lib.recompute_policy(self.recompute))
+    policy = parallel_lib.recompute_policy(self.recompute, self.remat)
+    stage = block if policy is None else jax.checkpoint(block, policy=policy)
 
     def body(x, xs):
       return stage(xs[0], x, *xs[1:])
