@@ -82,3 +82,18 @@ def sub_jaxprs(params):
         yield v
       elif hasattr(getattr(v, "jaxpr", None), "eqns"):
         yield v.jaxpr
+
+
+def kept_bytes(loss, params) -> int:
+  """The bytes ``jax.vjp`` of ``loss(params)`` keeps for its backward, beyond its
+  arguments (traced only)."""
+  residuals = jax._src.ad_checkpoint.saved_residuals(loss, params)  # pylint: disable=protected-access
+  return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
+             if "argument" not in source)
+
+
+def saved_names(loss, params) -> set:
+  """The ``checkpoint_name`` names of what ``jax.vjp`` of ``loss(params)`` keeps."""
+  residuals = jax._src.ad_checkpoint.saved_residuals(loss, params)  # pylint: disable=protected-access
+  return {m.group(1) for _, source in residuals
+          for m in [re.search(r"named '([^']+)'", source)] if m}

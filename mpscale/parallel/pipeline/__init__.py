@@ -13,7 +13,8 @@ A pipelined model is three functions, ``embed_fn``, ``stage_fn`` (one layer) and
 - ``_ticked``: 1F1B and ZB-H1, tick by tick from their tables, with their own
   backward (`Carry`, the item slots the ticks carry);
 - ``_run``: what every executor shares on one device (`PipelineRun`, `RunSpec`),
-  recomputation (`recompute_policy`);
+  recomputation (`recompute_policy`, `SAVED_NAMES`, and the first layers of a stage
+  recomputed: `scan_layers`, `check_recompute_layers`);
 - ``_backward_split``: a layer's backward in two, input gradient and weight
   gradients, for ZB-H1 (`BackwardSplit`);
 - ``_schedules``: the schedule tables, which op each stage runs at each tick, and
@@ -26,7 +27,13 @@ May import: the core, and ``mpscale.parallel``'s own layout modules (``_layouts`
 
 from mpscale.parallel.pipeline._backward_split import Split as BackwardSplit
 from mpscale.parallel.pipeline._pipeline import LAYER_ORDERS, Pipeline, stage_norm_groups
-from mpscale.parallel.pipeline._run import RECOMPUTE, recompute_policy
+from mpscale.parallel.pipeline._run import (
+    RECOMPUTE,
+    SAVED_NAMES,
+    check_recompute_layers,
+    recompute_policy,
+    scan_layers,
+)
 from mpscale.parallel.pipeline._schedules import (
     BWD,
     FWD,
@@ -54,10 +61,12 @@ __all__ = [
     "LAYER_ORDERS",
     "Pipeline",
     "RECOMPUTE",
+    "SAVED_NAMES",
     "SCHEDULES",
     "SLOTS",
     "SplitPipeline",
     "WGT",
+    "check_recompute_layers",
     "check_schedule",
     "chunk_table",
     "item_slots",
@@ -67,6 +76,7 @@ __all__ = [
     "pipeline_schedule_chunks",
     "pipeline_schedule_table",
     "recompute_policy",
+    "scan_layers",
     "stage_norm_groups",
     "tick_costs",
 ]

@@ -32,7 +32,8 @@ def layers_of_chunk(pipe: Any, layers: Any, chunk: jax.Array, x: jax.Array,
   still keeps the slice that feeds the name), where the stack itself is
   loop-invariant and kept once; the backward picks them again and recomputes the
   elementwise work. ``gather`` (FSDP, `StageFSDP.layer`) gathers the picked parameters,
-  again in the backward.
+  again in the backward. The chunk's first ``recompute_layers`` run under the policy,
+  the rest under ``recompute="none"``'s (`scan_layers`).
   """
   n = jax.tree_util.tree_leaves(layers)[0].shape[1]
   pick = lambda tree, l: jax.tree_util.tree_map(  # noqa: E731
@@ -44,8 +45,10 @@ def layers_of_chunk(pipe: Any, layers: Any, chunk: jax.Array, x: jax.Array,
     state = None if states is None else pick(states, l)
     return pipe._stage(lp, h, key, state), None  # pylint: disable=protected-access
 
-  policy = run_lib.gathers_recomputed(pipe.policy())
-  h, _ = lax.scan(jax.checkpoint(body, policy=policy), x, jnp.arange(n))
+  def layer_of(recomputed):
+    policy = run_lib.gathers_recomputed(pipe.policy() if recomputed else None)
+    return jax.checkpoint(body, policy=policy)
+  h, _ = run_lib.scan_layers(layer_of, x, jnp.arange(n), pipe.recompute_layers)
   return h
 
 

@@ -194,13 +194,20 @@ class Pipeline:
       recompute the rest) or ``"full"`` (keep each layer's input), or a
       ``jax.checkpoint_policies`` policy. Every schedule runs each layer under it;
       1F1B and ZB-H1 keep the residuals of each micro-batch's forward until its
-      backward (`pipeline_schedules` bounds how many).
+      backward (`pipeline_schedules` bounds how many). The `SAVED_NAMES` keep
+      what ``stage_fn`` names with ``jax.ad_checkpoint.checkpoint_name``.
     merge_state: how the updates of a layer state (`value_and_grad`'s
       ``model_state``) from several micro-batches and data replicas combine into
       one: ``merge_state(updates) -> state``, ``updates`` the state's tree with a
       leading axis of updates (FP8 scaling state:
       ``functools.partial(mpscale.precision.merge_stacked, recipe=recipe)``); ``None``:
       the pipeline takes no model state.
+    recompute_layers: how many layers of each stage (each chunk with
+      ``virtual_stages``) run under ``recompute``, the first ones; the rest keep
+      every residual (Megatron-LM's ``recompute_num_layers``, its ``block``
+      method); ``None``: all of them. GPipe only (1F1B and ZB-H1 keep one layout of
+      residuals for every layer); `apply`, the model on one device, recomputes the
+      first ``recompute_layers`` of all its layers.
   """
   embed_fn: Callable
   stage_fn: Callable
@@ -215,6 +222,7 @@ class Pipeline:
   num_stages: Optional[int] = None
   recompute: Any = "none"
   merge_state: Optional[Callable] = None
+  recompute_layers: Optional[int] = None
 
   def __post_init__(self):
     for name in ("embed_fn", "stage_fn", "head_fn"):
@@ -226,7 +234,13 @@ class Pipeline:
     validation.one_of("layer_order", self.layer_order, LAYER_ORDERS)
     if self.merge_state is not None:
       validation.function("merge_state", self.merge_state)
-    self.policy()  # recompute a RECOMPUTE name or a policy, and remat beside it
+    # recompute a RECOMPUTE name or a policy, and remat beside it
+    run_lib.check_recompute_layers(self.recompute_layers, self.policy())
+    if self.recompute_layers is not None and self.schedule != "gpipe":
+      raise validation.ArgumentError(
+          ("recompute_layers", "schedule"), f"{{0}}: schedule={self.schedule!r} "
+          "keeps one layout of residuals for every layer, so it recomputes all of "
+          "a stage's layers or none: leave {0} unset or use {1}='gpipe'")
     if self.schedule == "zb_h1" and self.virtual_stages > 1:
       raise validation.ArgumentError(
           ("schedule", "virtual_stages"), "{0}='zb_h1' runs one layer chunk per "
@@ -317,15 +331,21 @@ class Pipeline:
     layer's state (stacked alike), or ``None``."""
     stateful = states is not None
 
-    def body(h, xs):
-      p, key, s = xs
-      p = (p, s) if stateful else p
-      if gather is None:
-        return self.layer(key, stateful)(p, h), None
-      at = (lambda ps: (gather(ps[0]), ps[1])) if stateful else gather
-      fn = lambda p, h: self.layer(key, stateful)(at(p), h)  # noqa: E731
-      return jax.checkpoint(fn, policy=run_lib.gathers_recomputed(self.policy()))(p, h), None
-    x, _ = lax.scan(body, x, (layer_params, keys, states))
+    def layer_of(recomputed):
+      policy = self.policy() if recomputed else None
+
+      def body(h, xs):
+        p, key, s = xs
+        p = (p, s) if stateful else p
+        layer = run_lib.under(policy, self.plain_layer(key, stateful))
+        if gather is None:
+          return layer(p, h), None
+        at = (lambda ps: (gather(ps[0]), ps[1])) if stateful else gather
+        fn = lambda p, h: layer(at(p), h)  # noqa: E731
+        return jax.checkpoint(fn, policy=run_lib.gathers_recomputed(policy))(p, h), None
+      return body
+    x, _ = run_lib.scan_layers(layer_of, x, (layer_params, keys, states),
+                               self.recompute_layers)
     return x
 
   def apply(self, params: Any, batch: Any, rng: Optional[jax.Array] = None,
@@ -403,6 +423,8 @@ class Pipeline:
     if num_layers % (S * v):
       raise ValueError(f"{num_layers} layers are not divisible by {S} stages x "
                        f"{v} virtual stages")
+    run_lib.check_recompute_layers(self.recompute_layers, self.policy(),
+                                   num_layers // (S * v))
     check_schedule(self.schedule, S, self.num_microbatches, v)
 
   def param_specs(self, params: Any, specs: Any = None) -> Any:

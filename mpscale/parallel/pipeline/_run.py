@@ -4,8 +4,8 @@
 the loss scale, the keys, the layers' state copies, the FSDP shards) and the small
 steps every executor takes: the stage index, casts to device-varying, a micro-batch,
 its keys, the embedding's output shape, the head's loss terms. The helpers around it
-say what a layer keeps for its backward (`recompute_policy`, `gathers_recomputed`)
-and where a pipeline's layers and keys lie (`interleave_order`, `layer_keys`).
+say what a layer keeps for its backward (`recompute_policy`, `gathers_recomputed`),
+which of a stage's layers are recomputed (`scan_layers`) and where a pipeline's layers and keys lie (`interleave_order`, `layer_keys`).
 """
 
 from __future__ import annotations
@@ -27,11 +27,27 @@ from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
 
 
-RECOMPUTE = ("none", "selective", "full")
+SAVED_NAMES = {
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj", "qkv_proj"),
+    "save_out_proj": ("out_proj",),
+    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "qkv_proj",
+                            "out_proj"),
+}
+"""The named policies (MaxText's ``remat_policy`` names): each keeps the outputs a
+layer names with ``jax.ad_checkpoint.checkpoint_name`` as one of these (the attention's
+query, key and value projections, fused or not, and its output projection; the
+trainer's built-in model names its products so, and its MLP's ``mlpwi`` and
+``mlpwo``), and recomputes the rest. A layer that names none of them keeps its input
+alone, as ``full``. MaxText's ``minimal`` is ``selective``. Offloading the named
+outputs to host memory (MaxText's ``qkv_proj_offloaded``) is not built."""
+
+
+RECOMPUTE = ("none", "selective", "full") + tuple(SAVED_NAMES)
 """Recomputation policies: ``none`` keeps every residual of the forward for the
 backward; ``selective`` keeps the outputs of matrix products without batch dimensions
 (the linear layers) and recomputes the rest, attention's core included (Megatron-LM's
-selective recomputation); ``full`` keeps each layer's input and recomputes the layer."""
+selective recomputation, MaxText's ``minimal``); ``full`` keeps each layer's input and
+recomputes the layer; the `SAVED_NAMES` keep the named products' outputs."""
 
 
 BUBBLE_FILL = 0.0
@@ -60,9 +76,54 @@ def recompute_policy(recompute: Any, remat: bool = False) -> Optional[Callable]:
     recompute = "full"
   if callable(recompute):
     return recompute
+  if recompute in SAVED_NAMES:
+    return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES[recompute])
   return {"none": None,
           "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
           "full": jax.checkpoint_policies.nothing_saveable}[recompute]
+
+
+def check_recompute_layers(recompute_layers: Any, policy: Optional[Callable],
+                           layers: Optional[int] = None) -> None:
+  """Checks ``recompute_layers``, how many of a stage's layers run under the
+  recompute ``policy`` (``None``: all of them): an int from 0 to ``layers`` (a
+  stage's layers, where known), and only beside a policy.
+
+  Raises:
+    ArgumentError: naming ``recompute_layers`` (and ``recompute`` when there is no
+      policy to run the layers under).
+  """
+  if recompute_layers is None:
+    return
+  validation.integer("recompute_layers", recompute_layers, 0)
+  if policy is None:
+    raise validation.ArgumentError(
+        ("recompute_layers", "recompute"), "{0} chooses how many layers of each "
+        "stage run under {1}, and {1}='none' recomputes nothing: set {1} (e.g. "
+        f"'full') or leave {{0}} unset; got {{0}}={recompute_layers}")
+  if layers is not None and recompute_layers > layers:
+    raise validation.fail("recompute_layers", f"={recompute_layers}: a stage holds "
+                          f"{layers} layers; recompute at most {layers}")
+
+
+def scan_layers(layer_of: Callable[[bool], Callable], x: Any, xs: Any,
+                recompute_layers: Optional[int] = None, **kwargs: Any) -> Any:
+  """``lax.scan(layer_of(True), x, xs)`` over stacked layers (``xs``' leading axis),
+  the first ``recompute_layers`` of them recomputed (``layer_of(True)``, the scan
+  body under the recompute policy) and the rest not (``layer_of(False)``): two scans,
+  their outputs concatenated (Megatron-LM's ``recompute_num_layers``, its ``block``
+  method). ``None``: every layer recomputed, one scan. ``kwargs`` go to each
+  ``lax.scan``. Returns the scan's ``(carry, outputs)``."""
+  n = jax.tree_util.tree_leaves(xs)[0].shape[0]
+  k = n if recompute_layers is None else min(recompute_layers, n)
+  if k in (0, n):
+    return lax.scan(layer_of(k == n), x, xs, **kwargs)
+  ys = []
+  for start, stop, recomputed in ((0, k, True), (k, n, False)):
+    part = jax.tree_util.tree_map(lambda a: a[start:stop], xs)  # pylint: disable=cell-var-from-loop
+    x, y = lax.scan(layer_of(recomputed), x, part, **kwargs)
+    ys.append(y)
+  return x, jax.tree_util.tree_map(lambda *y: jnp.concatenate(y), *ys)
 
 
 # --------------------------------------------------------------------------- pipeline

@@ -147,6 +147,8 @@ class SplitPipeline(Pipeline):
         raise ValueError(f"params[{key!r}]: every leaf needs the same leading (layer) "
                          f"axis, padded to a slice for each of the {S} stages "
                          f"(SplitPipeline.to_device_order); got {sorted(sizes)}")
+      run_lib.check_recompute_layers(self.recompute_layers, self.policy(),
+                                     next(iter(sizes)) // S)
 
   def param_specs(self, params: Any, specs: Any = None) -> Any:
     """PartitionSpecs: both stacks' leading axis over the stage axis."""
@@ -189,14 +191,17 @@ def _decoder_layers(pipe: SplitPipeline, layers: Any, y: jax.Array,
                     memory: jax.Array, gather: Optional[Callable] = None
                     ) -> jax.Array:
   """The stacked decoder layers in order, each reading ``memory``; ``gather`` as in
-  `Pipeline._layers`."""
-  layer = lambda p, h: pipe.decoder_fn(p, h, memory)  # noqa: E731
-  body = jax.checkpoint(layer) if pipe.remat else layer
-  if gather is not None:
-    plain = body
-    body = jax.checkpoint(lambda p, h: plain(gather(p), h),
-                          policy=run_lib.gathers_recomputed(pipe.policy()))
-  y, _ = lax.scan(lambda h, p: (body(p, h), None), y, layers)
+  `Pipeline._layers`. Each runs under `Pipeline.policy`, the stage's first
+  ``recompute_layers`` (`scan_layers`), as the encoder's layers do."""
+  def layer_of(recomputed):
+    policy = pipe.policy() if recomputed else None
+    body = run_lib.under(policy, lambda p, h: pipe.decoder_fn(p, h, memory))
+    if gather is not None:
+      plain = body
+      body = jax.checkpoint(lambda p, h: plain(gather(p), h),
+                            policy=run_lib.gathers_recomputed(policy))
+    return lambda h, p: (body(p, h), None)
+  y, _ = run_lib.scan_layers(layer_of, y, layers, pipe.recompute_layers)
   return y
 
 

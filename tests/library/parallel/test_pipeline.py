@@ -1,5 +1,6 @@
 """Tests for mpscale.parallel.pipeline: GPipe and 1F1B against the unpipelined model."""
 
+import dataclasses
 import functools
 import operator
 import re
@@ -25,6 +26,12 @@ layout family, the FP8 state through every schedule, and the errors. The others
 exercise the same JAX calls on other shapes, on the newest releases only."""
 
 LAYERS, WIDTH, FEATURES, BATCH = 8, 8, 4, 64
+
+
+KINDS = ("none", "selective", "full")
+"""The kinds of recomputation the grids run (`pl.RECOMPUTE`'s first three): the
+named policies (`pl.SAVED_NAMES`) keep what a layer names, and these layers name
+nothing."""
 
 
 def embed_fn(p, b):
@@ -185,7 +192,7 @@ def _schedule_policy_cases():
   plain, interleaved = (2, 4, 4, 1), (1, 2, 4, 2)
   cases = []
   for i, schedule in enumerate(pl.SCHEDULES):
-    for j, recompute in enumerate(pl.RECOMPUTE):
+    for j, recompute in enumerate(KINDS):
       layout = plain if schedule == "zb_h1" or (i + j) % 2 else interleaved
       marks = [FLOORS] if (schedule, recompute) == ("zb_h1", "none") else []
       cases.append(pytest.param(schedule, recompute, *layout, marks=marks))
@@ -195,10 +202,10 @@ def _schedule_policy_cases():
 def test_the_policy_cases_meet_every_pair():
   cases = [c.values for c in _schedule_policy_cases()]
   assert {(s, r) for s, r, *_ in cases} == {(s, r) for s in pl.SCHEDULES
-                                            for r in pl.RECOMPUTE}
+                                            for r in KINDS}
   for schedule in ("gpipe", "1f1b"):
     assert {v for s, _, _, _, _, v in cases if s == schedule} == {1, 2}
-  for recompute in pl.RECOMPUTE:
+  for recompute in KINDS:
     assert {v for _, r, _, _, _, v in cases if r == recompute} == {1, 2}
 
 
@@ -234,7 +241,7 @@ def _matmul_flops(schedule, micro, virtual, recompute, stages=4, mlp=False):
   return hlo.matmul_flops(compiled.as_text())
 
 
-@pytest.mark.parametrize("recompute", pl.RECOMPUTE)
+@pytest.mark.parametrize("recompute", KINDS)
 @pytest.mark.parametrize("virtual", [1, 2])
 def test_paired_1f1b_compiles_to_gpipes_matrix_flops(recompute, virtual):
   """Read from the compiled program (loops by trip count, a conditional at its
@@ -245,7 +252,7 @@ def test_paired_1f1b_compiles_to_gpipes_matrix_flops(recompute, virtual):
   assert _matmul_flops("1f1b", 16, virtual, recompute) <= 1.1 * gpipe
 
 
-@pytest.mark.parametrize("recompute", pl.RECOMPUTE)
+@pytest.mark.parametrize("recompute", KINDS)
 def test_zb_h1_compiles_to_gpipes_matrix_flops(recompute):
   """ZB-H1 runs one of F, B and W a tick, and W is the weight side of each matrix
   product alone (`mpscale.parallel.pipeline`), so each costs about a forward: within
@@ -301,7 +308,7 @@ def test_residual_bytes_follow_the_schedule_and_the_policy():
     p = {**params, "stages": {**params["stages"], "w2": params["stages"]["w"]}}
     return model.residual_bytes(p, batch, mesh=mesh, per_token_loss=True)
 
-  layer = {r: report("1f1b", r)["layer"] for r in pl.RECOMPUTE}
+  layer = {r: report("1f1b", r)["layer"] for r in KINDS}
   rows = BATCH // 8
   assert layer["full"] == rows * WIDTH * 4            # the layer's input, float32
   assert layer["none"] > layer["selective"] > layer["full"]
@@ -320,6 +327,61 @@ def test_residual_bytes_follow_the_schedule_and_the_policy():
   # + inputs (x: kept already, tanh(x w + b)) + output cotangents (two [rows, WIDTH])
   assert zb["layer"] == layer["full"] + 3 * rows * WIDTH * 4
   assert zb["items"] == 4                              # min(S, M)
+
+
+def test_recompute_layers_recomputes_the_first_layers_of_a_stage():
+  """``recompute_layers=k`` (Megatron-LM's ``recompute_num_layers``): a stage's
+  first ``k`` layers run under the policy and the rest keep their residuals, so
+  the backward keeps what ``none`` keeps with ``k = 0``, what ``full`` keeps with
+  all of them, and strictly between with some; alike in a chunk of interleaved
+  stages (`layers_of_chunk`)."""
+  from mpscale.parallel.pipeline import _gpipe as gpipe_lib
+  params, batch = make_params(), make_batch()
+  x = embed_fn(params, batch)
+  stage = jax.tree.map(lambda a: a[:4], params["stages"])      # a stage of 4 layers
+  chunks = jax.tree.map(lambda a: a.reshape((2, 4) + a.shape[1:]), params["stages"])
+
+  def kept(**kwargs):
+    pipe = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, **kwargs)
+    return (helpers.kept_bytes(lambda p: jnp.sum(pipe._layers(p, x)), stage),
+            helpers.kept_bytes(lambda p: jnp.sum(gpipe_lib.layers_of_chunk(
+                pipe, p, jnp.int32(1), x, None)), chunks))
+  for where, (none, full, *by_k) in enumerate(zip(
+      kept(), kept(recompute="full"),
+      *(kept(recompute="full", recompute_layers=k) for k in (0, 2, 4)))):
+    assert by_k[0] == none > by_k[1] > by_k[2] == full, (where, none, by_k, full)
+
+
+@pytest.mark.parametrize("data, stage, virtual", [(2, 4, 1), (1, 2, 2)])
+def test_recompute_layers_under_gpipe_equals_unpipelined(data, stage, virtual):
+  params, batch = make_params(), make_batch()
+  want_loss, want_grads = reference(params, batch)
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute="full",
+                      virtual_stages=virtual, recompute_layers=1)
+  grads, loss, _ = jax.jit(lambda p, b: model.value_and_grad(
+      p, b, mesh=mesh_of(data, stage), per_token_loss=True))(params, batch)
+  assert_close(loss, want_loss)
+  assert_close(grads, want_grads)
+
+
+def test_bad_recompute_layers_names_the_argument():
+  with pytest.raises(mpscale.ArgumentError, match="recompute='none' recomputes "
+                     "nothing") as err:
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute_layers=1)
+  assert err.value.names == ("recompute_layers", "recompute")
+  with pytest.raises(ValueError, match="recompute_layers"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute="full", recompute_layers=-1)
+  with pytest.raises(TypeError, match="recompute_layers"):
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute="full", recompute_layers=1.5)
+  with pytest.raises(mpscale.ArgumentError, match="'gpipe'") as err:
+    pl.Pipeline(embed_fn, stage_fn, head_fn, 4, schedule="1f1b", recompute="full",
+                recompute_layers=1)
+  assert err.value.names == ("recompute_layers", "schedule")
+  model = pl.Pipeline(embed_fn, stage_fn, head_fn, 4, recompute="full",
+                      recompute_layers=3)
+  with pytest.raises(ValueError, match="a stage holds 2 layers; recompute at most 2"):
+    model.value_and_grad(make_params(), make_batch(), mesh=mesh_of(2, 4),
+                         per_token_loss=True)
 
 
 @FLOORS
@@ -985,6 +1047,23 @@ def test_a_bad_split_names_the_argument(kwargs, names, message):
     pl.SplitPipeline(enc_embed_fn, enc_layer_fn, seq2seq_head_fn, 2,
                      decoder_embed_fn=dec_embed_fn, decoder_fn=dec_layer_fn, **kwargs)
   assert err.value.names == names
+
+
+def test_an_encoder_decoder_splits_decoder_layers_recompute_as_its_encoders():
+  """The decoder's layers run under the recompute policy as the encoder's do (they
+  were recomputed under ``remat=True`` alone, and ``recompute="full"`` or
+  ``"selective"`` kept all of their residuals): what the backward keeps shrinks
+  from none to selective to full, and full keeps what ``remat=True`` keeps."""
+  params, batch = seq2seq_params(2, 6), seq2seq_batch()
+
+  def kept(**kwargs):
+    model = dataclasses.replace(split_model(1, 4, 2), **kwargs)
+    return helpers.kept_bytes(lambda p: model.apply(p, batch)[0],
+                              model.to_device_order(params))
+  by = {recompute: kept(recompute=recompute) for recompute in ("none", "selective",
+                                                                "full")}
+  assert by["none"] > by["selective"] > by["full"], by
+  assert kept(remat=True) == by["full"]
 
 
 def test_a_split_stack_that_does_not_fit_the_stages_is_refused():

@@ -123,14 +123,6 @@ def test_remat_gives_the_same_gradients(params, batch):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def _kept_bytes(loss, params):
-  """The bytes ``jax.vjp`` of ``loss(params)`` keeps for its backward, beyond its
-  arguments (traced only)."""
-  residuals = jax._src.ad_checkpoint.saved_residuals(loss, params)  # pylint: disable=protected-access
-  return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
-             if "argument" not in source)
-
-
 def test_recompute_without_a_pipeline_keeps_less_and_gives_the_same_gradients(
     params, batch):
   """``recompute`` (#63 item 5: one key, with or without a pipeline): ``full``
@@ -140,9 +132,9 @@ def test_recompute_without_a_pipeline_keeps_less_and_gives_the_same_gradients(
   models = {name: lm.TinyLM.from_sizes(CFG, recompute=name)
             for name in ("none", "selective", "full")}
   mean_loss = lambda m: lambda p: m.mean_loss_fn(p, batch)
-  kept = {name: _kept_bytes(mean_loss(m), params) for name, m in models.items()}
+  kept = {name: helpers.kept_bytes(mean_loss(m), params) for name, m in models.items()}
   assert kept["full"] < kept["selective"] < kept["none"], kept
-  assert _kept_bytes(mean_loss(lm.TinyLM.from_sizes(CFG, remat=True)), params) == kept["full"]
+  assert helpers.kept_bytes(mean_loss(lm.TinyLM.from_sizes(CFG, remat=True)), params) == kept["full"]
   grad = lambda m: jax.jit(jax.grad(m.mean_loss_fn))(params, batch)
   want = grad(models["none"])
   for a, b in zip(jax.tree_util.tree_leaves(want),
@@ -503,7 +495,7 @@ def test_a_block_keeps_what_its_backward_needs_in_the_compute_dtype(
                       num_kv_heads=kv_heads, sliding_window=None, **moe)
     params = jax.eval_shape(
         policy.cast_to_compute, jax.eval_shape(model.init, jax.random.key(0)))
-    kept.append(_kept_bytes(lambda p: model.loss_fn(p, data)[0], params))  # pylint: disable=cell-var-from-loop
+    kept.append(helpers.kept_bytes(lambda p: model.loss_fn(p, data)[0], params))  # pylint: disable=cell-var-from-loop
   tokens = batch * length
   per_token_layer = (kept[1] - kept[0]) / 2 / tokens
   kv_width = (kv_heads or heads) * d_model // heads
