@@ -117,7 +117,7 @@ def _step_report() -> None:
                       "tiny_moe.yaml")
   sizes = ["model.d_model=1024", "model.num_heads=16", "model.num_kv_heads=8",
            "model.d_ff=3584", "model.seq_len=4096", "model.vocab_size=32000",
-           "data.batch_size=8", "train.remat=true"]
+           "data.batch_size=8", "train.recompute=full"]
   print("\nthe trainer's step, a 2-layer Mixtral-shaped model on 8 H100s")
   found = {}
   for mesh in ("mesh.expert=8,mesh.data=1", "mesh.expert=1,mesh.data=8"):

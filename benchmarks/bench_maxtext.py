@@ -61,7 +61,7 @@ def mpscale_config(attention: str) -> dict:
       "clip": {"max_norm": 1.0},
       "optimizer": {"name": "adamw", "learning_rate": 1e-4},
       "mesh": {"data": 1, "fsdp": DEVICES},
-      "train": {"per_token_loss": True, "remat": True}}
+      "train": {"per_token_loss": True, "recompute": "full"}}
 
 
 def linen_config(attention: str) -> dict:

@@ -107,7 +107,7 @@ def main() -> None:
       "estimate for a GPU), the matrix products' TFLOPs per step, the bytes moved by "
       "collectives (a bfloat16 sum at bfloat16's bytes, as a GPU or TPU moves it; "
       "the CPU compile widens it to float32), and the seconds the plan took (compile "
-      "included). Global batch 512 x 1024 tokens; `train.remat: true`. A pipelined step's TFLOPs count every "
+      "included). Global batch 512 x 1024 tokens; `train.recompute: full`. A pipelined step's TFLOPs count every "
       "tick as its costliest kind, bubble ticks included (an upper bound). FSDP splits "
       "each leaf along a dimension the axis divides and leaves a leaf it cannot split "
       "replicated: the params column shows it.",

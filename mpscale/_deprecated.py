@@ -13,10 +13,13 @@ a user's code wrote still works, for one release, and warns once per name:
 * an old name (`NAMES`): ``mpscale.clip_by_global_norm`` is
   `mpscale.global_norm_clip`;
 * an old keyword (`renamed_keyword`): ``dynamic_loss_scale(inner, groups=2)`` is
-  ``norm_groups=2``.
+  ``norm_groups=2``;
+* an old config key (`config_key`): the trainer's ``train.remat: true`` is
+  ``train.recompute: full``.
 
 The library's own code never uses an old spelling; it imports this module only to
-decorate the functions whose keyword was renamed.
+decorate the functions whose keyword was renamed, and the trainer's config reader to
+warn of an old key.
 """
 
 from __future__ import annotations
@@ -170,6 +173,12 @@ def install_finder() -> None:
   """Puts the finder of old module paths on ``sys.meta_path`` (once)."""
   if not any(isinstance(f, _Finder) for f in sys.meta_path):
     sys.meta_path.append(_Finder())
+
+
+def config_key(old: str, new: str, stacklevel: int = 3) -> None:
+  """Warns that the trainer's config key ``old`` (with its value, e.g.
+  ``"train.remat: true"``) is deprecated, and says to write ``new`` instead."""
+  _warn(f"the config key {old}", new, stacklevel=stacklevel + 1)
 
 
 def renamed_keyword(old: str, new: str) -> Callable[[Callable], Callable]:

@@ -92,8 +92,8 @@ def kept_bytes(loss, params) -> int:
              if "argument" not in source)
 
 
-def saved_names(loss, params) -> set:
-  """The ``checkpoint_name`` names of what ``jax.vjp`` of ``loss(params)`` keeps."""
-  residuals = jax._src.ad_checkpoint.saved_residuals(loss, params)  # pylint: disable=protected-access
+def saved_names(loss, *args) -> set:
+  """The ``checkpoint_name`` names of what ``jax.vjp`` of ``loss(*args)`` keeps."""
+  residuals = jax._src.ad_checkpoint.saved_residuals(loss, *args)  # pylint: disable=protected-access
   return {m.group(1) for _, source in residuals
           for m in [re.search(r"named '([^']+)'", source)] if m}

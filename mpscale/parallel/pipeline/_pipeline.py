@@ -238,7 +238,7 @@ class Pipeline:
     run_lib.check_recompute_layers(self.recompute_layers, self.policy())
     if self.recompute_layers is not None and self.schedule != "gpipe":
       raise validation.ArgumentError(
-          ("recompute_layers", "schedule"), f"{{0}}: schedule={self.schedule!r} "
+          ("recompute_layers", "schedule"), f"{{0}}: {{1}}={self.schedule!r} "
           "keeps one layout of residuals for every layer, so it recomputes all of "
           "a stage's layers or none: leave {0} unset or use {1}='gpipe'")
     if self.schedule == "zb_h1" and self.virtual_stages > 1:

@@ -102,8 +102,8 @@ def check_recompute_layers(recompute_layers: Any, policy: Optional[Callable],
         "stage run under {1}, and {1}='none' recomputes nothing: set {1} (e.g. "
         f"'full') or leave {{0}} unset; got {{0}}={recompute_layers}")
   if layers is not None and recompute_layers > layers:
-    raise validation.fail("recompute_layers", f"={recompute_layers}: a stage holds "
-                          f"{layers} layers; recompute at most {layers}")
+    raise validation.fail("recompute_layers", f"={recompute_layers}: there are "
+                          f"{layers} layers to recompute (a stage's, in a pipeline)")
 
 
 def scan_layers(layer_of: Callable[[bool], Callable], x: Any, xs: Any,

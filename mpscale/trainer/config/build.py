@@ -12,7 +12,7 @@ loads a config::
               # the rounding only for stochastic (stochastic_rounding) or kahan
               # skip.spikes: skip_spikes(chain(...)) inside the loss scaling
   mesh      = Mesh(devices, ("data", "fsdp", "stage", "tensor"))   # axes > 1, and data
-  model     = TinyLM.from_sizes(model, remat=train.remat, fp8=<precision.fp8>)
+  model     = TinyLM.from_sizes(model, recompute=train.recompute, fp8=<precision.fp8>)
               # FP8 blocks: their scaling state is the TrainState's model_state
   specs     = model.param_specs(mesh)            # tensor and FSDP splits, if any
   loss      = TinyLM.loss_fn  or  Pipeline(embed_fn, stage_fn, head_fn) if stage > 1
@@ -149,8 +149,8 @@ def check_user_fp8(cfg: schema.RunConfig, model: Any) -> None:
 
 def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
                 devices: Optional[Sequence[Any]] = None) -> lm_lib.TinyLM:
-  """The tiny LM with ``model`` sizes, ``train.recompute`` (``train.remat``) and
-  ``precision.fp8``
+  """The tiny LM with ``model`` sizes, ``train.recompute`` and
+  ``train.recompute_layers``, and ``precision.fp8``
   (`build_fp8`); on a mesh with ``fsdp`` or
   ``tensor`` axes its activations are laid out for them (``mesh.sequence_parallel``).
   Its attention is ``model.attention`` for the devices it runs on: the mesh's, else
@@ -180,11 +180,13 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
                          {"context_parallel": "model.context_parallel"})
   fp8 = build_fp8(cfg)
   return errors.keyed("model", lambda: lm_lib.TinyLM.from_sizes(
-      cfg.model, remat=cfg.train.remat, recompute=cfg.train.recompute, shard=shard,
+      cfg.model, remat=cfg.train.remat, recompute=cfg.train.recompute,
+      recompute_layers=cfg.train.recompute_layers, shard=shard,
       attention=attention, fp8=fp8, fp8_products=cfg.precision.fp8.products,
       bf16_layers=cfg.precision.fp8.bf16_layers),
                       errors.fields("model", cfg.model, remat="train.remat",
                                     recompute="train.recompute",
+                                    recompute_layers="train.recompute_layers",
                                     fp8_products="precision.fp8.products",
                                     bf16_layers="precision.fp8.bf16_layers"))
 
@@ -219,17 +221,7 @@ def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
                       and cfg.mesh.context == 1 and cfg.mesh.expert == 1):
     return None
   return errors.keyed("mesh", lambda: model.param_specs(
-      mesh, fsdp_axis=(FSDP_AXIS, CONTEXT_AXIS), pad=pads_unevenly(cfg)),
-      errors.fields("model", cfg.model))
-
-
-def pads_unevenly(cfg: schema.RunConfig) -> bool:
-  """Whether FSDP splits a parameter whose dimensions ``mesh.fsdp`` does not
-  divide, stored padded (`mpscale.parallel.Padded`): where the step can
-  (`mpscale.step.unpaddable`: no pipeline, no float32 sums, no context axis); else
-  such a parameter stays replicated over ``fsdp``."""
-  return step_lib.unpaddable(build_policy(cfg), build_grad_reduce_dtype(cfg),
-                             cfg.mesh.stage > 1, cfg.mesh.context) is None
+      mesh, fsdp_axis=(FSDP_AXIS, CONTEXT_AXIS)), errors.fields("model", cfg.model))
 
 
 def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:
@@ -638,7 +630,7 @@ def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
 
   With ``mesh.stage > 1`` this is ``mpscale.Pipeline(model.embed_fn, model.stage_fn,
   model.head_fn, train.num_microbatches, mesh.pipeline_schedule, train.remat,
-  train.recompute)``, its
+  train.recompute, train.recompute_layers)``, its
   layers stored in device order (``layer_order="device"``: no all-to-all of the stage
   parameters with ``mesh.virtual_stages`` > 1; `Setup.to_device_order`); else
   ``model.loss_fn`` (``(loss_sum, num_tokens)``) with ``train.per_token_loss``, or
@@ -647,7 +639,8 @@ def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
   if cfg.mesh.stage > 1:
     keys = errors.fields("mesh", cfg.mesh, schedule="mesh.pipeline_schedule",
                          num_microbatches="train.num_microbatches", remat="train.remat",
-                         recompute="train.recompute")
+                         recompute="train.recompute",
+                         recompute_layers="train.recompute_layers")
     # FP8 scaling state: each micro-batch's and replica's update merged (max amax).
     merge = (None if model.fp8 is None
              else functools.partial(precision_lib.merge_stacked, recipe=model.fp8))
@@ -655,7 +648,7 @@ def build_loss(cfg: schema.RunConfig, model: lm_lib.TinyLM) -> Any:
         model.embed_fn, model.stage_fn, model.head_fn,
         num_microbatches=cfg.train.num_microbatches,
         schedule=cfg.mesh.pipeline_schedule, remat=cfg.train.remat,
-        recompute=cfg.train.recompute,
+        recompute=cfg.train.recompute, recompute_layers=cfg.train.recompute_layers,
         stage_axis=STAGE_AXIS, virtual_stages=cfg.mesh.virtual_stages,
         layer_order="device", num_stages=cfg.mesh.stage, merge_state=merge), keys)
   return model.loss_fn if cfg.train.per_token_loss else model.mean_loss_fn
@@ -751,7 +744,7 @@ def user_param_specs(cfg: schema.RunConfig, model: models_lib.Model,
   if mesh is not None and cfg.mesh.fsdp > 1:
     shapes = jax.eval_shape(model.init, jax.random.key(cfg.seed))
     specs = errors.keyed("mesh.fsdp", lambda: parallel_lib.fsdp_specs(
-        shapes, mesh, FSDP_AXIS, specs, pads_unevenly(cfg)))
+        shapes, mesh, FSDP_AXIS, specs))
   return specs
 
 
@@ -927,7 +920,6 @@ def build_evaluate(model: Any, evaluate_fn: Callable, policy: Any,
 
   @jax.jit
   def evaluate(state, batch):
-    state = parallel_lib.unpad(state)  # a leaf FSDP splits unevenly
     params, model_state = (state.params, state.model_state) if pipeline is None else (
         pipeline.to_model_order((state.params, state.model_state)))
     kw = {} if model_state is None else {"model_state": model_state}
@@ -947,28 +939,18 @@ def _is_abstract(tree: Any) -> bool:
 def place_like(tree: Any, like: Any) -> Any:
   """``tree`` with each array leaf put in the sharding of ``like``'s leaf, where that
   is an array of the same shape (a `mpscale.SplitPipeline`'s padding changes the
-  stacks' shapes: those leaves are left as they are), or padded into ``like``'s
-  `mpscale.parallel.Padded` node where ``like`` stores it padded (FSDP's uneven
-  split)."""
-  def place(new, old):
-    if parallel_lib.is_padded(old) and tuple(new.shape) == old.shape:
-      widths = [(0, p - n) for n, p in zip(new.shape, old.value.shape)]
-      return parallel_lib.Padded(jax.jit(
-          functools.partial(jnp.pad, pad_width=widths),
-          out_shardings=old.value.sharding)(new), old.shape)
-    if isinstance(old, jax.Array) and new.shape == old.shape:
-      return jax.device_put(new, old.sharding)
-    return new
-  return jax.tree_util.tree_map(place, tree, like)
+  stacks' shapes: those leaves are left as they are)."""
+  return jax.tree_util.tree_map(
+      lambda new, old: (jax.device_put(new, old.sharding)
+                        if isinstance(old, jax.Array) and new.shape == old.shape
+                        else new), tree, like)
 
 
 def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], Any]:
   """``permute`` (a pipeline's layer order) with its result placed as its input
-  (`place_like`); for ``None``, `mpscale.parallel.unpad` (the identity on a
-  state that holds no padded leaf)."""
+  (`place_like`); the identity for ``None``."""
   if permute is None:
-    # (Without a pipeline: a leaf FSDP splits unevenly, cut from its padding.)
-    return parallel_lib.unpad
+    return lambda tree: tree
   return lambda tree: place_like(permute(tree), tree)
 
 

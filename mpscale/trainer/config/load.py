@@ -220,6 +220,15 @@ def _check_model_sizes(cfg: RunConfig) -> None:
                       f"mesh.stage ({mesh.stage}) x mesh.virtual_stages "
                       f"({mesh.virtual_stages})",
                       ("model.num_layers", "mesh.stage", "mesh.virtual_stages"))
+  recompute_layers = cfg.train.recompute_layers
+  if chunks > 1 and recompute_layers is not None and (
+      recompute_layers > model.num_layers // chunks):
+    raise ConfigError(
+        f"train.recompute_layers ({recompute_layers}) counts the layers of each "
+        f"pipeline stage's chunk, which holds {model.num_layers // chunks} "
+        f"(model.num_layers / (mesh.stage x mesh.virtual_stages)): recompute at most "
+        f"{model.num_layers // chunks}",
+        ("train.recompute_layers", "model.num_layers", "mesh.stage"))
   for key, size in (("num_heads", model.num_heads), ("d_ff", model.d_ff),
                     ("vocab_size", model.vocab_size)):
     if size % mesh.tensor:
@@ -302,7 +311,7 @@ RESUME_MAY_CHANGE = ("train.steps", "train.samples",
                      "train.log_every", "train.eval_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.hardware",
                      "mesh", "train.num_microbatches", "train.remat", "train.recompute",
-                     "model.attention")
+                     "train.recompute_layers", "model.attention")
 """The keys (or sections) a resumed run may set otherwise than the run it continues:
 its length (``train.steps``, or ``train.samples``, to extend it), the cadence of its
 logs, evaluations and checkpoints, the hardware its MFU is logged against, and how a

@@ -31,6 +31,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import yaml
 
+from mpscale import _deprecated
 from mpscale.trainer.config.errors import ConfigError, ConfigTypeError  # noqa: F401
 
 
@@ -533,14 +534,24 @@ class TrainConfig:
   per_token_loss: bool = True
   """Divide by the token count of the whole batch rather than average micro-batches."""
   remat: bool = False
-  """Recompute each block's activations in the backward pass: ``recompute: full``
-  (the older key for it; ``true`` with ``recompute: selective`` is refused)."""
+  """The older key of ``recompute: full``: ``true`` still reads as it, with a
+  ``DeprecationWarning`` (and beside another ``recompute`` is refused)."""
   recompute: str = "none"
   """What the backward of the built-in model recomputes, with or without a pipeline:
   ``none`` (keep every residual of the forward; a pipeline's of each micro-batch),
   ``selective`` (keep the linear layers' outputs, recompute the rest: Megatron-LM's
-  selective recomputation) or ``full`` (keep each layer's input, recompute the
-  layer; ``remat: true``)."""
+  selective recomputation, MaxText's ``minimal``), ``full`` (keep each layer's
+  input, recompute the layer), or one of MaxText's named policies, which keep the
+  outputs of the products they name and recompute the rest: ``save_qkv_proj`` (the
+  attention's query, key and value projections), ``save_out_proj`` (its output
+  projection), ``save_dot_except_mlp`` (both) (`mpscale.parallel.SAVED_NAMES`;
+  offloading them to host memory is not built)."""
+  recompute_layers: Optional[int] = None
+  """How many layers ``recompute`` acts on, the first ones: of the model, or of each
+  pipeline stage (each chunk with ``mesh.virtual_stages``); the others keep every
+  residual (Megatron-LM's ``recompute_num_layers`` with its ``block`` method).
+  ``null``: every layer. The GPipe
+  schedule only, in a pipeline; needs a ``recompute`` other than ``none``."""
   log_every: int = 10
   eval_every: int = 100
   """Evaluate every this many steps (and at the end); 0: only at the end."""
@@ -558,9 +569,19 @@ class TrainConfig:
 
   @property
   def full_recompute(self) -> bool:
-    """Each layer recomputed whole in the backward: ``recompute: full`` or
-    ``remat: true`` (what the planner's FLOP and memory counts read)."""
+    """Layers recomputed whole in the backward: ``recompute: full`` or ``remat:
+    true`` (what the planner's FLOP and memory counts read, with
+    `full_recompute_layers`)."""
     return self.remat or self.recompute == "full"
+
+  def full_recompute_layers(self, layers: int) -> int:
+    """How many of ``layers`` (the model's, or a pipeline stage's chunk's) are
+    recomputed whole: none without `full_recompute`, else the first
+    ``recompute_layers`` of them (all where it is ``null``)."""
+    if not self.full_recompute:
+      return 0
+    return layers if self.recompute_layers is None else min(self.recompute_layers,
+                                                            layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -841,7 +862,20 @@ def read_config(raw: Optional[Mapping[str, Any]], source: str = "<dict>",
     raise e.located(source, touched) from None
   if not cfg.name:
     cfg = dataclasses.replace(cfg, name=default_name)
-  return _absolute_providers(cfg, base_dir), touched
+  return _absolute_providers(_read_old_keys(cfg), base_dir), touched
+
+
+def _read_old_keys(cfg: RunConfig) -> RunConfig:
+  """``cfg`` with its old keys read as the new ones, each warning
+  (``DeprecationWarning``): ``train.remat: true`` is ``train.recompute: full``.
+  Beside another ``train.recompute`` it stays, for the check to refuse naming both
+  keys."""
+  train = cfg.train
+  if not train.remat or train.recompute not in ("none", "full"):
+    return cfg
+  _deprecated.config_key("train.remat: true", "train.recompute: full")
+  return dataclasses.replace(cfg, train=dataclasses.replace(train, remat=False,
+                                                            recompute="full"))
 
 
 def _deep_copy(x: Any) -> Any:

@@ -35,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 from mpscale import experts as experts_lib
 from mpscale import parallel as parallel_lib
@@ -331,20 +332,23 @@ class Block(nn.Module):
     out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.num_layers))
 
     h = _LayerNorm(dtype=dtype, name="ln_attn")(x)
-    qkv = dense(3 * d_model, dtype=dtype, name="qkv",
-                   kernel_init=_heads_major(init, self.num_heads))(h)
+    qkv = checkpoint_name(dense(3 * d_model, dtype=dtype, name="qkv",
+                                kernel_init=_heads_major(init, self.num_heads))(h),
+                          "qkv_proj")
     qkv = qkv.reshape(batch, length, self.num_heads, 3, head_dim)
     q, k, v = (self.shard(qkv[:, :, :, i], "heads") for i in range(3))
     attn = _attend(self.attention, self.shard, dtype, q, k, v)
     attn = attn.reshape(batch, length, d_model)
-    x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn)
+    x = x + checkpoint_name(
+        dense(d_model, dtype=dtype, kernel_init=out_init, name="out")(attn), "out_proj")
     x = self.shard(x, "residual")
 
     h = _LayerNorm(dtype=dtype, name="ln_mlp")(x)
-    h = self.shard(dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h),
-                   "mlp")
+    h = self.shard(checkpoint_name(
+        dense(self.d_ff, dtype=dtype, kernel_init=init, name="fc")(h), "mlpwi"), "mlp")
     h = _gelu(h)
-    x = x + dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h)
+    x = x + checkpoint_name(
+        dense(d_model, dtype=dtype, kernel_init=out_init, name="proj")(h), "mlpwo")
     return self.shard(x, "residual")
 
 
@@ -390,8 +394,9 @@ class LlamaBlock(nn.Module):
 
     h = norm(name="attn_norm")(x)
     heads = {"q": self.num_heads, "k": self.num_kv_heads, "v": self.num_kv_heads}
-    q, k, v = (dense(n * self.head_dim, use_bias=traits.qkv_bias, name=name)(h)
-               .reshape(batch, length, n, self.head_dim)
+    q, k, v = (checkpoint_name(
+        dense(n * self.head_dim, use_bias=traits.qkv_bias, name=name)(h),
+        SAVED_AS[name]).reshape(batch, length, n, self.head_dim)
                for name, n in heads.items())
     if traits.qk_norm:
       q, k = norm(name="q_norm")(q), norm(name="k_norm")(k)
@@ -407,16 +412,18 @@ class LlamaBlock(nn.Module):
       k, v = self.shard(k, "heads"), self.shard(v, "heads")
     attn = _attend(self.attention, self.shard, dtype, q, k, v, self.sliding_window)
     attn = attn.reshape(batch, length, self.num_heads * self.head_dim)
-    x = self.shard(x + dense(d_model, use_bias=False, name="o")(attn), "residual")
+    x = self.shard(x + checkpoint_name(dense(d_model, use_bias=False, name="o")(attn),
+                                       "out_proj"), "residual")
 
     h = norm(name="mlp_norm")(x)
     if self.routing is not None:
       y, stats = self._experts(h, dtype)
       return self.shard(x + y, "residual"), stats
-    gate = self.shard(dense(self.d_ff, use_bias=False, name="gate")(h), "mlp")
-    up = self.shard(dense(self.d_ff, use_bias=False, name="up")(h), "mlp")
+    gate, up = (self.shard(checkpoint_name(
+        dense(self.d_ff, use_bias=False, name=name)(h), SAVED_AS[name]), "mlp")
+                for name in ("gate", "up"))
     h = experts_lib.swiglu(gate, up)
-    x = x + dense(d_model, use_bias=False, name="down")(h)
+    x = x + checkpoint_name(dense(d_model, use_bias=False, name="down")(h), "mlpwo")
     return self.shard(x, "residual")
 
   def _experts(self, h: jax.Array, dtype: Any) -> tuple[jax.Array, Any]:
@@ -431,6 +438,15 @@ class LlamaBlock(nn.Module):
         mesh=self.shard.mesh if laid_out else None,
         spec=self.shard.spec("tokens") if laid_out else None, tensor_axis=tensor,
         name="moe")(h)
+
+
+SAVED_AS = {"q": "query_proj", "k": "key_proj", "v": "value_proj", "gate": "mlpwi_0",
+            "up": "mlpwi_1"}
+"""The names (``jax.ad_checkpoint.checkpoint_name``, MaxText's) the Llama block's
+products' outputs carry, for the recompute policies that save them by name
+(`mpscale.parallel.SAVED_NAMES`); its ``o`` and ``down`` are ``out_proj`` and
+``mlpwo``, as the GPT block's ``out`` and ``proj`` (its ``qkv`` is ``qkv_proj``,
+its ``fc`` ``mlpwi``)."""
 
 
 FP8_PRODUCTS = ("qkv", "out", "fc", "proj")
@@ -600,8 +616,12 @@ class TinyLM:
     recompute: what the backward of ``loss_fn`` recomputes, as a pipeline's
       (`mpscale.parallel.RECOMPUTE`: ``"none"``, ``"selective"``: keep the blocks'
       matrix products and recompute the rest, Megatron-LM's selective recomputation,
-      ``"full"``: keep each block's input), or a ``jax.checkpoint_policies`` policy;
-      ``remat=True`` is ``"full"``.
+      ``"full"``: keep each block's input; the `mpscale.parallel.SAVED_NAMES`, such
+      as ``"save_qkv_proj"``: keep the outputs the blocks name, `SAVED_AS`), or a
+      ``jax.checkpoint_policies`` policy; ``remat=True`` is ``"full"``.
+    recompute_layers: how many blocks of ``loss_fn``, the first ones, run under
+      ``recompute``; the others keep every residual (Megatron-LM's
+      ``recompute_num_layers``); ``None``: every block.
     shard: activation layout for tensor and sequence parallelism; ``None``: GSPMD's
       choice.
     attention: ``"xla"`` or ``"cudnn"`` (`Block.attention`; `attention_for` chooses
@@ -676,6 +696,7 @@ class TinyLM:
   z_loss_coef: float = 0.0
   capacity_factor: Optional[float] = None
   recompute: Any = "none"
+  recompute_layers: Optional[int] = None
 
   SIZES: ClassVar[tuple[str, ...]] = (
       "vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len",
@@ -690,8 +711,8 @@ class TinyLM:
   def from_sizes(cls, sizes: Any, **kwargs: Any) -> "TinyLM":
     """A model with the `SIZES` read off ``sizes`` (any object with those
     attributes, e.g. the config's ``model`` section); ``kwargs``: ``remat``,
-    ``recompute``,
-    ``shard``, ``attention``, ``fp8``, ``fp8_products``, ``bf16_layers``."""
+    ``recompute``, ``recompute_layers``, ``shard``, ``attention``, ``fp8``,
+    ``fp8_products``, ``bf16_layers``."""
     fields = {name: getattr(sizes, name) for name in cls.SIZES}
     fields["rope_scaling"] = families.RopeScaling.from_dict(fields["rope_scaling"])
     return cls(**fields, **kwargs)
@@ -713,7 +734,9 @@ class TinyLM:
     self._check_family()
     self._check_experts()
     validation.boolean("remat", self.remat)
-    parallel_lib.recompute_policy(self.recompute, self.remat)  # checked
+    parallel_lib.check_recompute_layers(
+        self.recompute_layers, parallel_lib.recompute_policy(self.recompute, self.remat),
+        self.num_layers)
     validation.one_of("attention", self.attention, ATTENTION[1:])
     if self.fp8 is not None:
       self._check_fp8()
@@ -912,14 +935,12 @@ class TinyLM:
     return jax.tree_util.tree_map_with_path(name, shapes)
 
   def param_specs(self, mesh: Any, rules: Any = LOGICAL_RULES,
-                  fsdp_axis: parallel_lib.AxisNames = "fsdp", pad: bool = False) -> Any:
+                  fsdp_axis: parallel_lib.AxisNames = "fsdp") -> Any:
     """PartitionSpecs of the params on ``mesh``: `logical_axes` through ``rules``
     (rules naming an axis ``mesh`` lacks, or one of size 1, are dropped), then FSDP
     over ``fsdp_axis`` (an axis, or several: those ``mesh`` has at sizes above 1)
     on each leaf's largest free dimension it divides
-    (`mpscale.parallel.fsdp_specs`; with ``pad``, a leaf none divides on the one
-    whose padding costs least, stored padded by the step), the token table's on
-    its width.
+    (`mpscale.parallel.fsdp_specs`), the token table's on its width.
 
     Raises:
       ValueError: when ``tensor`` does not divide the heads, the MLP width or the
@@ -951,7 +972,7 @@ class TinyLM:
       if table[1] is None and size > 1 and self.d_model % size == 0:
         specs["embed"]["token"] = jax.sharding.PartitionSpec(table[0], fsdp_axis)
       shapes = jax.eval_shape(self._init, jax.random.key(0))
-      specs = parallel_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs, pad)
+      specs = parallel_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs)
     return specs
 
   def embed_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
@@ -1076,11 +1097,13 @@ class TinyLM:
     return model_state[precision_lib.OVERWRITE_WITH_GRADIENT]["stages"]
 
   def _layers(self, params: Params, x: jax.Array, fp8_states: Any = None,
-              biases: Any = None) -> Any:
+              biases: Any = None, first: int = 0) -> Any:
     """``x`` through the blocks of ``params["stages"]`` (a ``lax.scan``), the
     products of ``fp8_states`` (stacked alike) in FP8; a mixture's experts chosen
-    with ``biases`` (``[layers, E]``). Returns ``x``, and with experts ``(x,
-    stats)``, the `mpscale.experts.MoeStats` of every block stacked."""
+    with ``biases`` (``[layers, E]``); ``first``: the model's index of the first
+    block, which `recompute_layers` counts from (two scans where it ends inside
+    them). Returns ``x``, and with experts ``(x, stats)``, the
+    `mpscale.experts.MoeStats` of every block stacked."""
     def block(layer_params, x, states, bias):
       dtype = _compute_dtype(layer_params)
       variables = {"params": layer_params}
@@ -1089,14 +1112,18 @@ class TinyLM:
       out = self._block(dtype).apply(variables, x, states)
       return out if self.routing is not None else (out, None)
     policy = parallel_lib.recompute_policy(self.recompute, self.remat)
-    stage = block if policy is None else jax.checkpoint(block, policy=policy)
 
-    def body(x, xs):
-      return stage(xs[0], x, *xs[1:])
+    def layer_of(recomputed):
+      stage = block if policy is None or not recomputed else jax.checkpoint(
+          block, policy=policy)
+      return lambda x, xs: stage(xs[0], x, *xs[1:])
 
     layers = jax.tree_util.tree_leaves(params)[0].shape[0]
+    recomputed = (None if self.recompute_layers is None
+                  else max(self.recompute_layers - first, 0))
     # Unrolled for up to 8 layers: XLA compiles it about twice as fast as a loop.
-    x, stats = lax.scan(body, x, (params, fp8_states, biases), unroll=layers <= 8)
+    x, stats = parallel_lib.scan_layers(layer_of, x, (params, fp8_states, biases),
+                                        recomputed, unroll=layers <= 8)
     return x if self.routing is None else (x, stats)
 
   def _routed(self, params: Params, batch: dict[str, jax.Array],
@@ -1125,9 +1152,9 @@ class TinyLM:
     if ends:
       x = self._layers(part(params["stages"], 0, ends), x)
     x = self._layers(part(params["stages"], ends, n - ends), x,
-                     part(states, ends, n - ends))
+                     part(states, ends, n - ends), first=ends)
     if ends:
-      x = self._layers(part(params["stages"], n - ends, n), x)
+      x = self._layers(part(params["stages"], n - ends, n), x, first=n - ends)
     return x
 
   def loss_fn(self, params: Params, batch: dict[str, jax.Array],

@@ -59,7 +59,7 @@ sizes (`Model`) and the layout (`Layout`), per device and step:
   the optimizer's bytes a parameter read once from its state's shapes), the
   activations a device keeps for the backward (`activation_bytes`: each layer's of
   every micro-batch in flight, `live_items`; with recomputation only its input and
-  one layer's working set) and one layer's gathered weights under FSDP. An expert
+  one layer's working set, for the recomputed ones, `recomputed_share`) and one layer's gathered weights under FSDP. An expert
   layer's weights are split over ``expert`` (each device holds ``E / expert`` of
   them), the others are not.
 
@@ -94,7 +94,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -179,7 +179,10 @@ class Layout(NamedTuple):
   microbatches: int = 1
   """Micro-batches per data replica (``train.num_microbatches``)."""
   remat: bool = False
-  """Recompute each layer's forward in the backward (``train.remat``)."""
+  """Recompute layers' forwards in the backward (``train.recompute: full``)."""
+  recompute_layers: Optional[int] = None
+  """With ``remat``, how many layers of each stage's chunk are recomputed, the first
+  ones (``train.recompute_layers``); ``None``: all (`recomputed_share`)."""
   zero1: bool = False
   """Optimizer state split over ``data`` (``mesh.shard_optimizer_state``)."""
   sequence_parallel: bool = False
@@ -195,12 +198,16 @@ class Layout(NamedTuple):
     left out keep their defaults)."""
     keys = {"mesh.data": "data", "mesh.fsdp": "fsdp", "mesh.stage": "stage",
             "mesh.tensor": "tensor", "train.num_microbatches": "microbatches",
-            "train.remat": "remat", "mesh.shard_optimizer_state": "zero1",
+            "train.recompute_layers": "recompute_layers",
+            "mesh.shard_optimizer_state": "zero1",
             "mesh.sequence_parallel": "sequence_parallel",
             "mesh.pipeline_schedule": "schedule", "mesh.virtual_stages":
             "virtual_stages", "mesh.context": "context", "mesh.expert": "expert",
             "model.context_parallel": "context_parallel"}
-    return cls(**{keys[k]: v for k, v in overrides.items() if k in keys})
+    fields = {keys[k]: v for k, v in overrides.items() if k in keys}
+    if "train.recompute" in overrides:
+      fields["remat"] = overrides["train.recompute"] == "full"
+    return cls(**fields)
 
   @classmethod
   def from_config(cls, cfg: Any) -> "Layout":
@@ -211,6 +218,7 @@ class Layout(NamedTuple):
                context=m.context, expert=m.expert,
                context_parallel=cfg.model.context_parallel,
                microbatches=cfg.train.num_microbatches, remat=cfg.train.full_recompute,
+               recompute_layers=cfg.train.recompute_layers,
                zero1=m.shard_optimizer_state, sequence_parallel=m.sequence_parallel,
                schedule=m.pipeline_schedule, virtual_stages=m.virtual_stages)
 
@@ -469,7 +477,7 @@ def matmul_flops(model: Model, layout: Layout) -> float:
   # compiled programs show (tests/trainer/planning/test_analytic.py).
   q, kv = lm.num_heads * lm.dims_per_head, lm.kv_heads * lm.dims_per_head
   kept = 2 * d * units + (0 if lm.family == "gpt" else 2 * d * q + 4 * d * kv)
-  passes = 3 + (1 - kept / t / layer if layout.remat else 0)
+  passes = 3 + (1 - kept / t / layer) * recomputed_share(model, layout)
   layers = model.lm.num_layers / layout.stage * layer * passes / (1 - bubble(layout))
   head = 3 * 2 * d * model.lm.vocab_size / t
   return tokens_per_device(model, layout) * (layers + head)
@@ -502,8 +510,7 @@ def elementwise_bytes(model: Model, layout: Layout) -> float:
            + ELEMENTWISE_PASSES["mlp"] * mlp_units(model) / t * 4
            + ELEMENTWISE_PASSES["routed"] * routed * cb
            + ELEMENTWISE_PASSES["scores"] * _scores(model) / t * 4)
-  if layout.remat:
-    layer *= REMAT_BYTES
+  layer *= 1 - recomputed_share(model, layout) * (1 - REMAT_BYTES)
   if _zb_h1(layout):
     layer *= ZB_H1_COST["bytes"]
   layers = model.lm.num_layers / layout.stage * layer / (1 - bubble(layout))
@@ -520,8 +527,9 @@ def activation_bytes(model: Model, layout: Layout) -> float:
   ``tensor``, the residual stream too with sequence parallelism; with experts the
   routed rows' (``k`` of ``d`` a token, and their units, `mlp_units`) and the
   router's float32 scores in the dense MLP's stead; with recomputation a layer's
-  input only, and one layer's whole working set; and the micro-batch's float32
-  logits."""
+  input only, and one layer's whole working set (with ``recompute_layers``, the
+  first layers' inputs and the others' residuals, whose freeing in the backward
+  makes room for the working set); and the micro-batch's float32 logits."""
   lm, cb, t = model.lm, model.compute_bytes, layout.tensor
   d, tokens = lm.d_model, rows(model, layout) * lm.seq_len / layout.context
   residual = 6 * d * cb / (t if layout.sequence_parallel else 1)
@@ -531,10 +539,27 @@ def activation_bytes(model: Model, layout: Layout) -> float:
             if lm.num_experts else 0)
   layer = tokens * (residual + split + routed)
   layers = model.lm.num_layers / (layout.stage * layout.virtual_stages)
-  chunk = layers * (tokens * d * cb if layout.remat else layer)
+  share = recomputed_share(model, layout)
+  chunk = layers * (share * tokens * d * cb + (1 - share) * layer)
   kept = live_items(layout) * chunk
   logits = 3 * tokens * model.lm.vocab_size / t * 4
-  return kept + (layer if layout.remat else 0) + logits
+  # The first layers recompute their working set after the backward of the later,
+  # kept ones freed theirs: room for it, unless every layer is recomputed.
+  working = layer * max(0.0, 1 - (1 - share) * layers) if share else 0.0
+  return kept + working + logits
+
+
+def recomputed_share(model: Model, layout: Layout) -> float:
+  """The share of a device's layers recomputed whole in the backward: none without
+  ``remat``, else the first ``recompute_layers`` of each stage's chunk (of the
+  model's layers, unpipelined; all where ``None``): Megatron-LM's
+  ``recompute_num_layers``."""
+  if not layout.remat:
+    return 0.0
+  chunk = model.lm.num_layers / (layout.stage * layout.virtual_stages)
+  if layout.recompute_layers is None:
+    return 1.0
+  return min(layout.recompute_layers, chunk) / chunk
 
 
 def memory_bytes(model: Model, layout: Layout) -> float:
@@ -569,7 +594,7 @@ def collectives(model: Model, layout: Layout) -> list[Collective]:
     pieces = PIECES * LEAVES
     out.append(Collective("all-gather", ("data",), n * model.param_bytes / pieces,
                           pieces))
-  m, passes = layout.microbatches, 3 if layout.remat else 2
+  m, passes = layout.microbatches, 2 + recomputed_share(model, layout)
   layers = model.lm.num_layers / layout.stage
   out += _fsdp_collectives(model, layout)
   activation = (rows(model, layout) * model.lm.seq_len / layout.context
@@ -666,9 +691,10 @@ def fsdp_hidden_seconds(model: Model, layout: Layout, hardware: Hardware) -> flo
 
 
 def _context_collectives(model: Model, layout: Layout, layers: float,
-                         passes: int) -> list[Collective]:
+                         passes: float) -> list[Collective]:
   """The K/V exchanges of ``layers`` layer runs (micro-batches times layers) with
-  ``passes`` forwards and backwards (3 with recomputation: the forward twice)."""
+  ``passes`` forwards and backwards (3 with recomputation: the forward twice; 2 and
+  the share of layers recomputed, `recomputed_share`)."""
   c = layout.context
   if c == 1:
     return []
@@ -692,7 +718,7 @@ def hidden_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
     return 0.0
   ring = _priced(_context_collectives(
       model, layout, layout.microbatches * model.lm.num_layers / layout.stage,
-      3 if layout.remat else 2), layout, hardware)
+      2 + recomputed_share(model, layout)), layout, hardware)
   lm = model.lm
   attention = (tokens_per_device(model, layout) * lm.num_layers / layout.stage * 3
                * 4 * lm.seq_len * lm.num_heads * lm.dims_per_head / layout.tensor)

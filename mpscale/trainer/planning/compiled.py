@@ -135,7 +135,8 @@ class Plan:
   model_flops: Optional[float]
   """The built-in LM's arithmetic per step: ``6 * N * tokens`` (``N`` the parameters
   outside the embeddings) plus attention's ``12 * layers * tokens * seq_len *
-  d_model``; with ``train.remat`` the forward pass runs twice (8 and 16). ``None``
+  d_model``; with ``train.recompute: full`` the forward pass runs twice (8 and 16;
+  for the share of layers ``train.recompute_layers`` recomputes). ``None``
   for a user's model (``model.provider``), whose arithmetic the plan does not know
   (``flops_per_device`` counts its compiled matrix products)."""
   collectives: dict[str, dict[str, int]]
@@ -424,7 +425,8 @@ def _model_flops(cfg: Any, params: Any, tokens: int) -> float:
   m = cfg.model
   embeddings = sum(x.size for x in jax.tree_util.tree_leaves(params.get("embed", {})))
   dense = lm_lib.num_params(params) - embeddings
-  remat = 1 if cfg.train.full_recompute else 0
+  chunks = cfg.mesh.stage * cfg.mesh.virtual_stages
+  remat = cfg.train.full_recompute_layers(m.num_layers // chunks) * chunks / m.num_layers
   return ((6.0 + 2 * remat) * dense * tokens
           + (12.0 + 4 * remat) * m.num_layers * tokens * m.seq_len * m.d_model)
 

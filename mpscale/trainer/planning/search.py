@@ -5,7 +5,8 @@ ranked by estimated step time on named hardware (``mpscale plan --search``).
 into ``data x fsdp x stage x context x expert x tensor`` (``expert`` only for a
 mixture of experts, dividing its ``num_experts``), and with it ZeRO-1
 (``shard_optimizer_state``),
-the micro-batches, activation recomputation (``train.remat``), sequence parallelism,
+the micro-batches, activation recomputation (``train.recompute``: ``none`` or
+``full``), sequence parallelism,
 the pipeline schedule and virtual stages. A layout the trainer would refuse (tensor
 not dividing the heads, stages not dividing the layers, a batch not splitting over
 the replicas and micro-batches) is never built. Then, cheapest first::
@@ -187,13 +188,14 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
                               "mesh.virtual_stages": v})
           if tensor > 1:
             structure["mesh.sequence_parallel"] = sp
-          for remat, zero1 in ((False, False), (False, True), (True, False),
-                               (True, True)):
+          for recompute, zero1 in (("none", False), ("none", True), ("full", False),
+                                   ("full", True)):
             if zero1 and data == 1:
               continue
             for group in ([[mb] for mb in micro] if stage > 1 else [micro]):
               out.append([{**structure, "mesh.shard_optimizer_state": zero1,
-                           "train.num_microbatches": mb, "train.remat": remat}
+                           "train.num_microbatches": mb,
+                           "train.recompute": recompute}
                           for mb in group])
   return out
 
@@ -206,7 +208,8 @@ def _order(ladder: list[dict[str, Any]]) -> tuple:
           layout.get("mesh.expert", 1), layout["mesh.tensor"], layout["mesh.fsdp"],
           layout["train.num_microbatches"], layout.get("mesh.virtual_stages", 1),
           layout.get("mesh.pipeline_schedule", ""),
-          layout.get("mesh.sequence_parallel", False), layout["train.remat"],
+          layout.get("mesh.sequence_parallel", False),
+          layout["train.recompute"] != "none",
           layout["mesh.shard_optimizer_state"])
 
 
@@ -463,7 +466,7 @@ def search(config_path: str, devices: int, hardware: Any, *,
 
   Args:
     config_path: the run's YAML config; its model, batch, precision and optimizer are
-      kept, its layout (mesh, micro-batches, remat) is what is searched.
+      kept, its layout (mesh, micro-batches, recomputation) is what is searched.
     devices: the devices to lay out (JAX must have that many: ``mpscale plan
       --devices N`` simulates them).
     hardware: a `Hardware`, a built-in profile's name or a profile file's path.

@@ -105,7 +105,7 @@ def test_loss_scaling_skip_fp8_float32_sums_and_recompute_compose():
   sections = dict(precision={"policy": "O2", "grad_reduce_dtype": "float32",
                              "fp8": {"recipe": "delayed"}},
                   loss_scale={"kind": "dynamic", "init_scale": 2.0 ** 24, "backoff_factor": 2.0 ** -8},
-                  train={"remat": True})
+                  train={"recompute": "full"})
   runs = {}
   for mesh in ({"data": 1}, {"data": 2, "context": 2}):
     setup = builders.build(_config("llama", mesh, "ring", **sections))

@@ -128,7 +128,8 @@ def test_bad_family_settings_are_refused_by_name(kwargs, match):
 
 
 def test_fsdp_gathers_a_recomputed_layers_weights_at_most_twice():
-  """The built-in Llama under FSDP 8 with each layer recomputed (``train.remat``):
+  """The built-in Llama under FSDP 8 with each layer recomputed (``train.recompute:
+  full``):
   all-gathered bytes at most twice the split parameters' (each layer's weights
   gathered for the forward and once more for the backward's recompute, whose
   gathers its products' backward uses; the embedding once). A checkpoint of each
@@ -140,7 +141,7 @@ def test_fsdp_gathers_a_recomputed_layers_weights_at_most_twice():
       "model": {"family": "llama", "vocab_size": 256, "d_model": 128, "num_heads": 4,
                 "num_kv_heads": 2, "num_layers": 2, "d_ff": 256, "seq_len": 64},
       "data": {"batch_size": 16}, "precision": {"policy": "fp32"},
-      "mesh": {"data": 1, "fsdp": 8}, "train": {"remat": True}}, "<test>")
+      "mesh": {"data": 1, "fsdp": 8}, "train": {"recompute": "full"}}, "<test>")
   setup = builders.build(cfg)
   shapes = jax.eval_shape(setup.init_params)
   state = setup.init(shapes)  # from shapes: nothing allocated

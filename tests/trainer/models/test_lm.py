@@ -142,6 +142,55 @@ def test_recompute_without_a_pipeline_keeps_less_and_gives_the_same_gradients(
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
+def test_recompute_layers_recomputes_the_first_blocks(params, batch):
+  """``recompute_layers=k`` (Megatron-LM's ``recompute_num_layers``): the first
+  ``k`` blocks run under ``recompute``, the others keep every residual, so the
+  backward keeps what ``none`` keeps with ``k = 0``, less with each block more,
+  and what ``full`` keeps with all of them; the gradients are the plain model's."""
+  mean_loss = lambda m: lambda p: m.mean_loss_fn(p, batch)
+  model = lambda **kw: lm.TinyLM.from_sizes(CFG, **kw)
+  none, full = (helpers.kept_bytes(mean_loss(model(recompute=r)), params)
+                for r in ("none", "full"))
+  kept = [helpers.kept_bytes(mean_loss(model(recompute="full", recompute_layers=k)),
+                             params) for k in range(CFG.num_layers + 1)]
+  assert none == kept[0] > kept[1] > kept[2] > kept[3] == full, (none, kept, full)
+  grad = lambda m: jax.jit(jax.grad(m.mean_loss_fn))(params, batch)
+  for a, b in zip(jax.tree_util.tree_leaves(grad(model())),
+                  jax.tree_util.tree_leaves(grad(model(recompute="full",
+                                                       recompute_layers=1)))):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_named_recompute_policies_keep_the_products_they_name(family):
+  """MaxText's named policies (`mpscale.parallel.SAVED_NAMES`) keep the outputs the
+  blocks name and nothing else of a block (GPT's fused ``qkv_proj``, Llama's
+  ``query_proj``, ``key_proj`` and ``value_proj``, both ``out_proj``: a block's
+  residuals, read under the policy), so the model keeps more than ``full`` and
+  less than ``selective``, which keeps every product."""
+  sizes = dict(vocab_size=256, d_model=32, num_heads=4, num_layers=2, d_ff=64,
+               seq_len=16, family=family)
+  if family == "llama":
+    sizes.update(num_kv_heads=2, sliding_window=None)
+  params = jax.eval_shape(lm.TinyLM(**sizes).init, jax.random.key(0))
+  block = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                 params["stages"])
+  x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
+  qkv = {"qkv_proj"} if family == "gpt" else {"query_proj", "key_proj", "value_proj"}
+  want = {"save_qkv_proj": qkv, "save_out_proj": {"out_proj"},
+          "save_dot_except_mlp": qkv | {"out_proj"}}
+  stage = lm.TinyLM(**sizes).stage_fn
+  saved = {r: helpers.saved_names(lambda lp, h, r=r: jnp.sum(jax.checkpoint(
+      stage, policy=mpscale.parallel.recompute_policy(r))(lp, h)), block, x) for r in want}
+  assert saved == want
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  data = {"inputs": tokens, "targets": tokens}
+  kept = {r: helpers.kept_bytes(lambda p, m=lm.TinyLM(**sizes, recompute=r): m.loss_fn(
+      p, data)[0], params) for r in (*want, "full", "selective")}
+  assert (kept["full"] < kept["save_out_proj"] < kept["save_qkv_proj"]
+          < kept["save_dot_except_mlp"] < kept["selective"]), kept
+
+
 def test_recompute_is_checked_and_is_the_configs_key():
   with pytest.raises(ValueError, match="recompute"):
     lm.TinyLM.from_sizes(CFG, recompute="some")
@@ -155,7 +204,23 @@ def test_recompute_is_checked_and_is_the_configs_key():
   with pytest.raises(ValueError, match=r"train.remat=True is train.recompute='full'"):
     config.config_from_dict({"train": {"remat": True, "recompute": "selective"}},
                             "<test>")
-  assert config.config_from_dict({"train": {"remat": True}}, "<test>").train.full_recompute
+  cfg = config.config_from_dict({"train": {"recompute": "full", "recompute_layers": 1}},
+                                "<test>")
+  assert builders.build_model(cfg).recompute_layers == 1
+  with pytest.raises(ValueError, match="recompute_layers"):
+    lm.TinyLM.from_sizes(CFG, recompute_layers=1)        # beside recompute="none"
+  with pytest.raises(ValueError, match="recompute_layers=4: there are 3 layers"):
+    lm.TinyLM.from_sizes(CFG, recompute="full", recompute_layers=4)
+
+
+def test_the_old_remat_key_reads_as_full_recompute_with_a_warning():
+  """``train.remat: true`` (the older key) still loads, as ``train.recompute:
+  full``, and warns to write that."""
+  with pytest.warns(DeprecationWarning, match=r"the config key train.remat: true is "
+                    r"deprecated .*; use train.recompute: full"):
+    cfg = config.config_from_dict({"train": {"remat": True}}, "<test>")
+  assert (cfg.train.remat, cfg.train.recompute) == (False, "full")
+  assert cfg.train.full_recompute
 
 
 def test_too_long_sequence_is_an_error(model, params):

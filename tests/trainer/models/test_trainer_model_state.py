@@ -145,7 +145,7 @@ def test_linen_batchnorm_dropout_trains_and_loads_back_as_variables(tmp_path,
   np.testing.assert_allclose(total / count, summary["final_eval_loss"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("key", ["train.remat=true", "mesh.sequence_parallel=true"])
+@pytest.mark.parametrize("key", ["train.recompute=full", "mesh.sequence_parallel=true"])
 def test_keys_a_user_model_cannot_honour_are_refused_before_any_write(tmp_path, key):
   extra = [key] + (["mesh.tensor=2"] if "sequence" in key else [])
   with pytest.raises(mpscale.trainer.ConfigError, match=key.split("=")[0]):

@@ -202,13 +202,44 @@ def test_more_memory_saving_costs_less_memory():
   assert analytic.fits(SMALL, base, 1e9) and not analytic.fits(SMALL, base, 1e3)
 
 
+def test_recompute_layers_counts_k_of_a_stages_layers_recomputed():
+  """``train.recompute_layers`` (``k`` of a stage's ``L`` layers, Megatron-LM's
+  ``recompute_num_layers``): a device keeps the first ``k`` layers' inputs and the
+  other layers' residuals, and one layer's working set only when every layer is
+  recomputed; ``k = 0`` is no recomputation, ``k = L`` all of it (the matrix FLOPs
+  alike). Read from the config's keys."""
+  base = analytic.Layout(data=2)
+  tokens = analytic.rows(SMALL, base) * LM.seq_len
+  layer_input = tokens * LM.d_model * SMALL.compute_bytes
+  memory = lambda **kw: analytic.activation_bytes(SMALL, base._replace(**kw))  # noqa: E731
+  flops = lambda **kw: analytic.matmul_flops(SMALL, base._replace(**kw))  # noqa: E731
+  none, full = memory(), memory(remat=True)
+  layer = none - full + 2 * layer_input     # a layer's residuals
+  assert memory(remat=True, recompute_layers=0) == none
+  assert memory(remat=True, recompute_layers=1) == pytest.approx(
+      none - layer + layer_input)         # layer 0's input kept, layer 1's residuals
+  assert memory(remat=True, recompute_layers=2) == full
+  assert flops(remat=True, recompute_layers=0) == flops()
+  assert flops() < flops(remat=True, recompute_layers=1) < flops(remat=True)
+  assert flops(remat=True, recompute_layers=1) == pytest.approx(
+      (flops() + flops(remat=True)) / 2)
+  staged = analytic.Layout(data=2, stage=2, microbatches=2, remat=True,
+                           recompute_layers=1)  # a stage's one layer: all of it
+  assert analytic.activation_bytes(SMALL, staged) == analytic.activation_bytes(
+      SMALL, staged._replace(recompute_layers=None))
+  cfg = config_lib.config_from_dict({"train": {"recompute": "full",
+                                               "recompute_layers": 1}}, "<test>")
+  assert analytic.Layout.from_config(cfg).recompute_layers == 1
+  assert analytic.Layout.from_overrides({"train.recompute": "full"}).remat
+
+
 @pytest.mark.slow  # one compile each: 10-40 s on 2 busy cores
 @pytest.mark.parametrize("family", [{}, {"model.family": "llama",
                                          "model.num_kv_heads": 2}],
                          ids=["gpt", "llama_gqa"])
 def test_matmul_flops_are_the_compiled_plans(family):
   overrides = {"mesh.data": 2, "mesh.stage": 1, "mesh.tensor": 2, "mesh.fsdp": 1,
-               "train.num_microbatches": 1, "train.remat": True, **family}
+               "train.num_microbatches": 1, "train.recompute": "full", **family}
   cfg = config_lib.load_config(CONFIG, search_lib._overrides(overrides))  # noqa: SLF001
   plan = planning.plan(cfg)
   model = analytic.Model.from_config(cfg)

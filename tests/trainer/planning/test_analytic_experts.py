@@ -236,7 +236,7 @@ def test_the_search_prices_a_mixtures_layouts_with_their_all_to_alls():
 def test_a_layout_read_from_a_config_is_its_overrides():
   cfg = _moe_config(8)
   overrides = {"mesh.data": 2, "mesh.expert": 4, "mesh.fsdp": 1, "mesh.stage": 1,
-               "mesh.tensor": 1, "train.num_microbatches": 2, "train.remat": True,
+               "mesh.tensor": 1, "train.num_microbatches": 2, "train.recompute": "full",
                "mesh.shard_optimizer_state": True, "mesh.pipeline_schedule": "1f1b"}
   again = config_lib.load_config(CONFIG, [
       *[f"{k}={str(v).lower()}" for k, v in overrides.items()],

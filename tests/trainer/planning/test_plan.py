@@ -49,7 +49,8 @@ def test_planned_state_bytes_are_the_real_arrays(sets):
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_planned_flops_are_six_n_t_plus_attention(remat):
-  planned = plan_lib.plan(_cfg("mesh.data=8", *(["train.remat=true"] if remat else [])))
+  planned = plan_lib.plan(_cfg("mesh.data=8",
+                               *(["train.recompute=full"] if remat else [])))
   cfg = _cfg()
   layers = cfg.model.num_layers * (4 * 128 * 128 + 2 * 128 * 512)  # + small vectors
   tokens, attention = 16 * 32, 12 * 4 * 16 * 32 * 32 * 128

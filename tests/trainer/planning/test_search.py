@@ -117,9 +117,9 @@ def test_the_search_ranks_fitting_layouts_by_estimated_time(searched):
   assert "--set mesh.data=" in first.text() and "not searched" in first.text()
   assert {r["mesh"]["data"] for r in first.ranked} == {2}
   assert not any(set(r["mesh"]) - {"data"} for r in first.ranked)  # not in AXES
-  assert {(r["layout"]["train.remat"], r["layout"]["mesh.shard_optimizer_state"])
-          for r in first.ranked} == {(False, False), (False, True), (True, False),
-                                     (True, True)}
+  assert {(r["layout"]["train.recompute"], r["layout"]["mesh.shard_optimizer_state"])
+          for r in first.ranked} == {("none", False), ("none", True), ("full", False),
+                                     ("full", True)}
 
 
 @pytest.mark.slow  # three searches, ~40 s together

@@ -78,7 +78,7 @@ def test_what_a_resume_may_change_passes_and_every_other_key_is_named():
   extended = replace(
       saved, train=replace(saved.train, steps=600, samples=None, log_every=1,
                            eval_every=0, checkpoint_every=7, keep_checkpoints=9,
-                           num_microbatches=2, remat=True),
+                           num_microbatches=2, recompute="full"),
       mesh=replace(saved.mesh, data=2, fsdp=2),
       model=replace(saved.model, attention="xla"),
       data=replace(saved.data, path=os.path.abspath("corpus.txt")),  # the same file
