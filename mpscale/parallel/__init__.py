@@ -11,6 +11,8 @@
   and ZeRO-1 (`zero1_specs`);
 - ``_fsdp``: FSDP, parameters split over the data axes and gathered where used
   (`fsdp_specs`, `gather_cast`, `gather_where_used`, the pipeline's `StageFSDP`);
+- ``_padding``: a leaf split unevenly (FSDP on any device count), stored padded
+  (`Padded`, `pad_to`, `unpad`, `padded_shape`, `padding_bytes`);
 - ``_context``: context parallelism, attention over a sequence split along a
   ``context`` axis (`context_attention`, `context_order`);
 - ``_batch_split``: activations kept split over the batch, so GSPMD gathers weights,
@@ -38,6 +40,14 @@ from mpscale.parallel._fsdp import (
     gather_cast,
     gather_where_used,
     scatter_dims,
+)
+from mpscale.parallel._padding import (
+    Padded,
+    is_padded,
+    pad_to,
+    padded_shape,
+    padding_bytes,
+    unpad,
 )
 from mpscale.parallel._layouts import (
     AxisNames,
@@ -107,6 +117,7 @@ __all__ = [
     "CONTEXT_AXIS",
     "CONTEXT_PARALLEL",
     "LAYER_ORDERS",
+    "Padded",
     "Pipeline",
     "RECOMPUTE",
     "Rules",
@@ -138,6 +149,7 @@ __all__ = [
     "fsdp_specs",
     "gather_cast",
     "gather_where_used",
+    "is_padded",
     "is_spec",
     "keep_batch_split",
     "live_slots",
@@ -145,6 +157,9 @@ __all__ = [
     "make_spec",
     "only_axes",
     "pad",
+    "pad_to",
+    "padded_shape",
+    "padding_bytes",
     "pipeline_bubble_fraction",
     "pipeline_schedule_chunks",
     "pipeline_schedule_table",
@@ -163,6 +178,7 @@ __all__ = [
     "state_specs",
     "tick_costs",
     "tree_bytes",
+    "unpad",
     "varying_axes",
     "without_axes",
     "zero1_specs",

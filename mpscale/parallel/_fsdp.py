@@ -44,9 +44,16 @@ from mpscale.parallel._layouts import (AxisNames, SpecsLike, axis_size, is_spec,
 
 
 def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
-               param_specs: SpecsLike = None) -> Any:
+               param_specs: SpecsLike = None, pad: bool = False) -> Any:
   """FSDP (ZeRO-3): every parameter also split over ``axis`` on its largest free
   dimension that the axis size divides (the rest stay as ``param_specs`` has them).
+
+  A parameter none of whose free dimensions the axis size divides stays replicated
+  over it; with ``pad``, it is split too, on the free dimension whose padding costs
+  least (`split_largest`'s ``uneven``), and `mpscale.make_train_step` stores it
+  padded (`mpscale.parallel.Padded`): every device then holds ``1/N`` of every
+  parameter of at least ``N`` rows, whatever ``N`` (1,120 = 2^5·5·7 GPUs divide none
+  of a 530B GPT's dimensions).
 
   Args:
     params: the parameters (arrays or shapes).
@@ -54,6 +61,7 @@ def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
     axis: the FSDP mesh axis (or axes); the batch is split over it too.
     param_specs: a layout to add FSDP to (tensor or stage splits); any form
       `resolve_specs` accepts.
+    pad: split dimensions the axis size does not divide too (padded by the step).
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``params``.
@@ -61,7 +69,7 @@ def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
   size = axis_size(mesh, axis)
   base = resolve_specs(param_specs, params)
   return jax.tree_util.tree_map(
-      lambda spec, leaf: split_largest(spec, np.shape(leaf), axis, size),
+      lambda spec, leaf: split_largest(spec, np.shape(leaf), axis, size, pad),
       base, params, is_leaf=is_spec)
 
 

@@ -230,13 +230,15 @@ def resolve_specs(param_specs: SpecsLike, params: Any) -> Any:
                     f"params (or a prefix of them), or a function; {e}") from None
 
 
-def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
-               ) -> None:
+def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs",
+                uneven_axes: Sequence[str] = ()) -> None:
   """Raises ``ValueError`` naming the leaf and the axis of a layout that cannot work.
 
   Checks every leaf: its spec has at most one entry per dimension, names axes of
   ``mesh`` only, uses each at most once, and each dimension is divisible by the size
-  of the axes that split it.
+  of the axes that split it; a dimension split by ``uneven_axes`` alone (a train
+  step's data axes: FSDP) need only be at least that size (the step stores the leaf
+  padded, `mpscale.parallel.Padded`).
   """
   for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
                                 jax.tree_util.tree_leaves(specs, is_leaf=is_spec)):
@@ -256,7 +258,13 @@ def check_specs(params: Any, specs: Any, mesh: Mesh, what: str = "param_specs"
                            f"{spec}")
         seen.add(axis)
       size = axis_size(mesh, entry)
-      if shape[dim] % size:
+      even = not (entry_axes(entry) and set(entry_axes(entry)) <= set(uneven_axes))
+      if not even and shape[dim] < size:
+        raise ValueError(
+            f"{what}: leaf {name!r} dimension {dim} (size {shape[dim]}) is smaller "
+            f"than mesh axis {entry!r} (size {size}): some devices would hold "
+            "nothing but padding")
+      if even and shape[dim] % size:
         raise ValueError(
             f"{what}: leaf {name!r} dimension {dim} (size {shape[dim]}) is not "
             f"divisible by mesh axis {entry!r} (size {size})")
@@ -270,19 +278,28 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 
 # --------------------------------------------------------------------------- FSDP
 def split_largest(spec: PartitionSpec, shape: Sequence[int], axes: AxisNames,
-                  size: int) -> PartitionSpec:
+                  size: int, uneven: bool = False) -> PartitionSpec:
   """``spec`` with ``axes`` added on the largest dimension that no axis splits yet and
-  that ``size`` divides; ``spec`` unchanged when there is none (or ``size`` is 1)."""
+  that ``size`` divides; ``spec`` unchanged when there is none (or ``size`` is 1).
+
+  With ``uneven``, where ``size`` divides no free dimension, the free dimension of at
+  least ``size`` whose padding to a multiple of ``size`` adds the fewest elements
+  (the largest of those tied): the step stores that leaf padded
+  (`mpscale.parallel.Padded`).
+  """
   axes = tuple(a for a in entry_axes(axes) if a not in spec_axes(spec))
   if not axes or size == 1:
     return spec
   entries = pad(spec, len(shape))
-  best = None
-  for dim, n in enumerate(shape):
-    if entries[dim] is None and n >= size and n % size == 0 and (
-        best is None or n > shape[best]):
-      best = dim
-  if best is None:
+  free = [dim for dim, n in enumerate(shape) if entries[dim] is None and n >= size]
+  even = [dim for dim in free if shape[dim] % size == 0]
+  if even:
+    best = max(even, key=lambda dim: shape[dim])  # the first of the largest
+  elif uneven and free:
+    total = math.prod(shape)
+    best = min(free, key=lambda dim: (
+        -(-shape[dim] // size) * size * (total // shape[dim]), -shape[dim]))
+  else:
     return spec
   entries[best] = spec_entry(axes)
   return make_spec(entries)

@@ -2,7 +2,8 @@
 
 - `make_train_step`: ``(init, step)``, one jitted step over any layout of
   `mpscale.parallel` (``_train_step``); `TrainState`, what it carries, built by
-  ``init`` and placed on the mesh (``_state``);
+  ``init`` and placed on the mesh (``_state``; a leaf split unevenly over the data
+  axes stored padded, `unpaddable` says when it cannot be);
 - `accumulate_gradients`: float32 gradients of ``loss_scale * loss`` over
   micro-batches and data replicas (``_accumulate``; what its strategies share:
   ``_sums``), with every sum in float32 on request (``grad_reduce_dtype``,
@@ -17,7 +18,7 @@ from mpscale.gradients import Gradients
 from mpscale.step._metrics import StepMetrics, step_metrics
 from mpscale.step._accumulate import DataAxis, LossFn, accumulate_gradients
 from mpscale.step._state import TrainState
-from mpscale.step._train_step import make_train_step
+from mpscale.step._train_step import make_train_step, unpaddable
 
 __all__ = [
     "DataAxis",
@@ -28,4 +29,5 @@ __all__ = [
     "accumulate_gradients",
     "make_train_step",
     "step_metrics",
+    "unpaddable",
 ]

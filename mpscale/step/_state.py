@@ -24,6 +24,7 @@ from mpscale import _tree
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
 from mpscale.parallel import _optimizer_state as state_layouts_lib
+from mpscale.parallel import _padding as padding_lib
 from mpscale.precision import _policy as policy_lib
 from mpscale.scaling import _loss_scale as loss_scale_lib
 from mpscale.scaling import _skip as skip_lib
@@ -106,13 +107,19 @@ class Layout:
   zero1: bool
   pipeline: Any
   """The `mpscale.Pipeline` the step runs, or ``None``."""
+  unpaddable: Optional[str] = None
+  """Why this step cannot pad a leaf its layout splits unevenly (its gradients are
+  summed inside a ``shard_map``, which splits evenly only), naming the argument; or
+  ``None``: it can."""
 
   def specs(self, params: Any) -> Any:
-    """The params' specs, checked (a pipeline adds its stage axis)."""
+    """The params' specs, checked (a pipeline adds its stage axis); a dimension
+    they split unevenly over data axes alone (FSDP) is padded in the state
+    (`pad`)."""
     specs = layouts_lib.resolve_specs(self.param_specs, params)
     if self.pipeline is not None:
       specs = self.pipeline.param_specs(params, specs)
-    layouts_lib.check_specs(params, specs, self.mesh)
+    layouts_lib.check_specs(params, specs, self.mesh, uneven_axes=self.data_axes)
     return specs
 
   def state(self, state: TrainState) -> Optional[TrainState]:
@@ -134,6 +141,45 @@ class Layout:
     rng = None if state.rng is None else PartitionSpec()
     return TrainState(*layouts_lib.shardings(
         self.mesh, (params, opt, PartitionSpec(), model_state, rng)))
+
+  def pad(self, state: TrainState) -> TrainState:
+    """``state`` (true shapes) as the step stores it: every leaf its sharding
+    splits unevenly padded into a `mpscale.parallel.Padded` node
+    (`mpscale.parallel.pad_to`)."""
+    shardings = self._padded(_tree.shapes(state))
+    return state if shardings is None else padding_lib.pad_to(state, shardings)
+
+  def stored(self, state: TrainState) -> Optional[TrainState]:
+    """The shardings of ``pad(state)`` (``state``: true shapes).
+
+    Raises:
+      ValueError: naming the leaf split unevenly and `unpaddable`'s argument, on a
+        step that cannot pad it.
+    """
+    shardings = self._padded(state)
+    return (None if shardings is None
+            else padding_lib.stored_shardings(state, shardings))
+
+  def _padded(self, state: TrainState) -> Optional[TrainState]:
+    """``state(state)``, checked against `unpaddable`."""
+    shardings = self.state(state)
+    if shardings is None or self.unpaddable is None:
+      return shardings
+    found = padding_lib.uneven_leaves(state, shardings)
+    if found:
+      raise ValueError(f"param_specs split {found[0]} unevenly; the step stores such "
+                       f"a leaf padded, which {self.unpaddable} cannot take (it "
+                       "splits evenly only): give it a layout its mesh axes divide")
+    return shardings
+
+  def unpad(self, state: TrainState) -> TrainState:
+    """Inside the step: a stored ``state`` cut back to its true shapes, each cut
+    split as its padded form is (a local cut under GSPMD: no bytes move)."""
+    if not any(padding_lib.is_padded(x) for x in jax.tree_util.tree_leaves(
+        state, is_leaf=padding_lib.is_padded)):
+      return state
+    cut = padding_lib.unpad(state)
+    return self.constrain(cut, self.state(cut))
 
   def batch(self) -> Optional[NamedSharding]:
     if self.mesh is None:
@@ -196,23 +242,28 @@ def init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Polic
     params = policy.cast_to_param(given.params)
     state = TrainState(params, _adopt_opt_state(optimizer, params, given.opt_state),
                        jnp.asarray(given.step, jnp.int32), model_state, rng)
-    shardings = layout.state(_tree.shapes(state))
-    if shardings is not None:
+    shapes = _tree.shapes(state)
+    shardings, padded = layout.state(shapes), _padded(layout, shapes)
+    if shardings is not None and not padded:
       state = jax.device_put(state, shardings)
     # A jit copy gives every leaf its own new buffer: the step donates its input,
     # which must neither free the caller's arrays nor meet one buffer twice (an
     # eagerly built optimizer state can share one array between fields).
-    state = jax.jit(lambda s: s, out_shardings=shardings)(state)
+    state = jax.jit(layout.pad, out_shardings=layout.stored(shapes))(state)
   else:
     params = policy.cast_to_param(params_or_state)
-    shardings = layout.state(jax.eval_shape(fresh_state, _tree.shapes(params),
-                                            _tree.shapes(model_state), _tree.shapes(rng)))
+    shapes = jax.eval_shape(fresh_state, _tree.shapes(params),
+                            _tree.shapes(model_state), _tree.shapes(rng))
+    shardings, padded = layout.state(shapes), _padded(layout, shapes)
     if shardings is not None:
-      params, model_state, rng = jax.device_put(
-          (params, model_state, rng),
-          (shardings.params, shardings.model_state, shardings.rng))
+      # (A leaf split unevenly cannot be placed split: the jit pads it first.)
+      params = (params if padded
+                else jax.device_put(params, shardings.params))
+      model_state, rng = jax.device_put((model_state, rng),
+                                        (shardings.model_state, shardings.rng))
     # jit returns new buffers, so donating the state never frees ``params``.
-    state = jax.jit(fresh_state, out_shardings=shardings)(params, model_state, rng)
+    state = jax.jit(lambda *args: layout.pad(fresh_state(*args)),
+                    out_shardings=layout.stored(shapes))(params, model_state, rng)
   _check_finite_params(state.params)
   _warn_if_unscaled(policy, state.opt_state)
   return state
@@ -238,16 +289,22 @@ def _is_abstract(tree: Any) -> bool:
   return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
+def _padded(layout: Layout, shapes: TrainState) -> bool:
+  shardings = layout.state(shapes)
+  return shardings is not None and padding_lib.needs_padding(shapes, shardings)
+
+
 def _abstract_state(layout: Layout, state: TrainState) -> TrainState:
   """The `TrainState` ``init`` would build, as ``ShapeDtypeStruct``s with the
-  shardings it would place it in: what ``step.lower`` needs to compile ahead of time,
-  with nothing allocated."""
+  shardings it would place it in (padded where `Layout.pad` pads): what
+  ``step.lower`` needs to compile ahead of time, with nothing allocated."""
   shardings = layout.state(state)
   if shardings is None:
     return state
   return jax.tree_util.tree_map(
-      lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-      state, shardings)
+      lambda sharding, s: s if padding_lib.is_padded(s) else jax.ShapeDtypeStruct(
+          s.shape, s.dtype, sharding=sharding),
+      shardings, padding_lib.pad_to(state, shardings))
 
 
 def _check_finite_params(params: Any) -> None:

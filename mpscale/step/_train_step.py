@@ -373,7 +373,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   if pipeline is not None:
     num_microbatches = _check_pipeline(pipeline, mesh, num_microbatches)
   reduce_dtype = gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype)
-  layout = state_lib.Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline)
+  layout = state_lib.Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline,
+                            unpaddable(policy, reduce_dtype, pipeline is not None,
+                                       context_lib.context_size(mesh)))
   if merge_state is not None:
     validation.function("merge_state", merge_state)
   gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
@@ -401,6 +403,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                        model_state_dtype)
 
   def step_fn(state: state_lib.TrainState, batch: Any) -> tuple[state_lib.TrainState, dict]:
+    state = layout.unpad(state)  # leaves split unevenly are stored padded
     tx = state_lib.wrapped(optimizer, state.params)
     _check_step_inputs(model, policy, tx, state, batch, data_size, num_microbatches,
                        per_token_loss)
@@ -423,7 +426,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
           lambda new, old: jnp.where(applied, new, old), model_state,
           state.model_state)
     new_state = state_lib.TrainState(params, opt_state, state.step + 1, model_state, state.rng)
-    new_state = layout.constrain(new_state, layout.state(new_state))
+    new_state = layout.pad(layout.constrain(new_state, layout.state(new_state)))
     metrics = metrics_lib.step_metrics(opt_state)
     metrics.update(loss=loss, num_tokens=num_tokens, loss_scale=scale)
     return new_state, layout.constrain(metrics)
@@ -434,6 +437,34 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   if mesh is not None:
     jit_kwargs["in_shardings"] = (None, layout.batch())
   return init, jax.jit(step_fn, **jit_kwargs)
+
+
+def unpaddable(policy: Any, grad_reduce_dtype: Any = None, pipelined: bool = False,
+               context: int = 1) -> Optional[str]:
+  """Why a `make_train_step` of these settings cannot store a parameter its layout
+  splits unevenly over the data axes padded (`mpscale.parallel.Padded`), naming
+  the argument; ``None`` when it can. Its gradients are then summed inside a
+  ``shard_map``, which splits evenly only: a `mpscale.Pipeline`'s stages, float32
+  sums (``grad_reduce_dtype``), or a ``context`` axis.
+
+  Args:
+    policy: the step's policy (or a name for `mpscale.make_policy`).
+    grad_reduce_dtype: the step's ``grad_reduce_dtype``.
+    pipelined: the loss is a `mpscale.Pipeline`.
+    context: the size of the mesh's ``context`` axis.
+
+  Returns:
+    The reason, as the end of a sentence naming the argument, or ``None``.
+  """
+  if pipelined:
+    return "a Pipeline (loss_fn), whose stages run in a shard_map,"
+  if accumulate_lib.sums_in_float32(policy_lib.make_policy(policy),
+                                    gradients_lib.check_grad_reduce_dtype(
+                                        grad_reduce_dtype)):
+    return "grad_reduce_dtype=float32, summed in a shard_map,"
+  if context > 1:
+    return "a context axis (mesh), attended over in a shard_map,"
+  return None
 
 
 def _name(model: Any) -> str:

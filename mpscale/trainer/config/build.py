@@ -221,7 +221,17 @@ def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
                       and cfg.mesh.context == 1 and cfg.mesh.expert == 1):
     return None
   return errors.keyed("mesh", lambda: model.param_specs(
-      mesh, fsdp_axis=(FSDP_AXIS, CONTEXT_AXIS)), errors.fields("model", cfg.model))
+      mesh, fsdp_axis=(FSDP_AXIS, CONTEXT_AXIS), pad=pads_unevenly(cfg)),
+      errors.fields("model", cfg.model))
+
+
+def pads_unevenly(cfg: schema.RunConfig) -> bool:
+  """Whether FSDP splits a parameter whose dimensions ``mesh.fsdp`` does not
+  divide, stored padded (`mpscale.parallel.Padded`): where the step can
+  (`mpscale.step.unpaddable`: no pipeline, no float32 sums, no context axis); else
+  such a parameter stays replicated over ``fsdp``."""
+  return step_lib.unpaddable(build_policy(cfg), build_grad_reduce_dtype(cfg),
+                             cfg.mesh.stage > 1, cfg.mesh.context) is None
 
 
 def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:
@@ -744,7 +754,7 @@ def user_param_specs(cfg: schema.RunConfig, model: models_lib.Model,
   if mesh is not None and cfg.mesh.fsdp > 1:
     shapes = jax.eval_shape(model.init, jax.random.key(cfg.seed))
     specs = errors.keyed("mesh.fsdp", lambda: parallel_lib.fsdp_specs(
-        shapes, mesh, FSDP_AXIS, specs))
+        shapes, mesh, FSDP_AXIS, specs, pads_unevenly(cfg)))
   return specs
 
 
@@ -920,6 +930,7 @@ def build_evaluate(model: Any, evaluate_fn: Callable, policy: Any,
 
   @jax.jit
   def evaluate(state, batch):
+    state = parallel_lib.unpad(state)  # a leaf FSDP splits unevenly
     params, model_state = (state.params, state.model_state) if pipeline is None else (
         pipeline.to_model_order((state.params, state.model_state)))
     kw = {} if model_state is None else {"model_state": model_state}
@@ -939,18 +950,28 @@ def _is_abstract(tree: Any) -> bool:
 def place_like(tree: Any, like: Any) -> Any:
   """``tree`` with each array leaf put in the sharding of ``like``'s leaf, where that
   is an array of the same shape (a `mpscale.SplitPipeline`'s padding changes the
-  stacks' shapes: those leaves are left as they are)."""
-  return jax.tree_util.tree_map(
-      lambda new, old: (jax.device_put(new, old.sharding)
-                        if isinstance(old, jax.Array) and new.shape == old.shape
-                        else new), tree, like)
+  stacks' shapes: those leaves are left as they are), or padded into ``like``'s
+  `mpscale.parallel.Padded` node where ``like`` stores it padded (FSDP's uneven
+  split)."""
+  def place(new, old):
+    if parallel_lib.is_padded(old) and tuple(new.shape) == old.shape:
+      widths = [(0, p - n) for n, p in zip(new.shape, old.value.shape)]
+      return parallel_lib.Padded(jax.jit(
+          functools.partial(jnp.pad, pad_width=widths),
+          out_shardings=old.value.sharding)(new), old.shape)
+    if isinstance(old, jax.Array) and new.shape == old.shape:
+      return jax.device_put(new, old.sharding)
+    return new
+  return jax.tree_util.tree_map(place, tree, like)
 
 
 def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], Any]:
   """``permute`` (a pipeline's layer order) with its result placed as its input
-  (`place_like`); the identity for ``None``."""
+  (`place_like`); for ``None``, `mpscale.parallel.unpad` (the identity on a
+  state that holds no padded leaf)."""
   if permute is None:
-    return lambda tree: tree
+    # (Without a pipeline: a leaf FSDP splits unevenly, cut from its padding.)
+    return parallel_lib.unpad
   return lambda tree: place_like(permute(tree), tree)
 
 

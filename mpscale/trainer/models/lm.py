@@ -935,12 +935,14 @@ class TinyLM:
     return jax.tree_util.tree_map_with_path(name, shapes)
 
   def param_specs(self, mesh: Any, rules: Any = LOGICAL_RULES,
-                  fsdp_axis: parallel_lib.AxisNames = "fsdp") -> Any:
+                  fsdp_axis: parallel_lib.AxisNames = "fsdp", pad: bool = False) -> Any:
     """PartitionSpecs of the params on ``mesh``: `logical_axes` through ``rules``
     (rules naming an axis ``mesh`` lacks, or one of size 1, are dropped), then FSDP
     over ``fsdp_axis`` (an axis, or several: those ``mesh`` has at sizes above 1)
     on each leaf's largest free dimension it divides
-    (`mpscale.parallel.fsdp_specs`), the token table's on its width.
+    (`mpscale.parallel.fsdp_specs`; with ``pad``, a leaf none divides on the one
+    whose padding costs least, stored padded by the step), the token table's on
+    its width.
 
     Raises:
       ValueError: when ``tensor`` does not divide the heads, the MLP width or the
@@ -972,7 +974,7 @@ class TinyLM:
       if table[1] is None and size > 1 and self.d_model % size == 0:
         specs["embed"]["token"] = jax.sharding.PartitionSpec(table[0], fsdp_axis)
       shapes = jax.eval_shape(self._init, jax.random.key(0))
-      specs = parallel_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs)
+      specs = parallel_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs, pad)
     return specs
 
   def embed_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:
