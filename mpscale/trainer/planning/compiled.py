@@ -696,7 +696,8 @@ def _loss_readings(built: _Built) -> dict[str, Any]:
       kwargs["rng"] = jax.random.key(0)
     if state.model_state is not None:
       kwargs["model_state"] = state.model_state
-    out["activations"], forward = activation_bytes(
-        loss, state.params, batch, rows, setup.policy.cast_to_compute, **kwargs)
+    out["activations"], forward = activation_bytes(  # true shapes: unpadded
+        loss, parallel_lib.unpad(state.params), batch, rows,
+        setup.policy.cast_to_compute, **kwargs)
     out["float32_share"] = setup.policy.wide_share(jaxprs.matmul_flops(forward))
   return out
