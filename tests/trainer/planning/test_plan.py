@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from mpscale import parallel
 from mpscale.trainer.config import build as builders
 from mpscale.trainer.config import load as config_lib
 from mpscale.trainer.planning import compiled as plan_lib
@@ -45,6 +46,21 @@ def test_planned_state_bytes_are_the_real_arrays(sets):
   assert planned.bytes["peak"] >= planned.bytes["params"] + planned.bytes[
       "optimizer_state"]
   assert planned.params == sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+
+
+def test_fsdp_on_a_device_count_that_divides_no_dimension_plans_a_padded_share():
+  # 3 divides none of 128, 512 and 256: each weight is split padded (issue #63).
+  cfg = _cfg("mesh.fsdp=3", "data.batch_size=12")
+  planned = plan_lib.plan(cfg, device_memory="1GB")
+  setup = builders.build(cfg)
+  state = setup.init(setup.init_params())
+  assert planned.bytes["params"] == _device_bytes(state.params,
+                                                  setup.mesh.devices.flat[0])
+  true = sum(x.nbytes for x in jax.tree_util.tree_leaves(
+      parallel.unpad(jax.device_get(state.params))))
+  assert true / 3 < planned.bytes["params"] <= 1.01 * true / 3  # padding <= 1%
+  assert planned.params == sum(
+      x.size for x in jax.tree_util.tree_leaves(parallel.unpad(state.params)))
 
 
 @pytest.mark.parametrize("remat", [False, True])
