@@ -73,21 +73,29 @@ def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
       base, params, is_leaf=is_spec)
 
 
-def gather_cast(x: jax.Array, dtype: Any, dims: Sequence[tuple[int, tuple[str, ...]]]
-               ) -> jax.Array:
+def gather_cast(x: jax.Array, dtype: Any, dims: Sequence[tuple]) -> jax.Array:
   """Inside ``shard_map``: ``x`` (a master shard) cast to ``dtype`` and all-gathered
-  along ``dims`` (`split_dims`' ``(dim, axes)`` pairs). The gather moves the compute
-  dtype; the gradient comes back reduce-scattered in ``x``'s own dtype (float32
-  masters: float32 sums over the replicas, PyTorch FSDP's ``reduce_dtype``)."""
-  return _gather_cast(x, jnp.dtype(dtype), tuple(dims), jnp.dtype(x.dtype))
+  along ``dims`` (`split_dims`' ``(dim, axes)`` pairs; a ``(dim, axes, size)``
+  triple cuts a padded leaf's gather to its true ``size``, `mpscale.parallel.Padded`).
+  The gather moves the compute dtype; the gradient comes back reduce-scattered in
+  ``x``'s own dtype (float32 masters: float32 sums over the replicas, PyTorch FSDP's
+  ``reduce_dtype``), the padding's share zeros."""
+  return _gather_cast(x, jnp.dtype(dtype), tuple(_triples(dims)), jnp.dtype(x.dtype))
+
+
+def _triples(dims: Sequence[tuple]) -> list[tuple[int, tuple[str, ...], Optional[int]]]:
+  """``dims`` as ``(dim, axes, true size or None)`` triples."""
+  return [(d[0], tuple(d[1]), d[2] if len(d) > 2 else None) for d in dims]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _gather_cast(x, dtype, dims, master):
   del master
   y = x.astype(dtype)
-  for dim, over in dims:
+  for dim, over, size in dims:
     y = lax.all_gather(y, over, axis=dim, tiled=True)
+    if size is not None:
+      y = lax.slice_in_dim(y, 0, size, axis=dim)
   return y
 
 
@@ -100,12 +108,17 @@ def _gather_cast_bwd(dtype, dims, master, _, ct):
   return (scatter_dims(ct.astype(master), dims),)
 
 
-def scatter_dims(g: jax.Array, dims: Sequence[tuple[int, tuple[str, ...]]]
-                ) -> jax.Array:
+def scatter_dims(g: jax.Array, dims: Sequence[tuple]) -> jax.Array:
   """Inside ``shard_map``: ``g`` summed over the axes of ``dims`` (`split_dims`'
-  pairs), keeping this device's slice along each dim: the reduce-scatter that
+  pairs, or `gather_cast`'s triples: ``g`` of the true size, padded with zeros
+  first), keeping this device's slice along each dim: the reduce-scatter that
   undoes `gather_cast`'s gather."""
-  for dim, over in reversed(dims):
+  for dim, over, size in reversed(_triples(dims)):
+    if size is not None:
+      n = math.prod(lax.axis_size(a) for a in over)
+      widths = [(0, 0)] * g.ndim
+      widths[dim] = (0, -(-size // n) * n - size)
+      g = jnp.pad(g, widths)
     g = lax.psum_scatter(g, over, scatter_dimension=dim, tiled=True)
   return g
 
@@ -145,7 +158,9 @@ def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
     fn: ``fn(params, *args)``, written for whole parameters.
     dims: like ``params``: each leaf's ``(dim, axes)`` pairs
       (`mpscale.parallel.split_dims` of its spec over the manual data axes), a
-      tuple, empty for a leaf that is not split.
+      tuple, empty for a leaf that is not split; a ``(dim, axes, size)`` triple
+      for a leaf stored padded along ``dim`` (`gather_cast`), whose true size
+      ``fn`` is traced on.
 
   Returns:
     ``f(shards, *args)`` with ``fn``'s results.
@@ -176,8 +191,9 @@ def gather_where_used(fn: Callable[..., Any], dims: Any) -> Callable[..., Any]:
 
 def _whole_shape(shape: tuple, dims: Sequence) -> tuple:
   out = list(shape)
-  for dim, axes in dims:
-    out[dim] *= math.prod(lax.axis_size(a) for a in axes)
+  for dim, axes, size in _triples(dims):
+    out[dim] = size if size is not None else out[dim] * math.prod(
+        lax.axis_size(a) for a in axes)
   return tuple(out)
 
 
@@ -239,14 +255,15 @@ class _Gathers:
     nc, nk = p["num_consts"], p["num_carry"]
     # A carried weight, or a stack split along its layers, is gathered first.
     first = [s is not None and (nc <= i < nc + nk or (
-        i >= nc + nk and any(d == 0 for d, _ in s.dims)))
+        i >= nc + nk and any(d[0] == 0 for d in s.dims)))
              for i, s in enumerate(shards)]
     values = [self.whole(x, s) if g else x for x, s, g in zip(values, shards, first)]
     shards = [None if g else s for s, g in zip(shards, first)]
     consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
     # A stacked weight's slice is one layer's shard.
     inner = [*shards[:nc], *([None] * nk),
-             *(None if s is None else _Shard(s.dtype, tuple((d - 1, a) for d, a in s.dims))
+             *(None if s is None else _Shard(s.dtype, tuple(
+                 (d - 1, a, n) for d, a, n in _triples(s.dims)))
                for s in shards[nc + nk:])]
     body = p["jaxpr"]
     marks = {v: s for v, s in zip(body.jaxpr.invars, inner) if s is not None}

@@ -58,6 +58,11 @@ def is_padded(x: Any) -> bool:
   return isinstance(x, Padded)
 
 
+def holds_padding(tree: Any) -> bool:
+  """Whether ``tree`` holds a `Padded` node."""
+  return any(is_padded(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_padded))
+
+
 def padded_shape(shape: Sequence[int], spec: PartitionSpec,
                  mesh: Optional[Mesh]) -> tuple[int, ...]:
   """``shape`` with each dimension ``spec`` splits rounded up to a multiple of the
@@ -137,6 +142,13 @@ def padded_values(tree: Any) -> Any:
   padded state stores (what a checkpoint writes)."""
   return jax.tree_util.tree_map(lambda x: x.value if is_padded(x) else x, tree,
                                 is_leaf=is_padded)
+
+
+def rewrap(values: Any, like: Any) -> Any:
+  """``values`` (a tree of padded arrays, as `padded_values` gives) put back in the
+  `Padded` nodes of ``like``."""
+  return jax.tree_util.tree_map(
+      lambda v, x: Padded(v, x.shape) if is_padded(x) else v, values, like)
 
 
 def padding_bytes(tree: Any, specs: Any, mesh: Optional[Mesh]) -> int:

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 import numpy as np
 
+from mpscale import _tree
 from mpscale import gradients as gradients_lib
 from mpscale import keys as keys_lib
 from mpscale import validation
@@ -37,6 +38,7 @@ from mpscale.gradients import Gradients
 from mpscale.parallel import _batch_split as batch_split_lib
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
+from mpscale.parallel import _padding as padding_lib
 from mpscale.precision import _fp8 as fp8_lib
 from mpscale.precision import _fp8_state as fp8_state_lib
 from mpscale.precision import _policy as policy_lib
@@ -137,7 +139,8 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
     loss_fn: ``loss_fn(params, batch) -> loss`` (a mean), or with ``per_token_loss``
       ``-> (loss_sum, num_tokens)``; with ``rng``/``model_state`` it takes them as
       keywords, and with ``model_state`` it returns ``(that, new_model_state)``.
-    params: the master parameters.
+    params: the master parameters (a padded state's may hold
+      `mpscale.parallel.Padded` leaves: the gradients are of the true shapes).
     batch: a pytree of arrays with a common leading batch dimension.
     loss_scale: multiplies the loss before differentiation.
     policy: a `mpscale.Policy` or preset name; default float32.
@@ -197,7 +200,9 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   data_axes = mesh_lib.data_axes(mesh, data_axis)
   data_size = layouts_lib.axis_size(mesh, data_axes)
   rows = mesh_lib.batch_rows(batch, data_size, num_microbatches)
-  specs = (layouts_lib.resolve_specs(param_specs, params)
+  stored, padded = params, padding_lib.holds_padding(params)
+  specs = (layouts_lib.resolve_specs(param_specs, padding_lib.unpad(
+      _tree.shapes(params)) if padded else params)
            if mesh is not None and param_specs is not None else None)
   rng = None if rng is None else keys_lib.typed(rng)
   stateful = model_state is not None
@@ -210,10 +215,12 @@ def accumulate_gradients(loss_fn: LossFn, params: Any, batch: Any, *,
   # weights (FSDP's all-gather, a layer at a time) rather than activations.
   model = (batch_split_lib.keep_batch_split(loss_fn, mesh, data_axes, specs)
            if specs is not None and not wide else loss_fn)
+  if padded and not wide:  # each Padded leaf cut where it lives
+    params = sums_lib.like_params(padding_lib.unpad(stored), specs, mesh)
   scaled_loss = sums_lib.scaled_loss(model, policy, scale, per_token_loss, stateful)
   # Three strategies add up the losses and float32 gradients; averaged divides.
   if wide and data_size > 1:
-    sums = float32_lib.float32_sums(scaled_loss, policy, params, batch, rng, mesh, data_axes,
+    sums = float32_lib.float32_sums(scaled_loss, policy, stored, batch, rng, mesh, data_axes,
                          specs, num_microbatches, model_state, merge_state)
   elif num_microbatches == 1:
     sums = _single_gradient(scaled_loss, params, batch, rng, model_state, mesh, specs)

@@ -21,6 +21,7 @@ from mpscale import keys as keys_lib
 from mpscale.parallel import _fsdp as fsdp_lib
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
+from mpscale.parallel import _padding as padding_lib
 from mpscale.precision import _fp8_state as fp8_state_lib
 from mpscale.precision import _policy as policy_lib
 from mpscale.step import _sums as sums_lib
@@ -54,12 +55,17 @@ def float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
   compute dtype and sums in float32. Micro-batch ``k`` of replica ``r`` draws from
   ``replica_key(microbatch_key(rng, k), r)``, as on the vmapped path.
 
+  ``params`` may hold `mpscale.parallel.Padded` leaves (a padded state's): their
+  padded arrays enter the ``shard_map`` split evenly, each gather is cut to the true
+  shape the loss is traced on, and the gradients come back in the true shapes.
+
   FP8 scaling state (``model_state``, an ``_overwrite_with_gradient`` collection)
   runs through the micro-batches: each replica's update of it is gathered from
   every replica and merged (``merge_state``), so each micro-batch records the
   global amaxes, as the other paths do.
   """
   grad_fn = fp8_state_lib.grad_with_overwrite(scaled_loss)
+  stored, params = params, padding_lib.padded_values(params)
   layout = (jax.tree_util.tree_map(lambda _: PartitionSpec(), params)
             if specs is None else specs)
   manual = jax.tree_util.tree_map(
@@ -71,10 +77,12 @@ def float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
   def vary(tree):
     return mesh_lib.cast_varying(tree, data_axes)
 
-  dims = jax.tree_util.tree_map(
-      lambda spec: tuple(layouts_lib.split_dims(spec, data_axes)), manual,
-      is_leaf=layouts_lib.is_spec)
-  split = any(jax.tree_util.tree_leaves(dims))
+  def split_of(spec, leaf):  # a padded leaf's gathers cut to its true size
+    true = leaf.shape if padding_lib.is_padded(leaf) else None
+    return tuple((d, a) if true is None else (d, a, true[d])
+                 for d, a in layouts_lib.split_dims(spec, data_axes))
+  dims = jax.tree_util.tree_map(split_of, manual, stored, is_leaf=layouts_lib.is_spec)
+  split = any(jax.tree_util.tree_leaves(dims, is_leaf=lambda x: isinstance(x, tuple)))
   # FSDP: the masters' shards, each cast and gathered where the loss uses it.
   shard_grad = fp8_state_lib.grad_with_overwrite(fsdp_lib.gather_where_used(scaled_loss, dims))
 
@@ -131,6 +139,7 @@ def float32_sums(scaled_loss: Callable, policy: policy_lib.Policy, params: Any,
       out_specs=(manual, PartitionSpec(), PartitionSpec(), state_specs),
       axis_names=set(data_axes))
   grads, loss, tokens, copies = fn(params, batch, keys, model_state)
+  grads = padding_lib.unpad(padding_lib.rewrap(grads, stored))
   new_state = jax.tree_util.tree_map(lambda x: x[0], copies)
   return sums_lib.Sums(sums_lib.like_params(grads, specs, mesh), loss, tokens,
                num_microbatches * layouts_lib.axis_size(mesh, data_axes), new_state)

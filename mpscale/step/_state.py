@@ -175,8 +175,7 @@ class Layout:
   def unpad(self, state: TrainState) -> TrainState:
     """Inside the step: a stored ``state`` cut back to its true shapes, each cut
     split as its padded form is (a local cut under GSPMD: no bytes move)."""
-    if not any(padding_lib.is_padded(x) for x in jax.tree_util.tree_leaves(
-        state, is_leaf=padding_lib.is_padded)):
+    if not padding_lib.holds_padding(state):
       return state
     cut = padding_lib.unpad(state)
     return self.constrain(cut, self.state(cut))

@@ -87,6 +87,7 @@ from mpscale.gradients import Gradients
 from mpscale.parallel import _context as context_lib
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel import _mesh as mesh_lib
+from mpscale.parallel import _padding as padding_lib
 from mpscale.parallel.pipeline import _pipeline as pipeline_lib
 from mpscale.precision import _fp8_state as fp8_state_lib
 from mpscale.precision import _policy as policy_lib
@@ -145,7 +146,8 @@ def _gradient_source(loss_fn: Any, layout: state_lib.Layout, policy: policy_lib.
         loss_fn, params, batch, loss_scale=scale, policy=policy,
         num_microbatches=num_microbatches, per_token_loss=per_token_loss,
         mesh=layout.mesh, data_axis=layout.data_axes or "data",
-        param_specs=None if layout.param_specs is None else layout.specs(params),
+        param_specs=None if layout.param_specs is None else layout.specs(
+            padding_lib.unpad(_tree.shapes(params))),  # (as stored: Padded leaves)
         rng=rng, model_state=model_state, grad_reduce_dtype=reduce_dtype,
         merge_state=merge_state)
     return out if model_state is not None else (out, None)
@@ -374,7 +376,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     num_microbatches = _check_pipeline(pipeline, mesh, num_microbatches)
   reduce_dtype = gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype)
   layout = state_lib.Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline,
-                            unpaddable(policy, reduce_dtype, pipeline is not None,
+                            unpaddable(pipeline is not None,
                                        context_lib.context_size(mesh)))
   if merge_state is not None:
     validation.function("merge_state", merge_state)
@@ -403,14 +405,16 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                        model_state_dtype)
 
   def step_fn(state: state_lib.TrainState, batch: Any) -> tuple[state_lib.TrainState, dict]:
-    state = layout.unpad(state)  # leaves split unevenly are stored padded
+    # Leaves split unevenly are stored padded: the gradients take them as stored
+    # (float32 sums gather their padded shards), the rest reads the true shapes.
+    stored, state = state.params, layout.unpad(state)
     tx = state_lib.wrapped(optimizer, state.params)
     _check_step_inputs(model, policy, tx, state, batch, data_size, num_microbatches,
                        per_token_loss)
     scale = loss_scale_lib.loss_scale_of(state.opt_state)
     key = None if state.rng is None else keys_lib.step_key(state.rng, state.step)
     (grads, loss, num_tokens), model_state = gradients(
-        state.params, batch, scale, key, state.model_state)
+        stored, batch, scale, key, state.model_state)
     # The unscaled loss, for a skip_spikes inside (optax drops it for a
     # transformation that takes no extra arguments).
     # ``samples``: the step's global batch size, for schedules counted in samples
@@ -439,17 +443,15 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   return init, jax.jit(step_fn, **jit_kwargs)
 
 
-def unpaddable(policy: Any, grad_reduce_dtype: Any = None, pipelined: bool = False,
-               context: int = 1) -> Optional[str]:
+def unpaddable(pipelined: bool = False, context: int = 1) -> Optional[str]:
   """Why a `make_train_step` of these settings cannot store a parameter its layout
   splits unevenly over the data axes padded (`mpscale.parallel.Padded`), naming
-  the argument; ``None`` when it can. Its gradients are then summed inside a
-  ``shard_map``, which splits evenly only: a `mpscale.Pipeline`'s stages, float32
-  sums (``grad_reduce_dtype``), or a ``context`` axis.
+  the argument; ``None`` when it can. Its gradients are then taken inside a
+  ``shard_map`` that does not follow a padded leaf: a `mpscale.Pipeline`'s stages,
+  or a ``context`` axis. (Float32 sums, ``grad_reduce_dtype``, gather each padded
+  shard and cut it: `mpscale.parallel.gather_cast`.)
 
   Args:
-    policy: the step's policy (or a name for `mpscale.make_policy`).
-    grad_reduce_dtype: the step's ``grad_reduce_dtype``.
     pipelined: the loss is a `mpscale.Pipeline`.
     context: the size of the mesh's ``context`` axis.
 
@@ -458,10 +460,6 @@ def unpaddable(policy: Any, grad_reduce_dtype: Any = None, pipelined: bool = Fal
   """
   if pipelined:
     return "a Pipeline (loss_fn), whose stages run in a shard_map,"
-  if accumulate_lib.sums_in_float32(policy_lib.make_policy(policy),
-                                    gradients_lib.check_grad_reduce_dtype(
-                                        grad_reduce_dtype)):
-    return "grad_reduce_dtype=float32, summed in a shard_map,"
   if context > 1:
     return "a context axis (mesh), attended over in a shard_map,"
   return None

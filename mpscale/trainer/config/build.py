@@ -228,10 +228,9 @@ def build_param_specs(cfg: schema.RunConfig, model: lm_lib.TinyLM,
 def pads_unevenly(cfg: schema.RunConfig) -> bool:
   """Whether FSDP splits a parameter whose dimensions ``mesh.fsdp`` does not
   divide, stored padded (`mpscale.parallel.Padded`): where the step can
-  (`mpscale.step.unpaddable`: no pipeline, no float32 sums, no context axis); else
-  such a parameter stays replicated over ``fsdp``."""
-  return step_lib.unpaddable(build_policy(cfg), build_grad_reduce_dtype(cfg),
-                             cfg.mesh.stage > 1, cfg.mesh.context) is None
+  (`mpscale.step.unpaddable`: no pipeline, no context axis); else such a
+  parameter stays replicated over ``fsdp``."""
+  return step_lib.unpaddable(cfg.mesh.stage > 1, cfg.mesh.context) is None
 
 
 def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:
