@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpscale import _tree
+from mpscale import parallel as parallel_lib
 from mpscale.trainer.hf import names
 from mpscale.trainer.hf import tensors as safetensors_lib
 from mpscale.trainer.hf.names import HFCheckpointError
@@ -103,6 +104,12 @@ def load_params(path: str, model: lm_lib.TinyLM, mesh: Optional[jax.sharding.Mes
     read = names.reader(tensors, tensor, shape.shape, np.dtype(dtype))
     if mesh is None:
       return jnp.asarray(read(tuple(slice(None) for _ in shape.shape)))
+    if parallel_lib.padded_shape(shape.shape, spec, mesh) != tuple(shape.shape):
+      # Split unevenly (FSDP on any device count): read whole along those
+      # dimensions; the step's init stores it padded, split.
+      spec = parallel_lib.make_spec([
+          e if shape.shape[d] % parallel_lib.axis_size(mesh, e) == 0 else None
+          for d, e in enumerate(parallel_lib.pad(spec, len(shape.shape)))])
     sharding = jax.sharding.NamedSharding(mesh, spec)
     return jax.make_array_from_callback(shape.shape, sharding, read)
 

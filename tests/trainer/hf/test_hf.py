@@ -319,3 +319,20 @@ def test_a_config_reads_config_json_alone_and_refuses_a_conflicting_size(tmp_pat
         {**json.loads(config.to_json_string()), "model_type": "gemma"}))
     config_lib.config_from_dict({"model": {"init_from": "bad"}}, "<test>",
                                 base_dir=str(tmp_path))
+
+
+def test_a_checkpoint_loads_onto_a_mesh_no_dimension_divides(tmp_path):
+  """3 FSDP devices divide none of a Llama's dimensions here (issue #63): each
+  weight is read whole along them, equal to the unsharded load, for the step's init
+  to store it padded."""
+  from jax.sharding import Mesh
+  config = _config("llama", np.random.default_rng(3))
+  _checkpoint(config, tmp_path, seed=3)
+  model, params = hf.load(str(tmp_path), seq_len=LENGTH)
+  mesh = Mesh(np.array(jax.devices()[:3]), ("fsdp",))
+  specs = model.param_specs(mesh, pad=True)
+  assert any("fsdp" in str(s) for s in jax.tree_util.tree_leaves(
+      specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+  placed = hf.load_params(str(tmp_path), model, mesh, specs)
+  for a, b in zip(jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
