@@ -8,12 +8,17 @@
   ``optax.chain``/``inject_hyperparams`` state tree; `find` and `find_all` find them
   (with ``optax.tree_utils``), `plain` accepts a Flax NNX optimizer too, and
   `learning_rate` reads the outermost learning rate.
+* `stack_buckets`: leaves that stack into one array without moving any (same shape,
+  dtype and sharding; the same weight of many layers where tracing cannot know the
+  sharding), so that a reduction over the stack is one GPU kernel instead of one per
+  leaf (the gradient norms' pass, the RMS clips of CAME's vectors).
 """
 
 from __future__ import annotations
 
+import re
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +89,90 @@ def learning_rate(opt_state: Any) -> Any:
     return None
   _, lr = min(found, key=lambda path_value: len(path_value[0]))
   return jnp.asarray(lr, jnp.float32)
+
+
+# -------------------------------------------------------------------------------------
+# Leaves that stack without moving.
+
+_STACK_MAX = 32
+"""Leaves stacked into one reduction at most: a GPU fusion reads each as an operand,
+and XLA caps a fusion's operands."""
+
+_SMALL = 1 << 16
+"""Leaves of at most this many elements (biases, norms' scales) of one shape and
+dtype are measured together whatever their names: moving one is cheap even if its
+sharding differs from its neighbours'."""
+
+_SMALL_MAX = 128
+"""Small leaves measured by one reduction at most."""
+
+
+_LAYER_NUMBER = re.compile(r"[0-9]+$")
+
+
+def _role(path: KeyPath) -> tuple[Any, ...]:
+  """``path`` with each key's layer number made one wildcard: a list index (``h[3]``),
+  a digit key (``h/3``) and a trailing number (linen's ``h_3``, ``Block_3``) alike.
+  The same weight of every layer shares a role, and so (as a rule) its sharding."""
+  out = []
+  for key in path:
+    name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
+    out.append("*" if isinstance(name, int) else _LAYER_NUMBER.sub("*", str(name)))
+  return tuple(out)
+
+
+def _placement(x: Any) -> Any:
+  """What, besides shape and dtype, lets ``x`` share a stack: its sharding as a
+  hashable key, or None where tracing cannot know it.
+
+  A concrete array gives its ``sharding``. A traced leaf gives its abstract value's
+  sharding where that decides the layout: on a mesh whose axes are explicit or manual
+  (``shard_map``), or of one device. On a mesh with an automatic axis of size > 1, and
+  with no mesh at all (a jitted leaf on one device, but also an uncommitted argument
+  of a jit given ``in_shardings``), GSPMD picks the layout after tracing: None.
+  """
+  if not isinstance(x, jax.core.Tracer):
+    sharding = getattr(x, "sharding", None)  # a jax.Array; NumPy and scalars: None
+    return ("host",) if sharding is None else sharding
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  auto = getattr(jax.sharding, "AxisType", None)
+  types, sizes = getattr(mesh, "axis_types", None), getattr(mesh, "axis_sizes", ())
+  if auto is None or not isinstance(types, tuple) or len(types) != len(sizes) or any(
+      t == auto.Auto and size > 1 for t, size in zip(types, sizes)):
+    return None
+  return (tuple(zip(mesh.axis_names, sizes)), tuple(map(str, types)),
+          tuple(sharding.spec))
+
+
+def stack_buckets(leaves: Sequence[Any], parts: Sequence[int],
+                  paths: Sequence[KeyPath]) -> list[list[int]]:
+  """Leaves one reduction measures together, as lists of indices: up to `_STACK_MAX`
+  leaves stackable without moving any (same shape, dtype, ``parts``, the number of
+  equal parts along the leading axis each is measured in, and sharding), or up to
+  `_SMALL_MAX` small leaves of one shape and dtype.
+
+  The sharding is `_placement`'s. Where tracing cannot know it (GSPMD's automatic
+  axes, or no mesh on the abstract value), the role of the leaf's key path
+  (`_role`: its layer numbers made wildcards) stands in for it, since layouts are
+  given per role: the same weight of every layer, however the layers are named
+  (``h[0]``, ``h/0``, linen's ``h_0``), shares a bucket, and same-shaped weights of
+  different roles (a column- and a row-parallel matrix) do not.
+  """
+  buckets: dict[Any, list[list[int]]] = {}
+  for i, (x, k, path) in enumerate(zip(leaves, parts, paths)):
+    small = k == 1 and np.size(x) <= _SMALL
+    if small:
+      placement = None
+    else:
+      placement = _placement(x)
+      placement = ("role", _role(path)) if placement is None else (
+          "sharding", placement)
+    key = (np.shape(x), jnp.result_type(x), k, placement)
+    runs = buckets.setdefault(key, [[]])
+    if len(runs[-1]) == (_SMALL_MAX if small else _STACK_MAX):
+      runs.append([])
+    runs[-1].append(i)
+  return [run for runs in buckets.values() for run in runs]

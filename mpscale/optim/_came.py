@@ -34,7 +34,8 @@ s_row, s_col, mu``; the state keeps ``s_row, s_col`` as ``instability_row,
 instability_col``)::
 
   scale_by_came: init _init_state, update _update  # hp: its checked arguments
-  _leaf_update(hp, g, ..., count):                # each leaf, g in the compute dtype
+  _update: _leaf_update on each leaf           # vectors' clip means first, batched
+  _leaf_update(hp, g, stats, count, full):     # g in the compute dtype
     b2 = _beta2_at(hp, count, dtype)
     _factored_update(...) if rank >= 2 else _full_update(...)
   _factored_update(hp, g, mu, v_row, v_col, s_row, s_col, b2):
@@ -45,7 +46,9 @@ instability_col``)::
     mu, mu_f = _store(hp, beta1 * mu + (1 - beta1) * u)  # mu_f: as read back
     s_row, s_col = _factored_instability(hp, g, a, c, mu_f, s_row, s_col)
     d = mu_f * _rms_factor(s_row) (x) rsqrt(s_col)
-  _full_update(hp, g, mu, v, b2)                                     # rank 0 and 1
+  _full_moments(hp, g, v, count) -> v, u = g * rsqrt(v)           # rank 0 and 1
+  _mean_squares(us)        # mean(u^2) of each: on a GPU one reduction per bucket
+  _full_update(hp, mu, v, u, mean_sq)     # u / max(sqrt(mean_sq) / clip, 1), mu
   came = chain(scale_by_came, optax.add_decayed_weights,
                _scale_by_came_learning_rate)                   # lr = lr_at(count)
 
@@ -59,7 +62,10 @@ momentum (written once); row and column sums of the instability; and the final u
 which XLA fuses into ``optax.apply_updates``. With ``compression`` the instability and
 the update read the momentum as stored (rounded), as mindformers' ``Came`` does; on
 XLA:CPU its float16-to-float32 conversion is not fused into the reductions, so there
-compression saves memory but costs time.
+compression saves memory but costs time. On an NVIDIA GPU the RMS clip's means of the
+rank 0 and 1 leaves (biases, norm scales) are one reduction per bucket of stacked
+leaves (`mpscale._tree.stack_buckets`), not one per leaf; the matrices stay leaf by
+leaf (benchmarks/README.md says what stacking them cost).
 
 References:
   Luo et al., "CAME: Confidence-guided Adaptive Memory Efficient Optimization",
@@ -80,6 +86,7 @@ import numpy as np
 import optax
 
 from mpscale import validation
+from mpscale._tree import stack_buckets
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 Compression = Union[bool, str, Any]
@@ -320,52 +327,99 @@ def _factored_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array,
   return d, (mu, v_row, v_col, s_row, s_col)
 
 
-def _full_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array, v: jax.Array,
-                 b2: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """A rank 0 or 1 leaf's ``d`` (the momentum) and new ``(mu, v)``, from its gradient
-  ``g`` (in the compute dtype, still scaled). A compressed ``v`` is stored as its
-  square root."""
-  g = g * hp.inv_scale
+def _full_moments(hp: _Hyperparameters, g: jax.Array, v: jax.Array, t: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+  """A rank 0 or 1 leaf's new second moment ``v`` and its update before the RMS clip,
+  ``u = g * rsqrt(v)``, both in the compute dtype, from its gradient ``g`` (still
+  scaled) at step ``t``. A compressed ``v`` is read as its square root."""
+  g = g.astype(_compute_dtype(g.dtype)) * hp.inv_scale
+  b2 = _beta2_at(hp, t, g.dtype)
   v_prev = v.astype(g.dtype)
   if hp.store_dtype is not None:
     v_prev = jnp.square(v_prev)
   v = b2 * v_prev + (1.0 - b2) * (jnp.square(g) + hp.eps_sq)
-  u = g * lax.rsqrt(v)
-  u = u / jnp.maximum(jnp.sqrt(jnp.mean(jnp.square(u))) / hp.clip_threshold, 1.0)
-  mu, mu_f = _store(hp, hp.beta1 * mu.astype(g.dtype) + (1.0 - hp.beta1) * u)
+  return v, g * lax.rsqrt(v)
+
+
+def _mean_squares(us: Sequence[jax.Array], paths: Sequence[Any]) -> list[jax.Array]:
+  """``mean(u^2)`` of each of ``us`` (the rank 0 and 1 leaves' updates, for the RMS
+  clip): one reduction per leaf, and on an NVIDIA GPU one per bucket of leaves that
+  stack without moving (`mpscale._tree.stack_buckets`), which XLA's GPU compiler
+  fuses without writing the stack (the CPU backend would write it out).
+
+  Only these means sit inside ``lax.platform_dependent`` (a ``cond`` in the jaxpr):
+  every state leaf stays the output of a top-level equation of the update, where
+  `mpscale.skip_nonfinite` selects it (`mpscale.scaling._producer_select`). With the
+  whole update inside the ``cond``, the skip selected the state after it, so the
+  update read its unselected state and XLA fused, and rounded, every leaf's step
+  differently from a transform holding no vector (a parameter group of matrices)."""
+  leafwise = lambda us: [jnp.mean(jnp.square(u)) for u in us]
+  buckets = stack_buckets(us, (1,) * len(us), paths)
+  if len(buckets) == len(us):
+    return leafwise(us)
+
+  def stacked(us):
+    means: list[Any] = [None] * len(us)
+    for run in buckets:
+      if len(run) == 1:
+        means[run[0]] = jnp.mean(jnp.square(us[run[0]]))
+        continue
+      x = jnp.stack([us[i] for i in run])
+      bucket_means = jnp.mean(jnp.square(x), axis=tuple(range(1, x.ndim)))
+      for j, i in enumerate(run):
+        means[i] = bucket_means[j]
+    return means
+
+  return lax.platform_dependent(us, cuda=stacked, default=leafwise)
+
+
+def _full_update(hp: _Hyperparameters, mu: jax.Array, v: jax.Array, u: jax.Array,
+                 mean_sq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """A rank 0 or 1 leaf's ``d`` (the momentum) and new ``(mu, v)``, from its new
+  second moment ``v``, update ``u`` and ``mean(u^2)`` (`_full_moments`,
+  `_mean_squares`). A compressed ``v`` is stored as its square root."""
+  u = u / jnp.maximum(jnp.sqrt(mean_sq) / hp.clip_threshold, 1.0)
+  mu, mu_f = _store(hp, hp.beta1 * mu.astype(u.dtype) + (1.0 - hp.beta1) * u)
   if hp.store_dtype is not None:
     v = _pack(jnp.sqrt(v), hp.store_dtype, _positive_floor(hp.store_dtype))
   return mu_f, (mu, v)
 
 
-def _leaf_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array, v_row: jax.Array,
-                 v_col: jax.Array, v: jax.Array, s_row: jax.Array, s_col: jax.Array,
-                 t: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+def _leaf_update(hp: _Hyperparameters, g: jax.Array, stats: Sequence[jax.Array],
+                 t: jax.Array, full: Optional[tuple[jax.Array, ...]]
+                ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """One leaf's ``d``, in the gradient's dtype, and its six new statistics (those it
-  does not use as they were) at step ``t``."""
-  out_dtype = g.dtype
-  g = g.astype(_compute_dtype(g.dtype))
-  b2 = _beta2_at(hp, t, g.dtype)
-  if g.ndim >= 2:
+  does not use as they were) at step ``t``; ``full``: a rank 0 or 1 leaf's ``(v, u,
+  mean(u^2))``, else None."""
+  mu, v_row, v_col, v, s_row, s_col = stats
+  if full is None:
+    g_c = g.astype(_compute_dtype(g.dtype))
     d, (mu, v_row, v_col, s_row, s_col) = _factored_update(
-        hp, g, mu, v_row, v_col, s_row, s_col, b2)
+        hp, g_c, mu, v_row, v_col, s_row, s_col, _beta2_at(hp, t, g_c.dtype))
   else:
-    d, (mu, v) = _full_update(hp, g, mu, v, b2)
-  return d.astype(out_dtype), (mu, v_row, v_col, v, s_row, s_col)
+    d, (mu, v) = _full_update(hp, mu, *full)
+  return d.astype(g.dtype), (mu, v_row, v_col, v, s_row, s_col)
 
 
 def _update(hp: _Hyperparameters, updates: Any, state: ScaleByCameState
            ) -> tuple[Any, ScaleByCameState]:
-  """`scale_by_came`'s step: `_leaf_update` on every leaf, the count incremented."""
+  """`scale_by_came`'s step: `_leaf_update` on every leaf, the count incremented.
+  The rank 0 and 1 leaves' updates come first, so that their RMS clips' means are one
+  call (`_mean_squares`: on an NVIDIA GPU one reduction per bucket of them)."""
   count = optax.safe_increment(state.count)
-  leaves, treedef = jax.tree_util.tree_flatten(updates)
-  stats = [treedef.flatten_up_to(tree) for tree in state[1:]]
-  results = [_leaf_update(hp, jnp.asarray(g), *leaf_stats, count)
-             for g, *leaf_stats in zip(leaves, *stats)]
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  if not with_path:
+    return updates, state._replace(count=count)
+  leaves = [jnp.asarray(g) for _, g in with_path]
+  stats = list(zip(*[treedef.flatten_up_to(tree) for tree in state[1:]]))
+  vectors = [i for i, g in enumerate(leaves) if g.ndim < 2]
+  moments = [_full_moments(hp, leaves[i], stats[i][3], count) for i in vectors]
+  means = _mean_squares([u for _, u in moments], [with_path[i][0] for i in vectors])
+  full = {i: (v, u, m) for i, (v, u), m in zip(vectors, moments, means)}
+  results = [_leaf_update(hp, g, leaf_stats, count, full.get(i))
+             for i, (g, leaf_stats) in enumerate(zip(leaves, stats))]
   new_updates = treedef.unflatten([d for d, _ in results])
   new_stats = [treedef.unflatten(list(t)) for t in zip(*[s for _, s in results])]
-  if not results:
-    new_stats = list(state[1:])
   return new_updates, ScaleByCameState(count, *new_stats)
 
 

@@ -39,7 +39,6 @@ The code reads the same way::
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -49,7 +48,7 @@ import optax
 
 from mpscale import _deprecated
 from mpscale import validation
-from mpscale._tree import KeyPath, path_str
+from mpscale._tree import KeyPath, path_str, stack_buckets
 NormGroups = Union[None, int, Callable[[KeyPath], Union[str, Sequence[str]]]]
 """How leaves map to named groups.
 
@@ -160,59 +159,6 @@ def _sum_squares(x: Any, parts: int, stacked: int = 0) -> jax.Array:
   return jnp.sum(jnp.square(split), axis=axes).reshape(-1)
 
 
-_STACK_MAX = 32
-"""Leaves stacked into one reduction at most: a GPU fusion reads each as an operand,
-and XLA caps a fusion's operands."""
-
-_SMALL = 1 << 16
-"""Leaves of at most this many elements (biases, norms' scales) of one shape and
-dtype are measured together whatever their names: moving one is cheap even if its
-sharding differs from its neighbours'."""
-
-_SMALL_MAX = 128
-"""Small leaves measured by one reduction at most."""
-
-
-_LAYER_NUMBER = re.compile(r"[0-9]+$")
-
-
-def _role(path: KeyPath) -> tuple[Any, ...]:
-  """``path`` with each key's layer number made one wildcard: a list index (``h[3]``),
-  a digit key (``h/3``) and a trailing number (linen's ``h_3``, ``Block_3``) alike.
-  The same weight of every layer shares a role, and so (as a rule) its sharding."""
-  out = []
-  for key in path:
-    name = getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))
-    out.append("*" if isinstance(name, int) else _LAYER_NUMBER.sub("*", str(name)))
-  return tuple(out)
-
-
-def _placement(x: Any) -> Any:
-  """What, besides shape and dtype, lets ``x`` share a stack: its sharding as a
-  hashable key, or None where tracing cannot know it.
-
-  A concrete array gives its ``sharding``. A traced leaf gives its abstract value's
-  sharding where that decides the layout: on a mesh whose axes are explicit or manual
-  (``shard_map``), or of one device. On a mesh with an automatic axis of size > 1, and
-  with no mesh at all (a jitted leaf on one device, but also an uncommitted argument
-  of a jit given ``in_shardings``), GSPMD picks the layout after tracing: None.
-  """
-  if not isinstance(x, jax.core.Tracer):
-    sharding = getattr(x, "sharding", None)  # a jax.Array; NumPy and scalars: None
-    return ("host",) if sharding is None else sharding
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or getattr(mesh, "empty", True):
-    return None
-  auto = getattr(jax.sharding, "AxisType", None)
-  types, sizes = getattr(mesh, "axis_types", None), getattr(mesh, "axis_sizes", ())
-  if auto is None or not isinstance(types, tuple) or len(types) != len(sizes) or any(
-      t == auto.Auto and size > 1 for t, size in zip(types, sizes)):
-    return None
-  return (tuple(zip(mesh.axis_names, sizes)), tuple(map(str, types)),
-          tuple(sharding.spec))
-
-
 def _starts(parts, order) -> tuple[int, ...]:
   """Where each leaf's sums start in a vector holding them in ``order``."""
   ends = np.cumsum([parts[i] for i in order])
@@ -225,37 +171,8 @@ def _leafwise(leaves, parts) -> jax.Array:
   return jnp.concatenate([_sum_squares(x, k) for x, k in zip(leaves, parts)])
 
 
-def _buckets(leaves, parts, paths) -> list[list[int]]:
-  """Leaves one reduction measures together, as lists of indices: up to `_STACK_MAX`
-  leaves stackable without moving any (same shape, dtype, parts and sharding), or up
-  to `_SMALL_MAX` small leaves of one shape and dtype.
-
-  The sharding is `_placement`'s. Where tracing cannot know it (GSPMD's automatic
-  axes, or no mesh on the abstract value), the role of the leaf's key path
-  (`_role`: its layer numbers made wildcards) stands in for it, since layouts are
-  given per role: the same weight of every layer, however the layers are named
-  (``h[0]``, ``h/0``, linen's ``h_0``), shares a bucket, and same-shaped weights of
-  different roles (a column- and a row-parallel matrix) do not.
-  """
-  buckets: dict[Any, list[list[int]]] = {}
-  for i, (x, k, path) in enumerate(zip(leaves, parts, paths)):
-    small = k == 1 and np.size(x) <= _SMALL
-    if small:
-      placement = None
-    else:
-      placement = _placement(x)
-      placement = ("role", _role(path)) if placement is None else (
-          "sharding", placement)
-    key = (np.shape(x), jnp.result_type(x), k, placement)
-    runs = buckets.setdefault(key, [[]])
-    if len(runs[-1]) == (_SMALL_MAX if small else _STACK_MAX):
-      runs.append([])
-    runs[-1].append(i)
-  return [run for runs in buckets.values() for run in runs]
-
-
 def _stacked(leaves, parts, buckets) -> jax.Array:
-  """One reduction per bucket (`_buckets`), the bucket's leaves stacked: XLA's GPU
+  """One reduction per bucket (`stack_buckets`), the bucket's leaves stacked: XLA's GPU
   compiler fuses the stack into the reduction, so each leaf is still read once, with
   no copy, by far fewer kernels. The CPU backend would write the stack out:
   `_leafwise` there."""
@@ -302,7 +219,7 @@ def measure(tree: Any, splits: Optional[Sequence[int]] = None) -> LeafSquares:
     return LeafSquares(leaves, jnp.zeros((0,), jnp.float32), paths, parts, ())
   # Both orders are static: on a GPU the sums come bucket by bucket, elsewhere leaf by
   # leaf; the branches agree on where each leaf's sums sit by permuting the default's.
-  buckets = _buckets(leaves, parts, paths)
+  buckets = stack_buckets(leaves, parts, paths)
   order = [i for run in buckets for i in run]
   starts = _starts(parts, order)
   in_leaf_order = _starts(parts, range(len(leaves)))

@@ -8,6 +8,7 @@ import re
 
 import chex
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -569,3 +570,96 @@ def test_compression_dtype_resolution():
   assert compression_dtype(True) == jnp.float16
   assert compression_dtype("bfloat16") == jnp.bfloat16
   assert compression_dtype(jnp.float16) == jnp.float16
+
+
+# ---------------------------------------------------------------------------------------
+# The GPU branch: rank 0 and 1 leaves bucketed (issue 64 item 4).
+
+def _layered_tree(rng, layers=4):
+  """Blocks of a matrix, two same-shaped vectors and a scalar, plus a lone vector of
+  another shape: the GPU branch's buckets are one of 9 vectors [8], one of the 4
+  scalars, and each matrix and the [3] vector alone."""
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  return {"h": [{"w": normal(5, 7), "b": normal(8), "scale": normal(8),
+                 "s": normal()} for _ in range(layers)],
+          "ln_f": normal(8), "pos": normal(3)}
+
+
+def _cuda_branch(monkeypatch):
+  monkeypatch.setattr(jax.lax, "platform_dependent",
+                      lambda *args, cuda, default: cuda(*args))
+
+
+@pytest.mark.parametrize("compression", [False, "bfloat16"])
+def test_gpu_buckets_update_as_leaf_by_leaf(monkeypatch, compression):
+  """The CUDA branch (vectors stacked for the clip's means) gives every leaf the
+  update and statistics the per-leaf branch gives, step after step."""
+  rng = np.random.default_rng(3)
+  params = _layered_tree(rng)
+  grads = [jax.tree.map(lambda p: p * s, params) for s in (1.0, -3.0, 1e-3)]
+  tx = mpscale.came(1e-2, weight_decay=0.1, compression=compression)
+
+  def run():
+    state, outs = tx.init(params), []
+    for g in grads:
+      updates, state = jax.jit(tx.update)(g, state, params)
+      outs.append((updates, state))
+    return outs
+
+  default = run()
+  _cuda_branch(monkeypatch)
+  bucketed = run()
+  for want, got in zip(default, bucketed):
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=0)
+
+
+def _reductions_of(jaxpr, shapes):
+  """The ``reduce_sum`` equations of ``jaxpr`` (nested ones too) whose operand has
+  one of ``shapes``."""
+  found = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.shape in shapes:
+      found += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _reductions_of(sub, shapes)
+  return found
+
+
+def test_gpu_branch_reduces_each_vector_bucket_once(monkeypatch):
+  """In the CUDA branch the RMS clip of the 9 [8] vectors is one reduction of their
+  stack, and of the 4 scalars one (the per-leaf branch makes one per leaf); each
+  matrix keeps its own five matrix-sized reductions."""
+  params = _layered_tree(np.random.default_rng(0))
+  tx = mpscale.scale_by_came()
+  state = tx.init(params)
+  _cuda_branch(monkeypatch)
+  jaxpr = jax.make_jaxpr(tx.update)(params, state).jaxpr
+  assert _reductions_of(jaxpr, {(9, 8)}) == 1
+  assert _reductions_of(jaxpr, {(8,)}) == 0
+  assert _reductions_of(jaxpr, {(4,)}) == 1
+  assert _reductions_of(jaxpr, {()}) == 0
+  assert _reductions_of(jaxpr, {(5, 7)}) == 4 * 5
+
+
+@pytest.mark.parametrize("compression", [False, "bfloat16"])
+def test_every_state_leaf_is_produced_outside_the_platform_cond(compression):
+  """``lax.platform_dependent`` is a ``cond`` in the jaxpr, holding both branches.
+  Only the vectors' clip means may sit in it: a state leaf output by it is one
+  `mpscale.skip_nonfinite` cannot select where it is produced
+  (`mpscale.scaling._producer_select`), so the update reads its unselected state and
+  XLA fuses, and rounds, the step differently from the same leaves in another
+  transform (with the whole update in the ``cond``, CAME's weight-decay mask and the
+  equal parameter group differed in the last bits)."""
+  params = _layered_tree(np.random.default_rng(0))
+  tx = mpscale.scale_by_came(compression=compression)
+  state = tx.init(params)
+  closed = jax.make_jaxpr(tx.update)(params, state)
+  jaxpr = closed.jaxpr
+  conds = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
+  assert len(conds) == 1  # the GPU branch is traced
+  n_updates = len(jax.tree_util.tree_leaves(params))
+  state_vars = {v for v in jaxpr.outvars[n_updates:]
+                if not isinstance(v, jax.extend.core.Literal)}
+  assert not state_vars & set(conds[0].outvars)
+  branch_outputs = {v.aval.shape for v in conds[0].outvars}
+  assert branch_outputs == {()}  # the means alone

@@ -231,7 +231,7 @@ def test_gpu_buckets_measure_what_the_leafwise_pass_measures(monkeypatch, poison
   monkeypatch.setattr(jax.lax, "platform_dependent",
                       lambda *args, cuda, default: cuda(*args))
   stacked = norms.measure(tree, splits)
-  buckets = norms._buckets(stacked.leaves, stacked.parts, stacked.paths)
+  buckets = norms.stack_buckets(stacked.leaves, stacked.parts, stacked.paths)
   assert max(map(len, buckets)) == 3 and len(buckets) < len(stacked.leaves)
   assert stacked.starts == default.starts
   for a, b in zip(stacked.sums, default.sums):
@@ -273,7 +273,7 @@ def _bucket_names(tree, traced=True):
   def record(t):
     measured = norms.measure(t)
     got.extend(sorted(norms.path_str(measured.paths[i]) for i in run)
-               for run in norms._buckets(measured.leaves, measured.parts,
+               for run in norms.stack_buckets(measured.leaves, measured.parts,
                                          measured.paths))
     return measured.vector
   jax.jit(record).lower(tree) if traced else record(tree)
