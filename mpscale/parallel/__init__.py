@@ -12,7 +12,8 @@
 - ``_fsdp``: FSDP, parameters split over the data axes and gathered where used
   (`fsdp_specs`, `gather_cast`, `gather_where_used`, the pipeline's `StageFSDP`);
 - ``_padding``: a leaf split unevenly (FSDP on any device count), stored padded
-  (`Padded`, `pad_to`, `unpad`, `padded_shape`, `padding_bytes`);
+  (`Padded`, `pad_to`, `unpad`, `padded_values`, `rewrap`, `padded_shape`,
+  `padding_bytes`);
 - ``_context``: context parallelism, attention over a sequence split along a
   ``context`` axis (`context_attention`, `context_order`);
 - ``_batch_split``: activations kept split over the batch, so GSPMD gathers weights,
@@ -46,7 +47,9 @@ from mpscale.parallel._padding import (
     is_padded,
     pad_to,
     padded_shape,
+    padded_values,
     padding_bytes,
+    rewrap,
     unpad,
 )
 from mpscale.parallel._layouts import (
@@ -159,6 +162,7 @@ __all__ = [
     "pad",
     "pad_to",
     "padded_shape",
+    "padded_values",
     "padding_bytes",
     "pipeline_bubble_fraction",
     "pipeline_schedule_chunks",
@@ -166,6 +170,7 @@ __all__ = [
     "recompute_policy",
     "replica_index",
     "resolve_specs",
+    "rewrap",
     "scan_layers",
     "scatter_dims",
     "shardings",

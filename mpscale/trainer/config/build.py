@@ -949,28 +949,18 @@ def _is_abstract(tree: Any) -> bool:
 def place_like(tree: Any, like: Any) -> Any:
   """``tree`` with each array leaf put in the sharding of ``like``'s leaf, where that
   is an array of the same shape (a `mpscale.SplitPipeline`'s padding changes the
-  stacks' shapes: those leaves are left as they are), or padded into ``like``'s
-  `mpscale.parallel.Padded` node where ``like`` stores it padded (FSDP's uneven
-  split)."""
-  def place(new, old):
-    if parallel_lib.is_padded(old) and tuple(new.shape) == old.shape:
-      widths = [(0, p - n) for n, p in zip(new.shape, old.value.shape)]
-      return parallel_lib.Padded(jax.jit(
-          functools.partial(jnp.pad, pad_width=widths),
-          out_shardings=old.value.sharding)(new), old.shape)
-    if isinstance(old, jax.Array) and new.shape == old.shape:
-      return jax.device_put(new, old.sharding)
-    return new
-  return jax.tree_util.tree_map(place, tree, like)
+  stacks' shapes: those leaves are left as they are)."""
+  return jax.tree_util.tree_map(
+      lambda new, old: (jax.device_put(new, old.sharding)
+                        if isinstance(old, jax.Array) and new.shape == old.shape
+                        else new), tree, like)
 
 
 def _placed_alike(permute: Optional[Callable[[Any], Any]]) -> Callable[[Any], Any]:
   """``permute`` (a pipeline's layer order) with its result placed as its input
-  (`place_like`); for ``None``, `mpscale.parallel.unpad` (the identity on a
-  state that holds no padded leaf)."""
+  (`place_like`); the identity for ``None``."""
   if permute is None:
-    # (Without a pipeline: a leaf FSDP splits unevenly, cut from its padding.)
-    return parallel_lib.unpad
+    return lambda tree: tree
   return lambda tree: place_like(permute(tree), tree)
 
 

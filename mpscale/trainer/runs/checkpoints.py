@@ -7,6 +7,7 @@ resumed run reads the very batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,28 +37,43 @@ def _saved(key: str) -> bool:
 def checkpoint_tree(state: Any) -> dict[str, Any]:
   """``state`` as a flat dict ``"opt_state.skip_state...kernel" -> array`` without its
   zero-size leaves (CAME keeps empty placeholders, which orbax refuses to save) and
-  the per-group norms and sizes the wrappers report (`_REPORTED`)."""
+  the per-group norms and sizes the wrappers report (`_REPORTED`). A leaf the state
+  stores padded (`mpscale.parallel.Padded`: FSDP's uneven split) is its padded
+  array, keyed as the unpadded leaf (`true_shapes` says its true shape)."""
   import jax
-  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  from mpscale import parallel
+  flat = jax.tree_util.tree_flatten_with_path(parallel.padded_values(state))[0]
   return {key: leaf for key, leaf in ((_checkpoint_key(p), x) for p, x in flat)
           if getattr(leaf, "size", 1) > 0 and _saved(key)}
 
 
+def true_shapes(state: Any) -> dict[str, list[int]]:
+  """The true shape of each leaf ``state`` stores padded, by `checkpoint_tree` key."""
+  import jax
+  from mpscale import parallel
+  flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=parallel.is_padded)[0]
+  return {_checkpoint_key(p): list(x.shape) for p, x in flat if parallel.is_padded(x)}
+
+
 def from_checkpoint_tree(like: Any, saved: dict[str, Any]) -> Any:
   """The state shaped like ``like`` with the leaves of ``saved`` (zero-size leaves
-  taken from ``like``), every leaf committed to its ``like`` leaf's sharding. Orbax
-  gives committed arrays back; a state mixing them with uncommitted ones (the
-  zero-size leaves) would make the step compile once for it and again for its own
-  (committed) outputs."""
+  taken from ``like``), every leaf committed to its ``like`` leaf's sharding (a
+  padded one put back in its `mpscale.parallel.Padded` node). Orbax gives committed
+  arrays back; a state mixing them with uncommitted ones (the zero-size leaves)
+  would make the step compile once for it and again for its own (committed)
+  outputs."""
   import jax
+  from mpscale import parallel
 
   def restored(path, leaf):
     value = saved.get(_checkpoint_key(path), leaf)
     sharding = getattr(leaf, "sharding", None)
     return value if sharding is None else jax.device_put(value, sharding)
 
-  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
-  return jax.tree_util.tree_unflatten(treedef, [restored(p, x) for p, x in flat])
+  values = parallel.padded_values(like)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(values)
+  return parallel.rewrap(
+      jax.tree_util.tree_unflatten(treedef, [restored(p, x) for p, x in flat]), like)
 
 
 def _listed(steps: list[int], which: str = "checkpoints") -> str:
@@ -73,12 +89,19 @@ def save(manager: Any, step: int, state: Any, data_state: Any, *,
   """Saves ``state`` and the data iterator's ``data_state`` as checkpoint ``step`` of
   the orbax ``manager`` (asynchronously: ``manager.wait_until_finished()``), with
   the samples trained on by then (``consumed_samples``, Megatron's
-  ``consumed_train_samples``) beside them, in a JSON item ``meta``."""
+  ``consumed_train_samples``) beside them, in a JSON item ``meta``, and there too
+  the true shapes of the leaves it holds padded (`true_shapes`): their padding is
+  zeros at the end, so any layout's padding restores from them (`restore_latest`)."""
   import orbax.checkpoint as ocp
   items = dict(state=ocp.args.StandardSave(checkpoint_tree(state)),
                data=ocp.args.JsonSave(data_state))
+  meta: dict[str, Any] = {}
   if consumed_samples is not None:
-    items["meta"] = ocp.args.JsonSave({"consumed_samples": int(consumed_samples)})
+    meta["consumed_samples"] = int(consumed_samples)
+  if true_shapes(state):
+    meta["true_shapes"] = true_shapes(state)
+  if meta:
+    items["meta"] = ocp.args.JsonSave(meta)
   manager.save(step, args=ocp.args.Composite(**items))
 
 
@@ -90,12 +113,26 @@ def consumed_samples(ckpt_dir: str, step: int) -> Optional[int]:
     CheckpointError: naming the file when it cannot be read (corrupt), and the
       other checkpoints there (``--step`` picks one).
   """
+  meta = _meta(ckpt_dir, step)
+  return None if meta.get("consumed_samples") is None else int(meta["consumed_samples"])
+
+
+def _meta(ckpt_dir: str, step: int) -> dict[str, Any]:
+  """Checkpoint ``step``'s JSON item ``meta`` (`save`), ``{}`` when it has none.
+
+  Raises:
+    CheckpointError: as `consumed_samples`.
+  """
   path = os.path.join(ckpt_dir, str(step), "meta", "metadata")
   if not os.path.exists(path):
-    return None
+    return {}
   try:
     with open(path) as f:
-      return int(json.load(f)["consumed_samples"])
+      meta = json.load(f)
+    if "consumed_samples" in meta:
+      int(meta["consumed_samples"])
+    dict(meta.get("true_shapes", {}))
+    return meta
   except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable, not JSON...
     others = [s for s in saved_steps(ckpt_dir) if s != step]
     raise CheckpointError(
@@ -169,6 +206,20 @@ def _restore_error(step_dir: str, error: Exception, abstract: dict[str, Any],
       f"{_listed(others, 'others')}")
 
 
+def _repadded(step_dir: str, saved_true: Mapping[str, Any],
+              true: Mapping[str, Any], abstract: Mapping[str, Any]) -> list[str]:
+  """The keys of ``abstract`` whose array checkpoint ``step_dir`` holds in another
+  shape only by padding: the true shapes (``saved_true`` there, ``true`` here, a
+  leaf's own shape where not padded) agree."""
+  if not saved_true and not true:
+    return []
+  saved = _saved_shapes(step_dir) or {}
+  return [key for key, leaf in abstract.items()
+          if key in saved and saved[key] != tuple(leaf.shape)
+          and tuple(saved_true.get(key, saved[key]))
+          == tuple(true.get(key, leaf.shape))]
+
+
 def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True,
                    step: Optional[int] = None) -> tuple[Any, int, Any]:
   """``state`` restored from the latest checkpoint in ``ckpt_dir`` (or the one of
@@ -207,11 +258,18 @@ def restore_latest(ckpt_dir: str, state: Any, *, opt_state: bool = True,
     wanted = {key: leaf for key, leaf in checkpoint_tree(state).items()
               if opt_state or not key.startswith("opt_state.")}
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, wanted)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+    # A leaf stored padded there or here (FSDP's uneven split on another device
+    # count): its true shapes agree, its padding is zeros at the end, so orbax pads
+    # or cuts it to this state's shape (strict=False).
+    for key in _repadded(os.path.join(ckpt_dir, str(latest)),
+                         _meta(ckpt_dir, latest).get("true_shapes", {}),
+                         true_shapes(state), abstract):
+      restore_args[key] = dataclasses.replace(restore_args[key], strict=False)
     # Partial: a checkpoint written before the reported norms were left out holds
     # them too, and they are taken from ``state``.
     state_args = ocp.args.PyTreeRestore(
-        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-        partial_restore=True)
+        abstract, restore_args=restore_args, partial_restore=True)
     try:
       saved = reader.restore(latest, args=ocp.args.Composite(
           state=state_args, data=ocp.args.JsonRestore()))

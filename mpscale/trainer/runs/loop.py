@@ -626,8 +626,8 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
   export = getattr(run.setup.model, "export", None)
   if model is not None and export is not None:
     # A Flax NNX module given here is updated in place (its export does that).
-    export(*jax.device_get(run.setup.to_model_order((state.params,
-                                                     state.model_state))))
+    export(*parallel_lib.unpad(jax.device_get(run.setup.to_model_order(
+        (state.params, state.model_state)))))
   return summary
 
 
@@ -895,7 +895,8 @@ def export_run(out_dir: str, hf_dir: str, *, dtype: str = "float32",
   if os.path.exists(os.path.join(hf_dir, "config.json")):
     raise RunDirError(f"{hf_dir} holds a checkpoint already; choose a new folder")
   run, _ = _load_saved(out_dir, saved, devices, step)
-  params = run.setup.to_model_order(run.state.params)
+  params = parallel_lib.unpad(jax.device_get(
+      run.setup.to_model_order(run.state.params)))
   written = hf.save(run.setup.model, params, hf_dir, dtype=dtype,
                     source=saved.model.init_from)
   tokenizer = saved.data.tokenizer
@@ -921,8 +922,8 @@ def sample_run(out_dir: str, prompt: str, num_tokens: int, *, temperature: float
   if not isinstance(run.setup.model, lm_lib.TinyLM):
     raise RunDirError(f"{out_dir}: sample writes text with the built-in tiny LM; this "
                       "run trained a user's model (model.provider)")
-  params = run.setup.policy.cast_to_compute(
-      run.setup.to_model_order(run.state.params))
+  params = run.setup.policy.cast_to_compute(parallel_lib.unpad(
+      run.setup.to_model_order(run.state.params)))
   key = jax.random.key(seed)
   if not corpora.uses_tokens(run.cfg.data):
     return data_lib.detokenize(run.setup.model.generate(
@@ -964,7 +965,8 @@ def load(out_dir: str, devices: Optional[int] = None,
   run_, _ = load_run(out_dir, devices, step)
   params, model_state = run_.setup.to_model_order(
       (run_.state.params, run_.state.model_state))
-  state = jax.device_get(run_.state._replace(params=params, model_state=model_state))
+  state = parallel_lib.unpad(jax.device_get(
+      run_.state._replace(params=params, model_state=model_state)))
   export = getattr(run_.setup.model, "export", None)
   if export is not None:
     return export(state.params, state.model_state)

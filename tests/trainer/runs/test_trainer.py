@@ -401,12 +401,15 @@ def test_a_split_needs_an_encoder_decoder_model():
 
 # ------------------------------------------------- FSDP on any device count (#63)
 def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_path):
+  """FSDP on 3 devices, which divide none of the model's dimensions (issue #63):
+  its checkpoints restore on 4 (each padded array cut to its true shape), then on 3
+  again (padded back), and the run's losses are one device's."""
   # d_model 20, vocab 256 and d_ff 40: 3 divides none of the weights' dimensions.
   config = os.path.join(ROOT, "configs", "tiny_lm_fp32.yaml")
   small = ["model.d_model=20", "model.num_heads=2", "model.d_ff=40",
            "model.num_layers=1", "model.seq_len=16", "data.batch_size=12",
            "data.eval_batches=1", "train.log_every=1", "train.eval_every=8",
-           "train.checkpoint_every=4", "schedule.warmup_steps=1",
+           "train.checkpoint_every=2", "schedule.warmup_steps=1",
            "schedule.decay_steps=8"]
 
   def train(out, steps, *extra):
@@ -416,10 +419,14 @@ def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_
 
   train(tmp_path / "one", 8)
   train(tmp_path / "moved", 4, "--set", "mesh.fsdp=3")
-  # The checkpoint holds the true shapes: the padding never reaches it.
+  # The checkpoint holds the padded arrays as stored (no device gathers a whole
+  # one to save it) and records their true shapes.
   shapes = checkpoints._saved_shapes(str(tmp_path / "moved" / "checkpoints" / "4"))
-  assert shapes["params.embed.token"] == (256, 20)
-  train(tmp_path / "moved", 8, "--set", "mesh.fsdp=4", "--resume")
+  assert shapes["params.embed.token"] == (258, 20)
+  meta = checkpoints._meta(str(tmp_path / "moved" / "checkpoints"), 4)
+  assert meta["true_shapes"]["params.embed.token"] == [256, 20]
+  train(tmp_path / "moved", 6, "--set", "mesh.fsdp=4", "--resume")
+  train(tmp_path / "moved", 8, "--set", "mesh.fsdp=3", "--resume")
   a = [float(r["loss"]) for r in rows(tmp_path / "one")]
   b = [float(r["loss"]) for r in rows(tmp_path / "moved")]
   np.testing.assert_allclose(b, a, rtol=1e-4)  # sums in other orders
