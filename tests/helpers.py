@@ -7,6 +7,7 @@ import socket
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -97,3 +98,17 @@ def saved_names(loss, *args) -> set:
   residuals = jax._src.ad_checkpoint.saved_residuals(loss, *args)  # pylint: disable=protected-access
   return {m.group(1) for _, source in residuals
           for m in [re.search(r"named '([^']+)'", source)] if m}
+
+
+def tiny_mlp(hidden: int):
+  """``(loss, params, batch)``: a two-layer MLP from 5 features through ``hidden``
+  units to 2 outputs, and a batch of 12 rows (a problem whose dimensions a mesh
+  axis may or may not divide)."""
+  def loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+  k = jax.random.split(jax.random.key(0), 4)
+  params = {"w1": jax.random.normal(k[0], (5, hidden)), "b1": jnp.full((hidden,), 0.1),
+            "w2": jax.random.normal(k[1], (hidden, 2))}
+  batch = {"x": jax.random.normal(k[2], (12, 5)), "y": jax.random.normal(k[3], (12, 2))}
+  return loss, params, batch

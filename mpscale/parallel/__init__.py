@@ -96,6 +96,7 @@ from mpscale.parallel._optimizer_state import (
 from mpscale.parallel.pipeline import (
     LAYER_ORDERS,
     RECOMPUTE,
+    OFFLOADED,
     SAVED_NAMES,
     SCHEDULES,
     BackwardSplit,
@@ -124,6 +125,7 @@ __all__ = [
     "Pipeline",
     "RECOMPUTE",
     "Rules",
+    "OFFLOADED",
     "SAVED_NAMES",
     "SCHEDULES",
     "SpecsLike",

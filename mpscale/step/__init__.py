@@ -17,17 +17,19 @@ May import: every other room of the library and the core.
 from mpscale.gradients import Gradients
 from mpscale.step._metrics import StepMetrics, step_metrics
 from mpscale.step._accumulate import DataAxis, LossFn, accumulate_gradients
-from mpscale.step._state import TrainState
+from mpscale.step._state import OFFLOAD, TrainState, on_device
 from mpscale.step._train_step import make_train_step, unpaddable
 
 __all__ = [
     "DataAxis",
+    "OFFLOAD",
     "Gradients",
     "LossFn",
     "StepMetrics",
     "TrainState",
     "accumulate_gradients",
     "make_train_step",
+    "on_device",
     "step_metrics",
     "unpaddable",
 ]

@@ -98,6 +98,11 @@ def key_data(rng: Any) -> jax.Array:
   return jnp.asarray(rng)
 
 
+OFFLOAD = ("params", "opt_state")
+"""The `TrainState` fields a step can keep in host memory between steps
+(`make_train_step`'s ``offload``): the master parameters and the optimizer state."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where every array of a step lives on the mesh (``mesh=None``: one device)."""
@@ -111,11 +116,13 @@ class Layout:
   """Why this step cannot pad a leaf its layout splits unevenly (its gradients are
   summed inside a ``shard_map``, which splits evenly only), naming the argument; or
   ``None``: it can."""
+  offload: tuple[str, ...] = ()
+  """The `TrainState` fields kept in host memory between steps (`OFFLOAD`)."""
 
   def specs(self, params: Any) -> Any:
     """The params' specs, checked (a pipeline adds its stage axis); a dimension
     they split unevenly over data axes alone (FSDP) is padded in the state
-    (`pad`)."""
+    (`store`)."""
     specs = layouts_lib.resolve_specs(self.param_specs, params)
     if self.pipeline is not None:
       specs = self.pipeline.param_specs(params, specs)
@@ -142,23 +149,51 @@ class Layout:
     return TrainState(*layouts_lib.shardings(
         self.mesh, (params, opt, PartitionSpec(), model_state, rng)))
 
-  def pad(self, state: TrainState) -> TrainState:
-    """``state`` (true shapes) as the step stores it: every leaf its sharding
-    splits unevenly padded into a `mpscale.parallel.Padded` node
-    (`mpscale.parallel.pad_to`)."""
-    shardings = self._padded(_tree.shapes(state))
-    return state if shardings is None else padding_lib.pad_to(state, shardings)
+  def store(self, state: TrainState) -> TrainState:
+    """``state`` (true shapes, in device memory) as the step stores it: every leaf
+    its sharding splits unevenly padded into a `mpscale.parallel.Padded` node
+    (`mpscale.parallel.pad_to`), and the `offload`ed fields moved to host memory."""
+    shapes = _tree.shapes(state)
+    shardings = self._padded(shapes)
+    if shardings is None:
+      return state
+    state = padding_lib.pad_to(state, shardings)
+    return state._replace(**{field: on_host(getattr(state, field))
+                             for field in self.offload})
+
+  def load(self, state: TrainState) -> tuple[Any, TrainState]:
+    """Inside the step: a stored ``state`` with its `offload`ed fields moved to
+    device memory, as ``(params, state)``: the parameters still padded where they
+    are stored so (the gradients take them so: float32 sums gather padded shards),
+    and the state cut to its true shapes (`unpad`) for the rest."""
+    state = state._replace(**{field: on_device(getattr(state, field))
+                              for field in self.offload})
+    return state.params, self.unpad(state)
+
+  def unpad(self, state: TrainState) -> TrainState:
+    """Inside the step: ``state`` cut back to its true shapes, each cut split as its
+    padded form is (a local cut under GSPMD: no bytes move)."""
+    if not padding_lib.holds_padding(state):
+      return state
+    cut = padding_lib.unpad(state)
+    return self.constrain(cut, self.state(cut))
 
   def stored(self, state: TrainState) -> Optional[TrainState]:
-    """The shardings of ``pad(state)`` (``state``: true shapes).
+    """The shardings of ``store(state)`` (``state``: true shapes): padded leaves'
+    in their `mpscale.parallel.Padded` nodes, the `offload`ed fields' in host
+    memory (``pinned_host``).
 
     Raises:
       ValueError: naming the leaf split unevenly and `unpaddable`'s argument, on a
         step that cannot pad it.
     """
     shardings = self._padded(state)
-    return (None if shardings is None
-            else padding_lib.stored_shardings(state, shardings))
+    if shardings is None:
+      return None
+    shardings = padding_lib.stored_shardings(state, shardings)
+    return shardings._replace(**{field: jax.tree_util.tree_map(
+        lambda s: s.with_memory_kind("pinned_host"), getattr(shardings, field))
+                                 for field in self.offload})
 
   def _padded(self, state: TrainState) -> Optional[TrainState]:
     """``state(state)``, checked against `unpaddable`."""
@@ -171,14 +206,6 @@ class Layout:
                        f"a leaf padded, which {self.unpaddable} cannot take (it "
                        "splits evenly only): give it a layout its mesh axes divide")
     return shardings
-
-  def unpad(self, state: TrainState) -> TrainState:
-    """Inside the step: a stored ``state`` cut back to its true shapes, each cut
-    split as its padded form is (a local cut under GSPMD: no bytes move)."""
-    if not padding_lib.holds_padding(state):
-      return state
-    cut = padding_lib.unpad(state)
-    return self.constrain(cut, self.state(cut))
 
   def batch(self) -> Optional[NamedSharding]:
     if self.mesh is None:
@@ -193,6 +220,26 @@ class Layout:
       shardings = jax.tree_util.tree_map(
           lambda _: NamedSharding(self.mesh, PartitionSpec()), tree)
     return lax.with_sharding_constraint(tree, shardings)
+
+
+def on_device(tree: Any) -> Any:
+  """``tree``'s arrays in device memory, their layouts kept: a state a step with
+  ``offload`` stores in host memory, for a computation of one's own (inside or
+  outside ``jit``); arrays already there stay."""
+  return _to_space(tree, "Device")
+
+
+def on_host(tree: Any) -> Any:
+  """``tree``'s arrays in host memory (``pinned_host``), their layouts kept."""
+  return _to_space(tree, "Host")
+
+
+def _to_space(tree: Any, space: str) -> Any:
+  if not hasattr(jax, "memory"):  # (before jax.memory, no step offloads)
+    return tree
+  return jax.tree_util.tree_map(
+      lambda x: jax.device_put(x, getattr(jax.memory.Space, space))
+      if isinstance(x, (jax.Array, jax.core.Tracer)) else x, tree)
 
 
 def _adopt_opt_state(optimizer: optax.GradientTransformation, params: Any,
@@ -248,7 +295,7 @@ def init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Polic
     # A jit copy gives every leaf its own new buffer: the step donates its input,
     # which must neither free the caller's arrays nor meet one buffer twice (an
     # eagerly built optimizer state can share one array between fields).
-    state = jax.jit(layout.pad, out_shardings=layout.stored(shapes))(state)
+    state = jax.jit(layout.store, out_shardings=layout.stored(shapes))(state)
   else:
     params = policy.cast_to_param(params_or_state)
     shapes = jax.eval_shape(fresh_state, _tree.shapes(params),
@@ -261,7 +308,7 @@ def init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Polic
       model_state, rng = jax.device_put((model_state, rng),
                                         (shardings.model_state, shardings.rng))
     # jit returns new buffers, so donating the state never frees ``params``.
-    state = jax.jit(lambda *args: layout.pad(fresh_state(*args)),
+    state = jax.jit(lambda *args: layout.store(fresh_state(*args)),
                     out_shardings=layout.stored(shapes))(params, model_state, rng)
   _check_finite_params(state.params)
   _warn_if_unscaled(policy, state.opt_state)
@@ -295,15 +342,15 @@ def _padded(layout: Layout, shapes: TrainState) -> bool:
 
 def _abstract_state(layout: Layout, state: TrainState) -> TrainState:
   """The `TrainState` ``init`` would build, as ``ShapeDtypeStruct``s with the
-  shardings it would place it in (padded where `Layout.pad` pads): what
+  shardings it would place it in (padded where `Layout.store` pads, in host memory
+  where it offloads): what
   ``step.lower`` needs to compile ahead of time, with nothing allocated."""
   shardings = layout.state(state)
   if shardings is None:
     return state
   return jax.tree_util.tree_map(
-      lambda sharding, s: s if padding_lib.is_padded(s) else jax.ShapeDtypeStruct(
-          s.shape, s.dtype, sharding=sharding),
-      shardings, padding_lib.pad_to(state, shardings))
+      lambda sharding, s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      layout.stored(state), padding_lib.pad_to(state, shardings))
 
 
 def _check_finite_params(params: Any) -> None:

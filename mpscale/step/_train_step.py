@@ -70,7 +70,7 @@ A Flax ``TrainState`` user takes the short path::
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -263,7 +263,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     model_state_dtype: Any = jnp.float32,
                     grad_reduce_dtype: Any = None,
                     merge_state: Optional[Callable] = None,
-                    context_parallel: str = "ring"
+                    context_parallel: str = "ring",
+                    offload: Sequence[str] = ()
                    ) -> tuple[Callable[..., state_lib.TrainState],
                               Callable[[state_lib.TrainState, Any], tuple[state_lib.TrainState, dict]]]:
   """A jitted mixed-precision, data-parallel train step and its ``init``.
@@ -323,6 +324,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       `Pipeline` merges its own (its ``merge_state``).
     context_parallel: ``"ring"`` or ``"all_gather"``
       (`mpscale.parallel.context_attention`), with a ``context`` axis.
+    offload: `TrainState` fields kept in host memory (``pinned_host``) between
+      steps: ``"opt_state"`` (the optimizer state), ``"params"`` (the master
+      parameters). Each step moves them to the device when it starts and back when
+      it ends (XLA overlaps the copies where the program allows); what a step
+      computes is unchanged, a skipped step's state included. Needs a mesh whose
+      devices have host memory (GPU, TPU; JAX's CPU backend has it too).
 
   Returns:
     ``(init, step)``: ``init(params | flax TrainState | TrainState, *,
@@ -375,9 +382,10 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   if pipeline is not None:
     num_microbatches = _check_pipeline(pipeline, mesh, num_microbatches)
   reduce_dtype = gradients_lib.check_grad_reduce_dtype(grad_reduce_dtype)
-  layout = state_lib.Layout(mesh, data_axes, param_specs, shard_optimizer_state, pipeline,
-                            unpaddable(pipeline is not None,
-                                       context_lib.context_size(mesh)))
+  layout = state_lib.Layout(
+      mesh, data_axes, param_specs, shard_optimizer_state, pipeline,
+      unpaddable(pipeline is not None, context_lib.context_size(mesh)),
+      _check_offload(offload, mesh))
   if merge_state is not None:
     validation.function("merge_state", merge_state)
   gradients = _gradient_source(loss_fn, layout, policy, num_microbatches,
@@ -405,9 +413,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                        model_state_dtype)
 
   def step_fn(state: state_lib.TrainState, batch: Any) -> tuple[state_lib.TrainState, dict]:
-    # Leaves split unevenly are stored padded: the gradients take them as stored
-    # (float32 sums gather their padded shards), the rest reads the true shapes.
-    stored, state = state.params, layout.unpad(state)
+    stored, state = layout.load(state)  # the params as stored, and cut
     tx = state_lib.wrapped(optimizer, state.params)
     _check_step_inputs(model, policy, tx, state, batch, data_size, num_microbatches,
                        per_token_loss)
@@ -430,7 +436,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
           lambda new, old: jnp.where(applied, new, old), model_state,
           state.model_state)
     new_state = state_lib.TrainState(params, opt_state, state.step + 1, model_state, state.rng)
-    new_state = layout.pad(layout.constrain(new_state, layout.state(new_state)))
+    new_state = layout.store(layout.constrain(new_state, layout.state(new_state)))
     metrics = metrics_lib.step_metrics(opt_state)
     metrics.update(loss=loss, num_tokens=num_tokens, loss_scale=scale)
     return new_state, layout.constrain(metrics)
@@ -441,6 +447,35 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   if mesh is not None:
     jit_kwargs["in_shardings"] = (None, layout.batch())
   return init, jax.jit(step_fn, **jit_kwargs)
+
+
+def _check_offload(offload: Any, mesh: Optional[Mesh]) -> tuple[str, ...]:
+  """``offload`` checked: `mpscale.step.OFFLOAD` names, each once, on a mesh whose
+  devices have a ``pinned_host`` memory.
+
+  Raises:
+    ArgumentError: naming ``offload``.
+  """
+  if isinstance(offload, str) or not isinstance(offload, (tuple, list)):
+    raise validation.fail("offload", f" must be a list of {list(state_lib.OFFLOAD)}; "
+                          f"got {offload!r}", validation.ArgumentTypeError)
+  for field in offload:
+    validation.one_of("offload", field, state_lib.OFFLOAD)
+  if len(set(offload)) != len(offload):
+    raise validation.fail("offload", f" names a field twice: {list(offload)}")
+  if offload and mesh is None:
+    raise validation.fail("offload", f" ({list(offload)}) needs a mesh (one device: "
+                          "jax.sharding.Mesh(jax.devices()[:1], ('data',)))")
+  device = mesh.devices.flat[0] if isinstance(mesh, Mesh) else None  # (not abstract)
+  memories = getattr(device, "addressable_memories", None)
+  if offload and not hasattr(jax, "memory"):
+    raise validation.fail("offload", f" ({list(offload)}) needs jax.memory (jax "
+                          f">= 0.7.2; this is {jax.__version__})")
+  kinds = {m.kind for m in memories()} if memories is not None else set()
+  if offload and kinds and "pinned_host" not in kinds:  # (compile-only: no list)
+    raise validation.fail("offload", f" ({list(offload)}): {device.platform} devices "
+                          "have no pinned_host memory to keep it in")
+  return tuple(offload)
 
 
 def unpaddable(pipelined: bool = False, context: int = 1) -> Optional[str]:

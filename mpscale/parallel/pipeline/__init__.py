@@ -13,8 +13,8 @@ A pipelined model is three functions, ``embed_fn``, ``stage_fn`` (one layer) and
 - ``_ticked``: 1F1B and ZB-H1, tick by tick from their tables, with their own
   backward (`Carry`, the item slots the ticks carry);
 - ``_run``: what every executor shares on one device (`PipelineRun`, `RunSpec`),
-  recomputation (`recompute_policy`, `SAVED_NAMES`, and the first layers of a stage
-  recomputed: `scan_layers`, `check_recompute_layers`);
+  recomputation (`recompute_policy`, `SAVED_NAMES`, `OFFLOADED`, and the first
+  layers of a stage recomputed: `scan_layers`, `check_recompute_layers`);
 - ``_backward_split``: a layer's backward in two, input gradient and weight
   gradients, for ZB-H1 (`BackwardSplit`);
 - ``_schedules``: the schedule tables, which op each stage runs at each tick, and
@@ -29,6 +29,7 @@ from mpscale.parallel.pipeline._backward_split import Split as BackwardSplit
 from mpscale.parallel.pipeline._pipeline import LAYER_ORDERS, Pipeline, stage_norm_groups
 from mpscale.parallel.pipeline._run import (
     RECOMPUTE,
+    OFFLOADED,
     SAVED_NAMES,
     check_recompute_layers,
     recompute_policy,
@@ -61,6 +62,7 @@ __all__ = [
     "LAYER_ORDERS",
     "Pipeline",
     "RECOMPUTE",
+    "OFFLOADED",
     "SAVED_NAMES",
     "SCHEDULES",
     "SLOTS",

@@ -38,16 +38,24 @@ layer names with ``jax.ad_checkpoint.checkpoint_name`` as one of these (the atte
 query, key and value projections, fused or not, and its output projection; the
 trainer's built-in model names its products so, and its MLP's ``mlpwi`` and
 ``mlpwo``), and recomputes the rest. A layer that names none of them keeps its input
-alone, as ``full``. MaxText's ``minimal`` is ``selective``. Offloading the named
-outputs to host memory (MaxText's ``qkv_proj_offloaded``) is not built."""
+alone, as ``full``. MaxText's ``minimal`` is ``selective``."""
 
 
-RECOMPUTE = ("none", "selective", "full") + tuple(SAVED_NAMES)
+OFFLOADED = ("qkv_proj_offloaded", "minimal_offloaded")
+"""The offloading policies (MaxText's names): the forward copies what they save to
+host memory (``pinned_host``) and the backward copies it back, so the device keeps
+only each layer's input, as ``full``, without recomputing the products:
+``qkv_proj_offloaded`` the attention's query, key and value projections (named as in
+`SAVED_NAMES`), ``minimal_offloaded`` every output ``selective`` keeps."""
+
+
+RECOMPUTE = ("none", "selective", "full") + tuple(SAVED_NAMES) + OFFLOADED
 """Recomputation policies: ``none`` keeps every residual of the forward for the
 backward; ``selective`` keeps the outputs of matrix products without batch dimensions
 (the linear layers) and recomputes the rest, attention's core included (Megatron-LM's
 selective recomputation, MaxText's ``minimal``); ``full`` keeps each layer's input and
-recomputes the layer; the `SAVED_NAMES` keep the named products' outputs."""
+recomputes the layer; the `SAVED_NAMES` keep the named products' outputs; the
+`OFFLOADED` ones keep them in host memory."""
 
 
 BUBBLE_FILL = 0.0
@@ -78,6 +86,14 @@ def recompute_policy(recompute: Any, remat: bool = False) -> Optional[Callable]:
     return recompute
   if recompute in SAVED_NAMES:
     return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES[recompute])
+  if recompute == "qkv_proj_offloaded":
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(SAVED_NAMES["save_qkv_proj"]),
+        offload_src="device", offload_dst="pinned_host")
+  if recompute == "minimal_offloaded":
+    return jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host")
   return {"none": None,
           "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
           "full": jax.checkpoint_policies.nothing_saveable}[recompute]

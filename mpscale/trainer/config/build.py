@@ -810,9 +810,9 @@ def build(cfg: schema.RunConfig, devices: Optional[Sequence[Any]] = None, *,
       per_token_loss=pieces.per_token,
       shard_optimizer_state=cfg.mesh.shard_optimizer_state,
       param_specs=pieces.specs, grad_reduce_dtype=reduce_dtype, merge_state=merge,
-      context_parallel=cfg.model.context_parallel),
+      context_parallel=cfg.model.context_parallel, offload=cfg.train.offload),
       {"grad_reduce_dtype": "precision.grad_reduce_dtype",
-       "context_parallel": "model.context_parallel"})
+       "context_parallel": "model.context_parallel", "offload": "train.offload"})
   if abstract:
     return None
   if isinstance(pieces.model, lm_lib.TinyLM) and pieces.model.routing is not None:
@@ -929,7 +929,8 @@ def build_evaluate(model: Any, evaluate_fn: Callable, policy: Any,
 
   @jax.jit
   def evaluate(state, batch):
-    state = parallel_lib.unpad(state)  # a leaf FSDP splits unevenly
+    # (a leaf FSDP splits unevenly is stored padded, an offloaded one on the host)
+    state = parallel_lib.unpad(step_lib.on_device(state))
     params, model_state = (state.params, state.model_state) if pipeline is None else (
         pipeline.to_model_order((state.params, state.model_state)))
     kw = {} if model_state is None else {"model_state": model_state}

@@ -311,12 +311,12 @@ RESUME_MAY_CHANGE = ("train.steps", "train.samples",
                      "train.log_every", "train.eval_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.hardware",
                      "mesh", "train.num_microbatches", "train.remat", "train.recompute",
-                     "train.recompute_layers", "model.attention")
+                     "train.recompute_layers", "train.offload", "model.attention")
 """The keys (or sections) a resumed run may set otherwise than the run it continues:
 its length (``train.steps``, or ``train.samples``, to extend it), the cadence of its
 logs, evaluations and checkpoints, the hardware its MFU is logged against, and how a
-step is laid out and computed (the mesh, the micro-batches, recomputation, the
-attention kernel), which change its losses at most by float rounding. Every other
+step is laid out and computed (the mesh, the micro-batches, recomputation, host
+offload, the attention kernel), which change its losses at most by float rounding. Every other
 key changes what the run trains."""
 
 

@@ -544,14 +544,21 @@ class TrainConfig:
   input, recompute the layer), or one of MaxText's named policies, which keep the
   outputs of the products they name and recompute the rest: ``save_qkv_proj`` (the
   attention's query, key and value projections), ``save_out_proj`` (its output
-  projection), ``save_dot_except_mlp`` (both) (`mpscale.parallel.SAVED_NAMES`;
-  offloading them to host memory is not built)."""
+  projection), ``save_dot_except_mlp`` (both) (`mpscale.parallel.SAVED_NAMES`), or
+  one of MaxText's offloading policies, which keep them in host memory:
+  ``qkv_proj_offloaded``, ``minimal_offloaded`` (`mpscale.parallel.OFFLOADED`)."""
   recompute_layers: Optional[int] = None
   """How many layers ``recompute`` acts on, the first ones: of the model, or of each
   pipeline stage (each chunk with ``mesh.virtual_stages``); the others keep every
   residual (Megatron-LM's ``recompute_num_layers`` with its ``block`` method).
   ``null``: every layer. The GPipe
   schedule only, in a pipeline; needs a ``recompute`` other than ``none``."""
+  offload: tuple[str, ...] = ()
+  """What lives in host memory (``pinned_host``) between steps, moved to the
+  devices for each step and back (`mpscale.make_train_step`'s ``offload``):
+  ``opt_state`` (the optimizer state), ``params`` (the master parameters). The
+  losses are unchanged; the plan counts the bytes in host memory apart
+  (``mpscale plan``)."""
   log_every: int = 10
   eval_every: int = 100
   """Evaluate every this many steps (and at the end); 0: only at the end."""

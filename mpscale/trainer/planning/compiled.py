@@ -230,6 +230,11 @@ class Plan:
     hlo = hlo_lib.parse(compiled.as_text())  # once, for the FLOPs and the collectives
     param_bytes = parallel_lib.tree_bytes(state.params)
     axes = {} if mesh is None else dict(mesh.shape)
+    # State offloaded to host memory (train.offload): the target's memory analysis
+    # counts it in host outputs but, on a compile-only target or the CPU, its
+    # arguments among the device's; the device holds none of it between steps.
+    host = sum(parallel_lib.tree_bytes(getattr(state, f)) for f in cfg.train.offload)
+    arguments -= max(0, host - getattr(mem, "host_argument_size_in_bytes", 0))
     compute_dtype = jax.numpy.dtype(built.setup.policy.compute_dtype).name
     # The CPU compile widens 16-bit arrays to float32; the target's keeps their dtypes.
     narrow = (compute_dtype in ("bfloat16", "float16")
@@ -245,7 +250,7 @@ class Plan:
                "model_state": parallel_lib.tree_bytes(state.model_state),
                "batch": parallel_lib.tree_bytes(batch),
                "arguments": arguments, "outputs": outputs, "aliased": aliased,
-               "temporaries": temporaries,
+               "temporaries": temporaries, "host": host,
                "peak": int(arguments + outputs - aliased + temporaries)},
         flops_per_device=hlo_lib.matmul_flops(hlo), fp8_flops=hlo_lib.fp8_flops(hlo),
         xla_flops_per_device=xla_flops, xla_flops_note=xla_flops_note,
@@ -296,6 +301,8 @@ class Plan:
         + ("" if self.device_memory is None else
            f"  of {_fmt_bytes(self.device_memory)}: "
            + ("fits" if self.fits else "DOES NOT FIT")),
+        *([f"  in host memory    {_fmt_bytes(b['host']):>12}  (train.offload: "
+           "between steps; moved in and out each step)"] if b.get("host") else []),
         f"  FLOPs per step    {self.flops_per_device:12.3e}  (all devices "
         f"{self.flops_per_step:.3e}{model_flops})",
         *([] if self.float32_share is None else [

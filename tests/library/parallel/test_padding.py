@@ -9,20 +9,15 @@ import pytest
 
 import mpscale
 from mpscale import parallel
+from tests import helpers
 
 
-def _loss(params, batch):
-  h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-  return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+_loss = helpers.tiny_mlp(7)[0]
 
 
 def _problem():
-  """A model none of whose dimensions (5, 7, 2) 3 or 6 divides; 12 rows a batch."""
-  k = jax.random.split(jax.random.key(0), 4)
-  params = {"w1": jax.random.normal(k[0], (5, 7)), "b1": jnp.full((7,), 0.1),
-            "w2": jax.random.normal(k[1], (7, 2))}
-  batch = {"x": jax.random.normal(k[2], (12, 5)), "y": jax.random.normal(k[3], (12, 2))}
-  return params, batch
+  """The MLP's parameters and batch (none of whose dimensions 3 or 6 divides)."""
+  return helpers.tiny_mlp(7)[1:]
 
 
 def _mesh(n):

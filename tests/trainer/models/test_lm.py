@@ -573,3 +573,32 @@ def test_a_block_keeps_what_its_backward_needs_in_the_compute_dtype(
   else:
     count = _korthikanti_bytes(d_model, d_model, kv_width, d_ff, family != "gpt")
   assert per_token_layer <= 1.2 * count, (per_token_layer / d_model, count / d_model)
+
+
+def _residual_bytes(loss, params, space: str) -> int:
+  """The bytes ``jax.vjp`` of ``loss(params)`` keeps in memory ``space``
+  (``"Device"`` or ``"Host"``), beyond its arguments."""
+  residuals = jax._src.ad_checkpoint.saved_residuals(loss, params)  # pylint: disable=protected-access
+  return sum(aval.size * aval.dtype.itemsize for aval, source in residuals
+             if "argument" not in source and str(aval.memory_space).endswith(space))
+
+
+@pytest.mark.parametrize("recompute", mpscale.parallel.OFFLOADED)
+def test_offloading_policies_keep_residuals_in_host_memory(recompute):
+  """MaxText's offloading policies (`mpscale.parallel.OFFLOADED`): the device keeps
+  what ``full`` keeps, the products they save are kept in host memory (none
+  without them), and the gradients are the plain model's."""
+  params = lm.TinyLM.from_sizes(CFG).init(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len), 0, CFG.vocab_size)
+  batch = {"inputs": tokens, "targets": tokens}
+  model = lambda **kw: lm.TinyLM.from_sizes(CFG, **kw)  # noqa: E731
+  mean_loss = lambda m: lambda p: m.mean_loss_fn(p, batch)  # noqa: E731
+  offloaded, full = model(recompute=recompute), model(recompute="full")
+  assert (_residual_bytes(mean_loss(offloaded), params, "Device")
+          == _residual_bytes(mean_loss(full), params, "Device"))
+  assert _residual_bytes(mean_loss(offloaded), params, "Host") > 0
+  assert _residual_bytes(mean_loss(model(recompute="selective")), params, "Host") == 0
+  grad = lambda m: jax.jit(jax.grad(m.mean_loss_fn))(params, batch)  # noqa: E731
+  for a, b in zip(jax.tree_util.tree_leaves(grad(model())),
+                  jax.tree_util.tree_leaves(grad(offloaded))):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)

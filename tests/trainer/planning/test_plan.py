@@ -362,3 +362,22 @@ def test_the_plans_text_counts_devices_and_residual_slots_in_words():
   line = next(ln for ln in piped.text().splitlines() if "residuals" in ln)
   assert "(9 slots x 1 layer x 1.00 MiB; a slot: a micro-batch through a chunk" in line
   assert "micro-batches" not in line and "GPipe's scan" in line
+
+
+def test_a_state_above_the_device_memory_fits_with_its_optimizer_state_offloaded():
+  """#63's target: a config whose state (parameters, gradients, AdamW's moments)
+  needs 1.3x a device's memory does not fit; with ``train.offload: [opt_state]``
+  its plan fits, and says how many bytes are in host memory."""
+  sets = ["model.d_model=256", "model.d_ff=1024", "model.num_layers=4",
+          "model.seq_len=16", "data.batch_size=8", "mesh.data=2"]
+  config = "configs/tiny_lm_fp32_adamw.yaml"
+  plain = plan_lib.plan(_cfg(*sets, config=config))
+  b = plain.bytes
+  memory = int((b["params"] + b["gradients"] + b["optimizer_state"]) / 1.3)
+  plain = plan_lib.plan(_cfg(*sets, config=config), device_memory=memory)
+  offloaded = plan_lib.plan(_cfg(*sets, "train.offload=[opt_state]", config=config),
+                            device_memory=memory)
+  assert plain.fits is False and offloaded.fits is True
+  assert offloaded.bytes["host"] == offloaded.bytes["optimizer_state"] > 0
+  assert plain.bytes["peak"] - offloaded.bytes["peak"] == offloaded.bytes["host"]
+  assert "in host memory" in offloaded.text()

@@ -430,3 +430,31 @@ def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_
   a = [float(r["loss"]) for r in rows(tmp_path / "one")]
   b = [float(r["loss"]) for r in rows(tmp_path / "moved")]
   np.testing.assert_allclose(b, a, rtol=1e-4)  # sums in other orders
+
+
+# ------------------------------------------------------ host offload (#63 item 1)
+def test_an_offloaded_run_resumes_exactly_and_bad_offload_names_the_key(tmp_path,
+                                                                        capsys):
+  """``train.offload``: the optimizer state and master parameters in host memory
+  between steps train and checkpoint as on the devices, bit for bit, and a resume
+  may change what is offloaded."""
+  config = os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml")
+  small = ["model.d_model=32", "model.d_ff=64", "model.num_layers=1",
+           "model.seq_len=16", "data.batch_size=8", "data.eval_batches=1",
+           "train.log_every=1", "train.eval_every=6", "train.checkpoint_every=3",
+           "schedule.warmup_steps=1", "schedule.decay_steps=6", "mesh.fsdp=2"]
+
+  def train(out, steps, *extra):
+    return cli.main(["train", "--config", config, "--out", str(out), "--quiet",
+                     "--no-progress", *sets(small + [f"train.steps={steps}"]), *extra])
+
+  assert train(tmp_path / "plain", 6) == 0
+  assert train(tmp_path / "off", 3, "--set", "train.offload=[opt_state,params]") == 0
+  assert train(tmp_path / "off", 6, "--set", "train.offload=[opt_state]",
+               "--resume") == 0
+  keys = ("step", "loss", "loss_scale", "global_norm")  # (the first run evaluates at 3)
+  assert trained(tmp_path / "off", keys) == trained(tmp_path / "plain", keys)
+  capsys.readouterr()
+  assert train(tmp_path / "bad", 3, "--set", "train.offload=[optimizer]") == 2
+  assert "train.offload must be one of" in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / "bad")
