@@ -93,6 +93,16 @@ def kept_bytes(loss, params) -> int:
              if "argument" not in source)
 
 
+def residuals_are_named() -> bool:
+  """Whether this JAX names a ``checkpoint_name``d residual in ``saved_residuals``
+  (jax 0.7 reads it as the ``reduce_precision`` it binds)."""
+  def f(x):
+    return jax.numpy.sum(jax.ad_checkpoint.checkpoint_name(jax.numpy.sin(x), "probe"))
+  return saved_names(jax.checkpoint(
+      f, policy=jax.checkpoint_policies.save_only_these_names("probe")),
+      jax.numpy.ones(2)) == {"probe"}
+
+
 def saved_names(loss, *args) -> set:
   """The ``checkpoint_name`` names of what ``jax.vjp`` of ``loss(*args)`` keeps."""
   residuals = jax._src.ad_checkpoint.saved_residuals(loss, *args)  # pylint: disable=protected-access

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mpscale
+from tests import helpers
 from mpscale.optim._came import compression_dtype
 from mpscale import _versions
 from tests.helpers import load_script
@@ -620,7 +621,7 @@ def _reductions_of(jaxpr, shapes):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.shape in shapes:
       found += 1
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for sub in helpers.sub_jaxprs(eqn.params):
       found += _reductions_of(sub, shapes)
   return found
 

