@@ -400,6 +400,7 @@ def test_a_split_needs_an_encoder_decoder_model():
 
 
 # ------------------------------------------------- FSDP on any device count (#63)
+@pytest.mark.slow  # several runs: the main suite's, not the floors job's
 def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_path):
   """FSDP on 3 devices, which divide none of the model's dimensions (issue #63):
   its checkpoints restore on 4 (each padded array cut to its true shape), then on 3
@@ -433,6 +434,7 @@ def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_
 
 
 # ------------------------------------------------------ host offload (#63 item 1)
+@pytest.mark.slow  # several runs: the main suite's, not the floors job's
 def test_an_offloaded_run_resumes_exactly_and_bad_offload_names_the_key(tmp_path,
                                                                         capsys):
   """``train.offload``: the optimizer state and master parameters in host memory
