@@ -11,6 +11,9 @@ for estimating a layout's step time from its FLOPs, bytes and collectives (issue
 - ``hbm_bandwidth`` in bytes/s and ``hbm_bytes`` in bytes (1 GB = 1e9 bytes,
   1 GiB = 2**30 bytes, 1 Gb/s = 1e9 bits/s = 1.25e8 bytes/s).
 - ``devices_per_node``: the devices of one node (a DGX, a TPU host).
+- ``host_bandwidth`` (optional): bytes/s each way between a device and its host's
+  memory (a GPU's PCIe link), what host offload's copies move at
+  (`mpscale.trainer.planning.step_time`); a profile without it leaves them unpriced.
 - ``links``: the interconnect's levels, fastest first (`Link`). A link's
   ``bandwidth`` is what one device can send at that level at once, in one direction,
   in bytes/s (a link quoted "600 GB/s bidirectional" is ``300e9``); its ``latency``
@@ -81,7 +84,7 @@ _PACKAGE = "mpscale.trainer.planning"
 _FOLDER = "profiles"
 _SUFFIX = ".yaml"
 _TOP_KEYS = ("name", "description", "compile_target", "peak_flops", "hbm_bandwidth",
-             "hbm_bytes",
+             "hbm_bytes", "host_bandwidth",
              "devices_per_node", "links", "matmul_efficiency", "memory_efficiency",
              "sources")
 _REQUIRED_TOP = ("peak_flops", "hbm_bandwidth", "hbm_bytes", "devices_per_node",
@@ -167,6 +170,9 @@ class Hardware:
   """The documents the figures come from, ``"title <url>"``."""
   assumed: tuple[str, ...] = ()
   """The fields whose figure is assumed, not sourced (e.g. ``links[0].latency``)."""
+  host_bandwidth: Optional[float] = None
+  """Bytes/s each way between a device and its host's memory (a GPU's PCIe link):
+  what host offload (``train.offload``) moves at; ``None``: not given."""
   compile_target: Optional[str] = None
   """The compiler a plan for this hardware reads (`mpscale.trainer.planning.targets`):
   ``"cuda/<spec>"`` (XLA's CUDA compiler for the GPU a spec of ``target_specs/``
@@ -192,6 +198,9 @@ class Hardware:
     _set(self, "hbm_bandwidth",
          validation.positive_float("hbm_bandwidth", self.hbm_bandwidth))
     _set(self, "hbm_bytes", validation.positive_float("hbm_bytes", self.hbm_bytes))
+    if self.host_bandwidth is not None:
+      _set(self, "host_bandwidth",
+           validation.positive_float("host_bandwidth", self.host_bandwidth))
     _set(self, "devices_per_node",
          validation.positive_int("devices_per_node", self.devices_per_node))
     _set(self, "links", _links(self.links))
@@ -389,6 +398,8 @@ class _Reader:
         peak_flops={k: self.number(f"peak_flops.{k}", v) for k, v in peaks.items()},
         hbm_bandwidth=self.number("hbm_bandwidth", raw["hbm_bandwidth"]),
         hbm_bytes=self.number("hbm_bytes", raw["hbm_bytes"]),
+        host_bandwidth=(None if raw.get("host_bandwidth") is None
+                        else self.number("host_bandwidth", raw["host_bandwidth"])),
         devices_per_node=self.number("devices_per_node", raw["devices_per_node"]),
         links=tuple(self.link(i, link) for i, link in enumerate(links)),
         **self.efficiencies(raw), sources=sources, assumed=tuple(self.assumed),

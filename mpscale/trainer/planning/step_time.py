@@ -88,7 +88,7 @@ class Estimate:
   """One step's estimated time on a `Hardware` profile (see the module docstring)."""
   hardware: str
   seconds: float
-  """The step: ``compute + memory + collectives - hidden``."""
+  """The step: ``compute + memory + collectives - hidden + host``."""
   compute: float
   """Seconds of matrix products at ``peak * matmul_efficiency``."""
   memory: float
@@ -115,6 +115,10 @@ class Estimate:
   """Seconds of collectives hidden behind the kernels the compiled program schedules
   while they transfer (`mpscale.trainer.planning.hlo.overlaps`; 0 for a program without asynchronous
   collectives, such as the CPU backend's)."""
+  host: float = 0.0
+  """Seconds of host offload's copies (``train.offload``): the state in host memory
+  moved in and out each step at the profile's ``host_bandwidth``, counted whole (not
+  hidden); 0 without offload, or for a profile without ``host_bandwidth``."""
 
   def text(self) -> str:
     lines = [f"estimated step on {self.hardware}: {self.seconds * 1e3:.1f} ms, "
@@ -131,6 +135,9 @@ class Estimate:
                 "while they transfer)" if self.hidden else "(not overlapped)")]
     for link, seconds in self.by_link.items():
       lines.append(f"    on {link:<14} {seconds * 1e3:10.1f} ms")
+    if self.host:
+      lines.append(f"  host copies       {self.host * 1e3:10.1f} ms  (train.offload's "
+                   "state in and out, at the host link's bandwidth, not overlapped)")
     if self.bubble:
       lines.append(f"  of which bubble   {self.bubble * 1e3:10.1f} ms  (in compute "
                    "and memory)")
@@ -279,14 +286,18 @@ def estimate(plan: Any, hardware: Hardware) -> Estimate:
     window = sum(_kernel_seconds(o["window"], flop_rate, byte_rate))
     hidden += o["count"] * min(once, window)
   hidden = min(hidden, collectives)
-  total = compute + memory + collectives - hidden
-  terms = {"compute": compute, "memory": memory,
+  offloaded = (getattr(plan, "bytes", None) or {}).get("host", 0)
+  host = (2 * offloaded / hardware.host_bandwidth  # in at the start, out at the end
+          if offloaded and hardware.host_bandwidth else 0.0)
+  total = compute + memory + collectives - hidden + host
+  terms = {"compute": compute, "memory": memory, "host copies": host,
            **{f"collectives on {k}": v for k, v in by_link.items()}}
   mfu = (None if plan.model_flops is None or total <= 0 else
          plan.model_flops / (total * plan.devices * peak))
   return Estimate(
       hardware=hardware.name, seconds=total, compute=compute, memory=memory,
-      collectives=collectives, hidden=hidden, bubble=plan.bubble * (compute + memory),
+      collectives=collectives, hidden=hidden, host=host,
+      bubble=plan.bubble * (compute + memory),
       by_link=by_link, rows=rows,
       tokens_per_second=plan.tokens_per_step / total if total > 0 else math.inf,
       mfu=mfu, peak_flops=peak, dominant=max(terms, key=terms.get),

@@ -90,6 +90,7 @@ def test_every_builtin_number_is_cited_or_assumed_with_a_reason(name):
   expected = ({f"peak_flops.{k}" for k in raw["peak_flops"]}
               | {"hbm_bandwidth", "hbm_bytes", "devices_per_node",
                  "matmul_efficiency", "memory_efficiency"}
+              | ({"host_bandwidth"} if "host_bandwidth" in raw else set())
               | {f"links[{i}].{f}" for i in range(len(raw["links"]))
                  for f in ("bandwidth", "latency")})
   assert set(entries) == expected

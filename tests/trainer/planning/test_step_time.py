@@ -110,6 +110,23 @@ def test_the_bubble_is_a_part_of_compute_and_memory_not_added():
   assert est.bubble == pytest.approx(work / 5)
 
 
+def test_offloaded_state_moves_in_and_out_at_the_host_link_not_hidden():
+  # 1.6e9 bytes in host memory (train.offload), in and out each step at 32e9 B/s
+  # each way: 0.1 s, added whole; a profile without a host link leaves it unpriced
+  plan = _plan(kernels={"dots": [[1e12, 1e6, 5]], "bytes": 0.0},
+               bytes={"host": 1.6e9})
+  linked = dataclasses.replace(GPU, host_bandwidth=32e9)
+  est = step_time.estimate(plan, linked)
+  assert est.host == pytest.approx(0.1)
+  assert est.seconds == pytest.approx(5 * 1e12 / 5e14 + 0.1)
+  assert est.dominant == "host copies" and "host copies" in est.text()
+  assert step_time.estimate(plan, GPU).host == 0
+  assert load_hardware("h100-80g").host_bandwidth == 64e9
+  assert load_hardware("a100-80g").host_bandwidth == 32e9
+  with pytest.raises(ValueError, match="host_bandwidth"):
+    dataclasses.replace(GPU, host_bandwidth=-1.0)
+
+
 @pytest.mark.parametrize("mesh, axes, link, n", [
     ({"data": 2, "tensor": 4}, ("tensor",), "fast", 4),
     ({"data": 2, "tensor": 4}, ("data",), "slow", 2),
