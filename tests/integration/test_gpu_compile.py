@@ -299,6 +299,25 @@ def test_the_gpus_program_keeps_16_bit_collectives_and_bounded_temporaries(name)
 
 @gpu_compile
 @needs_cuda
+def test_offloaded_state_leaves_the_gpus_program_for_host_memory():
+  """``train.offload: [opt_state, params]`` under FSDP 8: the H100 program writes the
+  new optimizer state and master parameters to host memory (``S(5)``), every byte a
+  device holds of them, where the device-resident program writes none there."""
+  cfg = config_lib.load_config(os.path.join(CONFIGS, "tiny_lm_bf16.yaml"), list(
+      _SPLIT + ("mesh.fsdp=8", "train.offload=[opt_state,params]")))
+  target = targets.choose(hardware.load_hardware(HARDWARE), NUM_DEVICES, "target")
+  compiled, _ = compile_step(cfg, target.devices)
+  setup = builders.build(cfg, target.devices)
+  state = setup.init(jax.eval_shape(setup.init_params))
+  held = (mpscale.parallel.tree_bytes(state.params)
+          + mpscale.parallel.tree_bytes(state.opt_state))
+  assert compiled.memory_analysis().host_output_size_in_bytes >= held > 0
+  assert "S(5)" in compiled.as_text()
+  assert _program("fsdp").memory.host_output_size_in_bytes == 0
+
+
+@gpu_compile
+@needs_cuda
 @pytest.mark.parametrize("name", ["fsdp", "fp16_dynamic_fsdp", "data"])
 def test_under_fsdp_and_data_no_device_holds_the_whole_batch_or_model(name):
   program = _programs(name)[name]
