@@ -191,6 +191,9 @@ class Layout(NamedTuple):
   """The pipeline schedule: ``gpipe``, ``1f1b`` or ``zb_h1``."""
   virtual_stages: int = 1
   """Chunks a stage holds (interleaved schedules)."""
+  offload_optimizer: bool = False
+  """The optimizer state in host memory between steps (``train.offload:
+  [opt_state]``): out of the device's state, moved in and out each step."""
 
   @classmethod
   def from_overrides(cls, overrides: Mapping[str, Any]) -> "Layout":
@@ -207,6 +210,8 @@ class Layout(NamedTuple):
     fields = {keys[k]: v for k, v in overrides.items() if k in keys}
     if "train.recompute" in overrides:
       fields["remat"] = overrides["train.recompute"] == "full"
+    if "train.offload" in overrides:
+      fields["offload_optimizer"] = "opt_state" in overrides["train.offload"]
     return cls(**fields)
 
   @classmethod
@@ -220,7 +225,8 @@ class Layout(NamedTuple):
                microbatches=cfg.train.num_microbatches, remat=cfg.train.full_recompute,
                recompute_layers=cfg.train.recompute_layers,
                zero1=m.shard_optimizer_state, sequence_parallel=m.sequence_parallel,
-               schedule=m.pipeline_schedule, virtual_stages=m.virtual_stages)
+               schedule=m.pipeline_schedule, virtual_stages=m.virtual_stages,
+               offload_optimizer="opt_state" in cfg.train.offload)
 
   @property
   def mesh(self) -> dict[str, int]:
@@ -389,11 +395,18 @@ def expert_params_per_device(model: Model, layout: Layout) -> float:
           / (layout.tensor * layout.expert * layout.param_split))
 
 
+def optimizer_bytes(model: Model, layout: Layout) -> float:
+  """The optimizer state a device holds between steps, on the device or, offloaded,
+  in host memory; split over ``data`` too with ZeRO-1."""
+  return (params_per_device(model, layout) * model.optimizer_bytes
+          / (layout.data if layout.zero1 else 1))
+
+
 def state_bytes(model: Model, layout: Layout) -> float:
   """Parameters, gradients (in the parameters' dtype) and optimizer state a device
-  holds; the optimizer's split over ``data`` too with ZeRO-1."""
+  holds in its memory (`optimizer_bytes`, unless offloaded)."""
   n = params_per_device(model, layout)
-  optimizer = n * model.optimizer_bytes / (layout.data if layout.zero1 else 1)
+  optimizer = 0.0 if layout.offload_optimizer else optimizer_bytes(model, layout)
   return 2 * n * model.param_bytes + optimizer
 
 
@@ -739,6 +752,9 @@ class Estimate(NamedTuple):
   hidden: float = 0.0
   """Collective seconds behind compute (the ring's, `hidden_seconds`), already
   taken out of ``collectives`` and ``seconds``."""
+  host: float = 0.0
+  """Seconds of an offloaded optimizer state's copies, in and out at the host link
+  (`step_time`'s ``host``), in ``seconds``."""
 
 
 def collective_seconds(model: Model, layout: Layout, hardware: Hardware) -> float:
@@ -779,9 +795,12 @@ def estimate(model: Model, layout: Layout, hardware: Hardware) -> Estimate:
   hidden = (hidden_seconds(model, layout, hardware)
             + fsdp_hidden_seconds(model, layout, hardware))
   comms = collective_seconds(model, layout, hardware) - hidden
-  return Estimate(seconds=compute + memory + comms, compute=compute, memory=memory,
-                  collectives=comms, bubble=bubble(layout) * (compute + memory),
-                  peak_bytes=memory_bytes(model, layout), hidden=hidden)
+  host = (2 * optimizer_bytes(model, layout) / hardware.host_bandwidth
+          if layout.offload_optimizer and hardware.host_bandwidth else 0.0)
+  return Estimate(seconds=compute + memory + comms + host, compute=compute,
+                  memory=memory, collectives=comms,
+                  bubble=bubble(layout) * (compute + memory),
+                  peak_bytes=memory_bytes(model, layout), hidden=hidden, host=host)
 
 
 def fits(model: Model, layout: Layout, memory: float, slack: float = 1.0) -> bool:
@@ -795,5 +814,6 @@ __all__ = ["AXES", "Collective", "ELEMENTWISE_PASSES", "EXPERT_LEAVES", "Estimat
            "bubble", "collectives", "context_kv_bytes", "expert_params_per_device",
            "fsdp_hidden_seconds", "hidden_seconds", "tokens_per_device",
            "collective_seconds", "elementwise_bytes", "estimate", "fits", "live_items", "matmul_flops",
-           "memory_bytes", "mlp_units", "param_counts", "params_per_device",
+           "memory_bytes", "mlp_units", "optimizer_bytes", "param_counts",
+           "params_per_device",
            "routed_bytes", "rows", "state_bytes"]

@@ -6,7 +6,8 @@ into ``data x fsdp x stage x context x expert x tensor`` (``expert`` only for a
 mixture of experts, dividing its ``num_experts``), and with it ZeRO-1
 (``shard_optimizer_state``),
 the micro-batches, activation recomputation (``train.recompute``: ``none`` or
-``full``), sequence parallelism,
+``full``), host offload of the optimizer state (each ladder's last variant), sequence
+parallelism,
 the pipeline schedule and virtual stages. A layout the trainer would refuse (tensor
 not dividing the heads, stages not dividing the layers, a batch not splitting over
 the replicas and micro-batches) is never built. Then, cheapest first::
@@ -144,9 +145,11 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
   Returns:
     One ladder per layout (the mesh, sequence parallelism, the pipeline schedule and
     virtual stages, ZeRO-1, recomputation and, pipelined, the micro-batches): a
-    pipelined layout's ladder is itself alone; an unpipelined one's is its
-    micro-batch counts, fewest first, which only hold fewer activations at once and
-    re-read the weights once more each. `search` plans a ladder's variants in order
+    pipelined layout's ladder is itself; an unpipelined one's is its micro-batch
+    counts, fewest first, which only hold fewer activations at once and re-read the
+    weights once more each; each ends with its last variant's optimizer state
+    offloaded to host memory (``train.offload: [opt_state]``), moved in and out each
+    step. `search` plans a ladder's variants in order
     and keeps the first that fits.
   """
   m = cfg.model
@@ -193,10 +196,11 @@ def layouts(cfg: config_lib.RunConfig, devices: int, devices_per_node: int,
             if zero1 and data == 1:
               continue
             for group in ([[mb] for mb in micro] if stage > 1 else [micro]):
-              out.append([{**structure, "mesh.shard_optimizer_state": zero1,
-                           "train.num_microbatches": mb,
-                           "train.recompute": recompute}
-                          for mb in group])
+              ladder = [{**structure, "mesh.shard_optimizer_state": zero1,
+                         "train.num_microbatches": mb, "train.recompute": recompute}
+                        for mb in group]
+              # the last resort: the optimizer state in host memory
+              out.append(ladder + [{**ladder[-1], "train.offload": ["opt_state"]}])
   return out
 
 
@@ -210,13 +214,17 @@ def _order(ladder: list[dict[str, Any]]) -> tuple:
           layout.get("mesh.pipeline_schedule", ""),
           layout.get("mesh.sequence_parallel", False),
           layout["train.recompute"] != "none",
-          layout["mesh.shard_optimizer_state"])
+          layout["mesh.shard_optimizer_state"], bool(layout.get("train.offload")))
 
 
 def _overrides(layout: dict[str, Any]) -> list[str]:
-  """The layout as ``key=value`` overrides (values as YAML: ``true``, ``4``)."""
-  return [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-          for k, v in layout.items()]
+  """The layout as ``key=value`` overrides (values as YAML: ``true``, ``4``,
+  ``[opt_state]``)."""
+  def value(v):
+    if isinstance(v, bool):
+      return str(v).lower()
+    return f"[{','.join(v)}]" if isinstance(v, list) else v
+  return [f"{k}={value(v)}" for k, v in layout.items()]
 
 
 def set_line(layout: dict[str, Any]) -> str:
@@ -225,13 +233,15 @@ def set_line(layout: dict[str, Any]) -> str:
 
 
 def static_bytes(cfg: config_lib.RunConfig) -> int:
-  """Parameters, gradients and optimizer state one device holds under ``cfg``'s
-  layout: exact, from shapes (nothing compiled or allocated)."""
+  """Parameters, gradients and optimizer state one device holds in its memory under
+  ``cfg``'s layout (``train.offload``'s fields, in host memory, left out): exact,
+  from shapes (nothing compiled or allocated)."""
   setup = builders.build(cfg)
   params = jax.eval_shape(setup.init_params)
   state = setup.init(params)
-  param_bytes = parallel_lib.tree_bytes(state.params)
-  return 2 * param_bytes + parallel_lib.tree_bytes(state.opt_state)
+  held = lambda field: (0 if field in cfg.train.offload  # noqa: E731
+                        else parallel_lib.tree_bytes(getattr(state, field)))
+  return parallel_lib.tree_bytes(state.params) + held("params") + held("opt_state")
 
 
 @functools.lru_cache(maxsize=None)

@@ -58,11 +58,14 @@ def test_every_layout_is_enumerated_within_the_stated_rules():
       assert (layout["model.context_parallel"] == "ring") == (
           layout.get("mesh.pipeline_schedule", "gpipe") == "gpipe")
   for ladder in ladders:
-    # a ladder is one layout: without a pipeline, its micro-batch counts, fewest first
+    # a ladder is one layout: without a pipeline, its micro-batch counts, fewest
+    # first; then, the last resort, its last variant with the optimizer state offloaded
+    *plain, offloaded = ladder
+    assert offloaded == {**plain[-1], "train.offload": ["opt_state"]}
     rest = [{k: x for k, x in v.items() if k != "train.num_microbatches"}
-            for v in ladder]
+            for v in plain]
     assert all(r == rest[0] for r in rest)
-    counts = [v["train.num_microbatches"] for v in ladder]
+    counts = [v["train.num_microbatches"] for v in plain]
     assert counts == sorted(counts) and (len(counts) == 1
                                          or ladder[0]["mesh.stage"] == 1)
     for v in ladder:
@@ -73,6 +76,31 @@ def test_every_layout_is_enumerated_within_the_stated_rules():
   assert {"gpipe", "1f1b", "zb_h1"} <= schedules
   assert any(l[0].get("mesh.sequence_parallel") for l in ladders)
   assert any(l[0].get("mesh.virtual_stages") == 2 for l in ladders)
+
+
+def test_the_search_offloads_the_optimizer_state_only_where_nothing_else_fits():
+  """Each ladder's last resort (`search.layouts`): on a device whose memory holds a
+  layout's state only without its optimizer state, the pre-ranking starts that
+  ladder at its offloaded variant, priced with the host link's copies; with room,
+  at its first variant."""
+  from mpscale.trainer.planning import analytic
+  cfg = config_lib.load_config(CONFIG)
+  ladders = [l for l in search_lib.layouts(cfg, 8, 8)
+             if l[0]["mesh.data"] == 8 and l[0]["train.recompute"] == "full"
+             and not l[0]["mesh.shard_optimizer_state"]]
+  model = analytic.Model.from_config(cfg)
+  last = analytic.Layout.from_overrides(ladders[0][-2])
+  offloaded = analytic.Layout.from_overrides(ladders[0][-1])
+  assert offloaded.offload_optimizer and not last.offload_optimizer
+  held = analytic.memory_bytes(model, last)
+  memory = (held + analytic.memory_bytes(model, offloaded)) / 2
+  small = dataclasses.replace(A100, hbm_bytes=memory)
+  (candidate,), _ = search_lib.preranked(cfg, ladders[:1], small)
+  assert candidate.start == len(ladders[0]) - 1
+  assert candidate.estimate.host == pytest.approx(
+      2 * analytic.optimizer_bytes(model, offloaded) / A100.host_bandwidth)
+  (roomy,), _ = search_lib.preranked(cfg, ladders[:1], A100)
+  assert roomy.start == 0 and roomy.estimate.host == 0
 
 
 def test_the_search_says_which_compiler_its_plans_read(searched):
