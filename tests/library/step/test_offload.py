@@ -118,3 +118,31 @@ def test_bad_offload_is_refused_by_name(offload, error, match):
     mpscale.make_train_step(_loss, optax.sgd(0.1), mesh=mesh, offload=offload)
   with pytest.raises(ValueError, match=r"offload \(\['params'\]\) needs a mesh"):
     mpscale.make_train_step(_loss, optax.sgd(0.1), offload=["params"])
+
+
+def test_a_pipelines_offloaded_steps_equal_its_device_ones():
+  """A `mpscale.Pipeline` (data 2 x stage 2, 1F1B): its stacked layers and their
+  moments in host memory between steps, the same steps bit for bit."""
+  rng = np.random.default_rng(0)
+  params = {"embed": jnp.asarray(rng.normal(size=(4, 8)), jnp.float32),
+            "stages": {"w": jnp.asarray(0.4 * rng.normal(size=(4, 8, 8)), jnp.float32)},
+            "head": jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)}
+  batch = {"x": jnp.asarray(rng.normal(size=(16, 4)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(16, 2)), jnp.float32)}
+  model = mpscale.Pipeline(
+      lambda p, b: b["x"] @ p["embed"], lambda lp, x: jnp.tanh(x @ lp["w"]),
+      lambda p, x, b: (jnp.sum((x @ p["head"] - b["y"]) ** 2), jnp.float32(x.shape[0])),
+      2, schedule="1f1b")
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "stage"))
+  out = []
+  for offload in ((), ("opt_state", "params")):
+    init, step = mpscale.make_train_step(model, optax.adam(1e-2), mesh=mesh,
+                                         per_token_loss=True, offload=offload)
+    state = init(params)
+    for _ in range(3):
+      state, _ = step(state, batch)
+    out.append((jax.device_get(state), _kinds(state.opt_state)))
+  (plain, plain_kinds), (off, off_kinds) = out
+  assert plain_kinds == {"device"} and off_kinds == {"pinned_host"}
+  for x, y in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(off)):
+    np.testing.assert_array_equal(x, y)
