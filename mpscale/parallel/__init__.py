@@ -12,8 +12,7 @@
 - ``_fsdp``: FSDP, parameters split over the data axes and gathered where used
   (`fsdp_specs`, `gather_cast`, `gather_where_used`, the pipeline's `StageFSDP`);
 - ``_padding``: a leaf split unevenly (FSDP on any device count), stored padded
-  (`Padded`, `pad_to`, `unpad`, `padded_values`, `rewrap`, `padded_shape`,
-  `padding_bytes`);
+  (`Padded`, `pad_to`, `unpad`, `padded_values`, `rewrap`, `padded_shape`);
 - ``_context``: context parallelism, attention over a sequence split along a
   ``context`` axis (`context_attention`, `context_order`);
 - ``_batch_split``: activations kept split over the batch, so GSPMD gathers weights,
@@ -48,7 +47,6 @@ from mpscale.parallel._padding import (
     pad_to,
     padded_shape,
     padded_values,
-    padding_bytes,
     rewrap,
     unpad,
 )
@@ -165,7 +163,6 @@ __all__ = [
     "pad_to",
     "padded_shape",
     "padded_values",
-    "padding_bytes",
     "pipeline_bubble_fraction",
     "pipeline_schedule_chunks",
     "pipeline_schedule_table",

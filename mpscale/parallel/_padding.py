@@ -14,21 +14,19 @@ padded shards, so no bytes move, and the model, the gradients, the optimizer (a
 factored moment's row and column means included) and every norm see the true shapes
 only. The padding never reaches the math.
 
-`padded_shape` says what a leaf is stored as; `padding_bytes` what the padding costs.
+`padded_shape` says what a leaf is stored as.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-import numpy as np
 
-from mpscale.parallel._layouts import axis_size, is_spec, pad
+from mpscale.parallel._layouts import axis_size, pad
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -77,12 +75,6 @@ def _needs(leaf: Any, sharding: Any) -> bool:
   return (isinstance(sharding, NamedSharding) and hasattr(leaf, "shape")
           and padded_shape(leaf.shape, sharding.spec, sharding.mesh)
           != tuple(leaf.shape))
-
-
-def needs_padding(tree: Any, shardings: Any) -> bool:
-  """Whether a leaf of ``tree`` (true shapes) has a dimension its sharding (a
-  ``NamedSharding``, in a tree like ``tree``) splits unevenly."""
-  return any(jax.tree_util.tree_leaves(jax.tree_util.tree_map(_needs, tree, shardings)))
 
 
 def uneven_leaves(tree: Any, shardings: Any) -> list[str]:
@@ -150,13 +142,3 @@ def rewrap(values: Any, like: Any) -> Any:
   return jax.tree_util.tree_map(
       lambda v, x: Padded(v, x.shape) if is_padded(x) else v, values, like)
 
-
-def padding_bytes(tree: Any, specs: Any, mesh: Optional[Mesh]) -> int:
-  """The bytes ``tree``'s padding adds over all devices (the padded sizes less the
-  true ones) under ``specs`` (``PartitionSpec``s like ``tree``) on ``mesh``."""
-  total = 0
-  for leaf, spec in zip(jax.tree_util.tree_leaves(tree),
-                        jax.tree_util.tree_leaves(specs, is_leaf=is_spec)):
-    extra = math.prod(padded_shape(leaf.shape, spec, mesh)) - math.prod(leaf.shape)
-    total += extra * np.dtype(leaf.dtype).itemsize
-  return total

@@ -289,8 +289,8 @@ def init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Polic
     state = TrainState(params, _adopt_opt_state(optimizer, params, given.opt_state),
                        jnp.asarray(given.step, jnp.int32), model_state, rng)
     shapes = _tree.shapes(state)
-    shardings, padded = layout.state(shapes), _padded(layout, shapes)
-    if shardings is not None and not padded:
+    shardings = layout.state(shapes)
+    if shardings is not None and not padding_lib.uneven_leaves(shapes, shardings):
       state = jax.device_put(state, shardings)
     # A jit copy gives every leaf its own new buffer: the step donates its input,
     # which must neither free the caller's arrays nor meet one buffer twice (an
@@ -300,10 +300,10 @@ def init_state(optimizer: optax.GradientTransformation, policy: policy_lib.Polic
     params = policy.cast_to_param(params_or_state)
     shapes = jax.eval_shape(fresh_state, _tree.shapes(params),
                             _tree.shapes(model_state), _tree.shapes(rng))
-    shardings, padded = layout.state(shapes), _padded(layout, shapes)
+    shardings = layout.state(shapes)
     if shardings is not None:
       # (A leaf split unevenly cannot be placed split: the jit pads it first.)
-      params = (params if padded
+      params = (params if padding_lib.uneven_leaves(shapes, shardings)
                 else jax.device_put(params, shardings.params))
       model_state, rng = jax.device_put((model_state, rng),
                                         (shardings.model_state, shardings.rng))
@@ -333,11 +333,6 @@ def _is_abstract(tree: Any) -> bool:
   """Whether ``tree`` is shapes only (``jax.ShapeDtypeStruct`` leaves, at least one)."""
   leaves = jax.tree_util.tree_leaves(tree)
   return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-
-
-def _padded(layout: Layout, shapes: TrainState) -> bool:
-  shardings = layout.state(shapes)
-  return shardings is not None and padding_lib.needs_padding(shapes, shardings)
 
 
 def _abstract_state(layout: Layout, state: TrainState) -> TrainState:

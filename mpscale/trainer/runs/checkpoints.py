@@ -98,8 +98,9 @@ def save(manager: Any, step: int, state: Any, data_state: Any, *,
   meta: dict[str, Any] = {}
   if consumed_samples is not None:
     meta["consumed_samples"] = int(consumed_samples)
-  if true_shapes(state):
-    meta["true_shapes"] = true_shapes(state)
+  padded = true_shapes(state)
+  if padded:
+    meta["true_shapes"] = padded
   if meta:
     items["meta"] = ocp.args.JsonSave(meta)
   manager.save(step, args=ocp.args.Composite(**items))
