@@ -40,11 +40,13 @@ import numpy as np
 from mpscale import _jaxprs as jaxprs
 from mpscale.parallel import _layouts as layouts_lib
 from mpscale.parallel._layouts import (AxisNames, SpecsLike, axis_size, is_spec,
-                                       resolve_specs, split_largest)
+                                       resolve_specs, split_across,
+                                       split_largest)
 
 
 def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
-               param_specs: SpecsLike = None, pad: bool = False) -> Any:
+               param_specs: SpecsLike = None, pad: bool = False,
+               transpose_axis: AxisNames = None) -> Any:
   """FSDP (ZeRO-3): every parameter also split over ``axis`` on its largest free
   dimension that the axis size divides (the rest stay as ``param_specs`` has them).
 
@@ -62,15 +64,25 @@ def fsdp_specs(params: Any, mesh: Mesh, axis: AxisNames = "fsdp",
     param_specs: a layout to add FSDP to (tensor or stage splits); any form
       `resolve_specs` accepts.
     pad: split dimensions the axis size does not divide too (padded by the step).
+    transpose_axis: a second FSDP axis (MaxText's ``fsdp_transpose``), splitting
+      each parameter on another dimension than ``axis`` does (`split_across`): the
+      parameters are split over both, ``N = axis x transpose_axis`` ways, with
+      less padding than over one axis of ``N`` where ``N`` divides no dimension
+      (1,120 = 32 x 35). The batch is split over it too.
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``params``.
   """
   size = axis_size(mesh, axis)
   base = resolve_specs(param_specs, params)
-  return jax.tree_util.tree_map(
-      lambda spec, leaf: split_largest(spec, np.shape(leaf), axis, size, pad),
-      base, params, is_leaf=is_spec)
+  if transpose_axis is None:
+    split = lambda spec, shape: split_largest(spec, shape, axis, size, pad)
+  else:
+    sizes = (size, axis_size(mesh, transpose_axis))
+    split = lambda spec, shape: split_across(spec, shape, axis, transpose_axis, sizes,
+                                             pad)
+  return jax.tree_util.tree_map(lambda spec, leaf: split(spec, np.shape(leaf)),
+                                base, params, is_leaf=is_spec)
 
 
 def gather_cast(x: jax.Array, dtype: Any, dims: Sequence[tuple]) -> jax.Array:

@@ -305,6 +305,70 @@ def split_largest(spec: PartitionSpec, shape: Sequence[int], axes: AxisNames,
   return make_spec(entries)
 
 
+def split_across(spec: PartitionSpec, shape: Sequence[int], first: AxisNames,
+                 second: AxisNames, sizes: tuple[int, int],
+                 uneven: bool = False) -> PartitionSpec:
+  """``spec`` with two groups of axes added, each on its own free dimension (MaxText's
+  ``fsdp`` and ``fsdp_transpose``): ``first`` (of size ``sizes[0]``) and ``second``
+  (``sizes[1]``) on the two dimensions that split evenly, the largest such for
+  ``first``; else both together on one dimension their product divides
+  (`split_largest`).
+
+  A device count that divides no dimension (1,120 = 32 x 35 GPUs for a 530B GPT,
+  whose dimensions 7 divides none of) splits a leaf 1/N with less padding this way
+  than on one dimension: ``(20480, 81920)`` pads to ``(20480, 81935)`` (+0.02%) over
+  32 and 35, to ``(20480, 82880)`` (+1.2%) over 1,120.
+
+  Args:
+    spec: the leaf's layout so far (tensor or stage splits).
+    shape: the leaf's shape.
+    first: the mesh axis (or axes) of the first group.
+    second: the mesh axis (or axes) of the second group.
+    sizes: the two groups' sizes.
+    uneven: where nothing splits evenly, the placement that pads fewest elements
+      (either group on its own dimension, or both on one), stored padded by the step
+      (`mpscale.parallel.Padded`); else each group as `split_largest` places it alone.
+
+  Returns:
+    The ``PartitionSpec``.
+  """
+  taken = spec_axes(spec)
+  first, second = (tuple(a for a in entry_axes(g) if a not in taken)
+                   for g in (first, second))
+  if not first or not second or 1 in sizes:
+    return split_largest(split_largest(spec, shape, first, sizes[0], uneven), shape,
+                         second, sizes[1], uneven)
+  entries = pad(spec, len(shape))
+  free = [dim for dim, n in enumerate(shape) if entries[dim] is None]
+  total = math.prod(shape)
+  both = sizes[0] * sizes[1]
+
+  def padded(*splits):  # elements of the leaf padded for (dim, size) splits
+    out = list(shape)
+    for dim, size in splits:
+      out[dim] = -(-out[dim] // size) * size
+    return math.prod(out)
+
+  # (cost, preference, placement): apart on two dimensions, or together on one.
+  options = [(padded((a, sizes[0]), (b, sizes[1])), 0, -shape[a], -shape[b], (a, b))
+             for a in free for b in free
+             if a != b and shape[a] >= sizes[0] and shape[b] >= sizes[1]]
+  options += [(padded((d, both)), 1, -shape[d], 0, (d,)) for d in free
+              if shape[d] >= both]
+  even = [o for o in options if o[0] == total]
+  if not even and not uneven:
+    return split_largest(split_largest(spec, shape, first, sizes[0]), shape, second,
+                         sizes[1])
+  if not options:
+    return spec
+  place = min(even or options)[-1]
+  if len(place) == 1:
+    entries[place[0]] = spec_entry(first + second)
+  else:
+    entries[place[0]], entries[place[1]] = spec_entry(first), spec_entry(second)
+  return make_spec(entries)
+
+
 def is_array_like(x: Any) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype")
 

@@ -462,7 +462,11 @@ class MeshConfig:
   """Data-parallel replicas: the batch is split, the parameters are replicated."""
   fsdp: int = 1
   """FSDP (ZeRO-3): the batch and every parameter and optimizer-state leaf are split;
-  parameters are gathered for compute."""
+  parameters are gathered for compute. On a count that divides no dimension of a
+  parameter, it is padded (without a pipeline or a context axis); where it pads
+  less, the mesh lays these devices out as two axes, ``fsdp x fsdp_transpose``,
+  splitting each parameter on two dimensions
+  (`mpscale.trainer.config.build.fsdp_transpose`)."""
   stage: int = 1
   """Pipeline stages: the stacked layers are split."""
   tensor: int = 1

@@ -935,14 +935,18 @@ class TinyLM:
     return jax.tree_util.tree_map_with_path(name, shapes)
 
   def param_specs(self, mesh: Any, rules: Any = LOGICAL_RULES,
-                  fsdp_axis: parallel_lib.AxisNames = "fsdp", pad: bool = False) -> Any:
+                  fsdp_axis: parallel_lib.AxisNames = "fsdp", pad: bool = False,
+                  transpose_axis: Optional[str] = None) -> Any:
     """PartitionSpecs of the params on ``mesh``: `logical_axes` through ``rules``
     (rules naming an axis ``mesh`` lacks, or one of size 1, are dropped), then FSDP
     over ``fsdp_axis`` (an axis, or several: those ``mesh`` has at sizes above 1)
     on each leaf's largest free dimension it divides
     (`mpscale.parallel.fsdp_specs`; with ``pad``, a leaf none divides on the one
-    whose padding costs least, stored padded by the step), the token table's on
-    its width.
+    whose padding costs least, stored padded by the step; with ``transpose_axis``
+    on ``mesh``, a second FSDP axis on another dimension,
+    `mpscale.parallel.split_across`), the token table's on its width. FSDP never
+    splits the stacked blocks' layer dimension, which the layers' ``lax.scan``
+    slices a block at a time.
 
     Raises:
       ValueError: when ``tensor`` does not divide the heads, the MLP width or the
@@ -973,8 +977,21 @@ class TinyLM:
       size = parallel_lib.axis_size(mesh, fsdp_axis)
       if table[1] is None and size > 1 and self.d_model % size == 0:
         specs["embed"]["token"] = jax.sharding.PartitionSpec(table[0], fsdp_axis)
+      if transpose_axis not in mesh.axis_names or mesh.shape[transpose_axis] == 1:
+        transpose_axis = None
       shapes = jax.eval_shape(self._init, jax.random.key(0))
-      specs = parallel_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs, pad)
+      blocks = specs["stages"]
+      shapes["stages"] = jax.tree_util.tree_map(  # one block's
+          lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), shapes["stages"])
+      specs["stages"] = jax.tree_util.tree_map(
+          lambda spec: jax.sharding.PartitionSpec(*spec[1:]), blocks,
+          is_leaf=parallel_lib.is_spec)
+      specs = parallel_lib.fsdp_specs(shapes, mesh, fsdp_axis, specs, pad,
+                                      transpose_axis)
+      specs["stages"] = jax.tree_util.tree_map(
+          lambda spec, stacked: jax.sharding.PartitionSpec(
+              parallel_lib.pad(stacked, 1)[0], *spec),
+          specs["stages"], blocks, is_leaf=parallel_lib.is_spec)
     return specs
 
   def embed_fn(self, params: Params, batch: dict[str, jax.Array]) -> jax.Array:

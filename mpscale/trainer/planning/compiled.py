@@ -333,9 +333,10 @@ class Plan:
     if self.saved_activations is not None:
       lines.append(f"    saved           {_fmt_bytes(self.saved_activations):>12}  (the "
                    "program's: its forward layer loop's stacks for the backward)")
-    if self.largest_gather and self.mesh.get("fsdp", 1) > 1:
+    fsdp = self.mesh.get("fsdp", 1) * self.mesh.get("fsdp_transpose", 1)
+    if self.largest_gather and fsdp > 1:
       total = self.collectives.get("all-gather", {}).get("bytes", 0)
-      params = max(self.bytes["params"] * self.mesh.get("fsdp", 1), 1)
+      params = max(self.bytes["params"] * fsdp, 1)
       lines.append(f"    gathered        {_fmt_bytes(self.gathered_alive):>12}  (alive "
                    f"at once; the largest all-gather {_fmt_bytes(self.largest_gather)}, "
                    f"all of them {total / params:.1f}x the parameters a step)")

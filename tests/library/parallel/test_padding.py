@@ -50,6 +50,62 @@ def test_the_split_pads_least_where_nothing_divides():
   assert parallel.padded_shape((5, 7), P("fsdp"), _mesh(3)) == (6, 7)
 
 
+def test_two_fsdp_axes_split_two_dimensions_padding_least():
+  # MaxText's fsdp x fsdp_transpose: 1,120 = 32 x 35 GPUs and a 530B GPT's MLP
+  # weight. One axis of 1,120 pads 81920 to 82880 (+1.2%); 32 and 35 apart pad it
+  # to 81935 (+0.02%), 20480 being a multiple of 32.
+  big = parallel.split_across(P(), (20480, 81920), "fsdp", "fsdp_transpose", (32, 35),
+                              uneven=True)
+  assert big == P("fsdp", "fsdp_transpose")
+  # Apart and even wins over together; the first group on the larger dimension.
+  assert parallel.split_across(P(), (6, 9), "a", "b", (2, 3)) == P("a", "b")
+  assert parallel.split_across(P(), (9, 8), "a", "b", (2, 3)) == P("b", "a")
+  # One free dimension: both groups on it together, padded where allowed.
+  assert parallel.split_across(P(None, "tensor"), (9, 4), "a", "b", (2, 3),
+                               uneven=True) == P(("a", "b"), "tensor")
+  assert parallel.split_across(P(), (12,), "a", "b", (2, 3)) == P(("a", "b"))
+  # Without uneven splits, each group where it divides alone (else replicated).
+  assert parallel.split_across(P(), (9,), "a", "b", (2, 3)) == P("b")
+  assert parallel.split_across(P(), (5, 7), "a", "b", (2, 3)) == P()
+  # Padded, the placement of fewest elements: (5, 7) pads to (6, 8) with "b" on the
+  # 5 and "a" on the 7, to (6, 9) the other way; 6 devices together fit neither.
+  assert parallel.split_across(P(), (5, 7), "a", "b", (2, 3), uneven=True) == P(
+      "b", "a")
+  assert parallel.padded_shape((9, 5), P("a", "b"), Mesh(
+      np.array(jax.devices()[:6]).reshape(2, 3), ("a", "b"))) == (10, 6)
+
+
+def test_two_fsdp_axes_train_padded_as_one_device_holding_a_sixth():
+  # The MLP (5, 9), (9,), (9, 2) over fsdp 2 x fsdp_transpose 3: w1 splits apart
+  # (padded to (6, 9)), b1 together (padded to 12), w2 apart and even.
+  params, batch = helpers.tiny_mlp(9)[1:]
+  loss = helpers.tiny_mlp(9)[0]
+  mesh = Mesh(np.array(jax.devices()[:6]).reshape(2, 3), ("fsdp", "fsdp_transpose"))
+  specs = parallel.fsdp_specs(params, mesh, "fsdp", pad=True,
+                              transpose_axis="fsdp_transpose")
+  assert specs == {"w1": P("fsdp", "fsdp_transpose"),
+                   "b1": P(("fsdp", "fsdp_transpose")),
+                   "w2": P("fsdp_transpose", "fsdp")}
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=2)
+  got, want = [], []
+  for mesh_, specs_, out in ((mesh, specs, got), (None, None, want)):
+    axes = ("fsdp", "fsdp_transpose") if mesh_ is not None else "data"
+    init, step = mpscale.make_train_step(loss, tx, mesh=mesh_, data_axis=axes,
+                                         param_specs=specs_)
+    state = init(params)
+    for _ in range(4):
+      state, metrics = step(state, batch)
+      out.append(float(metrics["loss"]))
+    if mesh_ is not None:
+      for name in ("w1", "b1"):
+        leaf = state.params[name]
+        assert parallel.is_padded(leaf), name
+        assert all(s.data.size * 6 == leaf.value.size
+                   for s in leaf.value.addressable_shards)
+      assert not parallel.is_padded(state.params["w2"])
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("n", [3, 6])
 @pytest.mark.parametrize("tx", [optax.adamw(1e-2, weight_decay=0.1),
                                 optax.adafactor(1e-2, min_dim_size_to_factor=2)],

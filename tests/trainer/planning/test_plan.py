@@ -48,17 +48,25 @@ def test_planned_state_bytes_are_the_real_arrays(sets):
   assert planned.params == sum(x.size for x in jax.tree_util.tree_leaves(state.params))
 
 
-def test_fsdp_on_a_device_count_that_divides_no_dimension_plans_a_padded_share():
-  # 3 divides none of 128, 512 and 256: each weight is split padded (issue #63).
-  cfg = _cfg("mesh.fsdp=3", "data.batch_size=12")
+@pytest.mark.parametrize("n", [3, 6])
+def test_fsdp_on_a_device_count_that_divides_no_dimension_plans_a_padded_share(n):
+  # 3 and 6 divide none of 128, 512 and 256: each weight is split padded (issue
+  # #63); on 6, over fsdp 3 x fsdp_transpose 2, which pads 512 to 513, not 516.
+  cfg = _cfg(f"mesh.fsdp={n}", "data.batch_size=12")
   planned = plan_lib.plan(cfg, device_memory="1GB")
   setup = builders.build(cfg)
+  assert dict(setup.mesh.shape) == (
+      {"data": 1, "fsdp": 3} if n == 3 else {"data": 1, "fsdp": 3, "fsdp_transpose": 2})
+  assert planned.mesh == dict(setup.mesh.shape)
   state = setup.init(setup.init_params())
   assert planned.bytes["params"] == _device_bytes(state.params,
                                                   setup.mesh.devices.flat[0])
   true = sum(x.nbytes for x in jax.tree_util.tree_leaves(
       parallel.unpad(jax.device_get(state.params))))
-  assert true / 3 < planned.bytes["params"] <= 1.01 * true / 3  # padding <= 1%
+  assert true / n < planned.bytes["params"] <= 1.01 * true / n  # padding <= 1%
+  # The gathers against the whole model: a device's parameters times n.
+  gathers = planned.collectives["all-gather"]["bytes"]
+  assert f"all of them {gathers / (planned.bytes['params'] * n):.1f}x" in planned.text()
   assert planned.params == sum(
       x.size for x in jax.tree_util.tree_leaves(parallel.unpad(state.params)))
 

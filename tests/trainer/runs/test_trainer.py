@@ -400,24 +400,36 @@ def test_a_split_needs_an_encoder_decoder_model():
 
 
 # ------------------------------------------------- FSDP on any device count (#63)
-@pytest.mark.slow  # several runs: the main suite's, not the floors job's
-def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_path):
-  """FSDP on 3 devices, which divide none of the model's dimensions (issue #63):
-  its checkpoints restore on 4 (each padded array cut to its true shape), then on 3
-  again (padded back), and the run's losses are one device's."""
-  # d_model 20, vocab 256 and d_ff 40: 3 divides none of the weights' dimensions.
+def _uneven_runs(steps: int, every: int):
+  """``(overrides, train)``: a model none of whose dimensions 3 or 6 divides
+  (d_model 20, vocab 256, d_ff 40), run ``steps`` steps with checkpoints every
+  ``every``, and ``train(out, steps, *extra_args)``, which runs it to ``steps``."""
   config = os.path.join(ROOT, "configs", "tiny_lm_fp32.yaml")
   small = ["model.d_model=20", "model.num_heads=2", "model.d_ff=40",
            "model.num_layers=1", "model.seq_len=16", "data.batch_size=12",
-           "data.eval_batches=1", "train.log_every=1", "train.eval_every=8",
-           "train.checkpoint_every=2", "schedule.warmup_steps=1",
-           "schedule.decay_steps=8"]
+           "data.eval_batches=1", "train.log_every=1", f"train.eval_every={steps}",
+           f"train.checkpoint_every={every}", "schedule.warmup_steps=1",
+           f"schedule.decay_steps={steps}"]
 
   def train(out, steps, *extra):
     assert cli.main(["train", "--config", config, "--out", str(out), "--quiet",
                      "--no-progress", *sets(small + [f"train.steps={steps}"]),
                      *extra]) == 0
+  return small, train
 
+
+def _assert_same_losses(one, moved):
+  a = [float(r["loss"]) for r in rows(one)]
+  b = [float(r["loss"]) for r in rows(moved)]
+  np.testing.assert_allclose(b, a, rtol=1e-4)  # sums in other orders
+
+
+@pytest.mark.slow  # several runs: the main suite's, not the floors job's
+def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_path):
+  """FSDP on 3 devices, which divide none of the model's dimensions (issue #63):
+  its checkpoints restore on 4 (each padded array cut to its true shape), then on 3
+  again (padded back), and the run's losses are one device's."""
+  _, train = _uneven_runs(8, 2)
   train(tmp_path / "one", 8)
   train(tmp_path / "moved", 4, "--set", "mesh.fsdp=3")
   # The checkpoint holds the padded arrays as stored (no device gathers a whole
@@ -428,9 +440,28 @@ def test_a_padded_fsdp_run_resumes_on_another_device_count_as_on_one_device(tmp_
   assert meta["true_shapes"]["params.embed.token"] == [256, 20]
   train(tmp_path / "moved", 6, "--set", "mesh.fsdp=4", "--resume")
   train(tmp_path / "moved", 8, "--set", "mesh.fsdp=3", "--resume")
-  a = [float(r["loss"]) for r in rows(tmp_path / "one")]
-  b = [float(r["loss"]) for r in rows(tmp_path / "moved")]
-  np.testing.assert_allclose(b, a, rtol=1e-4)  # sums in other orders
+  _assert_same_losses(tmp_path / "one", tmp_path / "moved")
+
+
+@pytest.mark.slow  # several runs: the main suite's, not the floors job's
+def test_fsdp_on_six_devices_lays_out_two_axes_and_resumes_on_four(tmp_path):
+  """``mesh.fsdp`` 6, which pads the model's weights less as ``fsdp 3 x
+  fsdp_transpose 2`` (each weight split on two dimensions) than on one axis of 6:
+  the run trains as one device does, and its checkpoint restores on 4 devices."""
+  from mpscale.trainer.config import build as builders
+  small, train = _uneven_runs(6, 3)
+  config = os.path.join(ROOT, "configs", "tiny_lm_fp32.yaml")
+  assert builders.fsdp_transpose(config_lib.load_config(config, small + [
+      "mesh.fsdp=6"])) == 2
+  assert builders.fsdp_transpose(config_lib.load_config(config, small + [
+      "mesh.fsdp=4"])) == 1  # 4 divides every dimension it splits
+  train(tmp_path / "one", 6)
+  train(tmp_path / "moved", 3, "--set", "mesh.fsdp=6")
+  # The MLP's (20, 40): 20 over fsdp_transpose 2, 40 padded to 42 over fsdp 3.
+  shapes = checkpoints._saved_shapes(str(tmp_path / "moved" / "checkpoints" / "3"))
+  assert shapes["params.stages.fc.kernel"] == (1, 20, 42)
+  train(tmp_path / "moved", 6, "--set", "mesh.fsdp=4", "--resume")
+  _assert_same_losses(tmp_path / "one", tmp_path / "moved")
 
 
 # ------------------------------------------------------ host offload (#63 item 1)
