@@ -277,7 +277,7 @@ def fsdp_transpose(cfg: schema.RunConfig,
 
   if not held(1)[1]:
     return 1
-  return min((t for t in range(1, n + 1) if n % t == 0), key=lambda t: (held(t)[0], t))
+  return min((t for t in range(1, n) if n % t == 0), key=lambda t: (held(t)[0], t))
 
 
 def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:

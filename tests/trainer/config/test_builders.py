@@ -543,3 +543,23 @@ def test_a_user_model_without_fp8_state_refuses_precision_fp8():
   with pytest.raises(mpscale.ArgumentError) as err:
     builders.build(cfg, model=model)
   assert err.value.names == ("precision.fp8.recipe", "model.provider")
+
+
+def test_a_user_models_fsdp_lays_out_two_axes_where_one_would_pad():
+  """mesh.fsdp 6 and a user's (10, 9) weight: one axis of 6 divides neither
+  dimension (padded to (12, 9)); fsdp 3 x fsdp_transpose 2 splits it evenly, 1/6 a
+  device, so the mesh is laid out so (issue #63)."""
+  import mpscale.trainer
+  cfg = config_lib.config_from_dict({"mesh": {"fsdp": 6}, "data": {"batch_size": 6}})
+  model = mpscale.trainer.Model(
+      init=lambda key: {"w": jax.random.normal(key, (10, 9))},
+      loss_fn=lambda p, b: (jnp.sum((b["x"] @ p["w"]) ** 2), jnp.float32(54)))
+  assert builders.fsdp_transpose(cfg, model) == 2
+  setup = builders.build(cfg, jax.devices()[:6], model=model)
+  assert dict(setup.mesh.shape) == {"data": 1, "fsdp": 3, "fsdp_transpose": 2}
+  state = setup.init(setup.init_params())
+  w = state.params["w"]
+  assert not mpscale.parallel.is_padded(w)
+  assert {s.data.shape for s in w.addressable_shards} == {(5, 3)}
+  state, metrics = setup.step(state, {"x": jnp.ones((6, 10))})
+  assert np.isfinite(metrics["loss"])
