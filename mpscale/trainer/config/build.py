@@ -195,10 +195,10 @@ def build_model(cfg: schema.RunConfig, mesh: Optional[Mesh] = None,
 
 def data_axes(mesh: Optional[Mesh]) -> tuple[str, ...]:
   """The trainer's choice of the mesh axes the batch is split over: ``data``, and
-  ``fsdp`` (with ``fsdp_transpose``, `fsdp_transpose`) and ``expert`` when present (taken from the mesh's own axes, so there is
-  nothing to check; `make_train_step` checks them with
-  `mpscale.parallel.data_axes`); ``("data",)`` without a mesh. Outside the experts,
-  the expert axis is one more data axis."""
+  ``fsdp`` (with ``fsdp_transpose``, `fsdp_transpose`) and ``expert`` when present
+  (taken from the mesh's own axes, so there is nothing to check; `make_train_step`
+  checks them with `mpscale.parallel.data_axes`); ``("data",)`` without a mesh.
+  Outside the experts, the expert axis is one more data axis."""
   if mesh is None:
     return (DATA_AXIS,)
   return tuple(a for a in (DATA_AXIS, FSDP_AXIS, FSDP_TRANSPOSE_AXIS, EXPERT_AXIS)
@@ -275,9 +275,11 @@ def fsdp_transpose(cfg: schema.RunConfig,
       padded |= stored != tuple(x.shape)
     return count, padded
 
-  if not held(1)[1]:
+  count, padded = held(1)
+  if not padded:
     return 1
-  return min((t for t in range(1, n) if n % t == 0), key=lambda t: (held(t)[0], t))
+  counts = {1: count, **{t: held(t)[0] for t in range(2, n) if n % t == 0}}
+  return min(counts, key=lambda t: (counts[t], t))
 
 
 def build_batch_sizes(cfg: schema.RunConfig) -> batch_sizes_lib.BatchSizes:
