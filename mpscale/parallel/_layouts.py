@@ -335,9 +335,13 @@ def split_across(spec: PartitionSpec, shape: Sequence[int], first: AxisNames,
   taken = spec_axes(spec)
   first, second = (tuple(a for a in entry_axes(g) if a not in taken)
                    for g in (first, second))
-  if not first or not second or 1 in sizes:
+
+  def each_alone():  # each group where split_largest places it, the first first
     return split_largest(split_largest(spec, shape, first, sizes[0], uneven), shape,
                          second, sizes[1], uneven)
+
+  if not first or not second or 1 in sizes:
+    return each_alone()
   entries = pad(spec, len(shape))
   free = [dim for dim, n in enumerate(shape) if entries[dim] is None]
   total = math.prod(shape)
@@ -357,8 +361,7 @@ def split_across(spec: PartitionSpec, shape: Sequence[int], first: AxisNames,
               if shape[d] >= both]
   even = [o for o in options if o[0] == total]
   if not even and not uneven:
-    return split_largest(split_largest(spec, shape, first, sizes[0]), shape, second,
-                         sizes[1])
+    return each_alone()
   if not options:
     return spec
   place = min(even or options)[-1]

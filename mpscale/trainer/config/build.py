@@ -256,18 +256,15 @@ def fsdp_transpose(cfg: schema.RunConfig,
   n = cfg.mesh.fsdp
   if n == 1 or not pads_unevenly(cfg):
     return 1
+  init = build_model(cfg, abstract_mesh(cfg), ()).init if model is None else model.init
+  shapes = jax.tree_util.tree_leaves(jax.eval_shape(init, jax.random.key(cfg.seed)))
 
   def held(transpose):  # (elements a device holds, whether any leaf is padded)
     mesh = abstract_mesh(cfg, transpose)
-    if model is not None:
-      shapes = jax.eval_shape(model.init, jax.random.key(cfg.seed))
-      specs = user_param_specs(cfg, model, mesh)
-    else:
-      tiny = build_model(cfg, mesh, ())
-      shapes = jax.eval_shape(tiny.init, jax.random.key(cfg.seed))
-      specs = build_param_specs(cfg, tiny, mesh)
+    specs = (user_param_specs(cfg, model, mesh) if model is not None
+             else build_param_specs(cfg, build_model(cfg, mesh, ()), mesh))
     count, padded = 0, False
-    for x, spec in zip(jax.tree_util.tree_leaves(shapes),
+    for x, spec in zip(shapes,
                        jax.tree_util.tree_leaves(specs, is_leaf=parallel_lib.is_spec)):
       stored = parallel_lib.padded_shape(x.shape, spec, mesh)
       count += math.prod(stored) // parallel_lib.axis_size(

@@ -233,7 +233,7 @@ class Plan:
     # State offloaded to host memory (train.offload): the target's memory analysis
     # counts it in host outputs but, on a compile-only target or the CPU, its
     # arguments among the device's; the device holds none of it between steps.
-    host = sum(parallel_lib.tree_bytes(getattr(state, f)) for f in cfg.train.offload)
+    host = offloaded_bytes(state, cfg.train.offload)
     arguments -= max(0, host - getattr(mem, "host_argument_size_in_bytes", 0))
     compute_dtype = jax.numpy.dtype(built.setup.policy.compute_dtype).name
     # The CPU compile widens 16-bit arrays to float32; the target's keeps their dtypes.
@@ -376,6 +376,12 @@ _NO_XLA_FLOPS = {
             "is given: flops_per_device counts those calls"}
 """Why a compiler's program has no XLA count (`Plan.xla_flops_note`), by
 `mpscale.trainer.planning.targets.Target.compiler`."""
+
+
+def offloaded_bytes(state: Any, offload: Any) -> int:
+  """Bytes of the `mpscale.TrainState` fields ``offload`` names (``train.offload``),
+  which live in host memory between steps."""
+  return sum(parallel_lib.tree_bytes(getattr(state, field)) for field in offload)
 
 
 def _xla_flops(compiled: Any, target: targets.Target) -> tuple[Optional[float], str]:

@@ -239,9 +239,9 @@ def static_bytes(cfg: config_lib.RunConfig) -> int:
   setup = builders.build(cfg)
   params = jax.eval_shape(setup.init_params)
   state = setup.init(params)
-  held = lambda field: (0 if field in cfg.train.offload  # noqa: E731
-                        else parallel_lib.tree_bytes(getattr(state, field)))
-  return parallel_lib.tree_bytes(state.params) + held("params") + held("opt_state")
+  return (2 * parallel_lib.tree_bytes(state.params)
+          + parallel_lib.tree_bytes(state.opt_state)
+          - planning.offloaded_bytes(state, cfg.train.offload))
 
 
 @functools.lru_cache(maxsize=None)
