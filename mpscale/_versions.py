@@ -35,6 +35,11 @@ def _release(version: str) -> tuple[int, ...]:
   return tuple(parts)
 
 
+def at_least(version: str, floor: str) -> bool:
+  """Whether release ``version`` is ``floor`` or newer (``"0.10.2"``, ``"0.7.0rc1"``)."""
+  return _release(version) >= _release(floor)
+
+
 def installed(name: str) -> Optional[str]:
   """The installed distribution's version of ``name``, or None."""
   try:

@@ -80,6 +80,7 @@ import optax
 
 from mpscale import _jaxprs as jaxprs
 from mpscale import _tree
+from mpscale import _versions
 from mpscale import gradients as gradients_lib
 from mpscale import keys as keys_lib
 from mpscale import validation
@@ -329,7 +330,8 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       parameters). Each step moves them to the device when it starts and back when
       it ends (XLA overlaps the copies where the program allows); what a step
       computes is unchanged, a skipped step's state included. Needs a mesh whose
-      devices have host memory (GPU, TPU; JAX's CPU backend has it too).
+      devices have host memory (GPU, TPU; JAX's CPU backend has it too), and jax
+      0.10.2 or newer (older ones are refused by name).
 
   Returns:
     ``(init, step)``: ``init(params | flax TrainState | TrainState, *,
@@ -449,6 +451,12 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   return init, jax.jit(step_fn, **jit_kwargs)
 
 
+OFFLOAD_JAX = "0.10.2"
+"""The oldest jax whose step with ``offload`` compiles on a mesh: 0.7.1 to 0.10.1
+abort in XLA's SPMD partitioner ("Side-effect HLO must have sharding" on the host
+placement annotations)."""
+
+
 def _check_offload(offload: Any, mesh: Optional[Mesh]) -> tuple[str, ...]:
   """``offload`` checked: `mpscale.step.OFFLOAD` names, each once, on a mesh whose
   devices have a ``pinned_host`` memory.
@@ -463,16 +471,20 @@ def _check_offload(offload: Any, mesh: Optional[Mesh]) -> tuple[str, ...]:
     validation.one_of("offload", field, state_lib.OFFLOAD)
   if len(set(offload)) != len(offload):
     raise validation.fail("offload", f" names a field twice: {list(offload)}")
-  if offload and mesh is None:
+  if not offload:
+    return ()
+  if mesh is None:
     raise validation.fail("offload", f" ({list(offload)}) needs a mesh (one device: "
                           "jax.sharding.Mesh(jax.devices()[:1], ('data',)))")
+  if not hasattr(jax, "memory") or not _versions.at_least(jax.__version__,
+                                                         OFFLOAD_JAX):
+    raise validation.fail("offload", f" ({list(offload)}) needs jax >= {OFFLOAD_JAX} "
+                          f"(this is {jax.__version__}, whose SPMD partitioner aborts "
+                          "on the host placements)")
   device = mesh.devices.flat[0] if isinstance(mesh, Mesh) else None  # (not abstract)
   memories = getattr(device, "addressable_memories", None)
-  if offload and not hasattr(jax, "memory"):
-    raise validation.fail("offload", f" ({list(offload)}) needs jax.memory (jax "
-                          f">= 0.7.2; this is {jax.__version__})")
   kinds = {m.kind for m in memories()} if memories is not None else set()
-  if offload and kinds and "pinned_host" not in kinds:  # (compile-only: no list)
+  if kinds and "pinned_host" not in kinds:  # (compile-only: no list)
     raise validation.fail("offload", f" ({list(offload)}): {device.platform} devices "
                           "have no pinned_host memory to keep it in")
   return tuple(offload)
