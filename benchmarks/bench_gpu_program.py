@@ -145,6 +145,8 @@ def optimizer_rows(layers: int, dev, *, vocab: int = 8192, tied: bool = False,
        build(mpscale.dynamic_loss_scale(
            optax.chain(mpscale.global_norm_clip(1.0), adamw())))),
       ("mpscale.came", "adamw", build(mpscale.came(1e-3))),
+      ("mpscale.came(stack_layers)", "adamw",
+       build(mpscale.came(1e-3, stack_layers=True))),
   ]
 
 

@@ -12,6 +12,8 @@
   dtype and sharding; the same weight of many layers where tracing cannot know the
   sharding), so that a reduction over the stack is one GPU kernel instead of one per
   leaf (the gradient norms' pass, the RMS clips of CAME's vectors).
+* `Stacks` and `layer_stacks`: state kept stacked by role (the same weight of every
+  layer as one array), as `mpscale.came`'s ``stack_layers`` keeps it.
 """
 
 from __future__ import annotations
@@ -176,3 +178,57 @@ def stack_buckets(leaves: Sequence[Any], parts: Sequence[int],
       runs.append([])
     runs[-1].append(i)
   return [run for runs in buckets.values() for run in runs]
+
+
+# -------------------------------------------------------------------------------------
+# State stacked by role.
+
+def layer_stacks(paths: Sequence[KeyPath], shapes: Sequence[Sequence[int]]
+                ) -> list[list[int]]:
+  """Leaves that share a stack of state, as lists of indices in tree order: the same
+  weight of every layer (one role, `_role`: layer numbers made wildcards, however the
+  layers are named) and one shape, up to `_STACK_MAX` leaves a stack.
+
+  It reads only key paths and shapes, so the parameters at ``init`` and the
+  gradients at ``update`` (whatever their dtypes and shardings) give the same stacks.
+  """
+  runs: dict[Any, list[list[int]]] = {}
+  for i, (path, shape) in enumerate(zip(paths, shapes)):
+    bucket = runs.setdefault((_role(path), tuple(shape)), [[]])
+    if len(bucket[-1]) == _STACK_MAX:
+      bucket.append([])
+    bucket[-1].append(i)
+  return sorted((run for bucket in runs.values() for run in bucket),
+                key=lambda run: run[0])
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Stacks:
+  """Arrays that each stack some leaves of a tree on a new leading axis: state kept
+  by role (one momentum ``[12, 768, 3072]`` for the 12 layers' ``c_fc`` kernels)
+  rather than leaf by leaf.
+
+  ``arrays[k][j]`` belongs to the leaf whose key path (`path_str`) is
+  ``members[k][j]``. The members are static (the tree's structure), so a layout
+  (`mpscale.parallel.state_specs`) and a checkpoint can tell whose state each row is.
+  """
+
+  def __init__(self, arrays: Sequence[Any], members: Sequence[Sequence[str]]):
+    self.arrays = tuple(arrays)
+    self.members = tuple(tuple(m) for m in members)
+
+  def tree_flatten_with_keys(self):
+    keys = [jax.tree_util.SequenceKey(k) for k in range(len(self.arrays))]
+    return list(zip(keys, self.arrays)), self.members
+
+  def tree_flatten(self):
+    return self.arrays, self.members
+
+  @classmethod
+  def tree_unflatten(cls, members, arrays):
+    return cls(arrays, members)
+
+  def __repr__(self):
+    rows = ", ".join(f"{m[0]} x{len(m)}: {getattr(x, 'shape', x)}"
+                     for m, x in zip(self.members, self.arrays))
+    return f"Stacks({rows})"

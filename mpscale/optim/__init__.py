@@ -2,7 +2,7 @@
 rounding.
 
 - `came` and `scale_by_came`: the CAME optimizer with every mindformers option
-  (``_came``);
+  (``_came``), its state leaf by leaf or stacked by role (`Stacks`);
 - `lr_schedule`, `weight_decay_schedule` (Megatron-LM's), and `count_samples` for
   schedules counted in samples (``_lr_schedules``);
 - `param_groups`, `ParamGroup`: one optimizer with settings per group of leaves
@@ -13,6 +13,7 @@ rounding.
 May import: the core (`mpscale.validation`, `mpscale.keys`, ``_tree``).
 """
 
+from mpscale._tree import Stacks
 from mpscale.optim._came import (
     CameLearningRateState,
     Compression,
@@ -44,6 +45,7 @@ __all__ = [
     "ParamGroupsState",
     "ScalarOrSchedule",
     "ScaleByCameState",
+    "Stacks",
     "StochasticRoundingState",
     "came",
     "count_samples",

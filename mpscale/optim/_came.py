@@ -86,7 +86,7 @@ import numpy as np
 import optax
 
 from mpscale import validation
-from mpscale._tree import stack_buckets
+from mpscale._tree import Stacks, layer_stacks, path_str, stack_buckets
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 Compression = Union[bool, str, Any]
@@ -99,7 +99,10 @@ class ScaleByCameState(NamedTuple):
 
   Every tree has the structure of the params; a leaf that does not use a statistic
   holds a one-element placeholder there (as optax's factored state does), so the
-  state is what CAME needs plus one element per unused statistic.
+  state is what CAME needs plus one element per unused statistic. With
+  ``stack_layers`` every field but ``count`` is a `mpscale.Stacks`: the same
+  statistics, those of one role's leaves stacked on a leading axis (placeholders
+  too, one per leaf).
   """
   count: jax.Array
   """int32 number of steps taken."""
@@ -237,13 +240,29 @@ def _init_leaf(p: Any, store_dtype: Optional[jnp.dtype]) -> tuple[jax.Array, ...
           _unused(cdt))
 
 
-def _init_state(params: Any, store_dtype: Optional[jnp.dtype]) -> ScaleByCameState:
+def _stacks(with_path: Sequence[tuple[Any, Any]]
+            ) -> tuple[list[list[int]], list[list[str]]]:
+  """The leaves that share a stack of state (`mpscale._tree.layer_stacks`), as
+  indices and as key paths (the `Stacks`' members)."""
+  runs = layer_stacks([p for p, _ in with_path], [np.shape(x) for _, x in with_path])
+  return runs, [[path_str(with_path[i][0]) for i in run] for run in runs]
+
+
+def _init_state(params: Any, store_dtype: Optional[jnp.dtype], stacked: bool
+               ) -> ScaleByCameState:
   """`scale_by_came`'s initial state: step 0 and `_init_leaf`'s zeros, each field a
-  tree like ``params``."""
-  leaves, treedef = jax.tree_util.tree_flatten(params)
-  per_leaf = [_init_leaf(p, store_dtype) for p in leaves]
-  trees = [treedef.unflatten(t) for t in zip(*per_leaf)] if leaves else [params] * 6
-  return ScaleByCameState(jnp.zeros((), jnp.int32), *trees)
+  tree like ``params``, or with ``stacked`` the `Stacks` of `_stacks`."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  per_leaf = [_init_leaf(p, store_dtype) for _, p in with_path]
+  if stacked:
+    runs, members = _stacks(with_path)
+    fields = [Stacks([jnp.stack([per_leaf[i][f] for i in run]) for run in runs],
+                     members) for f in range(6)]
+  elif per_leaf:
+    fields = [treedef.unflatten(t) for t in zip(*per_leaf)]
+  else:
+    fields = [params] * 6
+  return ScaleByCameState(jnp.zeros((), jnp.int32), *fields)
 
 
 def _beta2_at(hp: _Hyperparameters, t: jax.Array, dtype) -> jax.Array:
@@ -285,15 +304,17 @@ def _factored_second_moment(hp: _Hyperparameters, g: jax.Array, v_row: jax.Array
 
 
 def _clipped_factors(hp: _Hyperparameters, g: jax.Array, v_row: jax.Array,
-                     v_col: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     v_col: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
   """``(a, c)`` with the clipped update ``u = g * a (x) c``: the row factor ``a``
   holds the normalized ``rsqrt(v_row)``, ``1 / loss_scale`` and the RMS clip, ``c``
-  is ``rsqrt(v_col)``."""
+  is ``rsqrt(v_col)``. The first ``batch`` dims of ``g`` index leaves (a stack), each
+  clipped by its own RMS."""
   r, c = _rms_factor(v_row), lax.rsqrt(v_col)
   # sum(u^2) for u = g * r (x) c without forming u: sum_i r_i^2 sum_j g_ij^2 c_j^2.
-  u_sq = jnp.sum(jnp.square(r) * jnp.sum(g * jnp.square(c)[..., None, :] * g, -1))
+  u_sq = jnp.sum(jnp.square(r) * jnp.sum(g * jnp.square(c)[..., None, :] * g, -1),
+                 axis=tuple(range(batch, r.ndim)), keepdims=True)
   sq = hp.inv_scale * hp.inv_scale
-  rms = jnp.sqrt(u_sq * sq / g.size)
+  rms = jnp.sqrt(u_sq * sq / float(np.prod(g.shape[batch:])))
   return r * (hp.inv_scale / jnp.maximum(rms / hp.clip_threshold, 1.0)), c
 
 
@@ -314,12 +335,13 @@ def _factored_instability(hp: _Hyperparameters, g: jax.Array, a: jax.Array,
 
 def _factored_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array,
                      v_row: jax.Array, v_col: jax.Array, s_row: jax.Array,
-                     s_col: jax.Array, b2: jax.Array
+                     s_col: jax.Array, b2: jax.Array, batch: int
                     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """A rank >= 2 leaf's ``d`` and new ``(mu, v_row, v_col, s_row, s_col)``, from its
-  gradient ``g`` (in the compute dtype, still scaled)."""
+  gradient ``g`` (in the compute dtype, still scaled); with ``batch`` 1, a stack of
+  leaves' (`_clipped_factors`)."""
   v_row, v_col = _factored_second_moment(hp, g, v_row, v_col, b2)
-  a, c = _clipped_factors(hp, g, v_row, v_col)
+  a, c = _clipped_factors(hp, g, v_row, v_col, batch)
   mu, mu_f = _store(hp, hp.beta1 * mu.astype(g.dtype) + (1.0 - hp.beta1) * (
       g * a[..., :, None] * c[..., None, :]))
   s_row, s_col = _factored_instability(hp, g, a, c, mu_f, s_row, s_col)
@@ -386,41 +408,66 @@ def _full_update(hp: _Hyperparameters, mu: jax.Array, v: jax.Array, u: jax.Array
 
 
 def _leaf_update(hp: _Hyperparameters, g: jax.Array, stats: Sequence[jax.Array],
-                 t: jax.Array, full: Optional[tuple[jax.Array, ...]]
+                 t: jax.Array, full: Optional[tuple[jax.Array, ...]], batch: int
                 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """One leaf's ``d``, in the gradient's dtype, and its six new statistics (those it
   does not use as they were) at step ``t``; ``full``: a rank 0 or 1 leaf's ``(v, u,
-  mean(u^2))``, else None."""
+  mean(u^2))``, else None. With ``batch`` 1, ``g`` and ``stats`` are a stack of
+  leaves' (``mean(u^2)`` one per leaf, shaped to broadcast)."""
   mu, v_row, v_col, v, s_row, s_col = stats
   if full is None:
     g_c = g.astype(_compute_dtype(g.dtype))
     d, (mu, v_row, v_col, s_row, s_col) = _factored_update(
-        hp, g_c, mu, v_row, v_col, s_row, s_col, _beta2_at(hp, t, g_c.dtype))
+        hp, g_c, mu, v_row, v_col, s_row, s_col, _beta2_at(hp, t, g_c.dtype), batch)
   else:
     d, (mu, v) = _full_update(hp, mu, *full)
   return d.astype(g.dtype), (mu, v_row, v_col, v, s_row, s_col)
 
 
-def _update(hp: _Hyperparameters, updates: Any, state: ScaleByCameState
-           ) -> tuple[Any, ScaleByCameState]:
-  """`scale_by_came`'s step: `_leaf_update` on every leaf, the count incremented.
-  The rank 0 and 1 leaves' updates come first, so that their RMS clips' means are one
-  call (`_mean_squares`: on an NVIDIA GPU one reduction per bucket of them)."""
+def _update(hp: _Hyperparameters, updates: Any, state: ScaleByCameState,
+            stacked: bool) -> tuple[Any, ScaleByCameState]:
+  """`scale_by_came`'s step: `_leaf_update` on every leaf (with ``stacked``, on each
+  stack of leaves' gradients, and each leaf's ``d`` its row of its stack's), the
+  count incremented. The rank 0 and 1 leaves' updates come first, so that their RMS
+  clips' means are one call (`_mean_squares`: on an NVIDIA GPU one reduction per
+  bucket of them; stacked, one per stack)."""
   count = optax.safe_increment(state.count)
   with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
   if not with_path:
     return updates, state._replace(count=count)
   leaves = [jnp.asarray(g) for _, g in with_path]
-  stats = list(zip(*[treedef.flatten_up_to(tree) for tree in state[1:]]))
-  vectors = [i for i, g in enumerate(leaves) if g.ndim < 2]
-  moments = [_full_moments(hp, leaves[i], stats[i][3], count) for i in vectors]
-  means = _mean_squares([u for _, u in moments], [with_path[i][0] for i in vectors])
-  full = {i: (v, u, m) for i, (v, u), m in zip(vectors, moments, means)}
-  results = [_leaf_update(hp, g, leaf_stats, count, full.get(i))
-             for i, (g, leaf_stats) in enumerate(zip(leaves, stats))]
-  new_updates = treedef.unflatten([d for d, _ in results])
-  new_stats = [treedef.unflatten(list(t)) for t in zip(*[s for _, s in results])]
-  return new_updates, ScaleByCameState(count, *new_stats)
+  if stacked:
+    runs, members = _stacks(with_path)
+    if [list(m) for m in state.mu.members] != members:
+      raise ValueError(
+          "scale_by_came(stack_layers=True): the updates' leaves are not those the "
+          f"state was initialized for; stacks {members} against "
+          f"{[list(m) for m in state.mu.members]}")
+    batch, grads = 1, [jnp.stack([leaves[i] for i in run]) for run in runs]
+    stats = list(zip(*[field.arrays for field in state[1:]]))
+  else:
+    runs, batch, grads = [[i] for i in range(len(leaves))], 0, leaves
+    stats = list(zip(*[treedef.flatten_up_to(tree) for tree in state[1:]]))
+  vectors = [k for k, g in enumerate(grads) if g.ndim - batch < 2]
+  moments = [_full_moments(hp, grads[k], stats[k][3], count) for k in vectors]
+  if stacked:
+    means = [jnp.mean(jnp.square(u), axis=tuple(range(1, u.ndim)), keepdims=True)
+             for _, u in moments]
+  else:
+    means = _mean_squares([u for _, u in moments], [with_path[k][0] for k in vectors])
+  full = {k: (v, u, m) for k, (v, u), m in zip(vectors, moments, means)}
+  results = [_leaf_update(hp, g, group_stats, count, full.get(k), batch)
+             for k, (g, group_stats) in enumerate(zip(grads, stats))]
+  new_stats = [list(t) for t in zip(*[s for _, s in results])]
+  if not stacked:
+    return (treedef.unflatten([d for d, _ in results]),
+            ScaleByCameState(count, *[treedef.unflatten(t) for t in new_stats]))
+  directions: list[Any] = [None] * len(leaves)
+  for run, (d, _) in zip(runs, results):
+    for j, i in enumerate(run):
+      directions[i] = d[j].astype(leaves[i].dtype)
+  return (treedef.unflatten(directions),
+          ScaleByCameState(count, *[Stacks(t, members) for t in new_stats]))
 
 
 def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
@@ -430,7 +477,8 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
                   beta2: Optional[float] = None,
                   beta3: float = 0.99,
                   compression: Compression = False,
-                  loss_scale: float = 1.0) -> optax.GradientTransformation:
+                  loss_scale: float = 1.0,
+                  stack_layers: bool = False) -> optax.GradientTransformation:
   """CAME's update direction, before weight decay and the learning rate.
 
   Computes ``d`` of the algorithm in the module docstring: Adafactor's factored (rank
@@ -456,6 +504,15 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
       that bfloat16's 8-bit mantissa rounds away moving-average increments below
       about 0.4%, so a full second moment with ``beta2`` near 1 barely moves there.
     loss_scale: a fixed loss scale applied outside; gradients are divided by it.
+    stack_layers: keep the state stacked by role: each statistic of the same weight
+      of every layer (one key path up to layer numbers, ``h_0``, ``h/0`` or
+      ``h[0]``, and one shape; up to 32 layers a stack) is one array, each field of
+      the state a `mpscale.Stacks`, and the update runs once per stack, not once per
+      leaf. The step is the same (each leaf keeps its own RMS clip and factors); on
+      an NVIDIA GPU a model whose layers are separate leaves (a linen model's
+      ``h_0 ... h_11``) launches about a third of the kernels. A model that already
+      stacks its layers (``nn.scan``, mpscale's own) gains nothing. On XLA:CPU it
+      costs time (benchmarks/README.md).
 
   Returns:
     An ``optax.GradientTransformation`` with state `ScaleByCameState`; its updates have
@@ -487,17 +544,18 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
     decay_rate = _unit("decay_rate", decay_rate)
   store_dtype = compression_dtype(compression)
   loss_scale = validation.positive_float("loss_scale", loss_scale)
+  stack_layers = validation.boolean("stack_layers", stack_layers)
   hp = _Hyperparameters(eps_sq=eps[0], eps_instability=eps[2],
                         clip_threshold=clip_threshold, beta1=beta1, beta2=beta2,
                         decay_rate=decay_rate, beta3=beta3, store_dtype=store_dtype,
                         inv_scale=1.0 / loss_scale)
 
   def init_fn(params):
-    return _init_state(params, store_dtype)
+    return _init_state(params, store_dtype, stack_layers)
 
   def update_fn(updates, state, params=None):
     del params
-    return _update(hp, updates, state)
+    return _update(hp, updates, state, stack_layers)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -575,8 +633,8 @@ def came(learning_rate: Optional[ScalarOrSchedule] = None,
          warmup_init: bool = False,
          compression: Compression = False,
          loss_scale: float = 1.0,
-         mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None
-        ) -> optax.GradientTransformation:
+         mask: Optional[Union[Any, Callable[[optax.Params], Any]]] = None,
+         stack_layers: bool = False) -> optax.GradientTransformation:
   """The CAME optimizer (confidence-guided, factored, memory-efficient).
 
   The full algorithm is in the module docstring. This is `scale_by_came`, then
@@ -622,6 +680,8 @@ def came(learning_rate: Optional[ScalarOrSchedule] = None,
     mask: which leaves get weight decay, as in ``optax.add_decayed_weights``: a
       pytree of bools (or a prefix of the params tree) or a callable
       ``params -> pytree of bools``.
+    stack_layers: keep the state stacked by role, one array per weight across
+      layers; see `scale_by_came`.
 
   Returns:
     An ``optax.GradientTransformation`` whose state is the tuple
@@ -662,7 +722,7 @@ def came(learning_rate: Optional[ScalarOrSchedule] = None,
   direction = scale_by_came(eps=eps, clip_threshold=clip_threshold,
                             decay_rate=decay_rate, beta1=beta1, beta2=beta2,
                             beta3=beta3, compression=compression,
-                            loss_scale=loss_scale)
+                            loss_scale=loss_scale, stack_layers=stack_layers)
   return optax.chain(
       direction,
       optax.add_decayed_weights(weight_decay, mask),

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 import numpy as np
 import optax
 
+from mpscale import _tree
 from mpscale.parallel._layouts import (AxisNames, axis_size, entry_axes, is_array_like,
                                        is_spec, make_spec, pad, spec_axes,
                                        split_largest)
@@ -66,37 +67,66 @@ def _follow(param_spec: PartitionSpec, param_shape: Sequence[int],
   return make_spec(entries[:dim] + entries[dim + 1:])
 
 
+def _masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _common(specs: Sequence[PartitionSpec], rank: int) -> tuple[Any, ...]:
+  """The spec entries ``specs`` (of leaves of one rank) agree on; None elsewhere."""
+  rows = [pad(spec, rank) for spec in specs]
+  return tuple(entries[0] if all(e == entries[0] for e in entries) else None
+               for entries in zip(*rows))
+
+
 def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
   """Specs for an optimizer state that follow its parameters' specs.
 
   Every subtree of ``state`` with the tree structure of ``params`` (Adam's moments,
-  CAME's statistics) is laid out leaf by leaf after the matching parameter: the same
-  spec for the same shape, the spec without the averaged dimension for a factored
-  statistic (the dimension its state declares, see `averaged_dims`), replicated
-  otherwise; leaves outside such subtrees are replicated.
+  CAME's statistics; a parameter group's, where ``optax.MaskedNode`` stands for the
+  other groups' leaves) is laid out leaf by leaf after the matching parameter: the
+  same spec for the same shape, the spec without the averaged dimension for a
+  factored statistic (the dimension its state declares, see `averaged_dims`),
+  replicated otherwise. A `mpscale.Stacks` (state stacked by role) lays out each
+  stack after its members: the leading axis unsplit, then the spec its members
+  share. Leaves outside such subtrees are replicated.
   """
   params_def = jax.tree_util.tree_structure(params)
-  param_leaves = jax.tree_util.tree_leaves(params)
+  with_path = jax.tree_util.tree_flatten_with_path(params)[0]
+  param_leaves = [p for _, p in with_path]
   spec_leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
+  by_path = {_tree.path_str(path): (spec, np.shape(p))
+             for (path, p), spec in zip(with_path, spec_leaves)}
 
   def like(x):
     return (not is_array_like(x) and x is not None
-            and jax.tree_util.tree_structure(x) == params_def)
+            and jax.tree_util.tree_structure(x, is_leaf=_masked) == params_def)
+
+  def stacked(sub, averaged):
+    specs = []
+    for members, x in zip(sub.members, sub.arrays):
+      shape = by_path[members[0]][1]
+      entries = _common([by_path[m][0] for m in members], len(shape))
+      specs.append(_follow(make_spec((None,) + entries), (len(members),) + shape,
+                           np.shape(x), averaged))
+    return _tree.Stacks(specs, sub.members)
 
   def lay_out(tree, averaged=None):
     def one(sub):
+      if isinstance(sub, _tree.Stacks):
+        return stacked(sub, averaged)
       if like(sub):
         return params_def.unflatten([
-            _follow(spec, np.shape(p), np.shape(x), averaged)
+            x if _masked(x) else _follow(spec, np.shape(p), np.shape(x), averaged)
             for p, spec, x in zip(param_leaves, spec_leaves,
-                                  jax.tree_util.tree_leaves(sub))])
+                                  jax.tree_util.tree_leaves(sub, is_leaf=_masked))])
       declared = averaged_dims(sub)
       if declared is not None:
         return sub._replace(**{f: lay_out(getattr(sub, f), declared.get(f))
                                for f in sub._fields})
       return PartitionSpec()
     return jax.tree_util.tree_map(
-        one, tree, is_leaf=lambda x: (like(x) or is_array_like(x)
+        one, tree, is_leaf=lambda x: (isinstance(x, _tree.Stacks) or like(x)
+                                      or is_array_like(x)
                                       or averaged_dims(x) is not None))
 
   return lay_out(state)

@@ -458,7 +458,7 @@ def optimizer_factory(cfg: schema.RunConfig) -> Callable[..., Any]:
           decay_rate=c.decay_rate, beta1=c.beta1, beta2=c.beta2, beta3=c.beta3,
           weight_decay=weight_decay, scale_parameter=c.scale_parameter,
           relative_step=c.relative_step, warmup_init=c.warmup_init,
-          compression=c.compression, mask=mask)
+          compression=c.compression, mask=mask, stack_layers=c.stack_layers)
     return make
   if opt.name == "adamw":
     adamw = opt.adamw

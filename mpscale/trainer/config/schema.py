@@ -367,6 +367,10 @@ class CameConfig:
   relative_step: bool = False
   warmup_init: bool = False
   compression: bool = False
+  stack_layers: bool = False
+  """Keep CAME's state stacked by role (`mpscale.came`'s ``stack_layers``): fewer GPU
+  kernels for a user's model whose layers are separate leaves; the built-in model
+  stacks its layers already."""
 
 
 @dataclasses.dataclass(frozen=True)

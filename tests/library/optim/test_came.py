@@ -664,3 +664,134 @@ def test_every_state_leaf_is_produced_outside_the_platform_cond(compression):
   assert not state_vars & set(conds[0].outvars)
   branch_outputs = {v.aval.shape for v in conds[0].outvars}
   assert branch_outputs == {()}  # the means alone
+
+
+# ---------------------------------------------------------------------------------------
+# stack_layers: the state stacked by role, the same step.
+
+def _named_layers(rng, names, layers=3):
+  """A model of ``layers`` blocks (a matrix, a rank-3 weight, a vector, a scalar) in
+  one of three spellings of layer numbers, beside unstacked leaves: linen's
+  ``h_0``, a digit key ``h/0`` or a list ``h[0]``."""
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  blocks = [{"w": normal(6, 5), "t": normal(2, 3, 4), "b": normal(5), "s": normal()}
+            for _ in range(layers)]
+  tree = {"wte": normal(7, 5), "ln_f": normal(5)}
+  if names == "linen":
+    tree.update({f"h_{i}": block for i, block in enumerate(blocks)})
+  elif names == "slash":
+    tree["h"] = {str(i): block for i, block in enumerate(blocks)}
+  else:
+    tree["h"] = blocks
+  return tree
+
+
+@pytest.mark.parametrize("names", ["linen", "slash", "list"])
+def test_stack_layers_keeps_each_role_as_one_array(names):
+  params = _named_layers(np.random.default_rng(0), names)
+  state = mpscale.scale_by_came(stack_layers=True).init(params)
+  assert isinstance(state.mu, mpscale.Stacks)
+  layers = {"linen": "h_{}", "slash": "h/{}", "list": "h/{}"}[names]
+  by_role = {m[0]: (m, x.shape) for m, x in zip(state.mu.members, state.mu.arrays)}
+  for role, shape in (("w", (6, 5)), ("t", (2, 3, 4)), ("b", (5,)), ("s", ())):
+    members, stacked = by_role[layers.format(0) + "/" + role]
+    assert members == tuple(layers.format(i) + "/" + role for i in range(3))
+    assert stacked == (3,) + shape
+  assert by_role["wte"][1] == (1, 7, 5) and by_role["ln_f"][1] == (1, 5)
+  assert len(state.mu.arrays) == 6
+  row = dict(zip([m[0] for m in state.v_row.members], state.v_row.arrays))
+  col = dict(zip([m[0] for m in state.v_col.members], state.v_col.arrays))
+  assert row[layers.format(0) + "/w"].shape == (3, 6)
+  assert col[layers.format(0) + "/t"].shape == (3, 2, 4)
+  # State fields other than the momentum have the same stacks.
+  assert all(field.members == state.mu.members for field in state[1:])
+
+
+def test_stack_layers_stacks_at_most_32_layers():
+  params = {f"h_{i}": {"w": jnp.zeros((3, 2))} for i in range(40)}
+  state = mpscale.scale_by_came(stack_layers=True).init(params)
+  assert [x.shape[0] for x in state.mu.arrays] == [32, 8]
+
+
+@pytest.mark.parametrize("names", ["linen", "list"])
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"compression": "float16"},
+    {"compression": "bfloat16", "beta2": 0.999},
+    {"weight_decay": 0.1, "mask": lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+     "scale_parameter": True},
+    {"learning_rate": None, "relative_step": True, "clip_threshold": 0.5},
+])
+def test_stack_layers_steps_as_leaf_by_leaf(names, kwargs):
+  """Every leaf gets the update (and, unstacked, the statistics) of the per-leaf
+  state, step after step: its own RMS clip and factors, not its stack's. The gradients
+  differ in scale by layer (10x a layer) so that a clip or a factor over the whole
+  stack would differ."""
+  rng = np.random.default_rng(1)
+  params = _named_layers(rng, names)
+  kwargs = {"learning_rate": 1e-2, **kwargs}
+  leafwise = mpscale.came(**kwargs)
+  stacked = mpscale.came(stack_layers=True, **kwargs)
+  layer = lambda path: sum(int(c) for c in re.findall(r"[0-9]+", jax.tree_util.keystr(
+      path)))  # 0, 1, 2 by layer (0 outside the blocks)
+  grads = [jax.tree_util.tree_map_with_path(
+      lambda path, p: (p * s + 0.01 * rng.normal(size=p.shape)) * 10.0 ** layer(path),
+      params) for s in (1.0, -30.0, 1e-3, 2.0)]
+  a, b = _step_fn(leafwise), _step_fn(stacked)
+  pa, sa, pb, sb = params, leafwise.init(params), params, stacked.init(params)
+  for g in grads:
+    g = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g)
+    pa, sa = a(pa, sa, g)
+    pb, sb = b(pb, sb, g)
+    chex.assert_trees_all_close(pb, pa, rtol=2e-6, atol=1e-7)
+  # The stacked statistics are the per-leaf ones, row by row.
+  for field in ("mu", "v_row", "v_col", "instability_row", "instability_col"):
+    leaves = dict(zip(
+        [jax.tree_util.keystr(p, simple=True, separator="/")
+         for p, _ in jax.tree_util.tree_flatten_with_path(getattr(sa[0], field))[0]],
+        jax.tree_util.tree_leaves(getattr(sa[0], field))))
+    stacks = getattr(sb[0], field)
+    for members, x in zip(stacks.members, stacks.arrays):
+      for j, m in enumerate(members):
+        np.testing.assert_allclose(np.asarray(x[j], np.float32),
+                                   np.asarray(leaves[m], np.float32),
+                                   rtol=2e-5, atol=1e-7, err_msg=f"{field} {m}")
+
+
+def test_stack_layers_bf16_params_keep_their_dtype():
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                        _named_layers(np.random.default_rng(2), "linen"))
+  tx = mpscale.came(1e-2, stack_layers=True)
+  state = tx.init(params)
+  assert {x.dtype for x in state[0].mu.arrays} == {jnp.dtype(jnp.float32)}
+  updates, _ = jax.jit(tx.update)(params, state, params)
+  assert {x.dtype for x in jax.tree.leaves(updates)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_stack_layers_skips_an_overflow_with_the_state_untouched():
+  params = _named_layers(np.random.default_rng(4), "linen")
+  tx = mpscale.dynamic_loss_scale(mpscale.came(1e-2, stack_layers=True))
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  good = jax.tree.map(lambda x: 0.5 * x, params)
+  updates, state = step(good, state, params)
+  params = optax.apply_updates(params, updates)
+  bad = dict(good, h_1=dict(good["h_1"], w=good["h_1"]["w"].at[2, 3].set(jnp.inf)))
+  updates, after = step(bad, state, params)
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  chex.assert_trees_all_equal(after.skip_state.inner_state,
+                              state.skip_state.inner_state)
+
+
+def test_stack_layers_refuses_updates_of_another_tree():
+  params = _named_layers(np.random.default_rng(0), "linen")
+  tx = mpscale.scale_by_came(stack_layers=True)
+  state = tx.init(params)
+  other = dict(params, h_3=params["h_0"])
+  with pytest.raises(ValueError, match="stack_layers"):
+    tx.update(other, state)
+
+
+def test_stack_layers_argument_is_checked():
+  with pytest.raises(TypeError, match="stack_layers"):
+    mpscale.came(1e-3, stack_layers="yes")

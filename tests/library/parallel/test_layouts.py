@@ -50,8 +50,9 @@ def make_optimizer(name):
   # depends on the order of the sums: CAME normalizes it twice, by the second moment
   # (eps[0]) and by the instability (eps[2]). Larger eps keep the noise from deciding
   # those updates; every other parameter moves as with the defaults.
-  if name == "came":
-    inner = mpscale.came(1e-2, eps=(1e-8, 1e-3, 1e-6))
+  if name.startswith("came"):
+    inner = mpscale.came(1e-2, eps=(1e-8, 1e-3, 1e-6),
+                         stack_layers=name == "came_stacked")
   else:
     inner = optax.adamw(1e-2, eps=1e-6)
   return mpscale.dynamic_loss_scale(
@@ -250,6 +251,72 @@ def test_came_factors_follow_their_dimension():
   zero = parallel.zero1_specs(state, followed, mesh, ("fsdp",))
   assert zero[0].mu["w"] == P("fsdp", "tensor")
   assert zero[0].v_col["w"] == P("tensor")  # 12 / 4; fsdp has no free dim left
+
+
+def _stacked(laid, field, first):
+  """The spec of the stack of ``laid``'s ``field`` whose first member is ``first``."""
+  stacks = getattr(laid, field)
+  return dict(zip([m[0] for m in stacks.members], stacks.arrays))[first]
+
+
+def test_came_state_stacked_by_role_follows_its_members():
+  # Four linen-named layers of a column-parallel matrix, and a vector; the layer
+  # h_2's bias is laid out differently from the others' (P("tensor") against P()).
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  params = {f"h_{i}": {"w": shape(8, 12), "b": shape(12)} for i in range(4)}
+  specs = {f"h_{i}": {"w": P("fsdp", "tensor"), "b": P("tensor" if i == 2 else None)}
+           for i in range(4)}
+  state = jax.eval_shape(mpscale.came(1e-3, stack_layers=True).init, params)
+  laid = parallel.state_specs(state, params, specs)[0]
+  assert _stacked(laid, "mu", "h_0/w") == P(None, "fsdp", "tensor")
+  assert _stacked(laid, "v_row", "h_0/w") == P(None, "fsdp")  # mean over the last dim
+  assert _stacked(laid, "v_col", "h_0/w") == P(None, "tensor")
+  assert _stacked(laid, "instability_col", "h_0/w") == P(None, "tensor")
+  assert _stacked(laid, "mu", "h_0/b") == P()  # its members disagree: unsplit
+  assert _stacked(laid, "v", "h_0/b") == P()
+  # ZeRO-1 on top splits the one free dimension, the stack's (4 layers over data 2).
+  mesh = make_mesh(data=2, fsdp=2, tensor=2)
+  zero = parallel.zero1_specs(state, parallel.state_specs(state, params, specs), mesh,
+                              ("data",))
+  assert _stacked(zero[0], "mu", "h_0/w") == P("data", "fsdp", "tensor")
+
+
+def test_parameter_groups_state_follows_its_parameters():
+  # Each group's optimizer state holds optax.MaskedNode for the other groups'
+  # leaves: it is laid out after its own parameters, not replicated.
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  params = {"embed": shape(16, 8), "blocks": {"w": shape(8, 12)}}
+  specs = {"embed": P("fsdp", None), "blocks": {"w": P("fsdp", "tensor")}}
+  for stack_layers in (False, True):
+    tx = mpscale.param_groups(
+        lambda **kw: mpscale.came(stack_layers=stack_layers, **kw),
+        [mpscale.ParamGroup("embed", lr_mult=0.5)], learning_rate=1e-3)
+    state = jax.eval_shape(tx.init, params)
+    laid = parallel.state_specs(state, params, specs)
+    embed = laid.inner_states["embed"].inner_state[0]
+    blocks = laid.inner_states["default"].inner_state[0]
+    if stack_layers:
+      assert _stacked(embed, "mu", "embed") == P(None, "fsdp")
+      assert _stacked(blocks, "v_col", "blocks/w") == P(None, "tensor")
+    else:
+      assert embed.mu["embed"] == P("fsdp", None)
+      assert isinstance(embed.mu["blocks"]["w"], optax.MaskedNode)
+      assert blocks.mu["blocks"]["w"] == P("fsdp", "tensor")
+      assert blocks.v_row["blocks"]["w"] == P("fsdp")
+    assert (jax.tree_util.tree_structure(laid, is_leaf=parallel.is_spec)
+            == jax.tree_util.tree_structure(state))
+
+
+@pytest.mark.slow  # about 20 s on 2 cores
+def test_came_state_stacked_by_role_trains_as_one_device():
+  # CAME's state stacked by role (each of TinyLM's stacked weights its own stack),
+  # FSDP x tensor and ZeRO-1 over data: the per-leaf CAME's run on one device.
+  got = train(make_mesh(data=2, fsdp=2, tensor=2), "came_stacked", zero1=True)
+  assert_same_run(got, reference("came"))
+  came_state = got[0].opt_state.skip_state.inner_state[1][0]
+  qkv = _stacked(came_state, "mu", "stages/qkv/kernel")
+  assert qkv.shape[0] == 1  # TinyLM stacks its layers: one leaf a stack
+  assert qkv.sharding.spec == P(None, "data", "fsdp", "tensor")  # ZeRO-1: the layers
 
 
 def test_adafactor_factors_follow_their_dimension():

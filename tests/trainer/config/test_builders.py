@@ -176,6 +176,25 @@ def test_came_without_a_learning_rate_takes_its_relative_step_from_the_config():
   assert err.value.keys == ("optimizer.learning_rate", "optimizer.came.relative_step")
 
 
+def test_came_stack_layers_from_the_config_trains_as_leaf_by_leaf():
+  # The larger eps keep the key bias's zero gradient (rounding noise) from deciding
+  # its update's sign (tests/library/parallel/test_layouts.py says more).
+  opt = {"name": "came", "learning_rate": 1e-2}
+  states = [_train(config_lib.config_from_dict({**SMALL, "optimizer": {
+      **opt, "came": {"stack_layers": stacked, "eps": [1e-8, 1e-3, 1e-6]}}}))[0]
+            for stacked in (False, True)]
+  (came_state,) = [x for x in jax.tree_util.tree_leaves(
+      states[1].opt_state, is_leaf=lambda x: isinstance(x, mpscale.ScaleByCameState))
+                   if isinstance(x, mpscale.ScaleByCameState)]
+  assert isinstance(came_state.mu, mpscale.Stacks)
+  for a, b in zip(jax.tree_util.tree_leaves(states[0].params),
+                  jax.tree_util.tree_leaves(states[1].params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)  # a step is ~1e-2
+  with pytest.raises(config_lib.ConfigError, match="optimizer.came.stack_layers"):
+    config_lib.config_from_dict({**SMALL, "optimizer": {
+        **opt, "came": {"stack_layers": "yes"}}})
+
+
 def _batch(seed=0):
   tokens = np.random.default_rng(seed).integers(0, 256, (4, 17)).astype(np.int32)
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
