@@ -234,6 +234,8 @@ def main(argv=None) -> None:
       jax_impl("came", "mpscale.came", mpscale.came(LR), params, grads),
       jax_impl("adamw", "optax.adamw", optax.adamw(LR), params, grads),
       jax_impl("adafactor", "optax.adafactor", optax.adafactor(LR), params, grads),
+      jax_impl("came(stack_layers)", "mpscale.came(stack_layers)",
+               mpscale.came(LR, stack_layers=True), params, grads),
   ]
   state_only = {
       "came(compression)": mpscale.came(LR, compression=True),
@@ -282,6 +284,7 @@ def main(argv=None) -> None:
   print("\nmedian of paired ratios:")
   checks = [("came", "adamw", "<=", 1.30), ("came", "adafactor", None, None),
             ("adafactor", "adamw", None, None),
+            ("came(stack_layers)", "came", None, None),
             ("came-pytorch", "came", ">=", 3.0),
             ("pytorch_optimizer", "came", ">=", 2.0)]
   for a, b, op, target in checks:

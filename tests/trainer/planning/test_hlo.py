@@ -840,6 +840,45 @@ def test_a_fusion_gathering_rows_reads_only_those_rows():
   assert moved == 16 * 512 * 4 + 16 * 4 + 16 * 512 * 4
 
 
+_LAYER_OF_A_STACK = """HloModule jit_f, entry_computation_layout={()->f32[64,32]{1,0}}
+
+%fused_update (p0: f32[4,64,32], p1: f32[4,64], p2: f32[64,32]) -> f32[64,32] {
+  %p0 = f32[4,64,32]{2,1,0} parameter(0)
+  %p1 = f32[4,64]{1,0} parameter(1)
+  %b = f32[4,64,32]{2,1,0} broadcast(%p1), dimensions={0,1}
+  %m = f32[4,64,32]{2,1,0} multiply(%p0, %b)
+  %s = f32[1,64,32]{2,1,0} slice(%m), slice={[2:3], [0:64], [0:32]}
+  %r = f32[64,32]{1,0} bitcast(%s)
+  %p2 = f32[64,32]{1,0} parameter(2)
+  ROOT %u = f32[64,32]{1,0} subtract(%p2, %r)
+}
+
+ENTRY %main (m: f32[4,64,32], f: f32[4,64], p: f32[64,32]) -> f32[64,32] {
+  %m = f32[4,64,32]{2,1,0} parameter(0)
+  %f = f32[4,64]{1,0} parameter(1)
+  %p = f32[64,32]{1,0} parameter(2)
+  ROOT %fu = f32[64,32]{1,0} fusion(%m, %f, %p), kind=kLoop, calls=%fused_update
+}
+"""
+
+
+def test_a_fusion_reading_one_layer_of_a_stack_through_element_wise_ops_reads_it():
+  # A parameter's update from its layer of a stacked momentum, slice(m * f): the
+  # kernel reads that layer of m (a quarter), all of the small factors f (read
+  # through a broadcast), the parameter, and writes it.
+  _, moved = hlo.kernels(_LAYER_OF_A_STACK)
+  layer = 64 * 32 * 4
+  assert moved == layer + 4 * 64 * 4 + layer + layer
+  # Where the product is also read whole (here: returned), m counts whole.
+  whole = _LAYER_OF_A_STACK.replace(
+      "ROOT %u = f32[64,32]{1,0} subtract(%p2, %r)",
+      "%u = f32[64,32]{1,0} subtract(%p2, %r)\n  ROOT %t = (f32[64,32]{1,0}, "
+      "f32[4,64,32]{2,1,0}) tuple(%u, %m)")
+  whole = whole.replace("-> f32[64,32] {\n  %p0", "-> (f32[64,32], f32[4,64,32]) {\n  %p0")
+  whole = whole.replace("ROOT %fu = f32[64,32]{1,0} fusion", "ROOT %fu = (f32[64,32]{1,0}, f32[4,64,32]{2,1,0}) fusion")
+  assert hlo.kernels(whole).bytes == 4 * layer + 4 * 64 * 4 + layer + layer + 4 * layer
+
+
 _FP8 = """HloModule jit_f, entry_computation_layout={()->bf16[128,512]{1,0}}
 
 ENTRY %main (a: f8e4m3fn[128,256], b: f8e4m3fn[256,512], c: bf16[128,256], d: bf16[256,512]) -> bf16[128,512] {
