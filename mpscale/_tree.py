@@ -228,6 +228,12 @@ class Stacks:
   def tree_unflatten(cls, members, arrays):
     return cls(arrays, members)
 
+  def __eq__(self, other):  # as a NamedTuple compares: member by member
+    return (isinstance(other, Stacks) and self.members == other.members
+            and self.arrays == other.arrays)
+
+  __hash__ = None  # type: ignore[assignment]  # holds arrays, as a NamedTuple would
+
   def __repr__(self):
     rows = ", ".join(f"{m[0]} x{len(m)}: {getattr(x, 'shape', x)}"
                      for m, x in zip(self.members, self.arrays))

@@ -53,3 +53,37 @@ def test_plain_unwraps_an_nnx_optimizer():
   assert float(plain.loss_scale) == 16.0
   assert not any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(
       plain, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _paths(tree):
+  return [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_layer_stacks_group_one_role_and_shape_whatever_the_layer_names():
+  linen = {f"h_{i}": {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)} for i in range(3)}
+  listed = {"h": [{"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)} for _ in range(3)]}
+  for tree in (linen, listed):
+    leaves = jax.tree.leaves(tree)
+    runs = opt_state.layer_stacks(_paths(tree), [x.shape for x in leaves])
+    assert runs == [[0, 2, 4], [1, 3, 5]]  # the biases, the kernels (tree order)
+  # A role whose layers differ in shape makes one stack per shape; other roles of
+  # the same shape do not join it.
+  mixed = {"h_0": {"w": jnp.zeros((4, 3))}, "h_1": {"w": jnp.zeros((4, 5))},
+           "h_2": {"w": jnp.zeros((4, 3))}, "head": jnp.zeros((4, 3))}
+  runs = opt_state.layer_stacks(_paths(mixed), [x.shape for x in jax.tree.leaves(mixed)])
+  assert runs == [[0, 2], [1], [3]]
+
+
+def test_stacks_are_a_pytree_with_their_members_in_the_structure():
+  stacks = opt_state.Stacks([jnp.zeros((2, 3)), jnp.ones((1, 4))],
+                            [("h_0/b", "h_1/b"), ("wte",)])
+  leaves, treedef = jax.tree_util.tree_flatten(stacks)
+  assert [x.shape for x in leaves] == [(2, 3), (1, 4)]
+  back = jax.tree_util.tree_unflatten(treedef, leaves)
+  assert back.members == stacks.members
+  keys = [jax.tree_util.keystr(p) for p in _paths(stacks)]
+  assert keys == ["[0]", "[1]"]
+  other = opt_state.Stacks(leaves, [("h_0/b", "h_1/b"), ("wpe",)])
+  assert jax.tree_util.tree_structure(other) != treedef
+  shapes = jax.tree.map(lambda x: x.shape, stacks)
+  assert shapes == opt_state.Stacks([(2, 3), (1, 4)], stacks.members)

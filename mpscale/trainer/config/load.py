@@ -55,6 +55,16 @@ def _check_experts(model: Any, mesh: Any) -> None:
                       ("model.num_experts", "mesh.stage"))
 
 
+def _check_stacked_state(optimizer: Any, mesh: Any) -> None:
+  """CAME's state stacked by role against a pipeline's layer order."""
+  if optimizer.came.stack_layers and mesh.stage > 1:
+    raise ConfigError(
+        "optimizer.came.stack_layers keeps CAME's state stacked by role, and a pipeline "
+        "stores its layers in device order, which that state does not follow; a "
+        "pipelined model stacks its layers already: set one of them off",
+        ("optimizer.came.stack_layers", "mesh.stage"))
+
+
 def check(cfg: RunConfig) -> None:
   """Checks the values of ``cfg``: the keys no constructor takes, then each section's
   constructors (`mpscale.trainer.config.build.check`), then the rules that span sections.
@@ -74,6 +84,7 @@ def check(cfg: RunConfig) -> None:
   if data.provider is not None and data.path is not None:
     raise ConfigError("data.path and data.provider are exclusive (one source of data)",
                       ("data.path", "data.provider"))
+  _check_stacked_state(cfg.optimizer, mesh)
   # Keys no constructor takes.
   errors.checked(validation.integer, "seed", cfg.seed, 0)
   errors.checked(lambda: validation.float_in("data.eval_fraction", data.eval_fraction, 0.0,

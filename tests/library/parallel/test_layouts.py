@@ -622,7 +622,8 @@ def test_the_all_axes_config_trains_like_one_device():
 # state's types (shape, dtype and sharding) must not change from one step to the next.
 
 _CAME_STATIC = ("clip_threshold", "decay_rate", "beta1", "beta2", "beta3", "loss_scale",
-                "scale_parameter", "relative_step", "warmup_init", "compression")
+                "scale_parameter", "relative_step", "warmup_init", "compression",
+                "stack_layers")
 
 
 def _sweep_transforms():
@@ -647,6 +648,10 @@ def _sweep_transforms():
       "global_norm_clip": lambda: mpscale.global_norm_clip(0.5),
       "dynamic(clip, came)": lambda: mpscale.dynamic_loss_scale(
           optax.chain(mpscale.global_norm_clip(1.0), mpscale.came(1e-2)),
+          init_scale=2.0 ** 8, hysteresis=2),
+      "dynamic(clip, came(stack_layers))": lambda: mpscale.dynamic_loss_scale(
+          optax.chain(mpscale.global_norm_clip(1.0),
+                      mpscale.came(1e-2, stack_layers=True)),
           init_scale=2.0 ** 8, hysteresis=2),
       "came(beta2, weight decay, mask)": lambda: mpscale.came(
           1e-2, beta2=0.999, weight_decay=0.1, mask=matrices),
@@ -678,6 +683,7 @@ def _sweep_params():
 # The transforms that skip a non-finite step get a NaN at step 1.
 _SKIPS = {"skip_nonfinite", "dynamic(skip_nonfinite)", "skip_nonfinite(fixed)",
           "no_loss_scale(clip, adamw)", "dynamic(clip, came)",
+          "dynamic(clip, came(stack_layers))",
           "inject_hyperparams(adamw, schedules)"}
 
 

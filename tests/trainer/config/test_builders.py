@@ -193,6 +193,12 @@ def test_came_stack_layers_from_the_config_trains_as_leaf_by_leaf():
   with pytest.raises(config_lib.ConfigError, match="optimizer.came.stack_layers"):
     config_lib.config_from_dict({**SMALL, "optimizer": {
         **opt, "came": {"stack_layers": "yes"}}})
+  # A pipeline stores its layers in device order, which stacks by role do not follow.
+  with pytest.raises(config_lib.ConfigError) as err:
+    config_lib.config_from_dict({**SMALL, "model": {**SMALL["model"], "num_layers": 2},
+                                 "mesh": {"stage": 2}, "optimizer": {
+                                     **opt, "came": {"stack_layers": True}}})
+  assert err.value.keys == ("optimizer.came.stack_layers", "mesh.stage")
 
 
 def _batch(seed=0):
