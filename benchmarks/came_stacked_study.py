@@ -2,7 +2,9 @@
 against its per-leaf state and ``optax.adamw``, on the H100 program of the GPT-2 tree
 of `bench_gpu_program` (12 layers, vocab 8192, untied head: 149 leaves), compiled
 for one H100 without a GPU (``jax.experimental.topologies``), under each spelling of
-the layer numbers: ``h/0`` (a digit key), ``h[0]`` (a list) and linen's ``h_0``.
+the layer numbers: ``h/0`` (a digit key), ``h[0]`` (a list) and linen's ``h_0``; then
+on GPT-2 small's 124M tree (vocab 50257, tied head) with linen's names. Each alone and
+inside `mpscale.dynamic_loss_scale` (which skips a non-finite step).
 
 Stacked, each statistic of the 12 layers' ``c_fc`` kernels is one array (a
 ``[12, 768, 3072]`` momentum, ``[12, 768]`` and ``[12, 3072]`` factored
@@ -15,7 +17,7 @@ entry's ``kInput`` fusions), ``GiB`` (`mpscale.trainer.planning.hlo.kernels`, wh
 counts a layer read by a static slice of a stack, through element-wise ops, as that
 layer) and the compiled temporaries::
 
-  JAX_PLATFORMS=cpu python benchmarks/came_stacked_study.py   # ~2 min, 2 cores
+  JAX_PLATFORMS=cpu python benchmarks/came_stacked_study.py   # ~5 min, 2 cores
 """
 
 from __future__ import annotations
@@ -26,9 +28,38 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gpu_program import h100_device, optimizer_rows  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 
-ROWS = ("adamw", "mpscale.came", "mpscale.came(stack_layers)")
+import mpscale  # noqa: E402
+from bench_gpu_program import h100_device, measure, placed  # noqa: E402
+from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
+
+TREES = (("slash", 8192, False), ("list", 8192, False), ("linen", 8192, False),
+         ("linen", 50257, True))
+"""(layer names, vocab, tied head) of each GPT-2 tree (12 layers)."""
+
+STEPS = {
+    "adamw": lambda: optax.adamw(1e-3),
+    "mpscale.came": lambda: mpscale.came(1e-3),
+    "mpscale.came(stack_layers)": lambda: mpscale.came(1e-3, stack_layers=True),
+    "dls(adamw)": lambda: mpscale.dynamic_loss_scale(optax.adamw(1e-3)),
+    "dls(came)": lambda: mpscale.dynamic_loss_scale(mpscale.came(1e-3)),
+    "dls(came(stack_layers))": lambda: mpscale.dynamic_loss_scale(
+        mpscale.came(1e-3, stack_layers=True)),
+}
+
+
+def compiled_row(params, tx, dev):
+  """`bench_gpu_program.measure` of ``tx``'s update and ``optax.apply_updates``, the
+  parameters and state donated, compiled for ``dev``."""
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  state = placed(jax.eval_shape(tx.init, params), dev)
+  return measure(jax.jit(step, donate_argnums=(0, 1)).lower(
+      params, state, params).compile(), params)
 
 
 def main():
@@ -36,15 +67,18 @@ def main():
   if dev is None:
     print(f"skipped: no H100 compiler here ({why})")
     return
-  print("| names | step | kernels | /adamw | reductions | GiB | /adamw | temp MiB |")
+  print("| tree | step | kernels | /adamw | reductions | GiB | /adamw | temp MiB |")
   print("|---|---|---|---|---|---|---|---|")
-  for names in ("slash", "list", "linen"):
-    rows = {name: build() for name, _, build in optimizer_rows(12, dev, names=names)
-            if name in ROWS}
+  for names, vocab, tied in TREES:
+    shapes = gpt2_like_shapes(layers=12, vocab=vocab, untied_head=not tied,
+                              names=names)
+    params = placed(jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=is_shape), dev)
+    rows = {name: compiled_row(params, make(), dev) for name, make in STEPS.items()}
     base = rows["adamw"]
-    for name in ROWS:
-      r = rows[name]
-      print(f"| {names} | {name} | {r['kernels']} | "
+    tree = f"{names}, vocab {vocab}{', tied' if tied else ''}"
+    for name, r in rows.items():
+      print(f"| {tree} | {name} | {r['kernels']} | "
             f"{r['kernels'] / base['kernels']:.2f} | {r['reductions']} | "
             f"{r['bytes'] / 2**30:.3f} | {r['bytes'] / base['bytes']:.2f} | "
             f"{r['temp'] / 2**20:.1f} |")
