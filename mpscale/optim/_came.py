@@ -445,11 +445,16 @@ def _update(hp: _Hyperparameters, updates: Any, state: ScaleByCameState,
   leaves = [jnp.asarray(g) for _, g in with_path]
   if stacked:
     runs, members = _stacks(with_path)
-    if [list(m) for m in state.mu.members] != members:
+    initialized = [list(m) for m in state.mu.members]
+    if initialized != members:
+      differ = next((k for k, (a, b) in enumerate(zip(members, initialized)) if a != b),
+                    min(len(members), len(initialized)))
       raise ValueError(
           "scale_by_came(stack_layers=True): the updates' leaves are not those the "
-          f"state was initialized for; stacks {members} against "
-          f"{[list(m) for m in state.mu.members]}")
+          f"state was initialized for: {len(members)} stacks against "
+          f"{len(initialized)}, the first that differs "
+          f"{members[differ] if differ < len(members) else None} against "
+          f"{initialized[differ] if differ < len(initialized) else None}")
     batch, grads = 1, [jnp.stack([leaves[i] for i in run]) for run in runs]
     stats = list(zip(*[field.arrays for field in state[1:]]))
   else:
