@@ -50,7 +50,8 @@ instability_col``)::
   _mean_squares(us)        # mean(u^2) of each: on a GPU one reduction per bucket
   _full_update(hp, mu, v, u, mean_sq)     # u / max(sqrt(mean_sq) / clip, 1), mu
   stack_layers: the same, once per stack of one role's leaves (_stacks), batch 1:
-                each leaf's clip sums over its own dims; d[j] is leaf j's
+                each leaf's clip sums over its own dims; d[j] is leaf j's;
+                on XLA:CPU the reductions leaf by leaf (_layerwise)
   came = chain(scale_by_came, optax.add_decayed_weights,
                _scale_by_came_learning_rate)                   # lr = lr_at(count)
 
@@ -296,15 +297,33 @@ def _store(hp: _Hyperparameters, mu: jax.Array) -> tuple[jax.Array, jax.Array]:
 # one shared array (|g|*|g| is g*g; |a| and max(a, 0) are a, for a > 0), and each
 # reduction broadcasts its own copy of the factors.
 
+def _layerwise(fn: Callable[..., Any], batch: int, *xs: jax.Array) -> Any:
+  """``fn(*xs)``: reductions over the last dims of a leaf, or (``batch`` 1) of each
+  leaf of a stack. On XLA:CPU a stack's are reduced one leaf at a time: its
+  YNNPACK reductions are fast on a matrix and not on a stack of them (the stacked
+  step took 2.1x the per-leaf one's time, 1.1x without YNNPACK). Only the
+  reductions sit in the ``lax.platform_dependent`` (see `_mean_squares`)."""
+  if batch == 0:
+    return fn(*xs)
+
+  def per_leaf(*xs):
+    outs = [fn(*(x[j] for x in xs)) for j in range(xs[0].shape[0])]
+    return jax.tree_util.tree_map(lambda *o: jnp.stack(o), *outs)
+  return lax.platform_dependent(*xs, cpu=per_leaf, default=fn)
+
+
 def _factored_second_moment(hp: _Hyperparameters, g: jax.Array, v_row: jax.Array,
-                            v_col: jax.Array, b2: jax.Array
+                            v_col: jax.Array, b2: jax.Array, batch: int
                            ) -> tuple[jax.Array, jax.Array]:
   """The moving averages ``v_row, v_col`` of the row and column means of ``g^2 +
   eps[0]``, ``g`` still multiplied by the loss scale."""
   rows, cols = g.shape[-2], g.shape[-1]
   sq = hp.inv_scale * hp.inv_scale
-  row_sq = jnp.sum(g * g, axis=-1) * (sq / cols)
-  col_sq = jnp.sum(jnp.abs(g) * jnp.abs(g), axis=-2) * (sq / rows)
+  row_sum, col_sum = _layerwise(
+      lambda g: (jnp.sum(g * g, axis=-1), jnp.sum(jnp.abs(g) * jnp.abs(g), axis=-2)),
+      batch, g)
+  row_sq = row_sum * (sq / cols)
+  col_sq = col_sum * (sq / rows)
   v_row = b2 * v_row + (1.0 - b2) * (row_sq + hp.eps_sq)
   v_col = b2 * v_col + (1.0 - b2) * (col_sq + hp.eps_sq)
   return v_row, v_col
@@ -318,8 +337,10 @@ def _clipped_factors(hp: _Hyperparameters, g: jax.Array, v_row: jax.Array,
   clipped by its own RMS."""
   r, c = _rms_factor(v_row), lax.rsqrt(v_col)
   # sum(u^2) for u = g * r (x) c without forming u: sum_i r_i^2 sum_j g_ij^2 c_j^2.
-  u_sq = jnp.sum(jnp.square(r) * jnp.sum(g * jnp.square(c)[..., None, :] * g, -1),
-                 axis=tuple(range(batch, r.ndim)), keepdims=True)
+  row_u_sq = _layerwise(lambda g, c: jnp.sum(g * jnp.square(c)[..., None, :] * g, -1),
+                        batch, g, c)
+  u_sq = jnp.sum(jnp.square(r) * row_u_sq, axis=tuple(range(batch, r.ndim)),
+                 keepdims=True)
   sq = hp.inv_scale * hp.inv_scale
   rms = jnp.sqrt(u_sq * sq / float(np.prod(g.shape[batch:])))
   return r * (hp.inv_scale / jnp.maximum(rms / hp.clip_threshold, 1.0)), c
@@ -327,14 +348,17 @@ def _clipped_factors(hp: _Hyperparameters, g: jax.Array, v_row: jax.Array,
 
 def _factored_instability(hp: _Hyperparameters, g: jax.Array, a: jax.Array,
                           c: jax.Array, mu_f: jax.Array, s_row: jax.Array,
-                          s_col: jax.Array) -> tuple[jax.Array, jax.Array]:
+                          s_col: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
   """The moving averages ``s_row, s_col`` of the row and column means of the
   instability ``(u - mu)^2 + eps[2]``, ``u = g * a (x) c``."""
-  res_row = jnp.mean(jnp.square(
-      g * jnp.abs(c)[..., None, :] * jnp.abs(a)[..., :, None] - mu_f), axis=-1)
-  res_col = jnp.mean(jnp.square(
-      mu_f - jnp.maximum(a, 0)[..., :, None] * (g * jnp.maximum(c, 0)[..., None, :])),
-      axis=-2)
+  def means(g, a, c, mu_f):
+    res_row = jnp.mean(jnp.square(
+        g * jnp.abs(c)[..., None, :] * jnp.abs(a)[..., :, None] - mu_f), axis=-1)
+    res_col = jnp.mean(jnp.square(
+        mu_f - jnp.maximum(a, 0)[..., :, None] * (g * jnp.maximum(c, 0)[..., None, :])),
+        axis=-2)
+    return res_row, res_col
+  res_row, res_col = _layerwise(means, batch, g, a, c, mu_f)
   s_row = hp.beta3 * s_row + (1.0 - hp.beta3) * (res_row + hp.eps_instability)
   s_col = hp.beta3 * s_col + (1.0 - hp.beta3) * (res_col + hp.eps_instability)
   return s_row, s_col
@@ -347,11 +371,11 @@ def _factored_update(hp: _Hyperparameters, g: jax.Array, mu: jax.Array,
   """A rank >= 2 leaf's ``d`` and new ``(mu, v_row, v_col, s_row, s_col)``, from its
   gradient ``g`` (in the compute dtype, still scaled); with ``batch`` 1, a stack of
   leaves' (`_clipped_factors`)."""
-  v_row, v_col = _factored_second_moment(hp, g, v_row, v_col, b2)
+  v_row, v_col = _factored_second_moment(hp, g, v_row, v_col, b2, batch)
   a, c = _clipped_factors(hp, g, v_row, v_col, batch)
   mu, mu_f = _store(hp, hp.beta1 * mu.astype(g.dtype) + (1.0 - hp.beta1) * (
       g * a[..., :, None] * c[..., None, :]))
-  s_row, s_col = _factored_instability(hp, g, a, c, mu_f, s_row, s_col)
+  s_row, s_col = _factored_instability(hp, g, a, c, mu_f, s_row, s_col, batch)
   d = mu_f * _rms_factor(s_row)[..., :, None] * lax.rsqrt(s_col)[..., None, :]
   return d, (mu, v_row, v_col, s_row, s_col)
 
@@ -523,8 +547,8 @@ def scale_by_came(eps: Sequence[float] = (1e-30, 1e-3, 1e-16),
       leaf. The step is the same (each leaf keeps its own RMS clip and factors); on
       an NVIDIA GPU a model whose layers are separate leaves (a linen model's
       ``h_0 ... h_11``) launches about a third of the kernels. A model that already
-      stacks its layers (``nn.scan``, mpscale's own) gains nothing. On XLA:CPU it
-      costs time (benchmarks/README.md).
+      stacks its layers (``nn.scan``, mpscale's own) gains nothing. On XLA:CPU the
+      step takes about 1.2x the per-leaf one's time (benchmarks/README.md).
 
   Returns:
     An ``optax.GradientTransformation`` with state `ScaleByCameState`; its updates have

@@ -88,7 +88,8 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
   factored statistic (the dimension its state declares, see `averaged_dims`),
   replicated otherwise. A `mpscale.Stacks` (state stacked by role) lays out each
   stack after its members: the leading axis unsplit, then the spec its members
-  share. Leaves outside such subtrees are replicated.
+  share (replicated where a member is not a leaf of ``params``). Leaves outside
+  such subtrees are replicated.
   """
   params_def = jax.tree_util.tree_structure(params)
   with_path = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -104,6 +105,9 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
   def stacked(sub, averaged):
     specs = []
     for members, x in zip(sub.members, sub.arrays):
+      if any(m not in by_path for m in members):  # not these params' leaves
+        specs.append(PartitionSpec())
+        continue
       shape = by_path[members[0]][1]
       entries = _common([by_path[m][0] for m in members], len(shape))
       specs.append(_follow(make_spec((None,) + entries), (len(members),) + shape,

@@ -795,3 +795,49 @@ def test_stack_layers_refuses_updates_of_another_tree():
 def test_stack_layers_argument_is_checked():
   with pytest.raises(TypeError, match="stack_layers"):
     mpscale.came(1e-3, stack_layers="yes")
+
+
+def _branch(monkeypatch, which):
+  """``lax.platform_dependent`` takes ``which`` branch ("cpu" or "default")."""
+  def pick(*args, default, **branches):
+    return (branches[which] if which in branches else default)(*args)
+  monkeypatch.setattr(jax.lax, "platform_dependent", pick)
+
+
+def test_stack_layers_gpu_branch_steps_as_leaf_by_leaf(monkeypatch):
+  """Off the CPU each stack's reductions run over the whole stack (on the CPU, leaf
+  by leaf): the same step as the per-leaf state."""
+  rng = np.random.default_rng(5)
+  params = _named_layers(rng, "linen")
+  grads = [jax.tree.map(lambda p: p * s, params) for s in (1.0, -3.0, 1e-3)]
+  leafwise = mpscale.came(1e-2, weight_decay=0.1)
+  stacked = mpscale.came(1e-2, weight_decay=0.1, stack_layers=True)
+  want, _ = _run(leafwise, params, grads)
+  _branch(monkeypatch, "default")
+  got, _ = _run(stacked, params, grads)
+  chex.assert_trees_all_close(got, want, rtol=2e-6, atol=1e-7)
+
+
+def test_stack_layers_reduces_each_matrix_of_a_stack_on_the_cpu(monkeypatch):
+  """XLA:CPU's reductions are fast on a matrix and slow on a stack of them, so its
+  branch reduces each leaf of a stack as a matrix; the other branch reduces the
+  stack. The state is produced outside the branches (`mpscale.skip_nonfinite`
+  selects it where it is produced)."""
+  params = _named_layers(np.random.default_rng(0), "linen")
+  tx = mpscale.scale_by_came(stack_layers=True)
+  state = tx.init(params)
+  stacks = {(3, 6, 5), (3, 2, 3, 4)}
+  for which, per_stack in (("cpu", 0), ("default", 1)):
+    _branch(monkeypatch, which)
+    # a new function each time: make_jaxpr caches a function's trace
+    jaxpr = jax.make_jaxpr(lambda p, s: tx.update(p, s))(params, state).jaxpr
+    assert (_reductions_of(jaxpr, stacks) > 0) == bool(per_stack), which
+    assert _reductions_of(jaxpr, {(6, 5), (2, 3, 4)}) > 0 or per_stack, which
+  monkeypatch.undo()
+  jaxpr = jax.make_jaxpr(lambda p, s: tx.update(p, s))(params, state).jaxpr
+  conds = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "cond"]
+  assert conds  # the branches are traced
+  n_updates = len(jax.tree_util.tree_leaves(params))
+  state_vars = {v for v in jaxpr.outvars[n_updates:]
+                if not isinstance(v, jax.extend.core.Literal)}
+  assert not state_vars & {v for eqn in conds for v in eqn.outvars}

@@ -274,6 +274,11 @@ def test_came_state_stacked_by_role_follows_its_members():
   assert _stacked(laid, "instability_col", "h_0/w") == P(None, "tensor")
   assert _stacked(laid, "mu", "h_0/b") == P()  # its members disagree: unsplit
   assert _stacked(laid, "v", "h_0/b") == P()
+  # A stack of leaves these params do not hold (a transform run on other keys) is
+  # replicated, not an error.
+  renamed = parallel.state_specs(state, {"other": params["h_0"]["w"]},
+                                 {"other": P("fsdp", "tensor")})[0]
+  assert set(jax.tree_util.tree_leaves(renamed.mu, is_leaf=parallel.is_spec)) == {P()}
   # ZeRO-1 on top splits the one free dimension, the stack's (4 layers over data 2).
   mesh = make_mesh(data=2, fsdp=2, tensor=2)
   zero = parallel.zero1_specs(state, parallel.state_specs(state, params, specs), mesh,
