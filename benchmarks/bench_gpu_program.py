@@ -113,6 +113,17 @@ def measure(compiled, params) -> dict:
   }
 
 
+def optimizer_row(params, tx, dev) -> dict:
+  """`measure` of ``tx``'s update and ``optax.apply_updates`` on ``params`` (placed on
+  ``dev``), the parameters and state donated, compiled for ``dev``."""
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  state = placed(jax.eval_shape(tx.init, params), dev)
+  return measure(jax.jit(step, donate_argnums=(0, 1)).lower(
+      params, state, params).compile(), params)
+
+
 def optimizer_rows(layers: int, dev, *, vocab: int = 8192, tied: bool = False,
                    names: str = "slash"):
   """``(name, baseline name, compile())`` of the optimizer steps on the GPT-2 tree
@@ -123,15 +134,7 @@ def optimizer_rows(layers: int, dev, *, vocab: int = 8192, tied: bool = False,
       lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=is_shape), dev)
 
   def build(tx):
-    def step(p, s, g):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    def compile_():
-      state = placed(jax.eval_shape(tx.init, params), dev)
-      return measure(jax.jit(step, donate_argnums=(0, 1)).lower(
-          params, state, params).compile(), params)
-    return compile_
+    return lambda: optimizer_row(params, tx, dev)
 
   adamw = lambda: optax.adamw(1e-3)
   return [

@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import mpscale  # noqa: E402
-from bench_gpu_program import h100_device, measure, placed  # noqa: E402
+from bench_gpu_program import h100_device, optimizer_row, placed  # noqa: E402
 from gpt2_tree import gpt2_like_shapes, is_shape  # noqa: E402
 
 TREES = (("slash", 8192, False), ("list", 8192, False), ("linen", 8192, False),
@@ -51,17 +51,6 @@ STEPS = {
 }
 
 
-def compiled_row(params, tx, dev):
-  """`bench_gpu_program.measure` of ``tx``'s update and ``optax.apply_updates``, the
-  parameters and state donated, compiled for ``dev``."""
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-  state = placed(jax.eval_shape(tx.init, params), dev)
-  return measure(jax.jit(step, donate_argnums=(0, 1)).lower(
-      params, state, params).compile(), params)
-
-
 def main():
   dev, why = h100_device()
   if dev is None:
@@ -74,7 +63,7 @@ def main():
                               names=names)
     params = placed(jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=is_shape), dev)
-    rows = {name: compiled_row(params, make(), dev) for name, make in STEPS.items()}
+    rows = {name: optimizer_row(params, make(), dev) for name, make in STEPS.items()}
     base = rows["adamw"]
     tree = f"{names}, vocab {vocab}{', tied' if tied else ''}"
     for name, r in rows.items():

@@ -163,8 +163,8 @@ def stack_buckets(leaves: Sequence[Any], parts: Sequence[int],
   (``h[0]``, ``h/0``, linen's ``h_0``), shares a bucket, and same-shaped weights of
   different roles (a column- and a row-parallel matrix) do not.
   """
-  buckets: dict[Any, list[list[int]]] = {}
-  for i, (x, k, path) in enumerate(zip(leaves, parts, paths)):
+  keyed = []
+  for x, k, path in zip(leaves, parts, paths):
     small = k == 1 and np.size(x) <= _SMALL
     if small:
       placement = None
@@ -172,9 +172,18 @@ def stack_buckets(leaves: Sequence[Any], parts: Sequence[int],
       placement = _placement(x)
       placement = ("role", _role(path)) if placement is None else (
           "sharding", placement)
-    key = (np.shape(x), jnp.result_type(x), k, placement)
+    keyed.append(((np.shape(x), jnp.result_type(x), k, placement),
+                  _SMALL_MAX if small else _STACK_MAX))
+  return _runs(keyed)
+
+
+def _runs(keyed: Sequence[tuple[Any, int]]) -> list[list[int]]:
+  """Indices grouped by key (``keyed[i]``: leaf ``i``'s key and its group's most
+  leaves), in order of each key's first leaf, a group past its most cut into runs."""
+  buckets: dict[Any, list[list[int]]] = {}
+  for i, (key, most) in enumerate(keyed):
     runs = buckets.setdefault(key, [[]])
-    if len(runs[-1]) == (_SMALL_MAX if small else _STACK_MAX):
+    if len(runs[-1]) == most:
       runs.append([])
     runs[-1].append(i)
   return [run for runs in buckets.values() for run in runs]
@@ -192,14 +201,9 @@ def layer_stacks(paths: Sequence[KeyPath], shapes: Sequence[Sequence[int]]
   It reads only key paths and shapes, so the parameters at ``init`` and the
   gradients at ``update`` (whatever their dtypes and shardings) give the same stacks.
   """
-  runs: dict[Any, list[list[int]]] = {}
-  for i, (path, shape) in enumerate(zip(paths, shapes)):
-    bucket = runs.setdefault((_role(path), tuple(shape)), [[]])
-    if len(bucket[-1]) == _STACK_MAX:
-      bucket.append([])
-    bucket[-1].append(i)
-  return sorted((run for bucket in runs.values() for run in bucket),
-                key=lambda run: run[0])
+  runs = _runs([((_role(path), tuple(shape)), _STACK_MAX)
+                for path, shape in zip(paths, shapes)])
+  return sorted(runs, key=lambda run: run[0])
 
 
 @jax.tree_util.register_pytree_with_keys_class

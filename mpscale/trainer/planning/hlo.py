@@ -796,24 +796,21 @@ _ELEMENTWISE = frozenset((
 same element of each operand of its shape."""
 
 
-def _static_share(users: dict[str, list[tuple[Instruction, int]]],
-                  ins: Instruction, depth: int = 0) -> Optional[float]:
-  """The share of ``ins``'s elements a fused kernel reads when everything that reads
-  it ends in static ``slice``s, through element-wise ops of its shape (a parameter's
-  update reading its layer of a stacked momentum, ``slice(m * f)``); ``None`` when
-  anything reads it whole."""
-  uses = users.get(ins.name, [])
-  if not uses or depth > 32:
+def _read_through(users: dict[str, list[tuple[Instruction, int]]], user: Instruction,
+                  of: Instruction, depth: int = 0) -> Optional[float]:
+  """The share of ``of``'s elements a fused kernel reads through ``user``, one of its
+  readers: a static ``slice`` reads its slice; an element-wise op of ``of``'s shape
+  what its own readers read of it (a parameter's update reading its layer of a
+  stacked momentum, ``slice(m * f)``); ``None`` for anything else (read whole)."""
+  if user.op == "slice":
+    return math.prod(_dims(user.result)) / (math.prod(_dims(of.result)) or 1)
+  uses = users.get(user.name, [])
+  if (user.op not in _ELEMENTWISE or _dims(user.result) != _dims(of.result)
+      or not uses or depth > 32):
     return None
-  whole = math.prod(_dims(ins.result)) or 1
   share = 0.0
-  for user, _ in uses:
-    if user.op == "slice":
-      share += math.prod(_dims(user.result)) / whole
-      continue
-    if user.op not in _ELEMENTWISE or _dims(user.result) != _dims(ins.result):
-      return None
-    got = _static_share(users, user, depth + 1)
+  for reader, _ in uses:
+    got = _read_through(users, reader, user, depth + 1)
     if got is None:
       return None
     share += got
@@ -824,7 +821,7 @@ def _sliced(module: Module, body: str, param: Instruction,
             float32_bytes: int) -> Optional[int]:
   """The bytes fusion computation ``body`` reads of its parameter ``param`` when it
   reads only dynamic slices or gathers of it (a loss picking each target's logit),
-  or static slices of it or of element-wise ops of its shape (`_static_share`),
+  or static slices of it or of element-wise ops of its shape (`_read_through`),
   directly or through the fusions it nests (libtpu slices one layer's weights from
   the stack in a fusion of its own inside the product's); ``None`` when it reads the
   whole."""
@@ -837,10 +834,8 @@ def _sliced(module: Module, body: str, param: Instruction,
     if user.op in ("dynamic-slice", "gather") and pos == 0:
       total += _shape_bytes(user.result, float32_bytes)
       continue
-    if user.op == "slice" or (user.op in _ELEMENTWISE
-                              and _dims(user.result) == _dims(param.result)):
-      share = (math.prod(_dims(user.result)) / (math.prod(_dims(param.result)) or 1)
-               if user.op == "slice" else _static_share(users, user))
+    if user.op == "slice" or user.op in _ELEMENTWISE:
+      share = _read_through(users, user, param)
       if share is None:
         return None
       total += int(share * _shape_bytes(param.result, float32_bytes))
