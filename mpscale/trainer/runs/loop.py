@@ -503,10 +503,11 @@ def _loop(run: _Run, start: int, logger: _Logger,
   return state
 
 
-def _finish(run: _Run, state: TrainState, start: int,
-            logger: _Logger) -> dict[str, Any]:
+def _finish(run: _Run, state: TrainState, start: int, logger: _Logger,
+            previous_seconds: float) -> dict[str, Any]:
   """Evaluates a resumed finished run, writes ``summary.json`` and ``metrics.png``,
-  and returns the summary."""
+  and returns the summary; ``previous_seconds``: `_previous_seconds`, read before
+  training (here the main process may be writing that file while another reads)."""
   cfg, out_dir = run.cfg, run.out_dir
   final_step = int(jax.device_get(state.step))
   if math.isnan(logger.eval_loss):  # a finished run resumed: evaluate its final state
@@ -523,7 +524,7 @@ def _finish(run: _Run, state: TrainState, start: int,
       "skipped": int(to_float(rows[-1]["skipped"])) if rows else 0,
       "overflow_total": logger.overflow_total, "params": run.num_params,
       "optimizer_state_bytes": run.opt_bytes,
-      "train_seconds": _previous_seconds(out_dir, start) + (
+      "train_seconds": previous_seconds + (
           logger.seconds if final_step > start else 0.0),
       **logger.rates(),
       "resumed_from": start, "data": run.data.source, "out_dir": out_dir,
@@ -619,10 +620,11 @@ def train(cfg: config_lib.RunConfig, out_dir: Optional[str] = None, *,
       _drop_later_checkpoints(run, step, verbose)
     if resume and start >= cfg.train.steps and os.path.exists(run.summary_path):
       return _already_finished(run, start, verbose)
+    previous_seconds = _previous_seconds(out_dir, start)  # before anyone writes it
     _start_files(run, overwrite)
     logger = _Logger(run, start, progress, verbose)
     state = _loop(run, start, logger, interrupts)
-    summary = _finish(run, state, start, logger)
+    summary = _finish(run, state, start, logger, previous_seconds)
   export = getattr(run.setup.model, "export", None)
   if model is not None and export is not None:
     # A Flax NNX module given here is updated in place (its export does that).

@@ -491,3 +491,32 @@ def test_an_offloaded_run_resumes_exactly_and_bad_offload_names_the_key(tmp_path
   assert train(tmp_path / "bad", 3, "--set", "train.offload=[optimizer]") == 2
   assert "train.offload must be one of" in capsys.readouterr().err
   assert not os.path.exists(tmp_path / "bad")
+
+
+# ------------------------------------------------------ a resumed run's summary
+def test_a_resumed_run_reads_its_earlier_seconds_before_it_trains(tmp_path, monkeypatch):
+  """With several processes the main one writes ``summary.json`` at the end while the
+  others finish: every process reads the earlier run's training seconds when it
+  resumes, before anyone writes. (Read at the end, a process met the file
+  half-written, a JSONDecodeError, and exited 1: tests/trainer/runs/test_distributed.py
+  saw it.) Here the file is emptied while the resumed run trains, as an open for
+  writing does."""
+  import dataclasses
+  from mpscale.trainer.runs import loop
+  cfg = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_lm_fp16.yaml"), [
+      "model.d_model=32", "model.d_ff=64", "model.seq_len=16", "data.batch_size=4",
+      "train.steps=4", "train.log_every=2", "train.eval_every=4",
+      "train.checkpoint_every=4", "schedule.warmup_steps=1"])
+  out = str(tmp_path / "run")
+  first = loop.train(cfg, out, progress=False, verbose=False)
+  trained = loop._loop
+
+  def trained_while_written(*args, **kwargs):
+    state = trained(*args, **kwargs)
+    open(os.path.join(out, "summary.json"), "w").close()  # the main process writing
+    return state
+  monkeypatch.setattr(loop, "_loop", trained_while_written)
+  longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=8))
+  second = loop.train(longer, out, resume=True, progress=False, verbose=False)
+  assert second["steps"] == 8 and second["resumed_from"] == 4
+  assert second["train_seconds"] > first["train_seconds"] > 0
